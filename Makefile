@@ -1,0 +1,29 @@
+# Two commands do all set-up: `make train` and `make test`. Both create .venv when it is missing.
+PY ?= python3
+VENV ?= .venv
+VPY := $(VENV)/bin/python
+STAMP := $(VENV)/.cedar-installed
+
+.PHONY: train test venv bench clean
+
+$(STAMP): pyproject.toml
+	@test -x $(VPY) || $(PY) -m venv $(VENV)
+	@# On a machine without a GPU, install the CPU build of torch first (served from local disk here).
+	@if ! command -v nvidia-smi >/dev/null 2>&1 && ! $(VPY) -c "import torch" >/dev/null 2>&1; then \
+		$(VPY) -m pip install -q torch==2.13.0; fi
+	$(VPY) -m pip install -q -e '.[test]'
+	@touch $(STAMP)
+
+venv: $(STAMP)
+
+train: $(STAMP)
+	$(VPY) -m trainer.main $(ARGS)
+
+test: $(STAMP)
+	$(VPY) -m pytest -q $(PYTEST_ARGS)
+
+bench: $(STAMP)
+	$(VPY) bench/cpu_step.py
+
+clean:
+	rm -rf outputs multirun .pytest_cache

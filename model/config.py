@@ -1,0 +1,221 @@
+"""Typed model configuration: the Hydra schema of the `model` config group.
+
+Every field documents where its value comes from (SPEC.md / REFERENCE.md) or why we chose it.
+`__post_init__` checks single fields; cross-field rules (the layer plan) live in `model.plan`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+# OmegaConf 2.3 has no Literal support: closed sets are `str` fields checked by `_choice` in __post_init__.
+
+
+def _choice(name: str, value: str, options: tuple[str, ...]) -> None:
+    if value not in options:
+        raise ValueError(f"model.{name} must be one of {list(options)}, got {value!r}")
+
+
+def _positive(name: str, value: int | float) -> None:
+    if value <= 0:
+        raise ValueError(f"model.{name} must be > 0, got {value!r}")
+
+
+@dataclass
+class AttentionConfig:
+    num_heads: int = 64
+    """query heads; all share one K=V latent (MQA over the compressed latent)"""
+    head_dim: int = 512
+    """width of the shared latent and of each query head"""
+    rope_dim: int = 64
+    """trailing channels that rotate (interleaved pairs); the rest pass through"""
+    q_lora_rank: int = 1280
+    """low-rank query bottleneck: wq_a (dim -> rank), q_norm, wq_b (rank -> heads * head_dim)"""
+    o_groups: int = 8
+    """grouped output projection: heads split in o_groups groups, each projected to o_lora_rank"""
+    o_lora_rank: int = 1024
+    window: int = 128
+    """sliding window (keys per query, the query's own token included)"""
+    rope_theta: float = 1e4
+    """RoPE base of SWA-only layers ('main' rope)"""
+    compress_rope_theta: float = 1.6e5
+    """RoPE base of compressed layers (window and compressed branch alike)"""
+    yarn_factor: float = 16.0
+    """YaRN on compressed layers; 1.0 turns it off. attention_factor is 1 (no mscale), as in the reference."""
+    yarn_original_max_pos: int = 65536
+    yarn_beta_fast: float = 32.0
+    yarn_beta_slow: float = 1.0
+
+    def __post_init__(self) -> None:
+        for name in ("num_heads", "head_dim", "rope_dim", "q_lora_rank", "o_groups", "o_lora_rank", "window"):
+            _positive(f"attention.{name}", getattr(self, name))
+        if self.rope_dim % 2 or self.rope_dim > self.head_dim:
+            raise ValueError(f"model.attention.rope_dim must be even and <= head_dim, got {self.rope_dim}")
+        if self.num_heads % self.o_groups:
+            raise ValueError(
+                f"model.attention.o_groups={self.o_groups} must divide num_heads={self.num_heads}"
+            )
+
+
+@dataclass
+class CSA2Config:
+    compress_ratios: list[int] = field(default_factory=lambda: [0, 0] + [2] * 18 + [1] * 20)
+    """per layer: 0 = SWA only, m >= 1 = m tokens per compressed entry"""
+    kv_source_layers: list[int] = field(default_factory=lambda: [2, 8, 14, 20])
+    """Full layers: own compressor (main KV) and indexer keys"""
+    index_source_layers: list[int] = field(default_factory=lambda: [2, 8, 14, 20, 24, 28, 32, 36])
+    """Full + Reindex layers: run their own indexer queries and top-k"""
+    index_num_heads: int = 32
+    index_head_dim: int = 128
+    index_topk: int = 512
+    hierarchical_pool: bool = True
+    """switch: Reindex layers search only the candidate pool built at candidate_source_layer"""
+    candidate_source_layer: int = 20
+    """the Full layer that builds the pool; -1 = none"""
+    candidate_block_size: int = 8
+    candidate_topk_blocks: int = 2048
+
+    def __post_init__(self) -> None:
+        for name in ("index_num_heads", "index_head_dim", "index_topk", "candidate_block_size",
+                     "candidate_topk_blocks"):
+            _positive(f"csa2.{name}", getattr(self, name))
+        bad = [r for r in self.compress_ratios if r < 0]
+        if bad:
+            raise ValueError(f"model.csa2.compress_ratios must be >= 0, got {bad[0]}")
+
+
+@dataclass
+class IndexerTrainConfig:
+    phase: str = "sparse"  # dense_warmup, sparse
+    """dense_warmup: attention over all visible entries, only indexers learn; sparse: top-k attention"""
+    loss_coef: float = 1.0
+    """weight of the indexer KL loss in the total loss"""
+
+    def __post_init__(self) -> None:
+        _choice("indexer.phase", self.phase, ("dense_warmup", "sparse"))
+        if self.loss_coef < 0:
+            raise ValueError(f"model.indexer.loss_coef must be >= 0, got {self.loss_coef}")
+
+
+@dataclass
+class MoEConfig:
+    num_experts: int = 384
+    num_shared_experts: int = 1
+    experts_per_token: int = 6
+    expert_dim: int = 2304
+    routed_scale: float = 1.5
+    swiglu_limit: float = 10.0
+    """clamp: up-projection to [-limit, limit], gate capped above at limit"""
+    bias_update_rate: float = 1e-3
+    """aux-loss-free balancing: bias += rate * sign(mean_load - load) per update"""
+    seq_aux_loss_coef: float = 0.0
+    """optional small sequence-wise balance loss (0 = off)"""
+
+    def __post_init__(self) -> None:
+        for name in ("num_experts", "experts_per_token", "expert_dim"):
+            _positive(f"moe.{name}", getattr(self, name))
+        if self.experts_per_token > self.num_experts:
+            raise ValueError(
+                f"model.moe.experts_per_token={self.experts_per_token} exceeds num_experts={self.num_experts}"
+            )
+        if self.num_shared_experts < 0:
+            raise ValueError(f"model.moe.num_shared_experts must be >= 0, got {self.num_shared_experts}")
+
+
+@dataclass
+class MHCConfig:
+    num_streams: int = 4
+    sinkhorn_iters: int = 20
+    eps: float = 1e-6
+    impl: str = "single_pass"  # single_pass, unfused
+    """both compute the same function; single_pass is the fused formulation (SPEC 1.6)"""
+
+    def __post_init__(self) -> None:
+        _choice("mhc.impl", self.impl, ("single_pass", "unfused"))
+        _positive("mhc.num_streams", self.num_streams)
+        _positive("mhc.sinkhorn_iters", self.sinkhorn_iters)
+
+
+@dataclass
+class EngramConfig:
+    layers: list[int] = field(default_factory=lambda: [1, 14])
+    max_ngram: int = 4
+    """n-gram orders 2..max_ngram"""
+    num_heads: int = 8
+    """hash heads per order, each with its own prime-sized table"""
+    head_dim: int = 256
+    prime_start: int = 16_000_000
+    """tables take consecutive primes above this, never reused across layers (flagship: 384,006,168 and
+    384,016,682 rows)"""
+    compressed_vocab_size: int = 99_092
+    """size of the canonicalised vocabulary (bounds the hash multipliers so id * mult fits in int64)"""
+    pad_id: int = 2
+    """token id whose canonical id stands in for missing history"""
+    table_dtype: str = "float32"  # float32, bfloat16
+
+    def __post_init__(self) -> None:
+        for name in ("max_ngram", "num_heads", "head_dim", "prime_start", "compressed_vocab_size"):
+            _positive(f"engram.{name}", getattr(self, name))
+        _choice("engram.table_dtype", self.table_dtype, ("float32", "bfloat16"))
+        if self.max_ngram < 2:
+            raise ValueError(f"model.engram.max_ngram must be >= 2, got {self.max_ngram}")
+
+
+@dataclass
+class QuantConfig:
+    main_kv: str = "none"  # none, fp4
+    """compressed (main) KV fake-quant: FP4 E2M1, E4M3 scale per 16 (QAT hook turns it on)"""
+    index: str = "none"  # none, fp4
+    """indexer q and k fake-quant: FP4 E2M1, UE8M0 scale per 32"""
+    swa_kv: str = "none"  # none, fp8
+    """SWA KV fake-quant: FP8 E4M3, UE8M0 scale per 32"""
+    cache_main_kv: str = "fp4"  # fp4, fp8, bf16
+    """storage format of the inference cache, used for byte accounting (SPEC 1.4)"""
+    cache_index: str = "fp4"  # fp4, fp8, bf16
+    cache_swa_kv: str = "fp8"  # fp8, bf16
+
+    def __post_init__(self) -> None:
+        _choice("quant.main_kv", self.main_kv, ("none", "fp4"))
+        _choice("quant.index", self.index, ("none", "fp4"))
+        _choice("quant.swa_kv", self.swa_kv, ("none", "fp8"))
+        _choice("quant.cache_main_kv", self.cache_main_kv, ("fp4", "fp8", "bf16"))
+        _choice("quant.cache_index", self.cache_index, ("fp4", "fp8", "bf16"))
+        _choice("quant.cache_swa_kv", self.cache_swa_kv, ("fp8", "bf16"))
+
+
+@dataclass
+class ModelConfig:
+    name: str = "v41_flash"
+    vocab_size: int = 129_280
+    dim: int = 5120
+    num_layers: int = 40
+    num_encoder_layers: int = 20
+    """CED: layers [0, num_encoder_layers) are the encoder; the decoder's global KV comes from their output"""
+    norm_eps: float = 1e-20
+    """every RMSNorm (the reference uses 1e-20)"""
+    init_std: float = 0.02
+    image_token_id: int = -1
+    """-1: text only"""
+    tie_embeddings: bool = False
+    kernels: str = "auto"  # reference, triton, auto
+    """auto: triton on CUDA, reference elsewhere"""
+    attention: AttentionConfig = field(default_factory=AttentionConfig)
+    csa2: CSA2Config = field(default_factory=CSA2Config)
+    indexer: IndexerTrainConfig = field(default_factory=IndexerTrainConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    mhc: MHCConfig = field(default_factory=MHCConfig)
+    engram: EngramConfig = field(default_factory=EngramConfig)
+    quant: QuantConfig = field(default_factory=QuantConfig)
+
+    def __post_init__(self) -> None:
+        _choice("kernels", self.kernels, ("reference", "triton", "auto"))
+        for name in ("vocab_size", "dim", "num_layers", "num_encoder_layers"):
+            _positive(name, getattr(self, name))
+        if self.num_encoder_layers >= self.num_layers:
+            raise ValueError(
+                f"model.num_encoder_layers={self.num_encoder_layers} must be < num_layers={self.num_layers}"
+            )
+        if len(self.csa2.compress_ratios) != self.num_layers:
+            raise ValueError(
+                f"model.csa2.compress_ratios has {len(self.csa2.compress_ratios)} entries, "
+                f"num_layers={self.num_layers}"
+            )
