@@ -1,0 +1,151 @@
+"""FP8 E4M3 block quantisation (SWA window KV) and the helpers it shares with `kernels.fp4`.
+
+Plain-PyTorch references for REFERENCE A9 ("FP8 window KV") and B2 (the 528 B SWA record). The Triton
+kernels come later; every public function takes `impl` so that callers already name the path they want.
+
+Shape legend:
+    ...  any leading dims (batch, tokens, heads); they pass through untouched
+    D    channels, the last dim; quantised in contiguous blocks along it
+    NB   D // block, the number of blocks (one scale per block)
+
+Formats:
+    values  torch.float8_e4m3fn  [..., D]    round-to-nearest-even cast of clamp(x / scale, +-448)
+    scales  torch.float8_e8m0fnu [..., NB]   power of two, 2^ceil(log2(max(amax, 1e-4) / 448))
+
+Numerics follow the reference: everything in fp32, the scale from the fp32 bit pattern (so it is exact and
+has no gradient), and `a * fp32(1/448)` as a multiply by the reciprocal, not a division.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["quantize_fp8", "dequantize_fp8", "fake_quant_fp8"]
+
+FP8_MAX = 448.0
+"""largest finite float8_e4m3fn magnitude"""
+FP8_AMAX_FLOOR = 1e-4
+"""REFERENCE A9: the block amax is floored here so an all-zero block still gets a finite scale"""
+
+_IMPLS = ("reference", "triton")
+
+
+def check_impl(impl: str, fn_name: str) -> None:
+    """Reject unknown implementations; `triton` is a named, loud gap rather than a silent fallback."""
+    if impl == "triton":
+        raise NotImplementedError(
+            f"{fn_name}(impl='triton'): the Triton kernel lands with the kernels issue; use impl='reference'"
+        )
+    if impl not in _IMPLS:
+        raise ValueError(f"{fn_name}: impl must be one of {list(_IMPLS)}, got {impl!r}")
+
+
+def check_blocked(x: torch.Tensor, block: int, fn_name: str, *, even: bool = False) -> int:
+    """Validate a float tensor quantised in blocks along its last dim; return the number of blocks."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{fn_name}: expected a torch.Tensor, got {type(x).__name__}")
+    if not x.is_floating_point():
+        raise TypeError(f"{fn_name}: expected a floating-point tensor, got dtype {x.dtype}")
+    if isinstance(block, bool) or not isinstance(block, int) or block < 1:
+        raise ValueError(f"{fn_name}: block must be a positive int, got {block!r}")
+    if x.dim() == 0:
+        raise ValueError(f"{fn_name}: expected at least one dim (channels last), got a 0-dim tensor")
+    dim = x.shape[-1]
+    if even and dim % 2 != 0:
+        raise ValueError(f"{fn_name}: last dim must be even to pack two FP4 codes per byte, got {dim}")
+    if dim % block != 0:
+        raise ValueError(f"{fn_name}: last dim {dim} is not divisible by block={block}")
+    return dim // block
+
+
+def check_scales(scales: torch.Tensor, lead: torch.Size, num_blocks: int, fn_name: str) -> None:
+    """Scales must be one per block, with the same leading dims as the values they scale."""
+    if not isinstance(scales, torch.Tensor):
+        raise TypeError(f"{fn_name}: scales must be a torch.Tensor, got {type(scales).__name__}")
+    if not scales.is_floating_point():
+        raise TypeError(f"{fn_name}: scales must be a float tensor (float8_e4m3fn/e8m0fnu), got {scales.dtype}")
+    want = (*lead, num_blocks)
+    if tuple(scales.shape) != want:
+        raise ValueError(f"{fn_name}: scales shape {tuple(scales.shape)} does not match expected {want}")
+
+
+def pow2_ceil(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """2^ceil(log2 t) for positive normal fp32 t, by the reference's exponent-field trick.
+
+    Returns (scale as fp32, the same scale as float8_e8m0fnu). Reading the bits instead of calling
+    log2/ceil keeps the result exact (no transcendental rounding at powers of two) and gradient-free.
+    Non-finite t gives biased exponent 255, i.e. NaN in e8m0 and inf in fp32: bad input stays visible.
+    """
+    assert t.dtype == torch.float32, t.dtype
+    bits = t.view(torch.int32)
+    biased_exp = (bits >> 23) & 0xFF
+    # A nonzero mantissa means t lies strictly above 2^(e-127): round the exponent up by one.
+    biased_exp = biased_exp + ((bits & 0x7FFFFF) != 0).to(torch.int32)
+    biased_exp = biased_exp.clamp_max(255)
+    scale_e8m0 = biased_exp.to(torch.uint8).view(torch.float8_e8m0fnu)
+    scale_f32 = (biased_exp << 23).view(torch.float32)
+    return scale_f32, scale_e8m0
+
+
+class _StraightThrough(torch.autograd.Function):
+    """Forward returns the quantised tensor; backward passes the gradient to x unchanged.
+
+    A custom Function (rather than `x + (q - x).detach()`) keeps the forward value bit-exact: the
+    add-and-subtract form can round, and turns inf inputs into NaN.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, quantised: torch.Tensor) -> torch.Tensor:
+        return quantised
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+def straight_through(x: torch.Tensor, quantised: torch.Tensor) -> torch.Tensor:
+    """Value of `quantised`, gradient of identity to `x` (deliberately beyond the reference, which has no STE)."""
+    if not x.requires_grad:
+        return quantised
+    return _StraightThrough.apply(x, quantised.detach())
+
+
+def quantize_fp8(
+    x: torch.Tensor, block: int = 32, *, impl: str = "reference"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block FP8: x [..., D] any float dtype -> (values e4m3fn [..., D], scales e8m0fnu [..., NB])."""
+    check_impl(impl, "quantize_fp8")
+    num_blocks = check_blocked(x, block, "quantize_fp8")
+    x_blk = x.detach().float().unflatten(-1, (num_blocks, block))  # [..., NB, block]
+    amax = x_blk.abs().amax(dim=-1, keepdim=True)  # [..., NB, 1]
+    # fp32 reciprocal of 448, multiplied (REFERENCE A9); a division can differ in the last bit.
+    inv_max = torch.tensor(1.0 / FP8_MAX, dtype=torch.float32, device=x.device)
+    scale_f32, scale_e8m0 = pow2_ceil(amax.clamp_min(FP8_AMAX_FLOOR) * inv_max)
+    # scale >= amax/448, so the clamp only bites on non-finite input; the cast rounds to nearest even.
+    values = (x_blk / scale_f32).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return values.flatten(-2), scale_e8m0.squeeze(-1)
+
+
+def dequantize_fp8(
+    values: torch.Tensor, scales: torch.Tensor, block: int = 32, *, impl: str = "reference"
+) -> torch.Tensor:
+    """values e4m3fn [..., D], scales [..., NB] -> float32 [..., D]."""
+    check_impl(impl, "dequantize_fp8")
+    if not isinstance(values, torch.Tensor) or values.dtype != torch.float8_e4m3fn:
+        got = values.dtype if isinstance(values, torch.Tensor) else type(values).__name__
+        raise TypeError(f"dequantize_fp8: values must be torch.float8_e4m3fn, got {got}")
+    num_blocks = check_blocked(values, block, "dequantize_fp8")
+    check_scales(scales, values.shape[:-1], num_blocks, "dequantize_fp8")
+    out = values.float().unflatten(-1, (num_blocks, block)) * scales.float().unsqueeze(-1)
+    return out.flatten(-2)
+
+
+def fake_quant_fp8(x: torch.Tensor, block: int = 32, *, impl: str = "reference") -> torch.Tensor:
+    """dequantize_fp8(quantize_fp8(x)) in x's dtype, with a straight-through gradient to x.
+
+    Unlike the reference, a last dim not divisible by `block` raises instead of passing x through
+    unquantised: a silently skipped QAT hook is worse than a crash at start-up.
+    """
+    check_impl(impl, "fake_quant_fp8")
+    values, scales = quantize_fp8(x, block, impl=impl)
+    return straight_through(x, dequantize_fp8(values, scales, block, impl=impl).to(x.dtype))

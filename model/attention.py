@@ -1,0 +1,229 @@
+"""CSA2 attention for one layer: shared-KV (MQA) attention over the SWA window plus the selected compressed entries.
+
+Shape legend: B batch, T tokens, H query heads, D latent/head width, E compressed entries, W window,
+Hi/Di indexer heads/dims, G output groups, R rope dims.
+
+Per layer (REFERENCE A2-A5):
+- its own query (low-rank: wq_a -> q_norm -> wq_b, RoPE on the last R channels) and its own SWA KV
+  (wkv -> kv_norm -> RoPE, FP8 fake-quant when enabled); K = V (one latent shared by all heads);
+- Full layers build the main KV (compressor, RoPE at the group's first token, FP4 fake-quant when enabled) and the
+  indexer keys, and publish both in the forward context; Reuse/Reindex layers read them from their KV source;
+- index sources (Full, Reindex) score visible entries, optionally restricted to the hierarchical pool, and publish
+  their top-k; Reuse layers read the top-k of their index source;
+- logits q.k / sqrt(D) over [window keys ; compressed entries], a per-head sink in the softmax denominator only,
+  inverse RoPE on the output at the query position, grouped output projection wo_a (block diagonal) then wo_b.
+
+The indexer learns from a KL loss only (top-k has no gradient): target = this layer's attention distribution over
+compressed entries, summed over heads and renormalised on the indexer's search domain, detached; the indexer's inputs
+are detached so the loss never reaches the backbone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from model.common import RMSNorm, init_linear, linear
+from model.config import ModelConfig
+from model.csa2 import Compressor, Indexer, candidate_pool, index_scores, select_topk, visible_mask
+from model.layer_plan import LayerSpec
+from model.rope import apply_rope, rope_tables
+
+
+@dataclass
+class ForwardContext:
+    """State one forward shares across layers (per sequence batch). Pipeline stages carry it along."""
+
+    positions: torch.Tensor  # [T]
+    phase: str  # indexer phase: "sparse" or "dense_warmup"
+    h_mid: torch.Tensor | None = None  # [B, T, dim] the encoder's output (collapsed streams), CED
+    kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # source -> (main, index keys)
+    selection: dict[int, torch.Tensor] = field(default_factory=dict)  # index source -> [B, T, E] bool
+    pool: torch.Tensor | None = None  # [B, T, E] bool, the candidate pool
+    indexer_kl: dict[int, torch.Tensor] = field(default_factory=dict)  # index source -> scalar KL
+    _rope: dict = field(default_factory=dict)
+
+    def rope(self, cfg, kind: str, positions: torch.Tensor, dtype: torch.dtype, key=None):
+        key = (kind, key, dtype)
+        if key not in self._rope:
+            self._rope[key] = rope_tables(cfg, kind, positions, dtype)
+        return self._rope[key]
+
+
+def _fake_quant_fp4(x: torch.Tensor, block: int, fmt: str) -> torch.Tensor:
+    from kernels import fp4
+
+    return fp4.fake_quant(x, block=block, scale_fmt=fmt)
+
+
+def _fake_quant_fp8(x: torch.Tensor) -> torch.Tensor:
+    from kernels import fp4
+
+    return fp4.fake_quant_fp8(x, block=32)
+
+
+def attend(q, kv_win, kv_cmp, win_mask, cmp_mask, sink):
+    """Reference sparse shared-KV attention (the Triton kernel must equal this).
+
+    q [B, T, H, D]; kv_win [B, T, D]; kv_cmp [B, E, D] or None; win_mask [T, T] bool; cmp_mask [B, T, E] bool;
+    sink [H] fp32. Returns out [B, T, H, D] (q's dtype) and the fp32 probabilities over compressed entries
+    [B, H, T, E] (None without compressed entries).
+    """
+    D = q.shape[-1]
+    scale = D ** -0.5
+    logits = torch.einsum("bthd,bsd->bhts", q, kv_win).float() * scale
+    logits = logits.masked_fill(~win_mask, float("-inf"))
+    if kv_cmp is not None:
+        lc = torch.einsum("bthd,bed->bhte", q, kv_cmp).float() * scale
+        lc = lc.masked_fill(~cmp_mask[:, None], float("-inf"))
+        logits = torch.cat((logits, lc), dim=-1)
+    # the sink joins the max and the denominator only (a learned "attend to nothing" column)
+    sink_col = sink.float()[None, :, None, None].expand(*logits.shape[:-1], 1)
+    probs = torch.cat((logits, sink_col), dim=-1).softmax(dim=-1)[..., :-1]
+    T = kv_win.shape[1]
+    out = torch.einsum("bhts,bsd->bthd", probs[..., :T].to(kv_win.dtype), kv_win)
+    p_cmp = None
+    if kv_cmp is not None:
+        p_cmp = probs[..., T:]
+        out = out + torch.einsum("bhte,bed->bthd", p_cmp.to(kv_cmp.dtype), kv_cmp)
+    return out.to(q.dtype), p_cmp
+
+
+def indexer_kl(p_cmp: torch.Tensor, scores: torch.Tensor, domain: torch.Tensor) -> torch.Tensor:
+    """KL(attention || indexer) over the indexer's search domain, mean over query rows that have a target.
+
+    p_cmp [B, H, T, E] fp32 attention probabilities; scores [B, T, E] indexer scores; domain [B, T, E] bool."""
+    target = p_cmp.detach().sum(1) * domain
+    mass = target.sum(-1, keepdim=True)
+    rows = mass.squeeze(-1) > 0
+    if not bool(rows.any()):
+        return scores.new_zeros(())
+    target = target / mass.clamp_min(1e-30)
+    logq = scores.masked_fill(~domain, float("-inf")).log_softmax(-1)
+    kl = torch.special.xlogy(target, target) - torch.where(target > 0, target * logq, torch.zeros_like(logq))
+    return kl.sum(-1)[rows].mean()
+
+
+class CSA2Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, spec: LayerSpec):
+        super().__init__()
+        a, c = cfg.attention, cfg.csa2
+        self.cfg, self.spec = cfg, spec
+        self.num_heads, self.head_dim = a.num_heads, a.head_dim
+        eps = cfg.norm_eps
+        self.wq_a = linear(cfg.dim, a.q_lora_rank)
+        self.q_norm = RMSNorm(a.q_lora_rank, eps)
+        self.wq_b = linear(a.q_lora_rank, a.num_heads * a.head_dim)
+        self.wkv = linear(cfg.dim, a.head_dim)
+        self.kv_norm = RMSNorm(a.head_dim, eps)
+        # block-diagonal output projection: group g (heads g*H/G ..) -> o_lora_rank, stored as one matrix
+        self.wo_a = linear(a.num_heads * a.head_dim // a.o_groups, a.o_groups * a.o_lora_rank)
+        self.wo_b = linear(a.o_groups * a.o_lora_rank, cfg.dim)
+        self.attn_sink = nn.Parameter(torch.empty(a.num_heads, dtype=torch.float32))
+        self.compressor = Compressor(cfg.dim, a.head_dim, spec.ratio, eps) if spec.owns_kv else None
+        self.indexer = (
+            Indexer(cfg.dim, a.q_lora_rank, a.head_dim, c.index_num_heads, c.index_head_dim, spec.owns_kv, eps)
+            if spec.owns_indexer else None
+        )
+
+    def init_weights(self) -> None:
+        std = self.cfg.init_std
+        for lin in (self.wq_a, self.wq_b, self.wkv, self.wo_a, self.wo_b):
+            init_linear(lin, std)
+        self.q_norm.init_weights()
+        self.kv_norm.init_weights()
+        nn.init.zeros_(self.attn_sink)
+        if self.compressor is not None:
+            self.compressor.init_weights(std)
+        if self.indexer is not None:
+            self.indexer.init_weights(std)
+
+    # -- pieces ------------------------------------------------------------------------------------------------------
+    def _publish_kv(self, kv_in: torch.Tensor, ctx: ForwardContext) -> None:
+        """Full layer: compress, rotate at each group's first token, fake-quantise, publish (main, index keys)."""
+        a, q = self.cfg.attention, self.cfg.quant
+        m = self.spec.ratio
+        latent = self.compressor(kv_in)  # [B, E, D] pre-RoPE
+        E = latent.shape[1]
+        pos = torch.arange(E, device=latent.device) * m
+        cos, sin = ctx.rope(a, "compress", pos, latent.dtype, key=("entries", m))
+        main = apply_rope(latent, cos, sin)
+        if q.main_kv == "fp4":
+            main = _fake_quant_fp4(main, 16, "e4m3")
+        keys = self.indexer.keys(latent.detach())
+        keys = apply_rope(keys, cos, sin)
+        if q.index == "fp4":
+            keys = _fake_quant_fp4(keys, 32, "ue8m0")
+        ctx.kv[self.spec.index] = (main, keys)
+
+    def _select(self, x, q_res, keys, E, ctx: ForwardContext):
+        """Index source: score visible entries (in the pool, if restricted), publish top-k; return (scores, domain)."""
+        a, c, q = self.cfg.attention, self.cfg.csa2, self.cfg.quant
+        T = x.shape[1]
+        qi = self.indexer.queries(q_res.detach())
+        cos, sin = ctx.rope(a, "compress", ctx.positions, qi.dtype)
+        qi = apply_rope(qi, cos, sin)
+        if q.index == "fp4":
+            qi = _fake_quant_fp4(qi, 32, "ue8m0")
+        w = self.indexer.head_weights(x.detach())
+        domain = visible_mask(T, E, self.spec.ratio, x.device).expand(x.shape[0], T, E)
+        if self.spec.uses_pool:
+            if ctx.pool is None:
+                raise RuntimeError(f"layer {self.spec.index}: Reindex layer found no candidate pool in the context")
+            domain = domain & ctx.pool
+        scores = index_scores(qi, w, keys)
+        masked = scores.masked_fill(~domain, float("-inf"))
+        if self.spec.builds_pool:
+            ctx.pool = candidate_pool(masked.detach(), self.spec.ratio, c.candidate_block_size,
+                                      c.candidate_topk_blocks)
+        with torch.no_grad():
+            ctx.selection[self.spec.index] = select_topk(masked, c.index_topk)
+        return scores, domain
+
+    # -- forward -----------------------------------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor, ctx: ForwardContext, kv_in: torch.Tensor | None = None) -> torch.Tensor:
+        """x [B, T, dim] normalised attention input; kv_in: the compressor input of a Full layer (x in the encoder,
+        the layer's norm of h_{L/2} in the decoder). Returns [B, T, dim]."""
+        a, qc = self.cfg.attention, self.cfg.quant
+        spec = self.spec
+        B, T, _ = x.shape
+        kind = spec.rope
+        cos, sin = ctx.rope(a, kind, ctx.positions, x.dtype)
+
+        q_res = self.q_norm(self.wq_a(x))
+        q = apply_rope(self.wq_b(q_res).unflatten(-1, (self.num_heads, self.head_dim)), cos, sin)
+        kv = apply_rope(self.kv_norm(self.wkv(x)), cos, sin)
+        if qc.swa_kv == "fp8":
+            kv = _fake_quant_fp8(kv)
+        p = ctx.positions
+        win_mask = (p[None, :] <= p[:, None]) & (p[None, :] > p[:, None] - a.window)
+
+        kv_cmp = cmp_mask = scores = domain = None
+        if spec.ratio > 0:
+            if spec.owns_kv:
+                self._publish_kv(kv_in if kv_in is not None else x, ctx)
+            kv_cmp, keys = ctx.kv[spec.kv_source]
+            E = kv_cmp.shape[1]
+            if spec.owns_indexer:
+                scores, domain = self._select(x, q_res, keys, E, ctx)
+            if ctx.phase == "dense_warmup":
+                cmp_mask = visible_mask(T, E, spec.ratio, x.device).expand(B, T, E)
+            else:
+                cmp_mask = ctx.selection[spec.index_source]
+            if E == 0:
+                kv_cmp = None
+
+        out, p_cmp = attend(q, kv, kv_cmp, win_mask, cmp_mask, self.attn_sink)
+        if scores is not None and p_cmp is not None:
+            if ctx.phase == "sparse":
+                domain = domain & cmp_mask
+            ctx.indexer_kl[spec.index] = indexer_kl(p_cmp, scores, domain)
+
+        out = apply_rope(out, cos, sin, inverse=True)  # [B, T, H, D]
+        G = a.o_groups
+        grouped = out.reshape(B, T, G, -1)
+        w = self.wo_a.weight.view(G, a.o_lora_rank, -1)
+        y = torch.einsum("btgi,goi->btgo", grouped, w).flatten(2)
+        return self.wo_b(y)

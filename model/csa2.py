@@ -1,0 +1,128 @@
+"""CSA2 pieces: compressor, indexer, top-k and the hierarchical candidate pool (SPEC 1.2-1.3, REFERENCE A3-A4).
+
+Shape legend: B batch, T tokens, E compressed entries (T // ratio), D latent width (512 in the flagship),
+Hi indexer heads, Di indexer head dim, K top-k.
+
+Visibility: entry t (tokens t*m .. t*m+m-1) is visible to the query at position p iff t < (p + 1) // m, i.e. only
+once its whole group has arrived. Every selection below scores only visible entries, so nothing depends on the future.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from model.common import RMSNorm, init_linear, linear
+
+
+def visible_mask(num_queries: int, num_entries: int, ratio: int, device) -> torch.Tensor:
+    """[T, E] bool: entry t visible to query p iff t < (p + 1) // ratio."""
+    p = torch.arange(num_queries, device=device)
+    t = torch.arange(num_entries, device=device)
+    return t[None, :] < ((p + 1) // ratio)[:, None]
+
+
+class Compressor(nn.Module):
+    """Every `ratio` consecutive tokens make one main-KV entry: a per-channel softmax gate over the group weights the
+    tokens' projections (ratio > 1), or a plain projection (ratio 1); then RMSNorm. No overlap between groups and no
+    absolute position embedding (CSA2). Output is the pre-RoPE latent [B, E, D]; a trailing partial group is dropped
+    (it is invisible to every query of this sequence anyway)."""
+
+    def __init__(self, dim: int, latent_dim: int, ratio: int, eps: float):
+        super().__init__()
+        self.ratio = ratio
+        self.wkv = linear(dim, latent_dim)
+        self.wgate = linear(dim, latent_dim) if ratio > 1 else None
+        self.norm = RMSNorm(latent_dim, eps)
+
+    def init_weights(self, std: float) -> None:
+        init_linear(self.wkv, std)
+        if self.wgate is not None:
+            init_linear(self.wgate, std)
+        self.norm.init_weights()
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        B, T, _ = h.shape
+        m = self.ratio
+        E = T // m
+        if m == 1:
+            return self.norm(self.wkv(h))
+        h = h[:, : E * m]
+        # the reference pools in fp32 (weights upcast): the gate softmax over 2 tokens is precision-sensitive
+        kv = nn.functional.linear(h.float(), self.wkv.weight.float()).view(B, E, m, -1)
+        gate = nn.functional.linear(h.float(), self.wgate.weight.float()).view(B, E, m, -1)
+        latent = (gate.softmax(dim=2) * kv).sum(dim=2)  # [B, E, D]
+        return self.norm(latent.to(h.dtype))
+
+
+class Indexer(nn.Module):
+    """Lightning-style indexer: score[p, t] = sum_h w[p, h] * relu(q[p, h] . k[t]) / sqrt(Di).
+
+    Queries come from the attention's low-rank query state (q_res), head weights from the layer input, keys from the
+    compressed latent (only Full layers own `wk`; Reindex layers use their KV source's keys). The indexer's inputs are
+    detached by the caller: it learns only from its KL loss, never moves the backbone.
+    """
+
+    def __init__(self, dim: int, q_lora_rank: int, latent_dim: int, num_heads: int, head_dim: int,
+                 owns_keys: bool, eps: float):
+        super().__init__()
+        self.num_heads, self.head_dim = num_heads, head_dim
+        self.wq_b = linear(q_lora_rank, num_heads * head_dim)
+        self.weights_proj = linear(dim, num_heads)
+        self.wk = linear(latent_dim, head_dim) if owns_keys else None
+        self.k_norm = RMSNorm(head_dim, eps) if owns_keys else None
+
+    def init_weights(self, std: float) -> None:
+        init_linear(self.wq_b, std)
+        init_linear(self.weights_proj, std)
+        if self.wk is not None:
+            init_linear(self.wk, std)
+            self.k_norm.init_weights()
+
+    def keys(self, latent: torch.Tensor) -> torch.Tensor:
+        """[B, E, D] pre-RoPE latent -> [B, E, Di] pre-RoPE keys."""
+        return self.k_norm(self.wk(latent))
+
+    def queries(self, q_res: torch.Tensor) -> torch.Tensor:
+        """[B, T, q_lora] -> [B, T, Hi, Di] pre-RoPE queries."""
+        return self.wq_b(q_res).unflatten(-1, (self.num_heads, self.head_dim))
+
+    def head_weights(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, T, dim] -> [B, T, Hi] fp32, scaled by Hi^-1/2 (may be negative)."""
+        return self.weights_proj(x).float() * self.num_heads ** -0.5
+
+
+def index_scores(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """q [B, T, Hi, Di], w [B, T, Hi], k [B, E, Di] -> scores [B, T, E] in fp32 (no masking)."""
+    dots = torch.einsum("bthd,bed->bthe", q.float(), k.float()).relu()
+    return torch.einsum("bthe,bth->bte", dots, w) * q.shape[-1] ** -0.5
+
+
+def select_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """[B, T, E] masked scores (-inf = not allowed) -> [B, T, E] bool selection of the top min(k, E) allowed entries.
+    Picks that land on -inf (fewer than k allowed entries) are dropped."""
+    k = min(k, scores.shape[-1])
+    sel = torch.zeros_like(scores, dtype=torch.bool)
+    if k == 0:
+        return sel
+    vals, idx = scores.topk(k, dim=-1)
+    return sel.scatter_(-1, idx, vals > float("-inf"))
+
+
+def candidate_pool(scores: torch.Tensor, ratio: int, block_size: int, topk_blocks: int) -> torch.Tensor:
+    """The hierarchical candidate pool (SPEC 1.3, REFERENCE A4): [B, T, E] masked scores -> [B, T, E] bool.
+
+    Blocks of `block_size` entries score the max inside the block; the block holding the query's newest visible entry
+    is always kept; the best min(topk_blocks, n_blocks) blocks with a finite score form the pool."""
+    B, T, E = scores.shape
+    nb = -(-E // block_size)
+    pad = nb * block_size - E
+    s = nn.functional.pad(scores, (0, pad), value=float("-inf")) if pad else scores
+    block = s.view(B, T, nb, block_size).amax(-1)  # [B, T, nb]
+    newest = (torch.arange(T, device=scores.device) + 1) // ratio - 1  # newest visible entry per query, -1 if none
+    has = newest >= 0
+    nb_idx = (newest.clamp(min=0) // block_size)[None, :, None].expand(B, T, 1)
+    forced = torch.where(has[None, :, None], float("inf"), block.gather(-1, nb_idx))
+    block = block.scatter(-1, nb_idx, forced)
+    keep = select_topk(block, topk_blocks)  # [B, T, nb]
+    return keep.repeat_interleave(block_size, dim=-1)[..., :E]

@@ -1,0 +1,336 @@
+"""Mixture of experts (SPEC 1.6, REFERENCE A7): sqrt-softplus router with aux-loss-free bias balancing (one bias
+for text tokens, one for image tokens), stacked SwiGLU experts, and a shared expert.
+
+Shape legend: B batch, T tokens per sequence, N = B*T tokens, D model dim, E routed experts, K experts per
+token, F expert width, S = N*K token copies (sorted by expert), Fs = num_shared_experts * F.
+
+The forward is split into replaceable steps so expert parallelism can slot in without touching the maths:
+router -> dispatcher.dispatch -> experts (grouped) -> dispatcher.combine (+ shared expert). `LocalDispatcher`
+keeps every expert local; an all-to-all dispatcher with the same three-call interface replaces it under EP.
+
+Balancing state (why buffers, not frozen parameters): `gate.bias` / `gate.bias_image` are persistent fp32
+buffers, so they are saved in the state dict (the HF checkpoint calls them `gate.bias` / `gate.bias_vl`), are
+never seen by the optimiser (`parameters()` does not list them), are not cast to bf16 by an FSDP
+mixed-precision policy (a 1e-3 sign step is below bf16 resolution for a bias near 1) and are not sharded by
+FSDP, so every rank applies the same update to a plain tensor. `load_text` / `load_image` are non-persistent
+int64 counters (int64 so a model-wide `.to(bf16)` leaves them exact).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from model.config import MoEConfig
+
+# Normalisation guard of the routing weights, as in the reference.
+_WEIGHT_EPS = 1e-20
+
+
+def clamped_swiglu(g: torch.Tensor, u: torch.Tensor, limit: float) -> torch.Tensor:
+    """silu(g) * u in fp32, with the reference's clamps: u to [-limit, limit], g capped above at limit.
+
+    limit <= 0 turns the clamps off. The GEMMs that produce g and u run in the model dtype; from their output
+    on everything is fp32 (REFERENCE A7), which keeps silu and the clamp thresholds exact in bf16 runs.
+    """
+    g, u = g.float(), u.float()
+    if limit > 0:
+        u = u.clamp(-limit, limit)
+        g = g.clamp(max=limit)
+    return F.silu(g) * u
+
+
+class Router(nn.Module):
+    """scores = sqrt(softplus(x W^T)) in fp32; top-k of (scores + bias) picks experts; the unbiased scores weight.
+
+    The bias only steers selection (aux-loss-free balancing); gradients reach `weight` through the scores of
+    the selected experts (and through the optional sequence-wise balance loss).
+    """
+
+    def __init__(self, dim: int, num_experts: int, experts_per_token: int, routed_scale: float) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.topk = experts_per_token
+        self.routed_scale = routed_scale
+        self.weight = nn.Parameter(torch.empty(num_experts, dim))  # [E, D]
+        # fp32 whatever the model dtype: see the module docstring for why these are buffers.
+        self.register_buffer("bias", torch.empty(num_experts, dtype=torch.float32))  # [E], text tokens
+        self.register_buffer("bias_image", torch.empty(num_experts, dtype=torch.float32))  # [E], image tokens
+
+    def init_weights(self, init_std: float) -> None:
+        with torch.no_grad():
+            nn.init.normal_(self.weight, mean=0.0, std=init_std)
+            self.bias.zero_()
+            self.bias_image.zero_()
+
+    def scores(self, x: torch.Tensor) -> torch.Tensor:
+        """x [N, D] -> scores [N, E] fp32 (gate_temp is 1.0 in the flagship, so there is no temperature)."""
+        logits = F.linear(x.float(), self.weight.float())
+        # Clamp at the smallest normal fp32: softplus underflows to 0 for logits below about -87, where the
+        # sqrt's infinite slope would turn the gradient into NaN. Values above the clamp are untouched.
+        return F.softplus(logits).clamp_min(torch.finfo(torch.float32).tiny).sqrt()
+
+    def forward(
+        self, x: torch.Tensor, image_mask: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [N, D], image_mask [N] bool or None -> (weights [N, K] fp32, topk_idx [N, K] int64, scores [N, E])."""
+        scores = self.scores(x)
+        if image_mask is None:
+            bias = self.bias
+        else:
+            bias = torch.where(image_mask[:, None], self.bias_image, self.bias)  # [N, E]
+        # The bias is a constant of selection: top-k indices carry no gradient, so detaching is implicit.
+        topk_idx = torch.topk(scores + bias, self.topk, dim=-1, sorted=False).indices  # [N, K]
+        weights = scores.gather(1, topk_idx)  # unbiased scores
+        weights = weights / (weights.sum(-1, keepdim=True) + _WEIGHT_EPS) * self.routed_scale
+        return weights, topk_idx, scores
+
+
+class LocalDispatcher:
+    """Dropless token dispatch when every expert lives on this rank.
+
+    The interface an all-to-all (expert-parallel) dispatcher must keep:
+    - dispatch(x [N, D], topk_idx [N, K], topk_weights [N, K]) ->
+      (x_sorted [S', D], weights_sorted [S'], tokens_per_expert [E_local] int64, handle)
+      where rows are grouped by local expert in expert order and S' is the number of copies received.
+    - combine(y_sorted [S', D], handle, num_tokens N) -> [N, D] fp32, the per-token sum over its K copies.
+    The routing weights travel with the tokens (as DeepEP's dispatch does) because the reference multiplies
+    them in before w2, on the expert's side. For this dispatcher the handle is `order` [S]: copy s = n*K + k of
+    token n goes to row position i where order[i] = s.
+    """
+
+    def __init__(self, num_experts: int) -> None:
+        self.num_experts = num_experts
+
+    def dispatch(
+        self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        k = topk_idx.shape[1]
+        flat_idx = topk_idx.reshape(-1)  # [S]
+        # Stable sort keeps tokens in their original order inside each expert's slice (deterministic runs).
+        order = torch.argsort(flat_idx, stable=True)  # [S]
+        tokens_per_expert = torch.bincount(flat_idx, minlength=self.num_experts)  # [E] int64
+        x_sorted = x.index_select(0, order // k)  # [S, D]
+        weights_sorted = topk_weights.reshape(-1).index_select(0, order)  # [S]
+        return x_sorted, weights_sorted, tokens_per_expert, order
+
+    def combine(self, y_sorted: torch.Tensor, order: torch.Tensor, num_tokens: int) -> torch.Tensor:
+        s, d = y_sorted.shape
+        # Un-permute, then sum each token's K copies in fp32. Same result as a scatter-add (index_add_), but
+        # with a fixed summation order: CUDA's atomic scatter-add would make the fp32 sum nondeterministic.
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(s, device=order.device)
+        y = y_sorted.index_select(0, inverse).view(num_tokens, s // num_tokens, d)  # [N, K, D]
+        return y.float().sum(1)
+
+
+class GroupedExperts(nn.Module):
+    """E routed SwiGLU experts stacked along dim 0 (the dim expert parallelism shards).
+
+    w1, w3: [E, F, D] (gate and up projections), w2: [E, D, F] (down projection); the per-expert layout
+    matches HF's `experts.{e}.w{1,2,3}.weight`, so conversion is a stack.
+    """
+
+    def __init__(self, dim: int, hidden_dim: int, num_experts: int, swiglu_limit: float) -> None:
+        super().__init__()
+        self.swiglu_limit = swiglu_limit
+        self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
+        # None: torch._grouped_mm on CUDA when shapes allow, the per-expert loop elsewhere. True / False force
+        # one path (tests compare them).
+        self.use_grouped_mm: bool | None = None
+
+    def init_weights(self, init_std: float) -> None:
+        # w2 uses init_std as well: no depth-scaled output init is prescribed (REFERENCE A1 inits at 0.02).
+        with torch.no_grad():
+            for w in (self.w1, self.w3, self.w2):
+                nn.init.normal_(w, mean=0.0, std=init_std)
+
+    def _grouped_ok(self, x: torch.Tensor) -> bool:
+        if self.use_grouped_mm is not None:
+            return self.use_grouped_mm
+        # The CUDA grouped GEMM wants bf16 and 16-byte aligned row strides.
+        f, d = self.w1.shape[1:]
+        return (hasattr(torch, "_grouped_mm") and x.is_cuda and x.dtype == torch.bfloat16
+                and d % 8 == 0 and f % 8 == 0)
+
+    def forward(
+        self, x: torch.Tensor, weights: torch.Tensor, tokens_per_expert: torch.Tensor
+    ) -> torch.Tensor:
+        """x [S, D] grouped by expert, weights [S] fp32, tokens_per_expert [E] -> [S, D] in x.dtype."""
+        if self._grouped_ok(x):
+            offs = tokens_per_expert.cumsum(0).to(torch.int32)  # [E], end row of each group
+            g = torch._grouped_mm(x, self.w1.transpose(-2, -1), offs=offs)  # [S, F]
+            u = torch._grouped_mm(x, self.w3.transpose(-2, -1), offs=offs)
+            # Routing weight multiplied in fp32 before w2, then back to the model dtype (REFERENCE A7).
+            a = (clamped_swiglu(g, u, self.swiglu_limit) * weights[:, None]).to(x.dtype)
+            return torch._grouped_mm(a, self.w2.transpose(-2, -1), offs=offs)  # [S, D]
+        outs = []
+        start = 0
+        for e, n in enumerate(tokens_per_expert.tolist()):  # host sync: fine for the reference path
+            if n == 0:
+                continue
+            xe, we = x[start:start + n], weights[start:start + n]
+            a = clamped_swiglu(xe @ self.w1[e].T, xe @ self.w3[e].T, self.swiglu_limit) * we[:, None]
+            outs.append(a.to(x.dtype) @ self.w2[e].T)
+            start += n
+        if not outs:
+            return x.new_zeros(x.shape)
+        return torch.cat(outs)
+
+
+class SharedExpert(nn.Module):
+    """num_shared_experts always-on experts fused into one SwiGLU MLP of width Fs = num_shared * F.
+
+    Exact: SwiGLU is elementwise in the hidden dim, so summing n experts equals one MLP whose w1/w3 stack their
+    rows and whose w2 stacks their columns. nn.Linear submodules so tensor-parallel plans (colwise w1/w3,
+    rowwise w2) apply by module path; names match HF's `shared_experts.w{1,2,3}.weight`.
+    """
+
+    def __init__(self, dim: int, hidden_dim: int, swiglu_limit: float) -> None:
+        super().__init__()
+        self.swiglu_limit = swiglu_limit
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+
+    def init_weights(self, init_std: float) -> None:
+        with torch.no_grad():
+            for lin in (self.w1, self.w3, self.w2):
+                nn.init.normal_(lin.weight, mean=0.0, std=init_std)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [N, D] -> [N, D] in x.dtype (no routing weight: the shared expert always weighs 1)."""
+        return self.w2(clamped_swiglu(self.w1(x), self.w3(x), self.swiglu_limit).to(x.dtype))
+
+
+class MoE(nn.Module):
+    """Routed experts + shared expert; forward(x [B, T, D], image_mask [B, T] | None) -> [B, T, D].
+
+    Side effects of a forward: per-expert token counts are added to `load_text` / `load_image` (for
+    `update_bias`), and `aux_loss` holds the sequence-wise balance loss (None when seq_aux_loss_coef is 0) for
+    the trainer to add to the loss.
+    """
+
+    def __init__(self, dim: int, cfg: MoEConfig, init_std: float) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.init_std = init_std
+        self.num_experts = cfg.num_experts
+        self.topk = cfg.experts_per_token
+        self.gate = Router(dim, cfg.num_experts, cfg.experts_per_token, cfg.routed_scale)
+        self.experts = GroupedExperts(dim, cfg.expert_dim, cfg.num_experts, cfg.swiglu_limit)
+        self.shared_experts = (
+            SharedExpert(dim, cfg.num_shared_experts * cfg.expert_dim, cfg.swiglu_limit)
+            if cfg.num_shared_experts > 0 else None
+        )
+        # A plain object, not a module: swapping in an all-to-all dispatcher leaves the state dict unchanged.
+        self.dispatcher = LocalDispatcher(cfg.num_experts)
+        # Tokens routed to each expert since the last update_bias (each of a token's K picks counts once).
+        self.register_buffer("load_text", torch.zeros(cfg.num_experts, dtype=torch.int64), persistent=False)
+        self.register_buffer("load_image", torch.zeros(cfg.num_experts, dtype=torch.int64), persistent=False)
+        self.aux_loss: torch.Tensor | None = None
+
+    def init_weights(self) -> None:
+        self.gate.init_weights(self.init_std)
+        self.experts.init_weights(self.init_std)
+        if self.shared_experts is not None:
+            self.shared_experts.init_weights(self.init_std)
+        self.load_text.zero_()  # to_empty() leaves non-persistent buffers uninitialised too
+        self.load_image.zero_()
+
+    # --- the three overridable steps -------------------------------------------------------------------
+
+    def dispatch(self, x_flat: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor):
+        return self.dispatcher.dispatch(x_flat, topk_idx, topk_weights)
+
+    def experts_forward(
+        self, x_sorted: torch.Tensor, weights_sorted: torch.Tensor, tokens_per_expert: torch.Tensor
+    ) -> torch.Tensor:
+        return self.experts(x_sorted, weights_sorted, tokens_per_expert)
+
+    def combine(self, y_sorted: torch.Tensor, order: torch.Tensor, num_tokens: int) -> torch.Tensor:
+        return self.dispatcher.combine(y_sorted, order, num_tokens)
+
+    # --- forward --------------------------------------------------------------------------------------
+
+    def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None = None) -> torch.Tensor:
+        b, t, d = x.shape
+        x_flat = x.reshape(b * t, d)  # [N, D]
+        img = None if image_mask is None else image_mask.reshape(b * t).to(torch.bool)
+        weights, topk_idx, scores = self.gate(x_flat, img)  # [N, K], [N, K], [N, E]
+        self._record_load(topk_idx, img)
+        self.aux_loss = (
+            self.sequence_balance_loss(scores, topk_idx, b, t) if self.cfg.seq_aux_loss_coef > 0 else None
+        )
+        x_sorted, w_sorted, tokens_per_expert, order = self.dispatch(x_flat, topk_idx, weights)
+        y_sorted = self.experts_forward(x_sorted, w_sorted, tokens_per_expert)  # [S, D]
+        out = self.combine(y_sorted, order, b * t)  # [N, D] fp32
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x_flat).float()
+        return out.to(x.dtype).view(b, t, d)
+
+    # --- balancing ------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def _record_load(self, topk_idx: torch.Tensor, image_mask: torch.Tensor | None) -> None:
+        # Under activation checkpointing the recompute counts every token a second time. Harmless: the doubling
+        # is uniform within a layer, and both the sign update and max/mean are invariant to a uniform scale.
+        e = self.num_experts
+        if image_mask is None:
+            self.load_text += torch.bincount(topk_idx.reshape(-1), minlength=e)
+            return
+        text_idx = topk_idx.masked_fill(image_mask[:, None], e)  # image tokens land in an overflow bin
+        image_idx = topk_idx.masked_fill(~image_mask[:, None], e)
+        self.load_text += torch.bincount(text_idx.reshape(-1), minlength=e + 1)[:e]
+        self.load_image += torch.bincount(image_idx.reshape(-1), minlength=e + 1)[:e]
+
+    def load_counts(self) -> torch.Tensor:
+        """[2, E] int64 (row 0 text, row 1 image): a copy a distributed trainer all-reduces (sum) and hands to
+        update_bias(counts=...)."""
+        return torch.stack([self.load_text, self.load_image])
+
+    @torch.no_grad()
+    def update_bias(self, rate: float | None = None, counts: torch.Tensor | None = None) -> None:
+        """bias += rate * sign(mean(load) - load) per modality (DeepSeek-V3), then reset the load counters.
+
+        counts: [2, E] from load_counts(), summed over ranks; default the local counters. A modality that saw no
+        tokens gets no update (every sign is 0). The plain sign update lets the bias mean drift; that is
+        harmless because adding one constant to every expert's bias changes no token's top-k.
+        """
+        rate = self.cfg.bias_update_rate if rate is None else rate
+        counts = self.load_counts() if counts is None else counts
+        for bias, load in ((self.gate.bias, counts[0]), (self.gate.bias_image, counts[1])):
+            load = load.to(torch.float32)
+            bias += rate * torch.sign(load.mean() - load)
+        self.load_text.zero_()
+        self.load_image.zero_()
+
+    def imbalance(self, counts: torch.Tensor | None = None) -> float:
+        """max / mean expert load over text and image tokens together (1.0 = perfect); nan before any token.
+
+        Call before update_bias, which resets the counters.
+        """
+        counts = self.load_counts() if counts is None else counts
+        load = counts.sum(0).to(torch.float32)  # [E]
+        return (load.max() / load.mean()).item()
+
+    def sequence_balance_loss(
+        self, scores: torch.Tensor, topk_idx: torch.Tensor, batch: int, seq_len: int
+    ) -> torch.Tensor:
+        """DeepSeek-V3's complementary sequence-wise balance loss, averaged over the B sequences.
+
+        Per sequence: f_i = E / (K*T) * #tokens picking expert i, P_i = mean over tokens of s_i / sum_j s_j;
+        loss = coef * sum_i f_i * P_i. Gradient reaches the router through P only (f is a count).
+        scores [N, E] fp32, topk_idx [N, K] -> scalar fp32.
+        """
+        e, k = self.num_experts, self.topk
+        probs = scores / scores.sum(-1, keepdim=True)  # [N, E]
+        p = probs.view(batch, seq_len, e).mean(1)  # [B, E]
+        picks = torch.zeros(batch, e, dtype=torch.float32, device=scores.device)
+        picks.scatter_add_(1, topk_idx.view(batch, seq_len * k),
+                           torch.ones(batch, seq_len * k, dtype=torch.float32, device=scores.device))
+        f = picks * (e / (k * seq_len))  # [B, E]
+        return self.cfg.seq_aux_loss_coef * (f * p).sum(-1).mean()

@@ -1,0 +1,151 @@
+"""The V4.1 text backbone: embedding -> 40 mHC blocks (CED: 20 encoder + 20 decoder) -> norm -> head.
+
+Shape legend: B batch, T tokens, n mHC streams, dim hidden width, V vocabulary.
+
+Block order (REFERENCE A6 "The lag"): Engram (if any) updates the streams first; the attention site predicts its
+coefficients from the streams and the attention reads the streams collapsed with the PREVIOUS site's `pre`; the FFN
+site predicts its coefficients from the updated streams and the FFN reads them collapsed with the attention site's
+`pre`. That lag is what lets residual update, input mixing and coefficient prediction run as one pass (model/mhc.py).
+
+CED: the collapsed output of the last encoder layer is h_{L/2}; decoder Full layers compress their global KV from
+their own norm of it, never from their own stream. It travels in the ForwardContext (and across pipeline stages).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from model import mhc
+from model.attention import CSA2Attention, ForwardContext
+from model.common import RMSNorm
+from model.config import ModelConfig
+from model.engram import Engram, EngramHasher
+from model.layer_plan import LayerSpec, build_layer_plan
+from model.moe import MoE
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, spec: LayerSpec):
+        super().__init__()
+        self.spec = spec
+        self.impl = cfg.mhc.impl
+        self.engram = Engram(cfg, spec.index) if spec.engram else None
+        self.hc_attn = mhc.HCSite(cfg.dim, cfg.mhc, cfg.norm_eps)
+        self.hc_ffn = mhc.HCSite(cfg.dim, cfg.mhc, cfg.norm_eps)
+        self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attn = CSA2Attention(cfg, spec)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.ffn = MoE(cfg.dim, cfg.moe, cfg.init_std)
+        self.init_std = cfg.init_std
+
+    def init_weights(self) -> None:
+        if self.engram is not None:
+            self.engram.init_weights()
+        self.hc_attn.init_weights(self.init_std)
+        self.hc_ffn.init_weights(self.init_std)
+        self.attn_norm.init_weights()
+        self.ffn_norm.init_weights()
+        self.attn.init_weights()
+        self.ffn.init_weights()
+
+    def forward(self, S, pre_prev, ctx: ForwardContext, engram_in=None, image_mask=None):
+        """S [B, T, n, dim] streams; pre_prev [B, T, n] (or [n]) the previous site's `pre`.
+        Returns (S, pre) for the next block."""
+        if self.engram is not None:
+            row_ids, dead = engram_in
+            S = self.engram(S, row_ids, dead)
+        ca = self.hc_attn(S)
+        x = mhc.collapse(S, pre_prev)
+        kv_in = None
+        if self.spec.owns_kv and self.spec.kv_input == "h_mid":
+            kv_in = self.attn_norm(ctx.h_mid)
+        y = self.attn(self.attn_norm(x), ctx, kv_in)
+        S, x, cf = mhc.mhc_step(self.impl, y, S, ca, ca.pre, self.hc_ffn)
+        y = self.ffn(self.ffn_norm(x), image_mask)
+        S = mhc.expand(y, S, cf.post, cf.comb)
+        return S, cf.pre
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.plan = build_layer_plan(cfg)
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(Block(cfg, spec) for spec in self.plan)
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.hasher = EngramHasher(cfg) if cfg.engram.layers else None
+
+    # -- set-up --------------------------------------------------------------------------------------------------------
+    def init_weights(self) -> None:
+        nn.init.normal_(self.embed.weight, std=self.cfg.init_std)
+        nn.init.normal_(self.head.weight, std=self.cfg.init_std)
+        self.norm.init_weights()
+        for layer in self.layers:
+            layer.init_weights()
+        if self.hasher is not None:
+            self.hasher.init_buffers()
+
+    def indexer_parameters(self):
+        for layer in self.layers:
+            if layer.attn.indexer is not None:
+                yield from layer.attn.indexer.parameters()
+
+    def trainable_parameters(self):
+        """Parameters the optimiser owns: all that learn, or only the indexers in the dense warm-up phase."""
+        if self.cfg.indexer.phase == "dense_warmup":
+            return list(self.indexer_parameters())
+        return [p for p in self.parameters() if p.requires_grad]
+
+    def moe_layers(self) -> list[MoE]:
+        return [layer.ffn for layer in self.layers]
+
+    @torch.no_grad()
+    def update_router_biases(self, counts: list[torch.Tensor] | None = None) -> float:
+        """Aux-loss-free balancing after an optimiser step; `counts` (per layer, e.g. all-reduced across ranks)
+        override the local loads. Returns the worst max/mean expert-load ratio seen since the last update."""
+        worst = 0.0
+        for i, moe in enumerate(self.moe_layers()):
+            worst = max(worst, float(moe.imbalance()))
+            moe.update_bias(counts=None if counts is None else counts[i])
+        return worst
+
+    # -- forward -------------------------------------------------------------------------------------------------------
+    def forward(self, input_ids: torch.Tensor, *, image_mask: torch.Tensor | None = None, return_aux: bool = False):
+        """input_ids [B, T] -> logits [B, T, V] (fp32); with return_aux, (logits, aux) where aux holds the weighted
+        auxiliary losses to add to the LM loss and aux["metrics"] their unweighted values."""
+        cfg = self.cfg
+        B, T = input_ids.shape
+        ctx = ForwardContext(positions=torch.arange(T, device=input_ids.device), phase=cfg.indexer.phase)
+        engram_in = None
+        if self.hasher is not None:
+            engram_in = self.hasher.for_tokens(input_ids, image_mask)  # {layer: (row_ids, dead)}
+        h = self.embed(input_ids)
+        S = mhc.init_streams(h, cfg.mhc.num_streams)
+        pre = mhc.first_pre(cfg.mhc.num_streams, device=h.device)
+        for layer in self.layers:
+            if layer.spec.index == cfg.num_encoder_layers:
+                ctx.h_mid = mhc.collapse(S, pre)
+            e_in = engram_in[layer.spec.index] if layer.engram is not None else None
+            S, pre = layer(S, pre, ctx, e_in, image_mask)
+        logits = self.head(self.norm(mhc.collapse(S, pre))).float()
+        if not return_aux:
+            return logits
+        return logits, self._aux(ctx)
+
+    def _aux(self, ctx: ForwardContext) -> dict:
+        metrics: dict[str, float] = {}
+        aux: dict = {}
+        if ctx.indexer_kl:
+            kl = torch.stack(list(ctx.indexer_kl.values())).mean()
+            aux["indexer_kl"] = self.cfg.indexer.loss_coef * kl
+            metrics["indexer_kl"] = float(kl.detach())
+        seq = [m.aux_loss for m in self.moe_layers() if getattr(m, "aux_loss", None) is not None]
+        if seq:
+            total = torch.stack([s for s in seq]).sum()
+            aux["moe_seq_balance"] = total
+            metrics["moe_seq_balance"] = float(total.detach())
+        aux["metrics"] = metrics
+        return aux
