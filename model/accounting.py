@@ -151,3 +151,26 @@ def summary(model: nn.Module) -> dict:
     out["decode_flops_per_token_4k"] = decode_flops_per_token(model, 4096)
     out["decode_flops_per_token_1m"] = decode_flops_per_token(model, 1 << 20)
     return out
+
+
+def train_flops_per_token(model: nn.Module, seq_len: int) -> float:
+    """Useful training FLOPs per token (forward + backward = 3x forward) at `seq_len`, averaged over positions:
+    6 x active matmul parameters, plus the sparse attention over the window and the selected entries, plus the
+    indexer scoring. Counts what the architecture needs, not what a dense reference implementation spends."""
+    cfg = model.cfg
+    a, c = cfg.attention, cfg.csa2
+    matmul = model.head.weight.numel() + sum(_layer_dense(l) + _layer_routed_active(l) for l in model.layers)
+    pos = torch.arange(1, seq_len + 1, dtype=torch.float64)  # p + 1 for every position
+    pool = c.candidate_topk_blocks * c.candidate_block_size
+    flops = 6.0 * matmul
+    for layer in model.layers:
+        spec = layer.spec
+        keys = pos.clamp(max=a.window)
+        if spec.ratio > 0:
+            entries = torch.div(pos, spec.ratio, rounding_mode="floor")
+            keys = keys + entries.clamp(max=c.index_topk)
+            if spec.owns_indexer:
+                searched = entries.clamp(max=pool) if spec.uses_pool else entries
+                flops += 3 * float(searched.mean()) * c.index_num_heads * (2 * c.index_head_dim + 2)
+        flops += 3 * 4 * a.num_heads * a.head_dim * float(keys.mean())
+    return flops

@@ -99,6 +99,17 @@ class Transformer(nn.Module):
             return list(self.indexer_parameters())
         return [p for p in self.parameters() if p.requires_grad]
 
+    def flops_per_token(self, seq_len: int) -> float:
+        """Useful training FLOPs per token (forward + backward), for MFU; see model/accounting.py."""
+        from model.accounting import train_flops_per_token
+
+        return train_flops_per_token(self, seq_len)
+
+    def set_canonical_vocab(self, canonical_map: torch.Tensor) -> None:
+        """Install a tokenizer's canonical vocabulary for Engram hashing (model.engram.canonical_vocab_from_tokenizer)."""
+        if self.hasher is not None:
+            self.hasher.set_canonical_map(canonical_map)
+
     def moe_layers(self) -> list[MoE]:
         return [layer.ffn for layer in self.layers]
 
