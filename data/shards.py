@@ -1,0 +1,150 @@
+"""The on-disk format of prepared data: webdataset tar shards of token ids, plus `meta.json`.
+
+A prepared directory holds:
+- `shard-000000.tar`, `shard-000001.tar`, ...: plain (uncompressed, ustar) tar files in webdataset layout.
+  Each document is one sample: a single member `<key>.ids`, where key is the document's global index as
+  nine digits (`000000042`) and the payload is the document's token ids as raw little-endian unsigned integers
+  (uint16 when the vocabulary fits in 16 bits, else uint32; `meta.json` says which). No header, no <eos>:
+  the ids are exactly the tokenizer's output for that document. A document never spans two shards.
+  Members carry mtime 0 and empty owners, so preparing the same corpus twice gives byte-identical shards.
+  `webdataset.WebDataset("shard-{000000..000009}.tar")` reads them as samples {"__key__", "ids": bytes}.
+- `tokenizer.json`: the tokenizer that produced the ids.
+- `meta.json`: written last, so its presence marks a complete preparation. Keys: format, ids_dtype,
+  vocab_size, special_ids, num_documents, num_tokens, num_shards, tokenizer (file name), tokenizer_sha256,
+  tokenizer_source, source, and `shards`: one entry per shard {name, num_docs, num_tokens, sha256}.
+  The reader trusts only shards listed there and checks each against its sha256, which catches a truncated
+  or overwritten shard before any tar parsing.
+
+Every file is written under a temporary name and renamed into place, so a crash never leaves a partial
+file under a final name.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import tarfile
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+FORMAT = "cedar-ids-v1"
+META_NAME = "meta.json"
+TOKENIZER_NAME = "tokenizer.json"
+IDS_FIELD = "ids"
+
+
+class ShardError(Exception):
+    """A shard that cannot be read back exactly as it was written."""
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    name: str
+    num_docs: int
+    num_tokens: int
+    sha256: str
+
+
+def shard_name(index: int) -> str:
+    return f"shard-{index:06d}.tar"
+
+
+def file_sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def atomic_write(path: str, data: bytes) -> None:
+    # The pid in the temporary name keeps two processes preparing the same directory from sharing a file.
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def encode_shard(docs: list[np.ndarray], first_key: int, dtype: str) -> bytes:
+    """The tar bytes of one shard; document i gets key first_key + i."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.USTAR_FORMAT) as tar:
+        for i, doc in enumerate(docs):
+            payload = np.ascontiguousarray(doc, dtype=dtype).tobytes()
+            member = tarfile.TarInfo(f"{first_key + i:09d}.{IDS_FIELD}")
+            member.size = len(payload)
+            member.mode = 0o644
+            member.mtime = 0
+            tar.addfile(member, io.BytesIO(payload))
+    return buf.getvalue()
+
+
+def write_shard(directory: str, index: int, docs: list[np.ndarray], first_key: int, dtype: str) -> ShardInfo:
+    data = encode_shard(docs, first_key, dtype)
+    name = shard_name(index)
+    atomic_write(os.path.join(directory, name), data)
+    return ShardInfo(
+        name=name,
+        num_docs=len(docs),
+        num_tokens=int(sum(len(d) for d in docs)),
+        sha256=hashlib.sha256(data).hexdigest(),
+    )
+
+
+def read_shard(path: str, info: ShardInfo, dtype: str) -> list[np.ndarray]:
+    """The documents of one shard, in key order, as read-only arrays; ShardError if anything is off."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as exc:
+        raise ShardError(f"cannot read: {exc}") from exc
+    if hashlib.sha256(data).hexdigest() != info.sha256:
+        raise ShardError(f"checksum mismatch ({len(data)} bytes): corrupt or truncated")
+    docs = []
+    itemsize = np.dtype(dtype).itemsize
+    try:
+        with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as tar:
+            for member in tar:
+                # Other fields a future writer may add (e.g. `.txt`) are ignored, not an error.
+                if not member.isfile() or not member.name.endswith(f".{IDS_FIELD}"):
+                    continue
+                if member.size % itemsize:
+                    raise ShardError(f"member {member.name} has {member.size} bytes, not a multiple of {itemsize}")
+                payload = tar.extractfile(member).read()
+                docs.append(np.frombuffer(payload, dtype=dtype))
+    except (tarfile.TarError, EOFError, OSError) as exc:
+        raise ShardError(f"bad tar: {exc}") from exc
+    num_tokens = sum(len(d) for d in docs)
+    if len(docs) != info.num_docs or num_tokens != info.num_tokens:
+        raise ShardError(
+            f"holds {len(docs)} documents / {num_tokens} tokens, meta.json says {info.num_docs} / {info.num_tokens}"
+        )
+    return docs
+
+
+def write_meta(directory: str, meta: dict, shards: list[ShardInfo]) -> None:
+    full = {"format": FORMAT, **meta, "num_shards": len(shards), "shards": [asdict(s) for s in shards]}
+    atomic_write(os.path.join(directory, META_NAME), (json.dumps(full, indent=1) + "\n").encode())
+
+
+def read_meta(directory: str) -> tuple[dict, list[ShardInfo]]:
+    """meta.json of a prepared directory; FileNotFoundError naming the path if it was never (fully) prepared."""
+    path = os.path.join(directory, META_NAME)
+    if not os.path.isfile(path):
+        what = (f"has no {META_NAME} (not prepared, or unfinished)" if os.path.exists(directory)
+                else "does not exist")
+        raise FileNotFoundError(
+            f"data path {directory!r} {what}; create it with `python -m data.prepare --out {directory}` "
+            "or set data.auto_prepare=true"
+        )
+    with open(path) as f:
+        meta = json.load(f)
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"{path}: format {meta.get('format')!r}, expected {FORMAT!r}; re-run python -m data.prepare")
+    shards = [ShardInfo(**s) for s in meta["shards"]]
+    return meta, shards

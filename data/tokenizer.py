@@ -1,0 +1,105 @@
+"""Byte-level BPE tokenizer: training on a corpus, loading an existing `tokenizer.json`, and the special ids.
+
+Special-token ids. A tokenizer trained here reserves ids 0, 1, 2 for <bos>, <eos>, <pad>, in that order:
+- <eos> = 1 and <pad> = 2 are the ids of the flagship's public tokenizer (REFERENCE: "eos 1", Engram "pad_id 2"),
+  so `model.engram.pad_id: 2` names our <pad> token with either tokenizer and no config has to change between them.
+- <bos> = 0 follows the same reference ordering (begin-of-sentence first).
+The packer separates documents with <eos> only; <bos> and <pad> are reserved for later stages (SFT templates,
+padded evaluation batches) and never appear in pretraining windows.
+
+A loaded tokenizer keeps its own ids: we look the special tokens up by name (`_EOS_NAMES` etc.), so any
+`tokenizer.json` with a recognisable end-of-text token works.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+BOS, EOS, PAD = "<bos>", "<eos>", "<pad>"
+SPECIAL_TOKENS = (BOS, EOS, PAD)
+"""trained tokenizers give these ids 0, 1, 2 (BpeTrainer numbers special tokens first, in list order)"""
+
+# Names under which common tokenizers spell the same tokens; ours come first.
+_BOS_NAMES = (BOS, "<s>", "<|begin_of_text|>", "<｜begin▁of▁sentence｜>")
+_EOS_NAMES = (EOS, "</s>", "<|endoftext|>", "<|end_of_text|>", "<｜end▁of▁sentence｜>")
+_PAD_NAMES = (PAD, "<｜▁pad▁｜>", "<|pad|>", "[PAD]")
+
+MIN_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)
+"""the byte alphabet plus the special tokens: below this a byte-level BPE cannot encode every input"""
+
+
+@dataclass(frozen=True)
+class TokenizerInfo:
+    """What the trainer needs to know about the tokenizer behind the shards."""
+
+    path: str
+    vocab_size: int
+    """number of ids the tokenizer can emit; the model's vocab_size must be at least this"""
+    eos_id: int
+    """separates packed documents"""
+    bos_id: int | None
+    pad_id: int | None
+
+
+def train_tokenizer(texts: Iterable[str], vocab_size: int) -> Tokenizer:
+    """Train a byte-level BPE on `texts` (an iterable, consumed once, so it can stream from disk)."""
+    if vocab_size < MIN_VOCAB_SIZE:
+        raise ValueError(f"vocab_size must be >= {MIN_VOCAB_SIZE} (256 bytes + specials), got {vocab_size}")
+    tok = Tokenizer(models.BPE())
+    # add_prefix_space=False: source code is whitespace-sensitive, and decode(encode(x)) must give x back.
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        # Seeding all 256 byte symbols means any text encodes, even bytes absent from the training corpus.
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer)
+    ids = [tok.token_to_id(t) for t in SPECIAL_TOKENS]
+    assert ids == [0, 1, 2], f"special tokens got ids {ids}"
+    return tok
+
+
+def load_tokenizer(path: str) -> Tokenizer:
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"tokenizer file {path!r} does not exist")
+    try:
+        return Tokenizer.from_file(path)
+    except Exception as exc:  # the Rust side raises a bare Exception for malformed JSON
+        raise ValueError(f"cannot load tokenizer {path}: {exc}") from exc
+
+
+def _first_id(tok: Tokenizer, names: tuple[str, ...]) -> int | None:
+    for name in names:
+        i = tok.token_to_id(name)
+        if i is not None:
+            return i
+    return None
+
+
+def tokenizer_info(tok: Tokenizer, path: str) -> TokenizerInfo:
+    eos = _first_id(tok, _EOS_NAMES)
+    if eos is None:
+        raise ValueError(
+            f"tokenizer {path} has no end-of-text token (looked for {list(_EOS_NAMES)}); "
+            "the packer needs one to separate documents"
+        )
+    return TokenizerInfo(
+        path=path,
+        vocab_size=tok.get_vocab_size(with_added_tokens=True),
+        eos_id=eos,
+        bos_id=_first_id(tok, _BOS_NAMES),
+        pad_id=_first_id(tok, _PAD_NAMES),
+    )
+
+
+def ids_dtype(vocab_size: int) -> str:
+    """Storage dtype of token ids in shards: the narrowest little-endian unsigned type that holds every id."""
+    return "<u2" if vocab_size <= 1 << 16 else "<u4"
+

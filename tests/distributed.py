@@ -1,0 +1,67 @@
+"""Run a test function in several processes with a real process group (gloo on CPU, nccl on GPU).
+
+OLMo-core style: spawn N processes, each initialises the default group and runs `fn(rank, world_size, *args)`;
+what rank r returns comes back as `results[r]`. The rendezvous goes through a file in a fresh temporary directory,
+so no TCP port is chosen and nothing depends on port retries. Each rank's stdout/stderr lines are prefixed with
+`[rank r]`; an exception on any rank fails the test with that rank's traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+class _Prefixed:
+    def __init__(self, stream, prefix: str):
+        self.stream, self.prefix, self.at_start = stream, prefix, True
+
+    def write(self, text: str) -> int:
+        out = []
+        for piece in text.splitlines(keepends=True):
+            if self.at_start:
+                out.append(self.prefix)
+            out.append(piece)
+            self.at_start = piece.endswith("\n")
+        self.stream.write("".join(out))
+        return len(text)
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+
+def _worker(rank: int, world_size: int, backend: str, store_file: str, out_dir: str, fn, args, threads: int):
+    sys.stdout = _Prefixed(sys.stdout, f"[rank {rank}] ")
+    sys.stderr = _Prefixed(sys.stderr, f"[rank {rank}] ")
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size))
+    torch.set_num_threads(threads)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"file://{store_file}", rank=rank, world_size=world_size)
+    try:
+        result = fn(rank, world_size, *args)
+        torch.save(result, Path(out_dir) / f"rank{rank}.pt")
+    except BaseException:
+        traceback.print_exc()
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def run_distributed(fn, world_size: int, *args, backend: str = "gloo") -> list:
+    """Run fn(rank, world_size, *args) on `world_size` processes; return the per-rank results in rank order.
+
+    `fn` must be importable (a module-level function) because the processes are spawned, not forked."""
+    threads = max(1, (os.cpu_count() or 1) // world_size)
+    with tempfile.TemporaryDirectory() as tmp:
+        store = os.path.join(tmp, "store")
+        mp.spawn(_worker, args=(world_size, backend, store, tmp, fn, args, threads), nprocs=world_size, join=True)
+        return [torch.load(Path(tmp) / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
