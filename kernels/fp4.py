@@ -1,7 +1,8 @@
 """FP4 E2M1 block quantisation (main KV, indexer q/k) and KV-cache record sizes.
 
-Plain-PyTorch references for REFERENCE A9 (fake quantisation), B2 (cache records) and SPEC 1.4. The Triton
-kernels come later; every quantising function takes `impl` so callers already name the path they want.
+Plain-PyTorch references for REFERENCE A9 (fake quantisation), B2 (cache records) and SPEC 1.4. Every
+quantising function takes `impl`: "reference" is the code below, "triton" the bit-identical kernels in
+kernels.fp4_triton.
 The FP8 (SWA KV) functions live in `kernels.fp8` and are re-exported here.
 
 Shape legend:
@@ -107,6 +108,10 @@ def quantize(
     check_impl(impl, "quantize")
     if scale_fmt not in _SCALE_FMTS:
         raise ValueError(f"quantize: scale_fmt must be one of {list(_SCALE_FMTS)}, got {scale_fmt!r}")
+    if impl == "triton":
+        from kernels import fp4_triton
+
+        return fp4_triton.quantize(x, block, scale_fmt)
     num_blocks = check_blocked(x, block, "quantize", even=True)
     x_blk = x.detach().float().unflatten(-1, (num_blocks, block))  # [..., NB, block]
     amax = x_blk.abs().amax(dim=-1, keepdim=True)  # [..., NB, 1]
@@ -122,6 +127,10 @@ def dequantize(
 ) -> torch.Tensor:
     """codes uint8 [..., D // 2], scales e4m3fn/e8m0fnu [..., NB] -> float32 [..., D]."""
     check_impl(impl, "dequantize")
+    if impl == "triton":
+        from kernels import fp4_triton
+
+        return fp4_triton.dequantize(codes, scales, block)
     if not isinstance(codes, torch.Tensor) or codes.dtype != torch.uint8:
         got = codes.dtype if isinstance(codes, torch.Tensor) else type(codes).__name__
         raise TypeError(f"dequantize: codes must be torch.uint8 (two FP4 codes per byte), got {got}")
@@ -152,6 +161,10 @@ def fake_quant(
     block's amax); we pass the gradient through unchanged so QAT can train the layers feeding the cache.
     """
     check_impl(impl, "fake_quant")
+    if impl == "triton":
+        from kernels import fp4_triton
+
+        return straight_through(x, fp4_triton.fake_quant(x, block, scale_fmt))
     codes, scales = quantize(x, block, scale_fmt, impl=impl)
     return straight_through(x, dequantize(codes, scales, block, impl=impl).to(x.dtype))
 

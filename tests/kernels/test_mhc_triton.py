@@ -1,0 +1,184 @@
+"""Proves the Triton single-pass mHC step (kernels/mhc_triton.py) computes model.mhc.single_pass, forward and backward:
+
+- S', x and the next site's coefficients (pre, post, Sinkhorn comb, from the in-kernel sum of squares and fn
+  projection) match the reference for fp32 and bf16 streams, with n = 4 and n = 3 streams, token counts and model
+  dims that are not multiples of the tiles, and without a next site (the last layer);
+- in fp32 the raw statistics match to ~1e-5 relative (the bf16x3 split projection), and S', x to fp32 rounding;
+  in bf16, S' and x are within one bf16 rounding of the reference (the kernel rounds the fp32 result once);
+- gradients w.r.t. y, S, post, comb, the lagged pre and the next site's fn / base / scale match the reference's
+  autograd (fp32: ~1e-5 relative; bf16: a few bf16 roundings), also when only some outputs carry gradient;
+- every output and gradient element is written (allocations are NaN-poisoned), explicit out= buffers are honoured;
+- shape / dtype mismatches raise errors naming the argument.
+Runs in the Triton CPU interpreter when there is no GPU, on the GPU otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports the kernels
+
+from kernels import mhc_triton  # noqa: E402
+from model import mhc  # noqa: E402
+from model.config import MHCConfig  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture
+def poisoned(monkeypatch):
+    """Every torch.empty / empty_like returns NaN-filled floats (and junk integers), so unwritten elements show."""
+    real_empty, real_empty_like = torch.empty, torch.empty_like
+
+    def poison(t: torch.Tensor) -> torch.Tensor:
+        return t.fill_(float("nan")) if t.is_floating_point() else t.fill_(-77)
+
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: poison(real_empty(*a, **k)))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: poison(real_empty_like(*a, **k)))
+
+
+def _site(dim: int, n: int, seed: int) -> mhc.HCSite:
+    """A site with O(1) logits (not the near-zero init) so sigmoids and Sinkhorn are exercised away from 0.5."""
+    site = mhc.HCSite(dim, MHCConfig(num_streams=n), norm_eps=1e-20).to(DEVICE)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        site.fn.copy_(torch.randn(site.fn.shape, generator=g) * 0.3)
+        site.base.copy_(torch.randn(site.base.shape, generator=g) * 0.5)
+        site.scale.copy_(torch.rand(3, generator=g) + 0.5)
+    return site
+
+
+def _inputs(B, T, n, D, dtype, seed, requires_grad=False):
+    g = torch.Generator().manual_seed(seed)
+    S = torch.randn(B, T, n, D, generator=g).to(dtype)
+    y = torch.randn(B, T, D, generator=g).to(dtype)
+    post = torch.rand(B, T, n, generator=g) * 2
+    comb = torch.softmax(torch.randn(B, T, n, n, generator=g), dim=-1)
+    pre_lag = torch.rand(B, T, n, generator=g) + 1e-6
+    out = [t.to(DEVICE).requires_grad_(requires_grad) for t in (y, S, post, comb, pre_lag)]
+    return out
+
+
+def _assert_close_rel(a: torch.Tensor, b: torch.Tensor, rel: float, what: str) -> None:
+    a, b = a.detach().double(), b.detach().double()
+    assert torch.isfinite(a).all(), f"{what}: non-finite values (unwritten?)"
+    err = (a - b).abs().max().item() / max(b.abs().max().item(), 1e-30)
+    assert err <= rel, f"{what}: max error {err:.3g} (relative to max |ref|) > {rel}"
+
+
+@pytest.mark.parametrize("n", [4, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_forward_matches_reference(poisoned, n, dtype):
+    B, T, D = 2, 9, 40  # N = 18 and D = 40: partial tiles in both dims
+    y, S, post, comb, pre_lag = _inputs(B, T, n, D, dtype, seed=n)
+    coeffs = mhc.Coeffs(None, post, comb)
+    nxt = _site(D, n, seed=1)
+    ref = mhc.single_pass(y, S, coeffs, pre_lag, nxt)
+    got = mhc_triton.single_pass(y, S, coeffs, pre_lag, nxt)
+    assert got[0].dtype == dtype and got[1].dtype == dtype
+    # fp32: rounding of a differently ordered fp32 sum; bf16: at most one bf16 rounding step apart.
+    rel = 1e-6 if dtype == torch.float32 else 2.0**-7
+    _assert_close_rel(got[0], ref[0], rel, "S'")
+    _assert_close_rel(got[1], ref[1], rel, "x")
+    if dtype == torch.bfloat16:  # almost all elements are bit-identical
+        assert (got[0] == ref[0]).float().mean() > 0.99
+    for name, a, b in zip(("pre", "post", "comb"), got[2], ref[2]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_kernel_statistics_and_tiles(poisoned, dtype):
+    """The raw kernel outputs, at tile sizes that leave partial tiles in tokens and channels."""
+    N, n, D = 37, 4, 72
+    g = torch.Generator().manual_seed(0)
+    S = torch.randn(N, n, D, generator=g).to(dtype).to(DEVICE)
+    y = torch.randn(N, D, generator=g).to(dtype).to(DEVICE)
+    mix = torch.randn(N, n + 1, n + 1, generator=g).to(DEVICE)
+    fn = torch.randn(2 * n + n * n, n * D, generator=g).to(DEVICE)
+    s_new, x, sumsq, raw = mhc_triton.mhc_step_fwd(y, S, mix, fn, block_t=16, block_d=32, num_warps=4)
+    out = mix[:, :, :1] * y.float()[:, None] + mix[:, :, 1:] @ S.float()  # [N, n+1, D] in fp32
+    ref_s = out[:, :n].to(dtype)
+    _assert_close_rel(s_new, ref_s, 1e-6 if dtype == torch.float32 else 2.0**-7, "S'")
+    _assert_close_rel(x, out[:, n].to(dtype), 1e-6 if dtype == torch.float32 else 2.0**-7, "x")
+    u = s_new.float().flatten(1)  # the statistics are of the stored S'
+    _assert_close_rel(sumsq, u.square().sum(1), 1e-6, "sum_sq")
+    _assert_close_rel(raw, u.double() @ fn.double().t(), 3e-5, "raw")
+    # Explicit out= buffers are written in place, element for element.
+    bufs = tuple(torch.full_like(t, float("nan")) for t in (s_new, x, sumsq, raw))
+    again = mhc_triton.mhc_step_fwd(y, S, mix, fn, block_t=16, block_d=32, num_warps=4, out=bufs)
+    for a, b in zip(again, (s_new, x, sumsq, raw)):
+        assert torch.equal(a, b)
+    assert all(a is b for a, b in zip(again, bufs))
+
+
+def test_last_layer_has_no_next_site(poisoned):
+    y, S, post, comb, pre_lag = _inputs(1, 5, 4, 24, torch.float32, seed=3)
+    coeffs = mhc.Coeffs(None, post, comb)
+    ref = mhc.single_pass(y, S, coeffs, pre_lag, None)
+    got = mhc_triton.single_pass(y, S, coeffs, pre_lag, None)
+    assert got[2] is None
+    _assert_close_rel(got[0], ref[0], 1e-6, "S'")
+    _assert_close_rel(got[1], ref[1], 1e-6, "x")
+
+
+def _grads(step, dtype, n, with_stats_loss=True):
+    B, T, D = 2, 9, 40
+    y, S, post, comb, pre_lag = _inputs(B, T, n, D, dtype, seed=11, requires_grad=True)
+    nxt = _site(D, n, seed=2)
+    s_new, x, c = step(y, S, mhc.Coeffs(None, post, comb), pre_lag, nxt)
+    g = torch.Generator().manual_seed(5)
+    loss = (s_new.float() * torch.randn(s_new.shape, generator=g).to(DEVICE)).sum()
+    loss = loss + (x.float() * torch.randn(x.shape, generator=g).to(DEVICE)).sum()
+    if with_stats_loss:
+        loss = loss + sum((t * torch.randn(t.shape, generator=g).to(DEVICE)).sum() for t in c)
+    loss.backward()
+    leaves = (y, S, post, comb, pre_lag, nxt.fn, nxt.base, nxt.scale)
+    return {name: (t.grad if t.grad is not None else torch.zeros_like(t))
+            for name, t in zip(("y", "S", "post", "comb", "pre_lag", "fn", "base", "scale"), leaves)}
+
+
+@pytest.mark.parametrize("n", [4, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_backward_matches_reference(poisoned, n, dtype):
+    ref = _grads(mhc.single_pass, dtype, n)
+    got = _grads(mhc_triton.single_pass, dtype, n)
+    for name in ref:
+        assert got[name].dtype == ref[name].dtype, name
+        # y, S gradients are stored in bf16 for bf16 streams: a few roundings apart (the reference rounds
+        # its two contributions separately). Everything in fp32 agrees to the bf16x3 projection's ~1e-5.
+        rel = 2.0**-6 if dtype == torch.bfloat16 and name in ("y", "S", "post", "comb") else 5e-5
+        _assert_close_rel(got[name], ref[name], rel, f"grad {name}")
+
+
+def test_backward_without_gradient_on_coefficients(poisoned):
+    """Only S' and x carry gradient: the statistics' gradients arrive as None and count as zero."""
+    ref = _grads(mhc.single_pass, torch.float32, 4, with_stats_loss=False)
+    got = _grads(mhc_triton.single_pass, torch.float32, 4, with_stats_loss=False)
+    for name in ref:
+        _assert_close_rel(got[name], ref[name], 5e-5, f"grad {name}")
+    assert got["fn"].abs().max() == 0 and got["y"].abs().max() > 0
+
+
+def test_impl_switch_and_bad_inputs():
+    y, S, post, comb, pre_lag = _inputs(1, 3, 4, 16, torch.float32, seed=4)
+    coeffs = mhc.Coeffs(None, post, comb)
+    ref = mhc_triton.single_pass(y, S, coeffs, pre_lag, None, impl="reference")
+    assert torch.equal(ref[0], mhc.single_pass(y, S, coeffs, pre_lag, None)[0])
+    with pytest.raises(ValueError, match="impl"):
+        mhc_triton.single_pass(y, S, coeffs, pre_lag, None, impl="cuda")
+    S3, y3 = S.reshape(3, 4, 16), y.reshape(3, 16)
+    mix = torch.zeros(3, 5, 5, device=DEVICE)
+    with pytest.raises(ValueError, match="y must be"):
+        mhc_triton.mhc_step_fwd(y3[:2], S3, mix, None)
+    with pytest.raises(ValueError, match="mix must be"):
+        mhc_triton.mhc_step_fwd(y3, S3, mix[:, :4], None)
+    with pytest.raises(ValueError, match="fn must be"):
+        mhc_triton.mhc_step_fwd(y3, S3, mix, torch.zeros(24, 60, device=DEVICE))
+    with pytest.raises(TypeError, match="bfloat16 or float32"):
+        mhc_triton.mhc_step_fwd(y3.half(), S3, mix, None)
+    with pytest.raises(ValueError, match="contiguous"):
+        mhc_triton.mhc_step_fwd(y3, S3.transpose(0, 1).contiguous().transpose(0, 1), mix, None)
