@@ -1,0 +1,100 @@
+"""Benchmark cases for `kernels.sparse_attention` at the flagship decoder shape.
+
+B=1, T=32768, H=64, D=512, window 128, K=512 top-k entries out of E=T compressed entries (ratio 1), bf16; random
+distinct visible entries per query. Useful FLOPs: 4*B*T*H*D*(128+512) forward (QK^T and PV over every key a query
+attends to), 2.5x that backward (QK^T recompute, dO.V, dQ, dK, dV). Targets: forward >= 350, backward >= 200
+TFLOP/s. The baseline is the naive gather-based PyTorch reference (`impl="reference"`); its backward is autograd
+through it and holds about 60 GB while its case runs. Inputs are built on the first call; one retained backward
+graph is kept at a time (building another drops the previous one), so the cases fit the GPU one after the other.
+
+Measured (bench/kernels.py, one H200, torch 2.11 / triton 3.6, bf16 matmul 776 TFLOP/s): forward 11.8 ms =
+233 TFLOP/s (4.2x the baseline), backward 42.8 ms = 160 TFLOP/s (4.1x). Both miss their targets; the reasons are
+in kernels/sparse_attention.py (duplicated QK^T tiles in the forward; the backward's per-query dkv writes).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+import kernels.sparse_attention as sa
+
+B, T, H, D, WINDOW, TOPK = 1, 32768, 64, 512, 128, 512
+FWD_FLOPS = 4 * B * T * H * D * (WINDOW + TOPK)
+DEVICE = "cuda"  # the runner times on the GPU; a CPU dry run (TRITON_INTERPRET=1, small sizes) patches it
+_GRAPH: dict = {}  # the one retained backward graph: key -> (out, leaves, grad)
+
+
+def random_topk(batch: int, num_queries: int, num_entries: int, k: int, ratio: int, device, chunk: int = 4096):
+    """Distinct random visible entries per query ([B, T, K] int32, -1 where fewer than K are visible)."""
+    out = torch.empty(batch, num_queries, k, dtype=torch.int32, device=device)
+    e = torch.arange(num_entries, device=device)
+    for t0 in range(0, num_queries, chunk):
+        t = torch.arange(t0, min(num_queries, t0 + chunk), device=device)
+        vis = e[None, :] < ((t + 1) // ratio)[:, None]
+        r = torch.rand(batch, len(t), num_entries, device=device).masked_fill(~vis, -1.0)
+        vals, idx = r.topk(k, dim=-1, sorted=False)
+        out[:, t0 : t0 + len(t)] = torch.where(vals >= 0, idx, -1).to(torch.int32)
+    return out
+
+
+@functools.lru_cache(maxsize=1)
+def _inputs():
+    torch.manual_seed(0)
+    dev = DEVICE
+    q = torch.randn(B, T, H, D, device=dev, dtype=torch.bfloat16)
+    kv_win = torch.randn(B, T, D, device=dev, dtype=torch.bfloat16)
+    kv_cmp = torch.randn(B, T, D, device=dev, dtype=torch.bfloat16)
+    sink = torch.randn(H, device=dev, dtype=torch.float32)
+    idx = random_topk(B, T, T, TOPK, 1, dev)
+    return q, kv_win, kv_cmp, idx, sink
+
+
+def _forward(impl: str):
+    q, kv_win, kv_cmp, idx, sink = _inputs()
+    return sa.sparse_attention(q, kv_win, kv_cmp, idx, sink, WINDOW, impl=impl)
+
+
+def _backward(impl: str):
+    """A closure that runs only the backward; the forward graph is built at its first call and retained."""
+
+    def run():
+        if impl not in _GRAPH:
+            _GRAPH.clear()
+            torch.cuda.empty_cache()
+            q, kv_win, kv_cmp, idx, sink = _inputs()
+            leaves = [t.detach().requires_grad_() for t in (q, kv_win, kv_cmp, sink)]
+            out = sa.sparse_attention(leaves[0], leaves[1], leaves[2], idx, leaves[3], WINDOW, impl=impl)
+            _GRAPH[impl] = (out, leaves, torch.randn_like(out))
+        out, leaves, grad = _GRAPH[impl]
+        return torch.autograd.grad(out, leaves, grad, retain_graph=True)
+
+    return run
+
+
+def _with_config(config: dict, key: str, value, fn):
+    def run():
+        old = config[key]
+        config[key] = value
+        try:
+            return fn()
+        finally:
+            config[key] = old
+
+    return run
+
+
+def cases(sweep: bool = False) -> list[dict]:
+    out = [
+        {"name": "sparse_attention/fwd", "fn_triton": lambda: _forward("triton"),
+         "fn_baseline": lambda: _forward("reference"), "flops": FWD_FLOPS},
+        {"name": "sparse_attention/bwd", "fn_triton": _backward("triton"), "fn_baseline": _backward("reference"),
+         "flops": int(2.5 * FWD_FLOPS)},
+    ]
+    if sweep:  # other key-block sizes of the forward (the backward's are fixed by shared memory)
+        for bn in (32,):
+            out.append({"name": f"sparse_attention/fwd/BLOCK_N={bn}", "sweep": True, "flops": FWD_FLOPS,
+                        "fn_triton": _with_config(sa.FWD_CONFIG, "BLOCK_N", bn, lambda: _forward("triton")),
+                        "fn_baseline": lambda: None})
+    return out

@@ -1,0 +1,527 @@
+"""Sparse shared-KV (MQA) attention with a per-head sink: Triton forward/backward and the gather-based reference.
+
+Shape legend: B batch, T tokens (queries = window keys), H query heads, D latent/head width, E compressed entries,
+K top-k slots per query, W window.
+
+What one query at position t computes (REFERENCE A2, `model.attention.attend`):
+    keys    = [kv_win[t-W+1 .. t] (those >= 0) ; kv_cmp[topk_idx[t, k]] for the slots k with idx >= 0]
+    logits  = q[t, h] . key * D^-1/2, in fp32
+    p       = exp(logit - m) / (sum exp(logit - m) + exp(sink_h - m)),  m = max(logits, sink_h)
+    out     = sum p * key                      (K = V: one latent serves as key and value for all heads)
+The sink joins the max and the denominator only, so a row with no visible key gives out = 0 and stays finite.
+
+Kernel layout (FlashMLA-style, in Triton): one program per query token holds all H heads as the M dimension of its
+tensor-core tiles, so every key row it loads serves all heads at once (MQA: with H=64 a [64, D] x [D, N] tile).
+The window keys are a contiguous slice of kv_win; the compressed keys are gathered row by row through topk_idx.
+
+Forward (`_sparse_attn_fwd`): online softmax in the log2 domain, the running max starting at the sink (finite, so
+no -inf - -inf NaN); saves lse for the backward. Triton puts all warps of a chained dot (QK^T feeding PV) on the M
+axis, and M = 64 heads is one warpgroup's worth, so with the 8 warps that the [64, 512] fp32 accumulator needs,
+QK^T is computed by both warpgroups: a 2/3 ceiling on tensor-core efficiency that a hand-written warp-specialised
+kernel (FlashMLA) avoids.
+
+Backward, three launches per chunk of queries, none with a chained dot (so no duplicated tiles):
+- `_bwd_probs`: P = exp2(logits - lse) and dS * scale = P * (dO.V - rowsum(dO * O)) * scale for every (head, slot),
+  written to a scratch buffer in the input dtype (the dS the tensor cores see is rounded to it anyway, as in
+  FlashAttention); also the sink's gradient per row;
+- `_bwd_dq`: dq = sum over slots of dS * key, a GEMM over the gathered keys;
+- `_bwd_dkv`: per block of slots, dS^T q + P^T dO (K = V: key and value gradient share the row), scatter-added into
+  fp32 key gradients with atomics. A per-query key set has no owner program without an inverse index (the choice
+  public sparse-MLA backward kernels make too); the summation order, and so the last bits of dkv, vary run to run.
+  Measured on the H200 this launch is bound by writing an fp32 [BN, D] block per query and slot block (a reduction
+  over only 64 heads stands behind each), not by the atomics: plain stores are 6% faster.
+Slots: [0, NW) are the window keys j = t - W + 1 + n and [NW, NW + K) the top-k entries, NW = W rounded up to the
+key block; the backward stacks kv_win and kv_cmp into one [B*T + B*E, D] tensor so one loop walks both.
+
+Caller contract: topk_idx holds distinct entries per query (duplicates would be counted twice, unlike the one-hot
+mask of `attend`); -1 marks an empty slot; any index outside [0, E) is treated as empty (the kernel never reads out
+of bounds), whereas the reference raises on it.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["sparse_attention", "sparse_attention_reference", "topk_to_mask"]
+
+_IMPLS = ("reference", "triton")
+_LOG2E = math.log2(math.e)
+
+# Launch parameters, measured for H=64, D=512 on an H200 (bench/kernel_cases/sparse_attention.py): the [64, 512]
+# fp32 accumulator is 128 registers a thread at 8 warps, and q (and dO) take 64 KB of shared memory each, so key
+# blocks stay at 64 rows. Per kernel (num_warps, num_stages); BLOCK_N is shared by the three backward kernels (it
+# sets the scratch layout); the scratch for P and dS is bounded by processing the queries in chunks.
+FWD_CONFIG = {"BLOCK_N": 64, "fwd": (8, 2)}
+BWD_CONFIG = {"BLOCK_N": 64, "probs": (8, 1), "dq": (8, 2), "dkv": (8, 2), "scratch_bytes": 1 << 30}
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Triton kernels
+# ------------------------------------------------------------------------------------------------------------------
+@triton.jit
+def _rows_mask(rows_ok, cols, D: tl.constexpr, FULL: tl.constexpr):
+    """[R] row mask, [C] channel offsets -> [R, C] mask. When D fills the tile (FULL) the channel test is a
+    compile-time constant, which keeps the loads 16-byte vectorised (and eligible for async copies)."""
+    if FULL:
+        return rows_ok[:, None] & tl.full([1, cols.shape[0]], 1, tl.int1)
+    else:
+        return rows_ok[:, None] & (cols < D)[None, :]
+
+
+@triton.jit
+def _dot(a, b, acc, PREC: tl.constexpr):
+    """tl.dot with the accumulator `acc` (or None). The CPU interpreter multiplies 16-bit operands wrongly, so under
+    it (PREC == "interp") the operands go in as fp32; on the GPU they stay 16-bit for the tensor cores."""
+    if PREC == "interp":
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc, input_precision=PREC)
+
+
+@triton.jit
+def _slot_rows(idx_ptr, row, b, t, B, T, E, K, window, NW, n0, offs_n):
+    """Key slots n0 + offs_n of query t -> (rows [BN] of the stacked keys [kv_win (B*T rows); kv_cmp (B*E rows)],
+    valid [BN]).
+
+    Slots [0, NW) are the window keys j = t - W + 1 + n; slots [NW, NW + K) are the top-k entries. NW is W rounded
+    up to BLOCK_N, so a block never mixes the two, and one pipelined loop walks both (the window alone is only
+    W / BLOCK_N iterations, too short to pipeline on its own). One base pointer with integer rows keeps the loads
+    analysable (a select between two pointers defeats Triton's async-copy pipelining)."""
+    n = n0 + offs_n
+    j = t - window + 1 + n
+    k_slot = n - NW
+    idx = tl.load(idx_ptr + row * K + k_slot, mask=(k_slot >= 0) & (k_slot < K), other=-1)
+    is_win = n < NW
+    valid = tl.where(is_win, (n < window) & (j >= 0), (idx >= 0) & (idx < E))
+    rows = tl.where(is_win, b * T + j, B * T + b * E + idx)
+    return rows, valid
+
+
+@triton.jit
+def _online_softmax_step(q, k, valid, m, l, acc, qk_scale, PREC: tl.constexpr):
+    """One block of N keys for all heads: q [BH, BD], k [BN, BD], valid [BN] -> updated (m, l, acc), log2 domain."""
+    s = _dot(q, tl.trans(k), None, PREC) * qk_scale  # [BH, BN]
+    s = tl.where(valid[None, :], s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, 1))  # finite: m starts at the sink
+    alpha = tl.exp2(m - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l = l * alpha + tl.sum(p, 1)
+    # probabilities are cast to V's dtype before P @ V, as the reference does
+    acc = _dot(p.to(k.dtype), k, acc * alpha[:, None], PREC)
+    return m_new, l, acc
+
+
+@triton.jit
+def _sparse_attn_fwd(
+    q_ptr, kvw_ptr, kvc_ptr, idx_ptr, sink_ptr, out_ptr, lse_ptr, probs_ptr,
+    T, E, K, window, qk_scale,
+    H: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    PREC: tl.constexpr, TOPK_PROBS: tl.constexpr,
+):
+    FULL: tl.constexpr = D == BLOCK_D
+    t = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    h_ok = offs_h < H
+    hd_ok = _rows_mask(h_ok, offs_d, D, FULL)
+    row = b * T + t  # this query's row in [B*T, ...]
+    hd_offs = row * H * D + offs_h[:, None] * D + offs_d[None, :]
+
+    q = tl.load(q_ptr + hd_offs, mask=hd_ok, other=0.0)  # [BH, BD]
+    m = tl.load(sink_ptr + offs_h, mask=h_ok, other=0.0) * 1.4426950408889634  # sink in log2 units
+    l = tl.full([BLOCK_H], 1.0, tl.float32)  # exp2(sink - m) with m = sink
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+
+    # Two loops, window then top-k. (Measured on the H200: 12% faster than one loop over both kinds of slot, as
+    # the backward kernels walk them; each loop keeps a single base pointer.)
+    for start in range(tl.maximum(t - window + 1, 0), t + 1, BLOCK_N):
+        j = start + offs_n  # window keys j in (t - window, t], a contiguous slice of kv_win
+        valid = j <= t
+        k = tl.load(kvw_ptr + (b * T + j)[:, None] * D + offs_d[None, :],
+                    mask=_rows_mask(valid, offs_d, D, FULL), other=0.0)
+        m, l, acc = _online_softmax_step(q, k, valid, m, l, acc, qk_scale, PREC)
+    for k0 in range(0, K, BLOCK_N):
+        slot = k0 + offs_n  # selected compressed entries, gathered through the query's top-k row
+        idx = tl.load(idx_ptr + row * K + slot, mask=slot < K, other=-1)
+        valid = (idx >= 0) & (idx < E)
+        k = tl.load(kvc_ptr + (b * E + idx)[:, None] * D + offs_d[None, :],
+                    mask=_rows_mask(valid, offs_d, D, FULL), other=0.0)
+        m, l, acc = _online_softmax_step(q, k, valid, m, l, acc, qk_scale, PREC)
+
+    out = acc / l[:, None]
+    lse = m + tl.log2(l)
+    tl.store(out_ptr + hd_offs, out.to(out_ptr.dtype.element_ty), mask=hd_ok)
+    tl.store(lse_ptr + row * H + offs_h, lse, mask=h_ok)
+    if TOPK_PROBS:
+        # The indexer's KL target: each top-k slot's final probability summed over heads. Needs the final lse, so
+        # it is a second pass over the selected keys (QK^T only, +40% of the forward's FLOPs when asked for).
+        for k0 in range(0, K, BLOCK_N):
+            slot = k0 + offs_n
+            idx = tl.load(idx_ptr + row * K + slot, mask=slot < K, other=-1)
+            valid = (idx >= 0) & (idx < E)
+            k = tl.load(kvc_ptr + (b * E + idx)[:, None] * D + offs_d[None, :],
+                        mask=_rows_mask(valid, offs_d, D, FULL), other=0.0)
+            s = _dot(q, tl.trans(k), None, PREC) * qk_scale
+            p = tl.where(h_ok[:, None] & valid[None, :], tl.exp2(s - lse[:, None]), 0.0)
+            tl.store(probs_ptr + row * K + slot, tl.sum(p, 0), mask=slot < K)
+
+
+# Backward: see the module docstring for the three launches and why they are split.
+@triton.jit
+def _probs_block(q, do, k, valid, lse, delta, scale, qk_scale, p_ptrs, ds_ptrs, store_ok, PREC: tl.constexpr):
+    s = _dot(q, tl.trans(k), None, PREC) * qk_scale  # [BH, BN]
+    p = tl.where(valid[None, :], tl.exp2(s - lse[:, None]), 0.0)
+    dp = _dot(do, tl.trans(k), None, PREC)  # dO . V with V = K
+    ds = p * (dp - delta[:, None]) * scale
+    tl.store(p_ptrs, p.to(p_ptrs.dtype.element_ty), mask=store_ok)
+    tl.store(ds_ptrs, ds.to(ds_ptrs.dtype.element_ty), mask=store_ok)
+
+
+@triton.jit
+def _bwd_probs(
+    q_ptr, kv_ptr, idx_ptr, sink_ptr, out_ptr, dout_ptr, lse_ptr, p_ptr, ds_ptr, dsink_ptr,
+    B, T, E, K, window, NW, t0, scale, qk_scale,
+    H: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    """Per query: P = exp(logits - lse) and dS * scale = P * (dO.V - rowsum(dO * O)) * scale for every slot."""
+    FULL: tl.constexpr = D == BLOCK_D
+    t = t0 + tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    h_ok = offs_h < H
+    hd_ok = _rows_mask(h_ok, offs_d, D, FULL)
+    row = b * T + t
+    hd_offs = row * H * D + offs_h[:, None] * D + offs_d[None, :]
+    q = tl.load(q_ptr + hd_offs, mask=hd_ok, other=0.0)
+    do = tl.load(dout_ptr + hd_offs, mask=hd_ok, other=0.0)
+    o = tl.load(out_ptr + hd_offs, mask=hd_ok, other=0.0)
+    delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)  # [BH] rowsum(dO * O)
+    # padded heads get lse = +inf so their p is exactly 0
+    lse = tl.load(lse_ptr + row * H + offs_h, mask=h_ok, other=float("inf"))
+    # d loss / d sink_h = -p_sink * rowsum(dO * O); summed over (b, t) on the host (no hot atomics on H addresses)
+    sink = tl.load(sink_ptr + offs_h, mask=h_ok, other=0.0) * 1.4426950408889634
+    tl.store(dsink_ptr + row * H + offs_h, -tl.exp2(sink - lse) * delta, mask=h_ok)
+
+    NS = NW + K
+    srow = (t - t0 + b * tl.num_programs(0)) * H  # this query's first row in the chunk's scratch [B*chunk*H, NS]
+    n_lo = (tl.maximum(window - 1 - t, 0) // BLOCK_N) * BLOCK_N  # slots before token 0 stay unwritten (and unread)
+    for n0 in range(n_lo, NS, BLOCK_N):
+        rows, valid = _slot_rows(idx_ptr, row, b, t, B, T, E, K, window, NW, n0, offs_n)
+        k = tl.load(kv_ptr + rows[:, None] * D + offs_d[None, :], mask=_rows_mask(valid, offs_d, D, FULL), other=0.0)
+        s_offs = (srow + offs_h)[:, None] * NS + (n0 + offs_n)[None, :]
+        _probs_block(q, do, k, valid, lse, delta, scale, qk_scale, p_ptr + s_offs, ds_ptr + s_offs,
+                     h_ok[:, None] & (n0 + offs_n < NS)[None, :], PREC)
+
+
+@triton.jit
+def _bwd_dq(
+    kv_ptr, idx_ptr, ds_ptr, dq_ptr,
+    B, T, E, K, window, NW, t0,
+    H: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    """Per query: dq = sum over slots of (dS * scale) @ key."""
+    FULL: tl.constexpr = D == BLOCK_D
+    t = t0 + tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    h_ok = offs_h < H
+    row = b * T + t
+    NS = NW + K
+    srow = (t - t0 + b * tl.num_programs(0)) * H
+    dq = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    n_lo = (tl.maximum(window - 1 - t, 0) // BLOCK_N) * BLOCK_N
+    for n0 in range(n_lo, NS, BLOCK_N):
+        rows, valid = _slot_rows(idx_ptr, row, b, t, B, T, E, K, window, NW, n0, offs_n)
+        k = tl.load(kv_ptr + rows[:, None] * D + offs_d[None, :], mask=_rows_mask(valid, offs_d, D, FULL), other=0.0)
+        ds = tl.load(ds_ptr + (srow + offs_h)[:, None] * NS + (n0 + offs_n)[None, :],
+                     mask=h_ok[:, None] & (n0 + offs_n < NS)[None, :], other=0.0)
+        dq = _dot(ds, k, dq, PREC)
+    tl.store(dq_ptr + row * H * D + offs_h[:, None] * D + offs_d[None, :], dq.to(dq_ptr.dtype.element_ty),
+             mask=_rows_mask(h_ok, offs_d, D, FULL))
+
+
+@triton.jit
+def _dkv_half(ds, p, q_c, do_c, dkv_ptrs, mask, PREC: tl.constexpr):
+    dkv = _dot(tl.trans(ds), q_c, None, PREC)
+    dkv = _dot(tl.trans(p), do_c, dkv, PREC)
+    tl.atomic_add(dkv_ptrs, dkv, mask=mask, sem="relaxed")
+
+
+@triton.jit
+def _bwd_dkv(
+    q_ptr, dout_ptr, idx_ptr, p_ptr, ds_ptr, dkv_ptr,
+    B, T, E, K, window, NW, t0,
+    H: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    """Per query and slot block: dkv[key] += (dS * scale)^T q + P^T dO, added atomically into fp32 rows.
+    K = V, so the key gradient and the value gradient land on the same row. The columns go in two halves: a
+    [BN, D] fp32 tile (and the layout change before its atomics) would not fit on chip."""
+    FULL: tl.constexpr = D == BLOCK_D
+    HALF: tl.constexpr = BLOCK_D // 2
+    t = t0 + tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_c = tl.arange(0, HALF)
+    offs_n = tl.arange(0, BLOCK_N)
+    h_ok = offs_h < H
+    row = b * T + t
+    lo_offs = row * H * D + offs_h[:, None] * D + offs_c[None, :]
+    lo_ok = _rows_mask(h_ok, offs_c, D, FULL)
+    hi_ok = _rows_mask(h_ok, offs_c + HALF, D, FULL)
+    q_lo = tl.load(q_ptr + lo_offs, mask=lo_ok, other=0.0)
+    q_hi = tl.load(q_ptr + lo_offs + HALF, mask=hi_ok, other=0.0)
+    do_lo = tl.load(dout_ptr + lo_offs, mask=lo_ok, other=0.0)
+    do_hi = tl.load(dout_ptr + lo_offs + HALF, mask=hi_ok, other=0.0)
+    NS = NW + K
+    srow = (t - t0 + b * tl.num_programs(0)) * H
+    n_lo = (tl.maximum(window - 1 - t, 0) // BLOCK_N) * BLOCK_N
+    for n0 in range(n_lo, NS, BLOCK_N):
+        rows, valid = _slot_rows(idx_ptr, row, b, t, B, T, E, K, window, NW, n0, offs_n)
+        s_offs = (srow + offs_h)[:, None] * NS + (n0 + offs_n)[None, :]
+        s_ok = h_ok[:, None] & (n0 + offs_n < NS)[None, :]
+        ds = tl.load(ds_ptr + s_offs, mask=s_ok, other=0.0)
+        p = tl.load(p_ptr + s_offs, mask=s_ok, other=0.0)
+        lo = dkv_ptr + rows[:, None] * D + offs_c[None, :]
+        _dkv_half(ds, p, q_lo, do_lo, lo, _rows_mask(valid, offs_c, D, FULL), PREC)
+        _dkv_half(ds, p, q_hi, do_hi, lo + HALF, _rows_mask(valid, offs_c + HALF, D, FULL), PREC)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Host wrappers
+# ------------------------------------------------------------------------------------------------------------------
+def _check_inputs(q, kv_win, kv_cmp, topk_idx, sink, window) -> tuple[int, int, int, int, int, int]:
+    """Validate shapes, dtypes, contiguity and devices; return (B, T, H, D, E, K)."""
+    name = "sparse_attention"
+    if q.dim() != 4:
+        raise ValueError(f"{name}: q must be [B, T, H, D], got shape {tuple(q.shape)}")
+    B, T, H, D = q.shape
+    if q.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise TypeError(f"{name}: q must be bf16/fp16/fp32, got {q.dtype}")
+    if tuple(kv_win.shape) != (B, T, D):
+        raise ValueError(f"{name}: kv_win must be [B, T, D] = {(B, T, D)}, got {tuple(kv_win.shape)}")
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"{name}: window must be a positive int, got {window!r}")
+    if tuple(sink.shape) != (H,) or sink.dtype != torch.float32:
+        raise ValueError(f"{name}: sink must be fp32 [H] = [{H}], got {sink.dtype} {tuple(sink.shape)}")
+    E = K = 0
+    tensors = {"q": q, "kv_win": kv_win, "sink": sink}
+    if kv_cmp is not None:
+        if kv_cmp.dim() != 3 or kv_cmp.shape[0] != B or kv_cmp.shape[2] != D:
+            raise ValueError(f"{name}: kv_cmp must be [B, E, D] with B={B}, D={D}, got {tuple(kv_cmp.shape)}")
+        if topk_idx is None or topk_idx.dim() != 3 or tuple(topk_idx.shape[:2]) != (B, T):
+            got = None if topk_idx is None else tuple(topk_idx.shape)
+            raise ValueError(f"{name}: topk_idx must be [B, T, K] = [{B}, {T}, K], got {got}")
+        if topk_idx.dtype != torch.int32:
+            raise TypeError(f"{name}: topk_idx must be int32 (-1 = empty slot), got {topk_idx.dtype}")
+        E, K = kv_cmp.shape[1], topk_idx.shape[2]
+        tensors.update(kv_cmp=kv_cmp, topk_idx=topk_idx)
+    for n, t in tensors.items():
+        if n in ("kv_win", "kv_cmp") and t.dtype != q.dtype:
+            raise TypeError(f"{name}: {n} must have q's dtype {q.dtype}, got {t.dtype}")
+        if t.device != q.device:
+            raise ValueError(f"{name}: {n} is on {t.device}, q on {q.device}")
+    return B, T, H, D, E, K
+
+
+def _check_triton(tensors: dict[str, torch.Tensor]) -> None:
+    for n, t in tensors.items():
+        if t is None:
+            continue
+        if not t.is_contiguous():
+            raise ValueError(f"sparse_attention(impl='triton'): {n} must be contiguous (call .contiguous())")
+        if t.device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1":
+            raise RuntimeError(f"sparse_attention(impl='triton'): {n} is on {t.device}; the Triton kernel needs "
+                               "CUDA tensors (or TRITON_INTERPRET=1 for the CPU interpreter)")
+
+
+def _prec(dtype: torch.dtype) -> str:
+    """The dots' PREC constexpr: exact fp32 dots for fp32 inputs, fp32 operands for 16-bit inputs under the CPU
+    interpreter (see `_dot`), else the 16-bit tensor-core path (which ignores the setting)."""
+    if dtype == torch.float32:
+        return "ieee"
+    return "interp" if os.environ.get("TRITON_INTERPRET", "0") == "1" else "tf32"
+
+
+def _tiles(H: int, D: int) -> tuple[int, int]:
+    # tensor-core tiles need every dim >= 16; padded heads/channels are masked to zero
+    return max(16, triton.next_power_of_2(H)), max(16, triton.next_power_of_2(D))
+
+
+def _stack_keys(q, kv_win, kv_cmp, topk_idx, window: int, block_n: int):
+    """Stack the keys as [kv_win (B*T rows); kv_cmp (B*E rows)] (a copy 1/H the size of q) and return
+    (keys, idx, E, K, NW): K = 0 when nothing is selected (the kernels then never read idx), NW = W rounded up to
+    BLOCK_N."""
+    B, T, D = kv_win.shape
+    has_cmp = kv_cmp is not None and kv_cmp.shape[1] > 0 and topk_idx.shape[2] > 0
+    E = kv_cmp.shape[1] if kv_cmp is not None else 0
+    if has_cmp:
+        keys, idx, K = torch.cat((kv_win.reshape(B * T, D), kv_cmp.reshape(B * E, D))), topk_idx, topk_idx.shape[2]
+    else:
+        keys, idx, K = kv_win, torch.empty(1, device=q.device, dtype=torch.int32), 0
+    return keys, idx, E, K, triton.cdiv(window, block_n) * block_n
+
+
+def _launch(cfg: dict, name: str) -> dict:
+    warps, stages = cfg[name]
+    return {"num_warps": warps, "num_stages": stages}
+
+
+def _forward_triton(q, kv_win, kv_cmp, topk_idx, sink, window, topk_probs: bool = False):
+    B, T, H, D, _, _ = _check_inputs(q, kv_win, kv_cmp, topk_idx, sink, window)
+    _check_triton({"q": q, "kv_win": kv_win, "kv_cmp": kv_cmp, "topk_idx": topk_idx, "sink": sink})
+    cfg = FWD_CONFIG
+    BLOCK_H, BLOCK_D = _tiles(H, D)
+    has_cmp = kv_cmp is not None and kv_cmp.shape[1] > 0 and topk_idx.shape[2] > 0
+    E, K = (kv_cmp.shape[1], topk_idx.shape[2]) if has_cmp else (0, 0)
+    out = torch.empty_like(q)
+    lse = torch.empty(B, T, H, device=q.device, dtype=torch.float32)
+    probs = torch.empty(B, T, K, device=q.device, dtype=torch.float32) if topk_probs else lse
+    # with K = 0 the top-k loop never runs, so placeholders of the right types stand in for the absent tensors
+    placeholder_idx = torch.empty(1, device=q.device, dtype=torch.int32)
+    _sparse_attn_fwd[(T, B)](
+        q, kv_win, kv_cmp if has_cmp else kv_win, topk_idx if has_cmp else placeholder_idx, sink, out, lse, probs,
+        T, E, K, window, D ** -0.5 * _LOG2E,
+        H=H, D=D, BLOCK_H=BLOCK_H, BLOCK_D=BLOCK_D, BLOCK_N=cfg["BLOCK_N"], PREC=_prec(q.dtype),
+        TOPK_PROBS=topk_probs, **_launch(cfg, "fwd"),
+    )
+    if topk_probs and not has_cmp:
+        probs = torch.zeros(B, T, 0 if topk_idx is None else topk_idx.shape[2], device=q.device)
+    return out, lse, (probs if topk_probs else None)
+
+
+def _backward_triton(q, kv_win, kv_cmp, topk_idx, sink, window, out, lse, dout):
+    B, T, H, D = q.shape
+    cfg = BWD_CONFIG
+    BLOCK_H, BLOCK_D = _tiles(H, D)
+    keys, idx, E, K, NW = _stack_keys(q, kv_win, kv_cmp, topk_idx, window, cfg["BLOCK_N"])
+    NS = NW + K
+    dout = dout.contiguous()
+    dq = torch.empty_like(q)
+    # key gradients in the stacked layout, accumulated by atomics in fp32
+    dkv = torch.zeros(B * T + (B * E if K else 0), D, device=q.device, dtype=torch.float32)
+    dsink_rows = torch.empty(B, T, H, device=q.device, dtype=torch.float32)
+    # P and dS of one chunk of queries at a time, so the scratch stays near cfg["scratch_bytes"]
+    chunk = max(1, min(T, cfg["scratch_bytes"] // (2 * B * H * NS * q.element_size())))
+    p_buf = torch.empty(B * chunk * H, NS, device=q.device, dtype=q.dtype)
+    ds_buf = torch.empty_like(p_buf)
+    consts = dict(H=H, D=D, BLOCK_H=BLOCK_H, BLOCK_D=BLOCK_D, BLOCK_N=cfg["BLOCK_N"], PREC=_prec(q.dtype))
+    scale = D ** -0.5
+    for t0 in range(0, T, chunk):
+        grid = (min(chunk, T - t0), B)
+        _bwd_probs[grid](q, keys, idx, sink, out, dout, lse, p_buf, ds_buf, dsink_rows,
+                         B, T, E, K, window, NW, t0, scale, scale * _LOG2E, **consts, **_launch(cfg, "probs"))
+        _bwd_dq[grid](keys, idx, ds_buf, dq, B, T, E, K, window, NW, t0, **consts, **_launch(cfg, "dq"))
+        _bwd_dkv[grid](q, dout, idx, p_buf, ds_buf, dkv, B, T, E, K, window, NW, t0, **consts,
+                       **_launch(cfg, "dkv"))
+    dkv_win = dkv[: B * T].view(B, T, D).to(kv_win.dtype)
+    if kv_cmp is None:
+        return dq, dkv_win, None, dsink_rows.sum((0, 1))
+    dkv_cmp = dkv[B * T:].view(B, E, D).to(kv_cmp.dtype) if K else torch.zeros_like(kv_cmp)
+    return dq, dkv_win, dkv_cmp, dsink_rows.sum((0, 1))
+
+
+class _SparseAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, kv_win, kv_cmp, topk_idx, sink, window, topk_probs):
+        out, lse, probs = _forward_triton(q, kv_win, kv_cmp, topk_idx, sink, window, topk_probs)
+        ctx.save_for_backward(q, kv_win, kv_cmp, topk_idx, sink, out, lse)
+        ctx.window = window
+        if probs is None:
+            return out
+        ctx.mark_non_differentiable(probs)  # a detached target (the indexer learns from it, the backbone does not)
+        return out, probs
+
+    @staticmethod
+    def backward(ctx, dout, *_):
+        q, kv_win, kv_cmp, topk_idx, sink, out, lse = ctx.saved_tensors
+        dq, dkv_win, dkv_cmp, dsink = _backward_triton(q, kv_win, kv_cmp, topk_idx, sink, ctx.window, out, lse, dout)
+        return dq, dkv_win, dkv_cmp, None, dsink, None, None
+
+
+def sparse_attention(
+    q: torch.Tensor,
+    kv_win: torch.Tensor,
+    kv_cmp: torch.Tensor | None,
+    topk_idx: torch.Tensor | None,
+    sink: torch.Tensor,
+    window: int,
+    *,
+    return_topk_probs: bool = False,
+    impl: str = "reference",
+):
+    """Sparse shared-KV attention: q [B, T, H, D] over the window keys of kv_win [B, T, D] and the entries of
+    kv_cmp [B, E, D] selected by topk_idx [B, T, K] int32 (-1 = empty), with sink [H] fp32 -> out [B, T, H, D].
+
+    Differentiable in q, kv_win, kv_cmp and sink for both implementations. kv_cmp may be None (window only).
+    With return_topk_probs, returns (out, probs): probs [B, T, K] fp32, detached, the attention probability of each
+    top-k slot summed over heads (0 for empty slots), i.e. `attend`'s p_cmp summed over heads at the selected
+    entries, the target of the indexer's KL loss."""
+    if impl not in _IMPLS:
+        raise ValueError(f"sparse_attention: impl must be one of {list(_IMPLS)}, got {impl!r}")
+    _check_inputs(q, kv_win, kv_cmp, topk_idx, sink, window)
+    if impl == "reference":
+        return sparse_attention_reference(q, kv_win, kv_cmp, topk_idx, sink, window,
+                                          return_topk_probs=return_topk_probs)
+    return _SparseAttention.apply(q, kv_win, kv_cmp, topk_idx, sink, window, return_topk_probs)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Plain-PyTorch reference (also the benchmark's "naive gather-based" baseline)
+# ------------------------------------------------------------------------------------------------------------------
+def sparse_attention_reference(q, kv_win, kv_cmp, topk_idx, sink, window, *, return_topk_probs: bool = False):
+    """Gather-based PyTorch: build each query's window keys [B, T, W, D] (a strided view) and its selected entries
+    [B, T, K, D] (a gather), then one softmax over [window ; selected ; sink]. Same numerics as `attend`: logits
+    from q's-dtype matmuls read in fp32, probabilities cast to the KV dtype before P @ V."""
+    B, T, H, D = q.shape
+    W = window
+    scale = D ** -0.5
+    # key w of query t is kv_win[t - W + 1 + w]; the W - 1 leading pad rows are masked off below
+    padded = torch.cat((kv_win.new_zeros(B, W - 1, D), kv_win), dim=1)
+    win = padded.unfold(1, W, 1)  # [B, T, D, W] view
+    pos = torch.arange(T, device=q.device)[:, None] - W + 1 + torch.arange(W, device=q.device)[None, :]
+    logits = torch.einsum("bthd,btdw->bthw", q, win).float() * scale
+    logits = logits.masked_fill((pos < 0)[None, :, None, :], float("-inf"))
+    parts = [logits]
+    if kv_cmp is not None and kv_cmp.shape[1] > 0 and topk_idx.shape[2] > 0:
+        K = topk_idx.shape[2]
+        idx = topk_idx.long()
+        empty = idx < 0
+        sel = kv_cmp.gather(1, idx.clamp_min(0).reshape(B, T * K, 1).expand(B, T * K, D)).view(B, T, K, D)
+        lc = torch.einsum("bthd,btkd->bthk", q, sel).float() * scale
+        parts.append(lc.masked_fill(empty[:, :, None, :], float("-inf")))
+    else:
+        sel = None
+    parts.append(sink.float()[None, None, :, None].expand(B, T, H, 1))
+    probs = torch.cat(parts, dim=-1).softmax(dim=-1)
+    out = torch.einsum("bthw,btdw->bthd", probs[..., :W].to(kv_win.dtype), win)
+    if sel is not None:
+        out = out + torch.einsum("bthk,btkd->bthd", probs[..., W:-1].to(sel.dtype), sel)
+    if not return_topk_probs:
+        return out.to(q.dtype)
+    K = 0 if topk_idx is None else topk_idx.shape[2]
+    head_sum = probs[..., W:-1].sum(2).detach() if sel is not None else q.new_zeros(B, T, K, dtype=torch.float32)
+    return out.to(q.dtype), head_sum
+
+
+def topk_to_mask(topk_idx: torch.Tensor, num_entries: int) -> torch.Tensor:
+    """[B, T, K] int32 (-1 = empty) -> [B, T, E] bool one-hot selection (the cmp_mask of `attend`)."""
+    B, T, _ = topk_idx.shape
+    idx = topk_idx.long()
+    mask = torch.zeros(B, T, num_entries + 1, dtype=torch.bool, device=topk_idx.device)
+    # empty slots land in a spare last column that is dropped
+    mask.scatter_(-1, torch.where(idx < 0, num_entries, idx), True)
+    return mask[..., :num_entries]
