@@ -1,0 +1,112 @@
+"""Helpers for the trainer tests: a micro model, the CLI in a subprocess, and readers for what a run leaves
+behind (metrics.jsonl, W&B offline files)."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+# v41_tiny shrunk until a step takes tens of milliseconds on one core, keeping every structural feature: an SWA
+# layer and a ratio-2 Full layer in the encoder, a ratio-1 decoder Full layer that reads h_{L/2} and builds the
+# candidate pool, a Reindex layer searching it, Engram, MoE with a shared expert, and mHC.
+MICRO_MODEL = [
+    "model.dim=32", "model.num_layers=4", "model.num_encoder_layers=2",
+    "model.attention.num_heads=2", "model.attention.head_dim=16", "model.attention.rope_dim=8",
+    "model.attention.q_lora_rank=16", "model.attention.o_groups=1", "model.attention.o_lora_rank=16",
+    "model.attention.window=8",
+    "model.csa2.compress_ratios=[0,2,1,1]", "model.csa2.kv_source_layers=[1,2]",
+    "model.csa2.index_source_layers=[1,2,3]", "model.csa2.index_num_heads=2", "model.csa2.index_head_dim=8",
+    "model.csa2.index_topk=4", "model.csa2.candidate_source_layer=2", "model.csa2.candidate_block_size=4",
+    "model.csa2.candidate_topk_blocks=2",
+    "model.moe.num_experts=4", "model.moe.experts_per_token=2", "model.moe.expert_dim=32",
+    "model.mhc.num_streams=2", "model.mhc.sinkhorn_iters=5",
+    "model.engram.layers=[1]", "model.engram.num_heads=2", "model.engram.head_dim=8", "model.engram.max_ngram=3",
+    "model.engram.prime_start=500",
+]
+
+# A small slice of the default corpus: prepared once per session by the `small_data` fixture.
+SMALL_DATA = ["data.max_bytes=400000", "data.shard_size=16384"]
+
+QUIET = ["logger.wandb.mode=disabled", "logger.progress_bar=false", "trainer.num_threads=1"]
+
+
+def micro_overrides(run_dir: Path, data_dir: Path, *extra: str) -> list[str]:
+    return [
+        f"hydra.run.dir={run_dir}", f"data.path={data_dir}", *SMALL_DATA, *MICRO_MODEL,
+        "data.seq_len=32", "data.batch_size=4", *QUIET, *extra,
+    ]
+
+
+def env(**extra: str) -> dict:
+    out = {k: v for k, v in os.environ.items() if not k.startswith("CEDAR_FAULT")}
+    out.update({"WANDB_SILENT": "true", "WANDB_MODE": "", "HYDRA_FULL_ERROR": "", **extra})
+    return {k: v for k, v in out.items() if v != ""}
+
+
+def run_cli(args: list[str], timeout: float = 300, **env_extra: str) -> subprocess.CompletedProcess:
+    """`python -m trainer.main ARGS` from the repository root."""
+    return subprocess.run(
+        [sys.executable, "-m", "trainer.main", *args], cwd=REPO, env=env(**env_extra), capture_output=True,
+        text=True, timeout=timeout,
+    )
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    path = Path(run_dir) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line]
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in read_metrics(run_dir)}
+
+
+def read_wandb_records(path: Path) -> list:
+    """Decode a .wandb transaction log: W&B's 7-byte header, then LevelDB-log framing (32 KiB blocks of
+    records with a 7-byte header: crc32, length, type FULL=1/FIRST=2/MIDDLE=3/LAST=4), each payload one
+    protobuf `Record` from wandb's own schema."""
+    from wandb.proto import wandb_internal_pb2
+
+    data = Path(path).read_bytes()
+    assert data[:4] == b":W&B", f"{path} is not a W&B transaction log"
+    block, pos, pending, payloads = 32768, 7, b"", []
+    while pos + 7 <= len(data):
+        left = block - pos % block
+        if left < 7:  # block trailer padding
+            pos += left
+            continue
+        _crc, length, kind = struct.unpack("<IHB", data[pos: pos + 7])
+        if kind == 0 and length == 0:
+            pos += left
+            continue
+        chunk = data[pos + 7: pos + 7 + length]
+        pos += 7 + length
+        if kind == 1:
+            payloads.append(chunk)
+        elif kind == 2:
+            pending = chunk
+        elif kind == 3:
+            pending += chunk
+        elif kind == 4:
+            payloads.append(pending + chunk)
+    records = []
+    for payload in payloads:
+        record = wandb_internal_pb2.Record()
+        record.ParseFromString(payload)
+        records.append(record)
+    return records
+
+
+def wandb_history(path: Path) -> list[dict]:
+    """The rows logged with run.log(), as {key: value} with values decoded from JSON."""
+    rows = []
+    for record in read_wandb_records(path):
+        if record.WhichOneof("record_type") == "history":
+            rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                         for item in record.history.item})
+    return rows

@@ -1,0 +1,232 @@
+"""Context parallelism (CP): the cp ranks of one data group split every sequence of the batch into cp chunks.
+
+Shape legend: B batch rows, T tokens per sequence, cp chunks, T_c = T / cp tokens per chunk, m compression ratio,
+E = T / m compressed entries (E_c = T_c / m per chunk), D main latent width (512 in the flagship), Di indexer key
+width (128), W SWA window (128), n_exp routed experts, s bytes per element of the model dtype (2 in bf16).
+
+Layout: rank r of the cp axis holds positions [r * T_c, (r + 1) * T_c) of every row (contiguous chunks). Every cp rank
+reads the same batch (the data mesh excludes cp) and keeps its chunk of the ids, labels and image mask
+(`shard_sequence`). The model stays free of process groups: `apply_cp` installs plain callables in its
+`model.attention.SequenceShard` (and each MoE's `chunk_mean`); they are the identity when one process holds the
+whole sequence. Parameters are not touched: every cp rank holds the whole model (FSDP/TP/EP compose as usual).
+
+What crosses chunks, and how:
+- Compressed global KV (Full layers). Chunks align with compressor groups (T_c % m == 0), so each rank compresses its
+  own groups (RoPE at the groups' absolute first-token positions, FP4 per entry) and one all-gather along the entry
+  axis hands every rank all E entries, main latent and indexer keys packed in one message. Visibility (entry t seen by
+  position p iff t < (p + 1) // m) uses absolute positions, so nothing from the future leaks. The gradient of the
+  gathered entries is reduce-scattered (summed) back to the rank that made them. Reuse and Reindex layers read the
+  gathered entries of their source: no more traffic.
+- Indexer top-k and the hierarchical pool: local queries score all E gathered keys, with visibility and the pool's
+  newest-block rule at absolute positions (`q_offset`), so each query row equals the single process's row, and so do
+  its top-k and its pool. The queries and head weights are per position.
+- SWA window: a query near its chunk's start needs up to W - 1 SWA KV rows of the previous chunk. Each rank sends its
+  last W - 1 rows (after RoPE and FP8) to the next rank point-to-point, which puts them in front of its window keys;
+  rank 0 puts zeros there at negative positions, which are masked. The rows' gradient goes back the same way.
+  Needs T_c >= W - 1 (the whole halo on one neighbour).
+- Engram: an n-gram reaches back max_ngram - 1 = 3 tokens. The token ids (and the image mask) are all-gathered once
+  per forward and hashed on the whole sequence; each rank keeps its chunk's row ids.
+- RoPE at absolute positions (offset r * T_c). h_{L/2}, mHC, norms, MoE routing and experts are per position: local.
+- Whole-sequence statistics: the indexer KL is a mean over query rows with a target, which the chunks hold unevenly:
+  each rank divides its rows' sum by the chunks' mean row count. The MoE sequence-wise balance loss uses the whole
+  sequence's expert frequencies f (the chunks' mean) and the chunk's own mean probabilities P (the loss is linear in
+  P). Both make the mean over cp ranks of a rank's aux loss equal the single process's.
+
+Loss and gradients (what the trainer does): each rank's LM loss is the mean over its own T_c tokens of every row, so
+the mean over cp ranks is the mean over all tokens (equal chunk sizes; with ignored labels use a token-count-weighted
+mean instead). Gradients of replicated weights are averaged over dp x ep x cp (`trainer.parallel.expert.
+reduce_gradients`): the collectives' backwards above already deliver to each rank the gradient of the SUM of all
+ranks' losses with respect to its own activations, so the average is the gradient of the mean loss. MoE load counts
+are summed over dp x ep x cp (`reduce_load_counts`): cp ranks route different tokens.
+
+Communication per layer and micro-batch, bytes per rank (ring all-gather / reduce-scatter move (cp - 1) / cp of the
+gathered size in each direction; FP4/FP8 values travel as fake-quantised model-dtype values):
+| where | forward | backward |
+| --- | --- | --- |
+| Full layer: entries (main + indexer keys) | all-gather (cp-1)/cp * B*E*(D+Di)*s | reduce-scatter, the same |
+| every layer: SWA halo | send + receive B*(W-1)*D*s | the same, reversed |
+| index source: KL row count | all-reduce of one fp32 | none |
+| MoE layer, only if seq_aux_loss_coef > 0 | all-reduce B*n_exp fp32 | none |
+| once per forward: token ids (+ image mask) | all-gather (cp-1)/cp * B*T*8 (+ B*T) | none |
+Flagship, B = 1, T = 64K, cp = 8, bf16: an encoder Full layer (m = 2) moves 7/8 * 32768 * 640 * 2 = 36.7 MB each way,
+the decoder's Full layer (m = 1) 73.4 MB, each layer's halo 127 * 512 * 2 = 130 KB: about 190 MB per direction per
+sequence for all 40 layers, where CP for dense attention (ring attention) would pass every layer's whole per-token KV
+around, 40 * 7/8 * 64K * 512 * 2 = 2.3 GB.
+Memory: every rank holds all E entries of each source (B*E*(D+Di)*s: 42 MB at m = 2 above) and [B, T_c, E] indexer
+scores. Compute: each rank scores its T_c queries against all E entries (the reference computes dense masked
+[T, E] scores), so the chunks are balanced; a kernel that skips invisible entries would give the last rank more work.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from model.attention import SequenceShard
+from model.config import ModelConfig
+
+__all__ = ["apply_cp", "check_sequence_length", "sequence_shard", "shard_sequence"]
+
+
+# --- validation and the batch ---------------------------------------------------------------------------------------
+
+def check_sequence_length(cfg: ModelConfig, seq_len: int, cp: int) -> None:
+    """ValueError unless sequences of `seq_len` tokens split into cp chunks that align with every compressor group and
+    each hold a whole window halo."""
+    if cp == 1:
+        return
+    if seq_len % cp:
+        raise ValueError(f"context parallelism: sequence length {seq_len} is not divisible by cp={cp}")
+    chunk = seq_len // cp
+    for ratio in sorted({r for r in cfg.csa2.compress_ratios if r > 0}):
+        if chunk % ratio:
+            raise ValueError(
+                f"context parallelism: chunk length {chunk} (sequence length {seq_len} / cp={cp}) is not divisible by "
+                f"the compression ratio {ratio} (model.csa2.compress_ratios): a compressor group would straddle chunks")
+    halo = cfg.attention.window - 1
+    if chunk < halo:
+        raise ValueError(
+            f"context parallelism: chunk length {chunk} (sequence length {seq_len} / cp={cp}) is shorter than the "
+            f"window halo of {halo} rows (model.attention.window={cfg.attention.window} - 1): the previous chunk "
+            "alone must hold it")
+
+
+def shard_sequence(t: torch.Tensor, cp_mesh: DeviceMesh, dim: int = 1) -> torch.Tensor:
+    """This rank's contiguous chunk of `t` along `dim` (ids, labels, image mask: [B, T] -> [B, T / cp]). Every cp rank
+    holds the same batch, so no communication."""
+    cp, rank = cp_mesh.size(), cp_mesh.get_local_rank()
+    if t.shape[dim] % cp:
+        raise ValueError(f"context parallelism: sequence length {t.shape[dim]} is not divisible by cp={cp}")
+    return t.chunk(cp, dim=dim)[rank]
+
+
+# --- the exchanges --------------------------------------------------------------------------------------------------
+
+class _GatherChunks(torch.autograd.Function):
+    """[B, n, C] on each rank -> [B, cp * n, C], chunks in rank order; the backward reduce-scatters (sums) the
+    gradient back to the chunk's owner."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        cp = dist.get_world_size(group)
+        out = x.new_empty((cp * x.shape[0], *x.shape[1:]))  # [cp * B, n, C]: gloo wants the concatenated form
+        dist.all_gather_single(out, x.contiguous(), group=group)
+        return out.unflatten(0, (cp, -1)).transpose(0, 1).flatten(1, 2)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        cp = dist.get_world_size(ctx.group)
+        parts = grad.unflatten(1, (cp, -1)).transpose(0, 1)  # [cp, B, n, C]
+        out = parts.new_empty(parts.shape[1:])
+        dist.reduce_scatter_single(out, parts.flatten(0, 1).contiguous(), group=ctx.group)
+        return out, None
+
+
+def _gather_entries(group: dist.ProcessGroup, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """(t [B, E_c, C_i], ...) -> (t [B, E, C_i], ...): one message for tensors of one dtype (main latent + keys)."""
+    if len({t.dtype for t in tensors}) > 1:
+        return tuple(_GatherChunks.apply(t, group) for t in tensors)
+    widths = [t.shape[-1] for t in tensors]
+    return _GatherChunks.apply(torch.cat(tensors, dim=-1), group).split(widths, dim=-1)
+
+
+def _exchange(send: torch.Tensor | None, send_to: int | None, recv: torch.Tensor | None, recv_from: int | None,
+              group: dist.ProcessGroup) -> None:
+    ops = []
+    if send is not None:
+        ops.append(dist.P2POp(dist.isend, send, group=group, group_peer=send_to))
+    if recv is not None:
+        ops.append(dist.P2POp(dist.irecv, recv, group=group, group_peer=recv_from))
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+
+
+class _WindowHalo(torch.autograd.Function):
+    """kv [B, T_c, D] -> [B, rows + T_c, D]: the previous rank's last `rows` rows in front (zeros on rank 0). The
+    backward sends the halo's gradient back to the previous rank, which adds it to its last rows."""
+
+    @staticmethod
+    def forward(ctx, kv: torch.Tensor, rows: int, group: dist.ProcessGroup) -> torch.Tensor:
+        rank, cp = dist.get_rank(group), dist.get_world_size(group)
+        ctx.rows, ctx.group, ctx.rank, ctx.cp = rows, group, rank, cp
+        halo = kv.new_zeros((kv.shape[0], rows, *kv.shape[2:]))
+        tail = kv[:, kv.shape[1] - rows:].contiguous()
+        has_next, has_prev = rank + 1 < cp, rank > 0
+        _exchange(tail if has_next else None, rank + 1, halo if has_prev else None, rank - 1, group)
+        return torch.cat((halo, kv), dim=1)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        rows, rank, cp = ctx.rows, ctx.rank, ctx.cp
+        has_next, has_prev = rank + 1 < cp, rank > 0
+        grad_kv = grad[:, rows:].clone()
+        from_next = grad.new_empty((grad.shape[0], rows, *grad.shape[2:])) if has_next else None
+        _exchange(grad[:, :rows].contiguous() if has_prev else None, rank - 1, from_next, rank + 1, ctx.group)
+        if from_next is not None:
+            grad_kv[:, grad_kv.shape[1] - rows:] += from_next
+        return grad_kv, None, None
+
+
+def _window_halo(group: dist.ProcessGroup, rows: int, kv: torch.Tensor) -> torch.Tensor:
+    return _WindowHalo.apply(kv, rows, group) if rows > 0 else kv
+
+
+@torch.no_grad()
+def _gather_tokens(group: dist.ProcessGroup, t: torch.Tensor) -> torch.Tensor:
+    """[B, T_c] -> [B, T] (ids, masks), no gradient."""
+    send = t.to(torch.uint8) if t.dtype == torch.bool else t  # gloo has no bool collectives
+    cp = dist.get_world_size(group)
+    out = send.new_empty((cp * send.shape[0], *send.shape[1:]))
+    dist.all_gather_single(out, send.contiguous(), group=group)
+    out = out.unflatten(0, (cp, -1)).transpose(0, 1).flatten(1, 2)
+    return out.bool() if t.dtype == torch.bool else out
+
+
+@torch.no_grad()
+def _chunk_mean(group: dist.ProcessGroup, t: torch.Tensor) -> torch.Tensor:
+    out = t.detach().clone()
+    dist.all_reduce(out, group=group)  # SUM: gloo has no AVG
+    return out / dist.get_world_size(group)
+
+
+# --- the plan -------------------------------------------------------------------------------------------------------
+
+def sequence_shard(cp_mesh: DeviceMesh, window: int) -> SequenceShard:
+    """The model's SequenceShard for this rank of `cp_mesh`, its hooks bound to the cp process group."""
+    group = cp_mesh.get_group()
+    return SequenceShard(
+        index=cp_mesh.get_local_rank(),
+        gather_entries=functools.partial(_gather_entries, group),
+        window_halo=functools.partial(_window_halo, group, window - 1),
+        gather_tokens=functools.partial(_gather_tokens, group),
+        chunk_mean=functools.partial(_chunk_mean, group),
+    )
+
+
+def apply_cp(model: nn.Module, cp_mesh: DeviceMesh) -> nn.Module:
+    """Context parallelism for a `model.transformer.Transformer`, in place: install the cp hooks and a check of the
+    chunk length. Touches no parameter, so it composes with the other plans in any order, on meta or materialised
+    models. Afterwards feed the model this rank's chunk of every sequence (`shard_sequence`). No-op for cp = 1."""
+    if cp_mesh.ndim != 1:
+        raise ValueError(f"apply_cp wants a 1-D cp mesh, got {cp_mesh.ndim} dims")
+    cp = cp_mesh.size()
+    if cp == 1:
+        return model
+    cfg = model.cfg
+    shard = sequence_shard(cp_mesh, cfg.attention.window)
+    model.sequence_shard = shard
+    for moe in model.moe_layers():
+        moe.chunk_mean = shard.chunk_mean
+
+    def check_chunk(_, args, kwargs):
+        ids = args[0] if args else kwargs["input_ids"]
+        check_sequence_length(cfg, ids.shape[1] * cp, cp)
+
+    model.register_forward_pre_hook(check_chunk, with_kwargs=True)
+    return model
