@@ -21,23 +21,56 @@ are detached so the loss never reaches the backbone.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 from torch import nn
 
-from model.common import RMSNorm, init_linear, linear
+from model.common import RMSNorm, init_linear, linear, local
 from model.config import ModelConfig
 from model.csa2 import Compressor, Indexer, candidate_pool, index_scores, select_topk, visible_mask
 from model.layer_plan import LayerSpec
 from model.rope import apply_rope, rope_tables
 
 
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def _all_same(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return tensors
+
+
+@dataclass(frozen=True)
+class SequenceShard:
+    """This process's contiguous chunk of every sequence, and the hooks that reach the rest of it.
+
+    The defaults describe one process holding whole sequences: every hook is the identity. Context parallelism
+    (trainer/parallel/context.py) installs implementations; they are plain callables, so the model never sees a
+    process group. With T local tokens the chunk covers positions [index * T, (index + 1) * T).
+    """
+
+    index: int = 0  # the chunk's place in the sequence
+    # (t [B, E_local, C], ...) -> (t [B, E, C], ...): every chunk's compressed entries in sequence order; an entry's
+    # gradient returns to the chunk that made it
+    gather_entries: Callable[..., tuple[torch.Tensor, ...]] = _all_same
+    # kv [B, T, D] -> [B, h + T, D]: the previous chunk's last h window rows first (h = 0 alone; the first chunk's h
+    # rows sit at negative positions and are masked); their gradient returns to the previous chunk
+    window_halo: Callable[[torch.Tensor], torch.Tensor] = _same
+    # t [B, T] -> [B, num_chunks * T]: a per-token tensor of the whole sequence (token ids, masks); no gradient
+    gather_tokens: Callable[[torch.Tensor], torch.Tensor] = _same
+    # t -> the mean of t over the chunks of the sequence; no gradient (statistics of whole sequences)
+    chunk_mean: Callable[[torch.Tensor], torch.Tensor] = _same
+
+
 @dataclass
 class ForwardContext:
     """State one forward shares across layers (per sequence batch). Pipeline stages carry it along."""
 
-    positions: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T] absolute positions: offset, offset + 1, ...
     phase: str  # indexer phase: "sparse" or "dense_warmup"
+    offset: int = 0  # absolute position of the first local token (context parallelism: index * T)
+    shard: SequenceShard = field(default_factory=SequenceShard)
     h_mid: torch.Tensor | None = None  # [B, T, dim] the encoder's output (collapsed streams), CED
     kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # source -> (main, index keys)
     selection: dict[int, torch.Tensor] = field(default_factory=dict)  # index source -> [B, T, E] bool
@@ -67,9 +100,10 @@ def _fake_quant_fp8(x: torch.Tensor) -> torch.Tensor:
 def attend(q, kv_win, kv_cmp, win_mask, cmp_mask, sink):
     """Reference sparse shared-KV attention (the Triton kernel must equal this).
 
-    q [B, T, H, D]; kv_win [B, T, D]; kv_cmp [B, E, D] or None; win_mask [T, T] bool; cmp_mask [B, T, E] bool;
-    sink [H] fp32. Returns out [B, T, H, D] (q's dtype) and the fp32 probabilities over compressed entries
-    [B, H, T, E] (None without compressed entries).
+    q [B, T, H, D]; kv_win [B, S, D] window keys (S = T, or h + T with a context-parallel halo of h earlier rows
+    first); kv_cmp [B, E, D] or None; win_mask [T, S] bool; cmp_mask [B, T, E] bool; sink [H] fp32.
+    Returns out [B, T, H, D] (q's dtype) and the fp32 probabilities over compressed entries [B, H, T, E] (None
+    without compressed entries).
     """
     D = q.shape[-1]
     scale = D ** -0.5
@@ -91,19 +125,34 @@ def attend(q, kv_win, kv_cmp, win_mask, cmp_mask, sink):
     return out.to(q.dtype), p_cmp
 
 
-def indexer_kl(p_cmp: torch.Tensor, scores: torch.Tensor, domain: torch.Tensor) -> torch.Tensor:
+class HeadSum(nn.Module):
+    """[B, H, T, E] -> [B, T, E]: attention probabilities summed over heads (the indexer's KL target, unnormalised).
+
+    A module of its own so that a tensor-parallel plan, which splits the heads, can complete the sum across ranks."""
+
+    def forward(self, p: torch.Tensor) -> torch.Tensor:
+        return p.sum(1)
+
+
+def indexer_kl(attn_mass: torch.Tensor, scores: torch.Tensor, domain: torch.Tensor,
+               chunk_mean: Callable[[torch.Tensor], torch.Tensor] = _same) -> torch.Tensor:
     """KL(attention || indexer) over the indexer's search domain, mean over query rows that have a target.
 
-    p_cmp [B, H, T, E] fp32 attention probabilities; scores [B, T, E] indexer scores; domain [B, T, E] bool."""
-    target = p_cmp.detach().sum(1) * domain
+    attn_mass [B, T, E] fp32 attention probabilities over compressed entries summed over heads (`HeadSum`);
+    scores [B, T, E] indexer scores; domain [B, T, E] bool. Under context parallelism (`SequenceShard.chunk_mean`)
+    a chunk divides its rows' KL sum by the chunks' mean row count, so the mean over chunks is the mean over all
+    rows; a chunk without rows still returns a zero that depends on `scores`, so every chunk runs the same backward
+    (the key gather's reduce-scatter among it)."""
+    target = attn_mass.detach() * domain
     mass = target.sum(-1, keepdim=True)
     rows = mass.squeeze(-1) > 0
-    if not bool(rows.any()):
+    num_rows = chunk_mean(rows.sum().float())
+    if not bool(num_rows > 0):
         return scores.new_zeros(())
     target = target / mass.clamp_min(1e-30)
     logq = scores.masked_fill(~domain, float("-inf")).log_softmax(-1)
     kl = torch.special.xlogy(target, target) - torch.where(target > 0, target * logq, torch.zeros_like(logq))
-    return kl.sum(-1)[rows].mean()
+    return kl.sum(-1)[rows].sum() / num_rows
 
 
 class CSA2Attention(nn.Module):
@@ -127,6 +176,7 @@ class CSA2Attention(nn.Module):
             Indexer(cfg.dim, a.q_lora_rank, a.head_dim, c.index_num_heads, c.index_head_dim, spec.owns_kv, eps)
             if spec.owns_indexer else None
         )
+        self.head_sum = HeadSum()
 
     def init_weights(self) -> None:
         std = self.cfg.init_std
@@ -145,9 +195,9 @@ class CSA2Attention(nn.Module):
         """Full layer: compress, rotate at each group's first token, fake-quantise, publish (main, index keys)."""
         a, q = self.cfg.attention, self.cfg.quant
         m = self.spec.ratio
-        latent = self.compressor(kv_in)  # [B, E, D] pre-RoPE
+        latent = self.compressor(kv_in)  # [B, E, D] pre-RoPE (this chunk's groups under context parallelism)
         E = latent.shape[1]
-        pos = torch.arange(E, device=latent.device) * m
+        pos = (torch.arange(E, device=latent.device) + ctx.offset // m) * m  # each group's first token
         cos, sin = ctx.rope(a, "compress", pos, latent.dtype, key=("entries", m))
         main = apply_rope(latent, cos, sin)
         if q.main_kv == "fp4":
@@ -156,7 +206,8 @@ class CSA2Attention(nn.Module):
         keys = apply_rope(keys, cos, sin)
         if q.index == "fp4":
             keys = _fake_quant_fp4(keys, 32, "ue8m0")
-        ctx.kv[self.spec.index] = (main, keys)
+        # Context parallelism: chunks align with groups, so each compresses its own and all exchange the entries.
+        ctx.kv[self.spec.index] = ctx.shard.gather_entries(main, keys)
 
     def _select(self, x, q_res, keys, E, ctx: ForwardContext):
         """Index source: score visible entries (in the pool, if restricted), publish top-k; return (scores, domain)."""
@@ -168,7 +219,7 @@ class CSA2Attention(nn.Module):
         if q.index == "fp4":
             qi = _fake_quant_fp4(qi, 32, "ue8m0")
         w = self.indexer.head_weights(x.detach())
-        domain = visible_mask(T, E, self.spec.ratio, x.device).expand(x.shape[0], T, E)
+        domain = visible_mask(T, E, self.spec.ratio, x.device, ctx.offset).expand(x.shape[0], T, E)
         if self.spec.uses_pool:
             if ctx.pool is None:
                 raise RuntimeError(f"layer {self.spec.index}: Reindex layer found no candidate pool in the context")
@@ -177,7 +228,7 @@ class CSA2Attention(nn.Module):
         masked = scores.masked_fill(~domain, float("-inf"))
         if self.spec.builds_pool:
             ctx.pool = candidate_pool(masked.detach(), self.spec.ratio, c.candidate_block_size,
-                                      c.candidate_topk_blocks)
+                                      c.candidate_topk_blocks, ctx.offset)
         with torch.no_grad():
             ctx.selection[self.spec.index] = select_topk(masked, c.index_topk)
         return scores, domain
@@ -193,12 +244,16 @@ class CSA2Attention(nn.Module):
         cos, sin = ctx.rope(a, kind, ctx.positions, x.dtype)
 
         q_res = self.q_norm(self.wq_a(x))
-        q = apply_rope(self.wq_b(q_res).unflatten(-1, (self.num_heads, self.head_dim)), cos, sin)
+        q = apply_rope(self.wq_b(q_res).unflatten(-1, (-1, self.head_dim)), cos, sin)  # [B, T, H, D] (H/tp under tp)
         kv = apply_rope(self.kv_norm(self.wkv(x)), cos, sin)
         if qc.swa_kv == "fp8":
             kv = _fake_quant_fp8(kv)
+        # Window keys: under context parallelism the previous chunk's last rows come first (a halo of h rows).
+        kv_keys = ctx.shard.window_halo(kv)  # [B, h + T, D]
         p = ctx.positions
-        win_mask = (p[None, :] <= p[:, None]) & (p[None, :] > p[:, None] - a.window)
+        h = kv_keys.shape[1] - T
+        k_pos = torch.cat((torch.arange(-h, 0, device=p.device) + p[0], p))  # [h + T]; < 0: no token (first chunk)
+        win_mask = (k_pos[None, :] <= p[:, None]) & (k_pos[None, :] > p[:, None] - a.window) & (k_pos >= 0)[None, :]
 
         kv_cmp = cmp_mask = scores = domain = None
         if spec.ratio > 0:
@@ -209,21 +264,21 @@ class CSA2Attention(nn.Module):
             if spec.owns_indexer:
                 scores, domain = self._select(x, q_res, keys, E, ctx)
             if ctx.phase == "dense_warmup":
-                cmp_mask = visible_mask(T, E, spec.ratio, x.device).expand(B, T, E)
+                cmp_mask = visible_mask(T, E, spec.ratio, x.device, ctx.offset).expand(B, T, E)
             else:
                 cmp_mask = ctx.selection[spec.index_source]
             if E == 0:
                 kv_cmp = None
 
-        out, p_cmp = attend(q, kv, kv_cmp, win_mask, cmp_mask, self.attn_sink)
+        out, p_cmp = attend(q, kv_keys, kv_cmp, win_mask, cmp_mask, local(self.attn_sink))
         if scores is not None and p_cmp is not None:
             if ctx.phase == "sparse":
                 domain = domain & cmp_mask
-            ctx.indexer_kl[spec.index] = indexer_kl(p_cmp, scores, domain)
+            ctx.indexer_kl[spec.index] = indexer_kl(self.head_sum(p_cmp.detach()), scores, domain,
+                                                    ctx.shard.chunk_mean)
 
         out = apply_rope(out, cos, sin, inverse=True)  # [B, T, H, D]
-        G = a.o_groups
-        grouped = out.reshape(B, T, G, -1)
-        w = self.wo_a.weight.view(G, a.o_lora_rank, -1)
+        w = local(self.wo_a.weight).unflatten(0, (-1, a.o_lora_rank))  # [G, o_lora_rank, H / G * D]
+        grouped = out.flatten(2).unflatten(-1, (w.shape[0], -1))  # [B, T, G, H / G * D]: groups are head blocks
         y = torch.einsum("btgi,goi->btgo", grouped, w).flatten(2)
         return self.wo_b(y)

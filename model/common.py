@@ -23,10 +23,37 @@ class RMSNorm(nn.Module):
         return (xf * self.weight.float()).to(x.dtype)
 
 
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a parameter that a parallel plan distributed (a DTensor); any other tensor unchanged.
+
+    Model code reads a parameter through this wherever it uses it outside its own module's call (an einsum, a
+    functional linear), so the maths stays on plain tensors and derives per-rank sizes from the shard's shape. The
+    gradient lands on the shard; plans only distribute such parameters where every rank sees the same tokens."""
+    to_local = getattr(t, "to_local", None)
+    return t if to_local is None else to_local()
+
+
 def linear(in_dim: int, out_dim: int) -> nn.Linear:
     """Bias-free linear layer (the architecture has no biases)."""
     return nn.Linear(in_dim, out_dim, bias=False)
 
 
+def init_normal(t: torch.Tensor, std: float) -> None:
+    """normal_(t, 0, std), giving a distributed (DTensor) parameter the values the unsharded one would get: the full
+    tensor is drawn from the default generator and this rank keeps its part (no communication, one transient
+    full-size tensor). Every rank's generator then advances as in the single process, so a model built on meta,
+    parallelised and initialised equals the single-process model (and no two ranks draw the same shard)."""
+    to_local = getattr(t, "to_local", None)
+    if to_local is None:
+        nn.init.normal_(t, mean=0.0, std=std)
+        return
+    from torch.distributed.tensor import distribute_tensor
+
+    with torch.no_grad():
+        full = torch.empty(t.shape, dtype=t.dtype, device=to_local().device)
+        nn.init.normal_(full, mean=0.0, std=std)
+        to_local().copy_(distribute_tensor(full, t.device_mesh, t.placements, src_data_rank=None).to_local())
+
+
 def init_linear(module: nn.Linear, std: float) -> None:
-    nn.init.normal_(module.weight, mean=0.0, std=std)
+    init_normal(module.weight, std)

@@ -15,9 +15,10 @@ from torch import nn
 from model.common import RMSNorm, init_linear, linear
 
 
-def visible_mask(num_queries: int, num_entries: int, ratio: int, device) -> torch.Tensor:
-    """[T, E] bool: entry t visible to query p iff t < (p + 1) // ratio."""
-    p = torch.arange(num_queries, device=device)
+def visible_mask(num_queries: int, num_entries: int, ratio: int, device, q_offset: int = 0) -> torch.Tensor:
+    """[T, E] bool: entry t visible to query p iff t < (p + 1) // ratio. Query i sits at position q_offset + i
+    (a chunk of a longer sequence under context parallelism); entries are indexed from the sequence start."""
+    p = torch.arange(num_queries, device=device) + q_offset
     t = torch.arange(num_entries, device=device)
     return t[None, :] < ((p + 1) // ratio)[:, None]
 
@@ -109,17 +110,19 @@ def select_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
     return sel.scatter_(-1, idx, vals > float("-inf"))
 
 
-def candidate_pool(scores: torch.Tensor, ratio: int, block_size: int, topk_blocks: int) -> torch.Tensor:
+def candidate_pool(scores: torch.Tensor, ratio: int, block_size: int, topk_blocks: int,
+                   q_offset: int = 0) -> torch.Tensor:
     """The hierarchical candidate pool (SPEC 1.3, REFERENCE A4): [B, T, E] masked scores -> [B, T, E] bool.
 
     Blocks of `block_size` entries score the max inside the block; the block holding the query's newest visible entry
-    is always kept; the best min(topk_blocks, n_blocks) blocks with a finite score form the pool."""
+    is always kept; the best min(topk_blocks, n_blocks) blocks with a finite score form the pool. Query i sits at
+    position q_offset + i (as in `visible_mask`)."""
     B, T, E = scores.shape
     nb = -(-E // block_size)
     pad = nb * block_size - E
     s = nn.functional.pad(scores, (0, pad), value=float("-inf")) if pad else scores
     block = s.view(B, T, nb, block_size).amax(-1)  # [B, T, nb]
-    newest = (torch.arange(T, device=scores.device) + 1) // ratio - 1  # newest visible entry per query, -1 if none
+    newest = (torch.arange(T, device=scores.device) + q_offset + 1) // ratio - 1  # newest visible entry, -1 if none
     has = newest >= 0
     nb_idx = (newest.clamp(min=0) // block_size)[None, :, None].expand(B, T, 1)
     forced = torch.where(has[None, :, None], float("inf"), block.gather(-1, nb_idx))

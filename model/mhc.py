@@ -114,10 +114,16 @@ class HCSite(nn.Module):
     def extra_repr(self) -> str:
         return f"dim={self.dim}, num_streams={self.num_streams}, sinkhorn_iters={self.sinkhorn_iters}"
 
-    def project(self, S: torch.Tensor) -> torch.Tensor:
-        """A6 steps 1-2: S [B, T, n, D] -> raw logits m [B, T, M] = fn . (u / rms(u)), u = flatten(S) in fp32."""
+    def project(self, S: torch.Tensor, rms_last: bool = False) -> torch.Tensor:
+        """A6 steps 1-2: S [B, T, n, D] -> raw logits m [B, T, M] = fn . (u / rms(u)), u = flatten(S) in fp32.
+
+        rms_last: project the un-normalised u and apply the 1/rms factor afterwards, the order in which the fused
+        kernel accumulates it (`single_pass`); the same function up to rounding."""
         with _fp32_region(S):
             u = S.float().flatten(-2)  # [B, T, n*D]
+            if rms_last:
+                sum_sq = u.square().sum(dim=-1, keepdim=True)  # [B, T, 1]
+                return F.linear(u, self.fn.float()) * torch.rsqrt(sum_sq / u.shape[-1] + self.norm_eps)
             u = u * torch.rsqrt(u.square().mean(dim=-1, keepdim=True) + self.norm_eps)
             return F.linear(u, self.fn.float())
 
@@ -131,8 +137,9 @@ class HCSite(nn.Module):
         comb_logits = comb_logits.unflatten(-1, (n, n))  # row-major: [..., j, k]
         return Coeffs(pre, post, sinkhorn(comb_logits, self.sinkhorn_iters, self.eps))
 
-    def forward(self, S: torch.Tensor) -> Coeffs:
-        return self.coeffs_from_logits(self.project(S))
+    def forward(self, S: torch.Tensor, rms_last: bool = False) -> Coeffs:
+        # The site's parameters are read only inside its own call (single_pass too), so a parallel plan can wrap it.
+        return self.coeffs_from_logits(self.project(S, rms_last))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -218,19 +225,17 @@ def single_pass(y: torch.Tensor, S: torch.Tensor, coeffs: Coeffs, pre_lag: torch
     what the unfused path reads back; x comes from unrounded fp32 values, so in bf16 it differs from the unfused
     x by at most the rounding of S' (it is the more accurate of the two). In fp32 both agree to rounding.
     """
-    n, D = S.shape[-2], S.shape[-1]
+    n = S.shape[-2]
     with _fp32_region(S):
         W = mix_matrix(pre_lag, coeffs.post, coeffs.comb)  # [B, T, n+1, n+1]
         out = W[..., :1] * y.float().unsqueeze(-2) + torch.matmul(W[..., 1:], S.float())  # [B, T, n+1, D]
         S_new = out[..., :n, :].to(S.dtype)
         x = out[..., n, :].to(S.dtype)
-        if next_site is None:
-            return S_new, x, None
-        u = S_new.float().flatten(-2)  # [B, T, n*D]: the stored values, re-read from registers in the kernel
-        sum_sq = u.square().sum(dim=-1, keepdim=True)  # [B, T, 1]
-        raw = F.linear(u, next_site.fn.float())  # [B, T, M]
-        m = raw * torch.rsqrt(sum_sq / (n * D) + next_site.norm_eps)
-    return S_new, x, next_site.coeffs_from_logits(m)
+    if next_site is None:
+        return S_new, x, None
+    # The next site reads the stored (rounded) streams, re-read from registers in the kernel, with the 1/rms factor
+    # applied after the projection as the kernel's accumulators do.
+    return S_new, x, next_site(S_new, rms_last=True)
 
 
 _STEPS = {"single_pass": single_pass, "unfused": unfused_step}

@@ -18,6 +18,8 @@ int64 counters (int64 so a model-wide `.to(bf16)` leaves them exact).
 
 from __future__ import annotations
 
+import sys
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -26,6 +28,41 @@ from model.config import MoEConfig
 
 # Normalisation guard of the routing weights, as in the reference.
 _WEIGHT_EPS = 1e-20
+
+
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def _is_dtensor(w: torch.Tensor) -> bool:
+    # Looked up, not imported: importing torch.distributed.tensor costs every process ~1.5 s, and no DTensor can
+    # exist unless something (a parallelism plan) imported it already.
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    return dtensor is not None and isinstance(w, dtensor.DTensor)
+
+
+def local_shard(w: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a parameter: the local tensor of a DTensor (expert parallelism shards the experts'
+    dim 0), a plain tensor as it is. Autograd-aware: the gradient reaches the DTensor parameter."""
+    return w.to_local() if _is_dtensor(w) else w
+
+
+def normal_as_unsharded_(w: torch.Tensor, std: float) -> None:
+    """normal_(w, 0, std) giving a sharded (DTensor) parameter the values the unsharded one would get.
+
+    A DTensor draws its full global shape from the default generator and keeps its own shard: every rank then
+    holds the single-process values of its rows, and the generator advances by the same amount as in the
+    single process, so every later initialisation matches too. Costs one transient full-size tensor.
+    """
+    if not _is_dtensor(w):
+        nn.init.normal_(w, mean=0.0, std=std)
+        return
+    from torch.distributed.tensor import distribute_tensor  # already imported: w is a DTensor
+
+    full = torch.empty(w.shape, dtype=w.dtype, device=w.to_local().device)
+    nn.init.normal_(full, mean=0.0, std=std)
+    # src_data_rank=None: every rank slices its own copy of `full`, no communication.
+    w.to_local().copy_(distribute_tensor(full, w.device_mesh, w.placements, src_data_rank=None).to_local())
 
 
 def clamped_swiglu(g: torch.Tensor, u: torch.Tensor, limit: float) -> torch.Tensor:
@@ -66,7 +103,7 @@ class Router(nn.Module):
 
     def scores(self, x: torch.Tensor) -> torch.Tensor:
         """x [N, D] -> scores [N, E] fp32 (gate_temp is 1.0 in the flagship, so there is no temperature)."""
-        logits = F.linear(x.float(), self.weight.float())
+        logits = F.linear(x.float(), local_shard(self.weight).float())
         # Clamp at the smallest normal fp32: softplus underflows to 0 for logits below about -87, where the
         # sqrt's infinite slope would turn the gradient into NaN. Values above the clamp are untouched.
         return F.softplus(logits).clamp_min(torch.finfo(torch.float32).tiny).sqrt()
@@ -129,7 +166,8 @@ class GroupedExperts(nn.Module):
     """E routed SwiGLU experts stacked along dim 0 (the dim expert parallelism shards).
 
     w1, w3: [E, F, D] (gate and up projections), w2: [E, D, F] (down projection); the per-expert layout
-    matches HF's `experts.{e}.w{1,2,3}.weight`, so conversion is a stack.
+    matches HF's `experts.{e}.w{1,2,3}.weight`, so conversion is a stack. Under expert parallelism they are
+    DTensors sharded on dim 0 (trainer/parallel/expert.py) and forward sees only this rank's E_local experts.
     """
 
     def __init__(self, dim: int, hidden_dim: int, num_experts: int, swiglu_limit: float) -> None:
@@ -146,7 +184,7 @@ class GroupedExperts(nn.Module):
         # w2 uses init_std as well: no depth-scaled output init is prescribed (REFERENCE A1 inits at 0.02).
         with torch.no_grad():
             for w in (self.w1, self.w3, self.w2):
-                nn.init.normal_(w, mean=0.0, std=init_std)
+                normal_as_unsharded_(w, init_std)
 
     def _grouped_ok(self, x: torch.Tensor) -> bool:
         if self.use_grouped_mm is not None:
@@ -159,25 +197,30 @@ class GroupedExperts(nn.Module):
     def forward(
         self, x: torch.Tensor, weights: torch.Tensor, tokens_per_expert: torch.Tensor
     ) -> torch.Tensor:
-        """x [S, D] grouped by expert, weights [S] fp32, tokens_per_expert [E] -> [S, D] in x.dtype."""
+        """x [S, D] grouped by expert, weights [S] fp32, tokens_per_expert [E] -> [S, D] in x.dtype.
+
+        E here is the number of experts this rank holds (all of them without expert parallelism)."""
+        w1, w3, w2 = (local_shard(w) for w in (self.w1, self.w3, self.w2))  # [E, F, D], [E, F, D], [E, D, F]
         if self._grouped_ok(x):
             offs = tokens_per_expert.cumsum(0).to(torch.int32)  # [E], end row of each group
-            g = torch._grouped_mm(x, self.w1.transpose(-2, -1), offs=offs)  # [S, F]
-            u = torch._grouped_mm(x, self.w3.transpose(-2, -1), offs=offs)
+            g = torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs)  # [S, F]
+            u = torch._grouped_mm(x, w3.transpose(-2, -1), offs=offs)
             # Routing weight multiplied in fp32 before w2, then back to the model dtype (REFERENCE A7).
             a = (clamped_swiglu(g, u, self.swiglu_limit) * weights[:, None]).to(x.dtype)
-            return torch._grouped_mm(a, self.w2.transpose(-2, -1), offs=offs)  # [S, D]
+            return torch._grouped_mm(a, w2.transpose(-2, -1), offs=offs)  # [S, D]
         outs = []
         start = 0
         for e, n in enumerate(tokens_per_expert.tolist()):  # host sync: fine for the reference path
             if n == 0:
                 continue
             xe, we = x[start:start + n], weights[start:start + n]
-            a = clamped_swiglu(xe @ self.w1[e].T, xe @ self.w3[e].T, self.swiglu_limit) * we[:, None]
-            outs.append(a.to(x.dtype) @ self.w2[e].T)
+            a = clamped_swiglu(xe @ w1[e].T, xe @ w3[e].T, self.swiglu_limit) * we[:, None]
+            outs.append(a.to(x.dtype) @ w2[e].T)
             start += n
         if not outs:
-            return x.new_zeros(x.shape)
+            # No rows (S = 0). The empty result stays in the autograd graph of x and weights: under expert
+            # parallelism the backward all-to-all behind them must run here too, because the peers run theirs.
+            return (x * weights[:, None]).to(x.dtype)
         return torch.cat(outs)
 
 
@@ -199,7 +242,7 @@ class SharedExpert(nn.Module):
     def init_weights(self, init_std: float) -> None:
         with torch.no_grad():
             for lin in (self.w1, self.w3, self.w2):
-                nn.init.normal_(lin.weight, mean=0.0, std=init_std)
+                normal_as_unsharded_(lin.weight, init_std)  # split under tensor parallelism
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [N, D] -> [N, D] in x.dtype (no routing weight: the shared expert always weighs 1)."""
@@ -232,6 +275,9 @@ class MoE(nn.Module):
         self.register_buffer("load_text", torch.zeros(cfg.num_experts, dtype=torch.int64), persistent=False)
         self.register_buffer("load_image", torch.zeros(cfg.num_experts, dtype=torch.int64), persistent=False)
         self.aux_loss: torch.Tensor | None = None
+        # The mean of a per-sequence statistic over the chunks of the sequence, no gradient: the identity when one
+        # process holds whole sequences; context parallelism (trainer/parallel/context.py) installs its own.
+        self.chunk_mean = _same
 
     def init_weights(self) -> None:
         self.gate.init_weights(self.init_std)
@@ -324,6 +370,8 @@ class MoE(nn.Module):
 
         Per sequence: f_i = E / (K*T) * #tokens picking expert i, P_i = mean over tokens of s_i / sum_j s_j;
         loss = coef * sum_i f_i * P_i. Gradient reaches the router through P only (f is a count).
+        Under context parallelism f is the whole sequence's (the chunks' mean) and P this chunk's: the loss is linear
+        in P, so the mean over chunks of this loss is the whole sequence's loss.
         scores [N, E] fp32, topk_idx [N, K] -> scalar fp32.
         """
         e, k = self.num_experts, self.topk
@@ -332,5 +380,5 @@ class MoE(nn.Module):
         picks = torch.zeros(batch, e, dtype=torch.float32, device=scores.device)
         picks.scatter_add_(1, topk_idx.view(batch, seq_len * k),
                            torch.ones(batch, seq_len * k, dtype=torch.float32, device=scores.device))
-        f = picks * (e / (k * seq_len))  # [B, E]
+        f = self.chunk_mean(picks * (e / (k * seq_len)))  # [B, E]
         return self.cfg.seq_aux_loss_coef * (f * p).sum(-1).mean()

@@ -17,8 +17,8 @@ import torch
 from torch import nn
 
 from model import mhc
-from model.attention import CSA2Attention, ForwardContext
-from model.common import RMSNorm
+from model.attention import CSA2Attention, ForwardContext, SequenceShard
+from model.common import RMSNorm, init_normal
 from model.config import ModelConfig
 from model.engram import Engram, EngramHasher
 from model.layer_plan import LayerSpec, build_layer_plan
@@ -67,6 +67,53 @@ class Block(nn.Module):
         return S, cf.pre
 
 
+# The pieces of the forward (context, embedding, blocks, head), shared by `Transformer.forward` and the pipeline
+# stages (trainer/parallel/pipeline.py), so a stage computes exactly what the same layers compute in the whole model.
+
+
+def new_context(cfg: ModelConfig, input_ids: torch.Tensor, shard: SequenceShard, hasher: EngramHasher | None = None,
+                image_mask: torch.Tensor | None = None) -> tuple[ForwardContext, dict | None]:
+    """The ForwardContext of one forward on input_ids [B, T], and the Engram row ids of its tokens ({layer: (row_ids
+    [B, T, C], dead [B, T])}, None without Engram). Under context parallelism input_ids is this process's chunk:
+    positions start at shard.index * T, and since an n-gram reaches back max_ngram - 1 tokens, possibly into the
+    previous chunk, the ids are hashed on the whole sequence (`shard.gather_tokens`: ids are cheap), then sliced."""
+    T = input_ids.shape[1]
+    offset = shard.index * T
+    ctx = ForwardContext(positions=torch.arange(T, device=input_ids.device) + offset, phase=cfg.indexer.phase,
+                         offset=offset, shard=shard)
+    if hasher is None:
+        return ctx, None
+    image_mask = None if image_mask is None else shard.gather_tokens(image_mask)
+    rows = hasher.for_tokens(shard.gather_tokens(input_ids), image_mask)
+    mine = slice(offset, offset + T)
+    return ctx, {layer: (row_ids[:, mine], dead[:, mine]) for layer, (row_ids, dead) in rows.items()}
+
+
+def embed_streams(embed: nn.Embedding, input_ids: torch.Tensor, num_streams: int):
+    """input_ids [B, T] -> (S [B, T, n, dim] every stream the embedding, pre [n] the first site's one-hot `pre`)."""
+    h = embed(input_ids)
+    return mhc.init_streams(h, num_streams), mhc.first_pre(num_streams, device=h.device)
+
+
+def forward_blocks(blocks, S, pre, ctx: ForwardContext, num_encoder_layers: int, engram_in=None, image_mask=None):
+    """Run consecutive blocks (any contiguous slice of the layers) on (S, pre); returns (S, pre) after the last.
+
+    h_{L/2} is collapsed on entry to the first decoder layer (index num_encoder_layers) when that layer is in the
+    slice; a slice that starts later reads it from ctx.h_mid, as do the KV, top-k and pool its layers reuse.
+    engram_in: {layer index: (row_ids, dead)} for the Engram layers of the slice."""
+    for layer in blocks:
+        if layer.spec.index == num_encoder_layers:
+            ctx.h_mid = mhc.collapse(S, pre)
+        e_in = engram_in[layer.spec.index] if layer.engram is not None else None
+        S, pre = layer(S, pre, ctx, e_in, image_mask)
+    return S, pre
+
+
+def head_logits(norm: RMSNorm, head: nn.Linear, S: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    """Collapse with the last layer's `pre`, norm, head: logits [B, T, V] in fp32."""
+    return head(norm(mhc.collapse(S, pre))).float()
+
+
 class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -77,11 +124,14 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self.hasher = EngramHasher(cfg) if cfg.engram.layers else None
+        # Where this process's tokens sit in each sequence and the hooks reaching the rest: the whole sequence by
+        # default; context parallelism (trainer/parallel/context.py) installs its own. A plain object, no state.
+        self.sequence_shard = SequenceShard()
 
     # -- set-up --------------------------------------------------------------------------------------------------------
     def init_weights(self) -> None:
-        nn.init.normal_(self.embed.weight, std=self.cfg.init_std)
-        nn.init.normal_(self.head.weight, std=self.cfg.init_std)
+        init_normal(self.embed.weight, self.cfg.init_std)
+        init_normal(self.head.weight, self.cfg.init_std)
         self.norm.init_weights()
         for layer in self.layers:
             layer.init_weights()
@@ -128,20 +178,10 @@ class Transformer(nn.Module):
         """input_ids [B, T] -> logits [B, T, V] (fp32); with return_aux, (logits, aux) where aux holds the weighted
         auxiliary losses to add to the LM loss and aux["metrics"] their unweighted values."""
         cfg = self.cfg
-        B, T = input_ids.shape
-        ctx = ForwardContext(positions=torch.arange(T, device=input_ids.device), phase=cfg.indexer.phase)
-        engram_in = None
-        if self.hasher is not None:
-            engram_in = self.hasher.for_tokens(input_ids, image_mask)  # {layer: (row_ids, dead)}
-        h = self.embed(input_ids)
-        S = mhc.init_streams(h, cfg.mhc.num_streams)
-        pre = mhc.first_pre(cfg.mhc.num_streams, device=h.device)
-        for layer in self.layers:
-            if layer.spec.index == cfg.num_encoder_layers:
-                ctx.h_mid = mhc.collapse(S, pre)
-            e_in = engram_in[layer.spec.index] if layer.engram is not None else None
-            S, pre = layer(S, pre, ctx, e_in, image_mask)
-        logits = self.head(self.norm(mhc.collapse(S, pre))).float()
+        ctx, engram_in = new_context(cfg, input_ids, self.sequence_shard, self.hasher, image_mask)
+        S, pre = embed_streams(self.embed, input_ids, cfg.mhc.num_streams)
+        S, pre = forward_blocks(self.layers, S, pre, ctx, cfg.num_encoder_layers, engram_in, image_mask)
+        logits = head_logits(self.norm, self.head, S, pre)
         if not return_aux:
             return logits
         return logits, self._aux(ctx)

@@ -104,6 +104,23 @@ def build_model(cfg: ModelConfig, device: torch.device, seed: int) -> torch.nn.M
     return model
 
 
+def install_canonical_vocab(model: torch.nn.Module, cfg: ModelConfig, tokenizer_path: str) -> None:
+    """Engram hashes canonical ids (REFERENCE A8): derive the map from the tokenizer the shards were made with.
+    It is a pure function of the tokenizer, so a resumed run recomputes the same map."""
+    if not cfg.engram.layers:
+        return
+    from data.tokenizer import load_tokenizer
+    from model.engram import canonical_vocab_from_tokenizer
+
+    mapping, num_canonical = canonical_vocab_from_tokenizer(load_tokenizer(tokenizer_path), cfg.vocab_size)
+    if num_canonical > cfg.engram.compressed_vocab_size:
+        raise ValueError(
+            f"model.engram.compressed_vocab_size={cfg.engram.compressed_vocab_size} is smaller than the "
+            f"{num_canonical} canonical ids of tokenizer {tokenizer_path}"
+        )
+    model.set_canonical_vocab(mapping)
+
+
 def freeze_all_but(model: torch.nn.Module, trainable: list[torch.nn.Parameter]) -> None:
     """requires_grad only on what the optimiser owns (e.g. the indexers in the dense warm-up phase), so
     backward computes no gradient that would never be used."""
@@ -150,6 +167,7 @@ def build(cfg: Config, run_dir: Path) -> Job:
             f"({tokenizer.path})"
         )
     model = build_model(model_cfg, rt.device, cfg.trainer.seed)
+    install_canonical_vocab(model, model_cfg, tokenizer.path)
     trainable = list(model.trainable_parameters())
     freeze_all_but(model, trainable)
     optimizer = build_optimizer(trainable, cfg.optim)
