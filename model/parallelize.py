@@ -1,0 +1,335 @@
+"""Parallel plans for the V4.1 backbone, applied from outside the model (torchtitan's `parallelize_llama` pattern).
+
+Order (torchtitan): TP -> activation checkpointing -> compile -> FSDP, on a model built on the meta device; then
+`to_empty()` and `init_weights()`. Every function here only reads the model's structure and installs DTensor
+parameters and forward hooks; the model code never sees a process group.
+
+Shape legend: B batch, T tokens, N = B*T, dim hidden width, D latent / head width (512 in the flagship), H query
+heads, G output groups, E compressed entries (T / m), K experts per token, F expert width, V vocabulary, n mHC streams.
+
+Tensor parallelism (`apply_tp`), decisions
+------------------------------------------
+Every parameter becomes a DTensor on the tp mesh, Shard where it is split and Replicate elsewhere (torchtitan's
+NoParallel), so optimisers, gradient clipping, FSDP2 and checkpoints see one kind of parameter.
+
+- Attention: query heads split. wq_b column-wise (each rank owns H/tp heads), the per-head sink sharded with them,
+  wo_a's groups split (group g is the head block g*H/G.., so rank r's G/tp groups are exactly its heads; the
+  model reads the shard through `model.common.local`), wo_b row-wise. Replicated: wq_a, q_norm, the shared K=V
+  latent (wkv, kv_norm: one 512-wide latent per token, shared by all heads), the compressor and the indexer.
+  The indexer is replicated rather than split by heads: its scores are [B, T, E] fp32, so a head split would save
+  2*Hi*Di*(1 - 1/tp) FLOPs per (query, entry) pair (8192 in the flagship, at most) but add an all-reduce of 4 bytes
+  per pair (about 8 bytes of ring traffic): on an H200 (~1 PFLOP/s, ~450 GB/s NVLink) the traffic takes longer than
+  the FLOPs it saves, and replication keeps top-k identical on every rank by construction. Its KL target
+  (attention mass summed over heads) is the one thing the head split breaks: `HeadSum`'s output is all-reduced
+  (forward only; the target is detached).
+  The latent, main KV and q_res are computed replicated and read by this rank's heads only, so their gradients
+  are partial sums: all-reduced where they leave the replicated part (Megatron's `f`), at q_res (wq_b's input),
+  kv_norm's output and the compressor's output. Every gradient that reaches the attention input is then complete,
+  so under sequence parallelism the input all-gather's backward is a slice, not a reduce-scatter.
+- MoE: routed experts split along their width F (w1/w3 [E, F, D] on F, w2 [E, D, F] on F; SwiGLU is elementwise in
+  F, so this is exact), the shared expert column/row-wise, the router replicated: every tp rank routes the same
+  tokens (load counts stay identical across tp, so bias updates reduce over the data mesh only). Experts and the
+  shared expert return partial sums, reduced once at the MoE output. The tokens and routing weights the experts
+  read get their partial gradients all-reduced at the experts' input ([N*K, dim]: the dispatch has no seam before
+  it; torchtitan's expert TP does the same). Not composed with expert parallelism yet: apply_tp refuses parameters
+  another plan already distributed (experts split by EP and not by tp would make that all-reduce double-count).
+- Embedding column-wise (each rank holds dim/tp channels of every row), not vocab-parallel: DTensor has no row-wise
+  strategy for the embedding backward, so a vocab-sharded table would get a full-size [V, dim] gradient on every
+  rank, reduced every step; column-wise keeps the gradient sharded and its forward is a gather, not a reduction.
+- Head column-wise (vocab-parallel). With `loss_parallel` (default) the logits stay sharded over the vocabulary (a
+  DTensor [B, T, V]) and the caller computes the cross-entropy and calls backward inside
+  `torch.distributed.tensor.parallel.loss_parallel()`; otherwise the logits are all-gathered ([N, V] per step).
+- Norms, mHC sites and Engram: replicated; they act on the full hidden width / all streams of a token.
+
+Sequence parallelism (`sequence_parallel=True`): activations between sub-blocks (the embedding output, the mHC
+streams S [B, T/tp, n, dim], h_mid, the FFN/attention outputs) are sharded along T (Shard(1)). Norms and mHC sites
+compute on the local shard in DTensor form, so their replicated parameters get Partial gradients (completed by
+`reduce_partial_grads` after backward, or by FSDP2). Attention and MoE all-gather their inputs (x; kv_in = norm of
+h_mid in decoder Full layers) and reduce-scatter their outputs, so everything that reads across positions (windows,
+compressor groups, indexer, top-k, the hierarchical pool, per-sequence balance statistics) sees the whole sequence.
+Engram's row ids
+are hashed from the whole token sequence (input_ids stay replicated); Engram itself all-gathers the streams, runs
+on the whole sequence and slices its output back, so its table's gradient is complete on every rank. Run on the
+shard, the table (98B rows x 256 per module in the flagship) would get a partial gradient: a dense all-reduce of
+the whole table every step instead of two all-gathers of the streams. T must divide by tp.
+
+Communication per layer and micro-batch (elements; x2 bytes in bf16, x4 in fp32; ring all-reduce moves twice an
+all-gather or reduce-scatter):
+| where | forward | backward |
+| --- | --- | --- |
+| attention input (SP) | all-gather N*dim (+ N*dim for kv_in in decoder Full layers) | none (slice) |
+| attention output | all-reduce N*dim, or reduce-scatter (SP) | none, or all-gather N*dim (SP) |
+| q_res / latent / main KV | none | all-reduce N*q_lora_rank + N*D (+ B*E*D in Full layers) |
+| indexer KL target (index sources) | all-reduce B*T*E fp32 (no gradient) | none |
+| MoE input (SP) | all-gather N*dim | none (slice) |
+| MoE output | all-reduce N*dim, or reduce-scatter (SP) | none, or all-gather N*dim (SP) |
+| experts' / shared expert's input | none | all-reduce N*K*dim + N*K, and N*dim |
+| Engram (SP, 2 layers) | all-gather N*n*dim | all-gather N*n*dim |
+Once per forward: embedding output all-gather N*dim, or all-to-all to sequence shards (SP; its backward too); head
+input all-gather N*dim (SP) and its backward reduce-scatter (all-reduce without SP); with loss_parallel a few
+all-reduces of N fp32 (max, sum-exp, target logit) instead of gathering N*V logits.
+Once per step under SP: the Partial gradients of the norms and mHC sites (dim or 24 x n*dim each) are reduced.
+Costs of these choices: the replicated parts of attention (wq_a, wkv, compressor, indexer) and Engram run on every
+tp rank.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    parallelize_module,
+)
+from torch.distributed.tensor.parallel.style import ParallelStyle
+from torch.distributed.tensor.placement_types import Placement
+from torch.utils._pytree import tree_map_only
+
+__all__ = ["apply_tp", "reduce_partial_grads"]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Tensor parallelism
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _place_params(module: nn.Module, mesh: DeviceMesh, placements: dict[str, Placement] | Placement) -> None:
+    """Turn parameters into DTensors: `placements` maps names (relative to `module`) to a placement, or is one
+    placement for every parameter below `module`. No communication: every rank built the same model (on meta, or with
+    the same seed) and keeps its own slice. A parameter another plan already distributed is an error: the hooks of
+    this plan assume its own placements."""
+    for name, param in list(module.named_parameters()):
+        placement = placements if isinstance(placements, Placement) else placements.get(name)
+        if placement is None:
+            continue
+        if isinstance(param, DTensor):
+            if param.device_mesh == mesh and param.placements == (placement,):
+                continue
+            raise ValueError(f"apply_tp: {name} of {type(module).__name__} is already distributed "
+                             f"({param.placements} on {param.device_mesh}); tensor parallelism must be applied first")
+        owner_name, _, attr = name.rpartition(".")
+        owner = module.get_submodule(owner_name) if owner_name else module
+        dist = distribute_tensor(param, mesh, [placement], src_data_rank=None)
+        owner.register_parameter(attr, nn.Parameter(dist, requires_grad=param.requires_grad))
+
+
+def _grad_all_reduce(t: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """Identity forward; the gradient, a partial sum on each rank, is all-reduced on the way back (Megatron's `f`)."""
+    return DTensor.from_local(t, mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
+
+
+class DistributeParams(ParallelStyle):
+    """Only place parameters (no hooks): for parameters the model reads through `model.common.local`."""
+
+    def __init__(self, placements: dict[str, Placement]):
+        self.placements = placements
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        missing = set(self.placements) - {name for name, _ in module.named_parameters()}
+        if missing:
+            raise ValueError(f"DistributeParams: {type(module).__name__} has no parameters {sorted(missing)}")
+        _place_params(module, device_mesh, self.placements)
+        return module
+
+
+class ReplicateParallel(ParallelStyle):
+    """Replicated parameters, computed in DTensor form (torchtitan's NoParallel, and SequenceParallel generalised to
+    several inputs and tuple outputs).
+
+    Positional tensor inputs become DTensors with `input_layouts[i]` (None: left alone), redistributed to
+    `desired_input_layouts[i]` where given; the module then runs on DTensors, so every parameter gradient gets its
+    placement from the data: Partial (summed over tp) when the inputs are sequence shards, Replicate when every rank
+    holds the whole sequence. Outputs (tensors, tuples, named tuples) are redistributed to `output_layout` if given
+    (an explicit, autograd-tracked step) and come back as local tensors.
+    partial_output_grad: the output's consumers hold only this rank's heads, so its gradient is all-reduced.
+    """
+
+    def __init__(self, *, input_layouts: tuple[Placement | None, ...] = (Replicate(),),
+                 desired_input_layouts: tuple[Placement | None, ...] | None = None,
+                 output_layout: Placement | None = None, partial_output_grad: bool = False):
+        self.input_layouts = input_layouts
+        self.desired_input_layouts = desired_input_layouts or input_layouts
+        self.output_layout = output_layout
+        self.partial_output_grad = partial_output_grad
+
+    def _inputs(self, mesh: DeviceMesh, args: tuple) -> tuple:
+        out = list(args)
+        for i, (src, dst) in enumerate(zip(self.input_layouts, self.desired_input_layouts)):
+            if i >= len(args) or src is None or not isinstance(args[i], torch.Tensor) or isinstance(args[i], DTensor):
+                continue
+            t = DTensor.from_local(args[i], mesh, [src], run_check=False)
+            out[i] = t.redistribute(mesh, [dst]) if dst != src else t
+        return tuple(out)
+
+    def _outputs(self, mesh: DeviceMesh, outputs):
+        def to_local(t: DTensor) -> torch.Tensor:
+            if self.output_layout is not None and t.placements != (self.output_layout,):
+                t = t.redistribute(mesh, [self.output_layout])
+            t = t.to_local()
+            return _grad_all_reduce(t, mesh) if self.partial_output_grad else t
+
+        return tree_map_only(DTensor, to_local, outputs)
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        _place_params(module, device_mesh, Replicate())
+        module.register_forward_pre_hook(lambda _, args: self._inputs(device_mesh, args))
+        module.register_forward_hook(lambda _, args, out: self._outputs(device_mesh, out))
+        return module
+
+
+class GatherInputs(ParallelStyle):
+    """Entry of a region that needs the whole sequence (attention, MoE): positional tensor inputs with a layout are
+    all-gathered to Replicate and handed over as local tensors (None inputs pass). The backward of the gather is a
+    slice: the plans make every gradient that reaches these inputs complete on every rank."""
+
+    def __init__(self, input_layouts: tuple[Placement | None, ...]):
+        self.input_layouts = input_layouts
+
+    def _inputs(self, mesh: DeviceMesh, args: tuple) -> tuple:
+        out = list(args)
+        for i, src in enumerate(self.input_layouts):
+            if i >= len(args) or src is None or not isinstance(args[i], torch.Tensor) or src == Replicate():
+                continue
+            out[i] = DTensor.from_local(args[i], mesh, [src], run_check=False).redistribute(mesh, [Replicate()])
+            out[i] = out[i].to_local()
+        return tuple(out)
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        module.register_forward_pre_hook(lambda _, args: self._inputs(device_mesh, args))
+        return module
+
+
+class PartialGradInputs(ParallelStyle):
+    """Floating-point tensor inputs are read by this rank's shard of the weights only: their gradients are partial
+    sums, all-reduced on the way back."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def hook(_, args):
+            return tuple(_grad_all_reduce(a, device_mesh) if isinstance(a, torch.Tensor) and a.is_floating_point()
+                         else a for a in args)
+
+        module.register_forward_pre_hook(hook)
+        return module
+
+
+class _Chain(ParallelStyle):
+    """Several styles on one module, applied in order."""
+
+    def __init__(self, *styles: ParallelStyle):
+        self.styles = styles
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        for style in self.styles:
+            module = style._apply(module, device_mesh)
+        return module
+
+
+def _no_scatter(style: ParallelStyle) -> ParallelStyle:
+    # Every rank holds the same full weights before parallelising, so built-in styles keep their own slice instead of
+    # scattering rank 0's (no communication, and meta tensors are fine).
+    style.src_data_rank = None
+    return style
+
+
+def _block_plan(block: nn.Module, seq: Placement) -> dict[str, ParallelStyle]:
+    """The TP plan of one transformer block, keyed by module path. seq: the layout of activations between sub-blocks
+    (Shard(1) under sequence parallelism, Replicate otherwise)."""
+    attn = block.attn
+    plan: dict[str, ParallelStyle] = {
+        # per-token sites: local sequence shard (SP) or the whole sequence
+        "attn_norm": ReplicateParallel(input_layouts=(seq,)),
+        "ffn_norm": ReplicateParallel(input_layouts=(seq,)),
+        "hc_attn": ReplicateParallel(input_layouts=(seq,)),
+        "hc_ffn": ReplicateParallel(input_layouts=(seq,)),
+        # attention: forward(x, ctx, kv_in)
+        "attn": _Chain(GatherInputs((seq, None, seq)), DistributeParams({"attn_sink": Shard(0)})),
+        "attn.wq_a": ReplicateParallel(),
+        "attn.q_norm": ReplicateParallel(),
+        "attn.wq_b": _no_scatter(ColwiseParallel()),  # its input hook all-reduces q_res's gradient
+        "attn.wkv": ReplicateParallel(),
+        "attn.kv_norm": ReplicateParallel(partial_output_grad=True),
+        "attn.wo_a": DistributeParams({"weight": Shard(0)}),  # G/tp groups = this rank's heads
+        "attn.wo_b": _no_scatter(RowwiseParallel(output_layouts=seq)),
+        "attn.head_sum": PrepareModuleOutput(output_layouts=Partial(), desired_output_layouts=Replicate()),
+        # MoE: forward(x, image_mask); experts and shared expert return partial sums, reduced once at the output
+        "ffn": _Chain(GatherInputs((seq, None)),
+                      PrepareModuleOutput(output_layouts=Partial(), desired_output_layouts=seq)),
+        "ffn.gate": DistributeParams({"weight": Replicate()}),
+        "ffn.experts": _Chain(DistributeParams({"w1": Shard(1), "w3": Shard(1), "w2": Shard(2)}),
+                              PartialGradInputs()),
+    }
+    if block.ffn.shared_experts is not None:
+        plan.update({
+            # hand w1/w3 a DTensor, so their two partial input gradients meet and are all-reduced once
+            "ffn.shared_experts": PrepareModuleInput(input_layouts=(Replicate(),),
+                                                     desired_input_layouts=(Replicate(),)),
+            "ffn.shared_experts.w1": _no_scatter(ColwiseParallel()),
+            "ffn.shared_experts.w3": _no_scatter(ColwiseParallel()),
+            "ffn.shared_experts.w2": _no_scatter(RowwiseParallel(output_layouts=Partial())),
+        })
+    if attn.compressor is not None:
+        plan["attn.compressor"] = ReplicateParallel(partial_output_grad=True)
+    if attn.indexer is not None:
+        for name, child in attn.indexer.named_children():
+            if child is not None:
+                plan[f"attn.indexer.{name}"] = ReplicateParallel()
+    if block.engram is not None:
+        # forward(S, row_ids, dead) on the whole sequence, the output sliced back (see the module docstring)
+        plan["engram"] = ReplicateParallel(input_layouts=(seq, Replicate(), Replicate()),
+                                           desired_input_layouts=(Replicate(),) * 3, output_layout=seq)
+    return plan
+
+
+def _check_tp(model: nn.Module, tp: int) -> None:
+    # Even shards: the attention's per-rank head and group counts come from shard shapes and must line up.
+    cfg = model.cfg
+    a, moe = cfg.attention, cfg.moe
+    sizes = {"attention.num_heads": a.num_heads, "attention.o_groups": a.o_groups, "moe.expert_dim": moe.expert_dim,
+             "dim": cfg.dim, "vocab_size": cfg.vocab_size}
+    for name, size in sizes.items():
+        if size % tp:
+            raise ValueError(f"tensor parallelism: model.{name}={size} is not divisible by tp={tp}")
+
+
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool, *, loss_parallel: bool = True) -> None:
+    """Tensor (and sequence) parallelism for a `model.transformer.Transformer`, in place; see the module docstring.
+
+    With loss_parallel the model returns logits as a DTensor sharded over the vocabulary: compute the loss and call
+    backward inside `torch.distributed.tensor.parallel.loss_parallel()`. A tp mesh of size 1 leaves the model alone.
+    """
+    tp = tp_mesh.size()
+    if tp == 1:
+        return
+    _check_tp(model, tp)
+    seq = Shard(1) if sequence_parallel else Replicate()
+    for block in model.layers:
+        parallelize_module(block, tp_mesh, _block_plan(block, seq))
+    parallelize_module(model, tp_mesh, {
+        "embed": _no_scatter(ColwiseParallel(input_layouts=Replicate(), output_layouts=seq)),
+        "norm": ReplicateParallel(input_layouts=(seq,)),
+        "head": _no_scatter(ColwiseParallel(input_layouts=seq,
+                                            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                                            use_local_output=not loss_parallel)),
+    })
+    if sequence_parallel:
+        def check_length(_, args, kwargs):
+            T = (args[0] if args else kwargs["input_ids"]).shape[1]
+            if T % tp:
+                raise ValueError(f"sequence parallelism: sequence length {T} is not divisible by tp={tp}")
+
+        model.register_forward_pre_hook(check_length, with_kwargs=True)
+
+
+def reduce_partial_grads(model: nn.Module) -> None:
+    """Complete the Partial gradients (under SP: the norms and mHC sites, which saw only this rank's tokens) with one
+    all-reduce each, so clipping and the optimiser read plain replicated gradients. Call after backward when no
+    FSDP wraps the model (FSDP2 redistributes a gradient to its parameter's placement itself)."""
+    for p in model.parameters():
+        g = p.grad
+        if isinstance(g, DTensor) and any(pl.is_partial() for pl in g.placements):
+            p.grad = g.redistribute(placements=p.placements)
