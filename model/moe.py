@@ -18,12 +18,11 @@ int64 counters (int64 so a model-wide `.to(bf16)` leaves them exact).
 
 from __future__ import annotations
 
-import sys
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from model.common import init_normal, local
 from model.config import MoEConfig
 
 # Normalisation guard of the routing weights, as in the reference.
@@ -32,37 +31,6 @@ _WEIGHT_EPS = 1e-20
 
 def _same(t: torch.Tensor) -> torch.Tensor:
     return t
-
-
-def _is_dtensor(w: torch.Tensor) -> bool:
-    # Looked up, not imported: importing torch.distributed.tensor costs every process ~1.5 s, and no DTensor can
-    # exist unless something (a parallelism plan) imported it already.
-    dtensor = sys.modules.get("torch.distributed.tensor")
-    return dtensor is not None and isinstance(w, dtensor.DTensor)
-
-
-def local_shard(w: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a parameter: the local tensor of a DTensor (expert parallelism shards the experts'
-    dim 0), a plain tensor as it is. Autograd-aware: the gradient reaches the DTensor parameter."""
-    return w.to_local() if _is_dtensor(w) else w
-
-
-def normal_as_unsharded_(w: torch.Tensor, std: float) -> None:
-    """normal_(w, 0, std) giving a sharded (DTensor) parameter the values the unsharded one would get.
-
-    A DTensor draws its full global shape from the default generator and keeps its own shard: every rank then
-    holds the single-process values of its rows, and the generator advances by the same amount as in the
-    single process, so every later initialisation matches too. Costs one transient full-size tensor.
-    """
-    if not _is_dtensor(w):
-        nn.init.normal_(w, mean=0.0, std=std)
-        return
-    from torch.distributed.tensor import distribute_tensor  # already imported: w is a DTensor
-
-    full = torch.empty(w.shape, dtype=w.dtype, device=w.to_local().device)
-    nn.init.normal_(full, mean=0.0, std=std)
-    # src_data_rank=None: every rank slices its own copy of `full`, no communication.
-    w.to_local().copy_(distribute_tensor(full, w.device_mesh, w.placements, src_data_rank=None).to_local())
 
 
 def clamped_swiglu(g: torch.Tensor, u: torch.Tensor, limit: float) -> torch.Tensor:
@@ -103,7 +71,7 @@ class Router(nn.Module):
 
     def scores(self, x: torch.Tensor) -> torch.Tensor:
         """x [N, D] -> scores [N, E] fp32 (gate_temp is 1.0 in the flagship, so there is no temperature)."""
-        logits = F.linear(x.float(), local_shard(self.weight).float())
+        logits = F.linear(x.float(), local(self.weight).float())
         # Clamp at the smallest normal fp32: softplus underflows to 0 for logits below about -87, where the
         # sqrt's infinite slope would turn the gradient into NaN. Values above the clamp are untouched.
         return F.softplus(logits).clamp_min(torch.finfo(torch.float32).tiny).sqrt()
@@ -184,7 +152,7 @@ class GroupedExperts(nn.Module):
         # w2 uses init_std as well: no depth-scaled output init is prescribed (REFERENCE A1 inits at 0.02).
         with torch.no_grad():
             for w in (self.w1, self.w3, self.w2):
-                normal_as_unsharded_(w, init_std)
+                init_normal(w, init_std)
 
     def _grouped_ok(self, x: torch.Tensor) -> bool:
         if self.use_grouped_mm is not None:
@@ -200,7 +168,7 @@ class GroupedExperts(nn.Module):
         """x [S, D] grouped by expert, weights [S] fp32, tokens_per_expert [E] -> [S, D] in x.dtype.
 
         E here is the number of experts this rank holds (all of them without expert parallelism)."""
-        w1, w3, w2 = (local_shard(w) for w in (self.w1, self.w3, self.w2))  # [E, F, D], [E, F, D], [E, D, F]
+        w1, w3, w2 = (local(w) for w in (self.w1, self.w3, self.w2))  # [E, F, D], [E, F, D], [E, D, F]
         if self._grouped_ok(x):
             offs = tokens_per_expert.cumsum(0).to(torch.int32)  # [E], end row of each group
             g = torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs)  # [S, F]
@@ -242,7 +210,7 @@ class SharedExpert(nn.Module):
     def init_weights(self, init_std: float) -> None:
         with torch.no_grad():
             for lin in (self.w1, self.w3, self.w2):
-                normal_as_unsharded_(lin.weight, init_std)  # split under tensor parallelism
+                init_normal(lin.weight, init_std)  # split under tensor parallelism
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [N, D] -> [N, D] in x.dtype (no routing weight: the shared expert always weighs 1)."""

@@ -111,6 +111,8 @@ class MetricsLogger:
             id=run_id,
             resume="allow",
             config=config,
+            # the W&B service starts a helper process; on a loaded 2-core machine the default 90 s can run out
+            settings=wandb.Settings(init_timeout=300),
         )
         self.wandb_dir = Path(run.dir).parent  # <run dir>/wandb/<offline-run-...>/
         return run

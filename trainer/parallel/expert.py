@@ -35,7 +35,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from model.moe import GroupedExperts, LocalDispatcher, MoE, local_shard
+from model.common import local
+from model.moe import GroupedExperts, LocalDispatcher, MoE
 
 _EXPERT_WEIGHTS = ("w1", "w3", "w2")
 
@@ -166,7 +167,7 @@ def apply_ep(model: nn.Module, ep_mesh: DeviceMesh) -> nn.Module:
     all-to-all dispatcher. A no-op when the ep mesh has one rank.
 
     Call it on the meta-built model, before to_empty and init_weights: GroupedExperts.init_weights draws every
-    expert from the shared seed and keeps this rank's rows (model.moe.normal_as_unsharded_), so each rank holds
+    expert from the shared seed and keeps this rank's rows (model.common.init_normal), so each rank holds
     exactly the single process's weights for its experts. On a materialised model the rows are kept as they are.
     """
     if ep_mesh.ndim != 1:
@@ -249,8 +250,8 @@ def reduce_gradients(model: nn.Module, meshes) -> None:
             p.grad = torch.zeros_like(p)
     live_ids = {id(p) for p in live}
     scale = 1.0 / meshes.dp_ep_cp.size()
-    _all_reduce_flat([local_shard(p.grad) for p in others if id(p) in live_ids], [data], scale)
-    _all_reduce_flat([local_shard(p.grad) for p in experts if id(p) in live_ids],
+    _all_reduce_flat([local(p.grad) for p in others if id(p) in live_ids], [data], scale)
+    _all_reduce_flat([local(p.grad) for p in experts if id(p) in live_ids],
                      [meshes.dp.get_group(), meshes.cp.get_group()], scale)
 
 
@@ -266,7 +267,7 @@ def clip_grad_norm_(params, max_norm: float, ep_mesh: DeviceMesh | None = None) 
     """
     grads = [p.grad for p in params if p.grad is not None]
     plain = [g for g in grads if not isinstance(g, DTensor)]
-    sharded = [local_shard(g) for g in grads if isinstance(g, DTensor)]
+    sharded = [local(g) for g in grads if isinstance(g, DTensor)]
     zero = torch.zeros((), device=grads[0].device if grads else None)
     sq_sharded = sum((g.float().pow(2).sum() for g in sharded), zero)
     if ep_mesh is not None and ep_mesh.size() > 1:
