@@ -33,6 +33,20 @@ Backward, three launches per chunk of queries, none with a chained dot (so no du
 Slots: [0, NW) are the window keys j = t - W + 1 + n and [NW, NW + K) the top-k entries, NW = W rounded up to the
 key block; the backward stacks kv_win and kv_cmp into one [B*T + B*E, D] tensor so one loop walks both.
 
+Quantised inference-cache inputs (SPEC 1.4), forward only: kv_win may be FP8 `(values float8_e4m3fn [B, T, D],
+scales float8_e8m0fnu [B, T, D/32])` as `kernels.fp8.quantize_fp8(x, block=32)` writes it, and kv_cmp FP4 E2M1
+`(codes uint8 [B, E, D/2], scales float8_e4m3fn [B, E, D/16])` as `kernels.fp4.quantize(x, 16, "e4m3")` writes it.
+`_load_keys` decodes each key tile in registers right after loading its bytes, to q's dtype; no dequantised copy
+is written. The decode is exact: a code times its block scale has at most 6 significant bits and is 0 or at least
+2^-31 in magnitude (smallest E4M3 subnormal times the smallest E8M0 scale quantize_fp8 writes), so fp32 and bf16
+hold it and the tile equals `dequantize(...).to(q.dtype)` (fp16 q: values under 2^-24 round alike on both paths).
+Codes go through fp16 bit patterns: an E4M3 byte shifted up 7 bits, or an E2M1 nibble 9, is an fp16 worth the code
+over 2^8 (E4M3) or 2^14 (E2M1), and fp16 -> fp32 conversion is exact for subnormal codes too (nothing depends on
+whether fp32 subnormals are flushed). The leftover power of two is folded into the FP4 block scale and is one more
+multiply for FP8. Bytes the quantisers never write for finite input (E4M3 NaN, E8M0 0 and 255) are out of contract.
+A gradient through a quantised input raises (`sparse_attention` when a quantised tensor requires grad, the
+backward when it is reached).
+
 Caller contract: topk_idx holds distinct entries per query (duplicates would be counted twice, unlike the one-hot
 mask of `attend`); -1 marks an empty slot; any index outside [0, E) is treated as empty (the kernel never reads out
 of bounds), whereas the reference raises on it.
@@ -47,10 +61,24 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import fp4, fp8
+
 __all__ = ["sparse_attention", "sparse_attention_reference", "topk_to_mask"]
 
 _IMPLS = ("reference", "triton")
 _LOG2E = math.log2(math.e)
+
+FP8_BLOCK = 32
+"""channels per float8_e8m0fnu scale of the FP8 window KV (SPEC 1.4; `kernels.fp8.quantize_fp8(x, block=32)`)"""
+FP4_BLOCK = 16
+"""channels per float8_e4m3fn scale of the FP4 compressed KV (SPEC 1.4; `kernels.fp4.quantize(x, 16, "e4m3")`)"""
+# Key formats, the FMT constexpr of `_load_keys`: a plain tensor in q's dtype, FP8 window KV, FP4 compressed KV.
+_PLAIN, _FP8, _FP4 = 0, 1, 2
+# Per quantised argument: (format name, values dtype, channels per values element, scales dtype, block, FMT).
+_QUANT_FORMATS = {
+    "kv_win": ("FP8", torch.float8_e4m3fn, 1, torch.float8_e8m0fnu, FP8_BLOCK, _FP8),
+    "kv_cmp": ("FP4", torch.uint8, 2, torch.float8_e4m3fn, FP4_BLOCK, _FP4),
+}
 
 # Launch parameters, measured for H=64, D=512 on an H200 (bench/kernel_cases/sparse_attention.py): the [64, 512]
 # fp32 accumulator is 128 registers a thread at 8 warps, and q (and dO) take 64 KB of shared memory each, so key
@@ -81,6 +109,67 @@ def _dot(a, b, acc, PREC: tl.constexpr):
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
     else:
         return tl.dot(a, b, acc, input_precision=PREC)
+
+
+@triton.jit
+def _e4m3_over_2p8(bits):
+    """float8_e4m3fn bytes (int32) -> fp32 value / 2^8: the 7 magnitude bits moved up by 7 fill an fp16's exponent
+    (bias 15 instead of 7) and its top mantissa bits, subnormals included."""
+    h = ((bits & 0x80) << 8) | ((bits & 0x7F) << 7)
+    return h.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _e2m1_over_2p14(nib):
+    """4-bit E2M1 codes (int32: sign bit 3, 2 exponent bits, 1 mantissa bit) -> fp32 value / 2^14, through an fp16
+    (bias 15 instead of 1); magnitude codes 0..7 give {0, .5, 1, 1.5, 2, 3, 4, 6} / 2^14."""
+    h = ((nib & 8) << 12) | ((nib & 7) << 9)
+    return h.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _scale_blocks(v, scale, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr):
+    """v [BN, BD] fp32 times scale [BN, BD / BLOCK] fp32, one scale per BLOCK consecutive channels."""
+    v = tl.reshape(v, [BLOCK_N, BLOCK_D // BLOCK, BLOCK]) * scale[:, :, None]
+    return tl.reshape(v, [BLOCK_N, BLOCK_D])
+
+
+@triton.jit
+def _load_keys(kv_ptr, scale_ptr, rows, valid, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+               FMT: tl.constexpr):
+    """Key rows [BN] (valid [BN]) of a [rows, D] key tensor -> [BN, BD] tile, 0 in invalid rows and padded channels.
+    FMT 0: plain keys, returned in their dtype. FMT 1 (FP8): e4m3 bytes [rows, D] and e8m0 scale bytes
+    [rows, D / 32]. FMT 2 (FP4): packed E2M1 codes [rows, D / 2] (channel 2i in the low nibble) and e4m3 scale bytes
+    [rows, D / 16]. Quantised tiles come back as fp32 holding the exact dequantised values (see the module docstring),
+    decoded in registers from the bytes just loaded."""
+    FULL: tl.constexpr = D == BLOCK_D
+    if FMT == 0:
+        offs_d = tl.arange(0, BLOCK_D)
+        return tl.load(kv_ptr + rows[:, None] * D + offs_d[None, :], mask=_rows_mask(valid, offs_d, D, FULL),
+                       other=0.0)
+    elif FMT == 1:
+        NUM_BLOCKS: tl.constexpr = D // 32
+        offs_d = tl.arange(0, BLOCK_D)
+        offs_s = tl.arange(0, BLOCK_D // 32)
+        bits = tl.load(kv_ptr + rows[:, None] * D + offs_d[None, :], mask=_rows_mask(valid, offs_d, D, FULL),
+                       other=0).to(tl.int32)
+        code = tl.load(scale_ptr + rows[:, None] * NUM_BLOCKS + offs_s[None, :],
+                       mask=_rows_mask(valid, offs_s, NUM_BLOCKS, FULL), other=0).to(tl.int32)
+        # e8m0 code c is 2^(c - 127), the fp32 exponent field c. The decode's missing 2^8 is a separate multiply:
+        # folded into the scale it would overflow for c > 246, which quantize_fp8 writes for fp32 amax near 2^127.
+        scale = (code << 23).to(tl.float32, bitcast=True)
+        return _scale_blocks(_e4m3_over_2p8(bits) * 256.0, scale, BLOCK_N, BLOCK_D, 32)
+    else:
+        NUM_BLOCKS: tl.constexpr = D // 16
+        offs_c = tl.arange(0, BLOCK_D // 2)
+        offs_s = tl.arange(0, BLOCK_D // 16)
+        codes = tl.load(kv_ptr + rows[:, None] * (D // 2) + offs_c[None, :],
+                        mask=_rows_mask(valid, offs_c, D // 2, FULL), other=0).to(tl.int32)
+        code = tl.load(scale_ptr + rows[:, None] * NUM_BLOCKS + offs_s[None, :],
+                       mask=_rows_mask(valid, offs_s, NUM_BLOCKS, FULL), other=0).to(tl.int32)
+        scale = _e4m3_over_2p8(code) * 4194304.0  # e4m3 scale, times the 2^14 the E2M1 decode leaves out: 2^(8 + 14)
+        nib = tl.interleave(codes & 0xF, codes >> 4)  # [BN, BD] channel 2i from the low nibble, 2i + 1 the high
+        return _scale_blocks(_e2m1_over_2p14(nib), scale, BLOCK_N, BLOCK_D, 16)
 
 
 @triton.jit
@@ -118,11 +207,13 @@ def _online_softmax_step(q, k, valid, m, l, acc, qk_scale, PREC: tl.constexpr):
 
 @triton.jit
 def _sparse_attn_fwd(
-    q_ptr, kvw_ptr, kvc_ptr, idx_ptr, sink_ptr, out_ptr, lse_ptr, probs_ptr,
+    q_ptr, kvw_ptr, kvw_scale_ptr, kvc_ptr, kvc_scale_ptr, idx_ptr, sink_ptr, out_ptr, lse_ptr, probs_ptr,
     T, E, K, window, qk_scale,
     H: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    PREC: tl.constexpr, TOPK_PROBS: tl.constexpr,
+    PREC: tl.constexpr, TOPK_PROBS: tl.constexpr, WIN_FMT: tl.constexpr, CMP_FMT: tl.constexpr,
 ):
+    """One query token, all heads. WIN_FMT / CMP_FMT: the key formats of kv_win / kv_cmp (`_load_keys`); a
+    quantised tile is decoded to q's dtype, so the dots and the P @ V cast see what a dequantised input gives."""
     FULL: tl.constexpr = D == BLOCK_D
     t = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
@@ -144,15 +235,13 @@ def _sparse_attn_fwd(
     for start in range(tl.maximum(t - window + 1, 0), t + 1, BLOCK_N):
         j = start + offs_n  # window keys j in (t - window, t], a contiguous slice of kv_win
         valid = j <= t
-        k = tl.load(kvw_ptr + (b * T + j)[:, None] * D + offs_d[None, :],
-                    mask=_rows_mask(valid, offs_d, D, FULL), other=0.0)
+        k = _load_keys(kvw_ptr, kvw_scale_ptr, b * T + j, valid, D, BLOCK_D, BLOCK_N, WIN_FMT).to(q.dtype)
         m, l, acc = _online_softmax_step(q, k, valid, m, l, acc, qk_scale, PREC)
     for k0 in range(0, K, BLOCK_N):
         slot = k0 + offs_n  # selected compressed entries, gathered through the query's top-k row
         idx = tl.load(idx_ptr + row * K + slot, mask=slot < K, other=-1)
         valid = (idx >= 0) & (idx < E)
-        k = tl.load(kvc_ptr + (b * E + idx)[:, None] * D + offs_d[None, :],
-                    mask=_rows_mask(valid, offs_d, D, FULL), other=0.0)
+        k = _load_keys(kvc_ptr, kvc_scale_ptr, b * E + idx, valid, D, BLOCK_D, BLOCK_N, CMP_FMT).to(q.dtype)
         m, l, acc = _online_softmax_step(q, k, valid, m, l, acc, qk_scale, PREC)
 
     out = acc / l[:, None]
@@ -166,8 +255,7 @@ def _sparse_attn_fwd(
             slot = k0 + offs_n
             idx = tl.load(idx_ptr + row * K + slot, mask=slot < K, other=-1)
             valid = (idx >= 0) & (idx < E)
-            k = tl.load(kvc_ptr + (b * E + idx)[:, None] * D + offs_d[None, :],
-                        mask=_rows_mask(valid, offs_d, D, FULL), other=0.0)
+            k = _load_keys(kvc_ptr, kvc_scale_ptr, b * E + idx, valid, D, BLOCK_D, BLOCK_N, CMP_FMT).to(q.dtype)
             s = _dot(q, tl.trans(k), None, PREC) * qk_scale
             p = tl.where(h_ok[:, None] & valid[None, :], tl.exp2(s - lse[:, None]), 0.0)
             tl.store(probs_ptr + row * K + slot, tl.sum(p, 0), mask=slot < K)
@@ -303,35 +391,67 @@ def _bwd_dkv(
 # ------------------------------------------------------------------------------------------------------------------
 # Host wrappers
 # ------------------------------------------------------------------------------------------------------------------
+def _check_kv(name: str, kv, B: int, rows: int | None, D: int, dtype: torch.dtype) -> int:
+    """Validate kv_win ([B, T, D], rows = T) or kv_cmp ([B, E, D], rows = None: any E), either a plain tensor in q's
+    dtype or its quantised (values, scales) pair (`_QUANT_FORMATS`); return its row count (T or E)."""
+    if isinstance(kv, torch.Tensor):
+        if kv.dim() != 3 or kv.shape[0] != B or kv.shape[2] != D or (rows is not None and kv.shape[1] != rows):
+            want = f"[B, T, D] = {(B, rows, D)}" if rows is not None else f"[B, E, D] with B={B}, D={D}"
+            raise ValueError(f"sparse_attention: {name} must be {want}, got {tuple(kv.shape)}")
+        if kv.dtype != dtype:
+            raise TypeError(f"sparse_attention: {name} must have q's dtype {dtype}, got {kv.dtype}")
+        return kv.shape[1]
+    fmt, values_dtype, per_value, scales_dtype, block, _ = _QUANT_FORMATS[name]
+    pair = f"an {fmt} (values {values_dtype}, scales {scales_dtype}) tuple"
+    if not (isinstance(kv, tuple) and len(kv) == 2 and all(isinstance(t, torch.Tensor) for t in kv)):
+        raise TypeError(f"sparse_attention: {name} must be a tensor or {pair}, got {type(kv).__name__}")
+    values, scales = kv
+    if values.dtype != values_dtype or scales.dtype != scales_dtype:
+        raise TypeError(f"sparse_attention: quantised {name} must be {pair}, got ({values.dtype}, {scales.dtype})")
+    if D % block != 0:
+        raise ValueError(f"sparse_attention: {fmt} {name} needs D divisible by its scale block {block}, got D={D}")
+    n = rows if rows is not None else (values.shape[1] if values.dim() == 3 else "E")
+    want_values, want_scales = (B, n, D // per_value), (B, n, D // block)
+    if tuple(values.shape) != want_values or tuple(scales.shape) != want_scales:
+        raise ValueError(f"sparse_attention: {fmt} {name} must be values {want_values} and scales {want_scales}, "
+                         f"got {tuple(values.shape)} and {tuple(scales.shape)}")
+    return n
+
+
+def _kv_tensors(name: str, kv) -> dict[str, torch.Tensor]:
+    """The tensors behind a kv argument, named for error messages ({} for None)."""
+    if kv is None:
+        return {}
+    if isinstance(kv, torch.Tensor):
+        return {name: kv}
+    return {f"{name} values": kv[0], f"{name} scales": kv[1]}
+
+
 def _check_inputs(q, kv_win, kv_cmp, topk_idx, sink, window) -> tuple[int, int, int, int, int, int]:
-    """Validate shapes, dtypes, contiguity and devices; return (B, T, H, D, E, K)."""
+    """Validate shapes, dtypes and devices; return (B, T, H, D, E, K)."""
     name = "sparse_attention"
     if q.dim() != 4:
         raise ValueError(f"{name}: q must be [B, T, H, D], got shape {tuple(q.shape)}")
     B, T, H, D = q.shape
     if q.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise TypeError(f"{name}: q must be bf16/fp16/fp32, got {q.dtype}")
-    if tuple(kv_win.shape) != (B, T, D):
-        raise ValueError(f"{name}: kv_win must be [B, T, D] = {(B, T, D)}, got {tuple(kv_win.shape)}")
+    _check_kv("kv_win", kv_win, B, T, D, q.dtype)
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
         raise ValueError(f"{name}: window must be a positive int, got {window!r}")
     if tuple(sink.shape) != (H,) or sink.dtype != torch.float32:
         raise ValueError(f"{name}: sink must be fp32 [H] = [{H}], got {sink.dtype} {tuple(sink.shape)}")
     E = K = 0
-    tensors = {"q": q, "kv_win": kv_win, "sink": sink}
+    tensors = {"q": q, "sink": sink, **_kv_tensors("kv_win", kv_win), **_kv_tensors("kv_cmp", kv_cmp)}
     if kv_cmp is not None:
-        if kv_cmp.dim() != 3 or kv_cmp.shape[0] != B or kv_cmp.shape[2] != D:
-            raise ValueError(f"{name}: kv_cmp must be [B, E, D] with B={B}, D={D}, got {tuple(kv_cmp.shape)}")
+        E = _check_kv("kv_cmp", kv_cmp, B, None, D, q.dtype)
         if topk_idx is None or topk_idx.dim() != 3 or tuple(topk_idx.shape[:2]) != (B, T):
             got = None if topk_idx is None else tuple(topk_idx.shape)
             raise ValueError(f"{name}: topk_idx must be [B, T, K] = [{B}, {T}, K], got {got}")
         if topk_idx.dtype != torch.int32:
             raise TypeError(f"{name}: topk_idx must be int32 (-1 = empty slot), got {topk_idx.dtype}")
-        E, K = kv_cmp.shape[1], topk_idx.shape[2]
-        tensors.update(kv_cmp=kv_cmp, topk_idx=topk_idx)
+        K = topk_idx.shape[2]
+        tensors["topk_idx"] = topk_idx
     for n, t in tensors.items():
-        if n in ("kv_win", "kv_cmp") and t.dtype != q.dtype:
-            raise TypeError(f"{name}: {n} must have q's dtype {q.dtype}, got {t.dtype}")
         if t.device != q.device:
             raise ValueError(f"{name}: {n} is on {t.device}, q on {q.device}")
     return B, T, H, D, E, K
@@ -380,23 +500,36 @@ def _launch(cfg: dict, name: str) -> dict:
     return {"num_warps": warps, "num_stages": stages}
 
 
+def _kernel_args(kv) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """A validated kv argument -> (keys, scales, FMT) for `_load_keys`: fp8 bytes are passed as uint8 (decoded from
+    their bits); a plain tensor stands in for its own absent scales."""
+    if isinstance(kv, torch.Tensor):
+        return kv, kv, _PLAIN
+    values, scales = kv
+    fmt = _FP4 if values.dtype == torch.uint8 else _FP8
+    return values.view(torch.uint8), scales.view(torch.uint8), fmt
+
+
 def _forward_triton(q, kv_win, kv_cmp, topk_idx, sink, window, topk_probs: bool = False):
-    B, T, H, D, _, _ = _check_inputs(q, kv_win, kv_cmp, topk_idx, sink, window)
-    _check_triton({"q": q, "kv_win": kv_win, "kv_cmp": kv_cmp, "topk_idx": topk_idx, "sink": sink})
+    B, T, H, D, E, K = _check_inputs(q, kv_win, kv_cmp, topk_idx, sink, window)
+    _check_triton({"q": q, **_kv_tensors("kv_win", kv_win), **_kv_tensors("kv_cmp", kv_cmp), "topk_idx": topk_idx,
+                   "sink": sink})
     cfg = FWD_CONFIG
     BLOCK_H, BLOCK_D = _tiles(H, D)
-    has_cmp = kv_cmp is not None and kv_cmp.shape[1] > 0 and topk_idx.shape[2] > 0
-    E, K = (kv_cmp.shape[1], topk_idx.shape[2]) if has_cmp else (0, 0)
+    has_cmp = kv_cmp is not None and E > 0 and K > 0
+    E, K = (E, K) if has_cmp else (0, 0)
+    win, win_scales, win_fmt = _kernel_args(kv_win)
+    # with K = 0 the top-k loop never runs: the window's tensors (and format) and an empty index stand in
+    cmp, cmp_scales, cmp_fmt = _kernel_args(kv_cmp) if has_cmp else (win, win_scales, win_fmt)
     out = torch.empty_like(q)
     lse = torch.empty(B, T, H, device=q.device, dtype=torch.float32)
     probs = torch.empty(B, T, K, device=q.device, dtype=torch.float32) if topk_probs else lse
-    # with K = 0 the top-k loop never runs, so placeholders of the right types stand in for the absent tensors
     placeholder_idx = torch.empty(1, device=q.device, dtype=torch.int32)
     _sparse_attn_fwd[(T, B)](
-        q, kv_win, kv_cmp if has_cmp else kv_win, topk_idx if has_cmp else placeholder_idx, sink, out, lse, probs,
+        q, win, win_scales, cmp, cmp_scales, topk_idx if has_cmp else placeholder_idx, sink, out, lse, probs,
         T, E, K, window, D ** -0.5 * _LOG2E,
         H=H, D=D, BLOCK_H=BLOCK_H, BLOCK_D=BLOCK_D, BLOCK_N=cfg["BLOCK_N"], PREC=_prec(q.dtype),
-        TOPK_PROBS=topk_probs, **_launch(cfg, "fwd"),
+        TOPK_PROBS=topk_probs, WIN_FMT=win_fmt, CMP_FMT=cmp_fmt, **_launch(cfg, "fwd"),
     )
     if topk_probs and not has_cmp:
         probs = torch.zeros(B, T, 0 if topk_idx is None else topk_idx.shape[2], device=q.device)
@@ -452,10 +585,50 @@ class _SparseAttention(torch.autograd.Function):
         return dq, dkv_win, dkv_cmp, None, dsink, None, None
 
 
+_NO_QUANT_GRAD = (
+    "sparse_attention: there is no backward through quantised (FP8 kv_win / FP4 kv_cmp) inputs, the inference "
+    "cache's formats; run the forward under torch.no_grad() or torch.inference_mode(), or pass dequantised tensors "
+    "(kernels.fp8.dequantize_fp8 / kernels.fp4.dequantize) to train"
+)
+
+
+class _QuantisedSparseAttention(torch.autograd.Function):
+    """Forward only: quantised KV is the inference cache's format. q, sink and a plain kv argument stay visible to
+    autograd, so a gradient asked of them reaches `backward`, which says why there is none (rather than a silent
+    zero or a gradient that skips the keys)."""
+
+    @staticmethod
+    def forward(ctx, q, kv_win, kv_cmp, topk_idx, sink, window, topk_probs, impl):
+        if impl == "triton":
+            out, _, probs = _forward_triton(q, kv_win, kv_cmp, topk_idx, sink, window, topk_probs)
+        else:
+            res = sparse_attention_reference(q, _dequantize(kv_win, q.dtype), _dequantize(kv_cmp, q.dtype), topk_idx,
+                                             sink, window, return_topk_probs=topk_probs)
+            out, probs = res if topk_probs else (res, None)
+        if probs is None:
+            return out
+        ctx.mark_non_differentiable(probs)
+        return out, probs
+
+    @staticmethod
+    def backward(ctx, *_):
+        raise RuntimeError(_NO_QUANT_GRAD)
+
+
+def _dequantize(kv, dtype: torch.dtype):
+    """The reference path's separate dequantisation pass: a kv argument -> a plain tensor in dtype (or None)."""
+    if kv is None or isinstance(kv, torch.Tensor):
+        return kv
+    values, scales = kv
+    if values.dtype == torch.uint8:
+        return fp4.dequantize(values, scales, FP4_BLOCK).to(dtype)
+    return fp8.dequantize_fp8(values, scales, FP8_BLOCK).to(dtype)
+
+
 def sparse_attention(
     q: torch.Tensor,
-    kv_win: torch.Tensor,
-    kv_cmp: torch.Tensor | None,
+    kv_win: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+    kv_cmp: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None,
     topk_idx: torch.Tensor | None,
     sink: torch.Tensor,
     window: int,
@@ -469,10 +642,24 @@ def sparse_attention(
     Differentiable in q, kv_win, kv_cmp and sink for both implementations. kv_cmp may be None (window only).
     With return_topk_probs, returns (out, probs): probs [B, T, K] fp32, detached, the attention probability of each
     top-k slot summed over heads (0 for empty slots), i.e. `attend`'s p_cmp summed over heads at the selected
-    entries, the target of the indexer's KL loss."""
+    entries, the target of the indexer's KL loss.
+
+    Inference-cache formats (SPEC 1.4), each argument independently: kv_win may be FP8 `(values float8_e4m3fn
+    [B, T, D], scales float8_e8m0fnu [B, T, D / 32])` (`kernels.fp8.quantize_fp8(x, block=32)`), kv_cmp FP4
+    `(codes uint8 [B, E, D / 2], scales float8_e4m3fn [B, E, D / 16])` (`kernels.fp4.quantize(x, 16, "e4m3")`).
+    The Triton kernel dequantises them tile by tile as it loads them; the reference dequantises them first. The
+    result equals the plain call on the dequantised tensors cast to q's dtype. Forward only: with a quantised input,
+    a quantised tensor that requires grad raises here, and a backward through the output raises."""
     if impl not in _IMPLS:
         raise ValueError(f"sparse_attention: impl must be one of {list(_IMPLS)}, got {impl!r}")
     _check_inputs(q, kv_win, kv_cmp, topk_idx, sink, window)
+    quantised = {n: kv for n, kv in (("kv_win", kv_win), ("kv_cmp", kv_cmp)) if isinstance(kv, tuple)}
+    if quantised:
+        for n, kv in quantised.items():
+            # autograd cannot see inside the tuples, so a quantised tensor asking for a gradient is caught here
+            if torch.is_grad_enabled() and any(t.requires_grad for t in kv):
+                raise RuntimeError(f"{_NO_QUANT_GRAD} (the quantised {n} requires grad)")
+        return _QuantisedSparseAttention.apply(q, kv_win, kv_cmp, topk_idx, sink, window, return_topk_probs, impl)
     if impl == "reference":
         return sparse_attention_reference(q, kv_win, kv_cmp, topk_idx, sink, window,
                                           return_topk_probs=return_topk_probs)

@@ -10,6 +10,12 @@ graph is kept at a time (building another drops the previous one), so the cases 
 Measured (bench/kernels.py, one H200, torch 2.11 / triton 3.6, bf16 matmul 776 TFLOP/s): forward 11.8 ms =
 233 TFLOP/s (4.2x the baseline), backward 42.8 ms = 160 TFLOP/s (4.1x). Both miss their targets; the reasons are
 in kernels/sparse_attention.py (duplicated QK^T tiles in the forward; the backward's per-query dkv writes).
+
+The inference-cache case (`fwd_fp8win_fp4cmp`) is the same forward with kv_win in FP8 (e4m3 + e8m0 per 32) and
+kv_cmp in FP4 (E2M1 + e4m3 per 16), dequantised by the kernel as it loads each tile; its baseline dequantises both
+with kernels.fp8 / kernels.fp4 and then runs the gather-based reference. Same useful FLOPs as the bf16 forward, so
+the two rows compare directly: the key bytes read fall to about 1/2 (window) and 9/32 (top-k), the decode adds ALU
+work per key element. Not yet measured.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import functools
 import torch
 
 import kernels.sparse_attention as sa
+from kernels import fp4, fp8
 
 B, T, H, D, WINDOW, TOPK = 1, 32768, 64, 512, 128, 512
 FWD_FLOPS = 4 * B * T * H * D * (WINDOW + TOPK)
@@ -56,6 +63,19 @@ def _forward(impl: str):
     return sa.sparse_attention(q, kv_win, kv_cmp, idx, sink, WINDOW, impl=impl)
 
 
+@functools.lru_cache(maxsize=1)
+def _quantised_kv():
+    """(FP8 kv_win, FP4 kv_cmp) of the bf16 inputs, in the inference cache's formats (SPEC 1.4)."""
+    _, kv_win, kv_cmp, _, _ = _inputs()
+    return fp8.quantize_fp8(kv_win, sa.FP8_BLOCK), fp4.quantize(kv_cmp, sa.FP4_BLOCK, "e4m3")
+
+
+def _forward_quantised(impl: str):
+    q, _, _, idx, sink = _inputs()
+    kv_win, kv_cmp = _quantised_kv()
+    return sa.sparse_attention(q, kv_win, kv_cmp, idx, sink, WINDOW, impl=impl)
+
+
 def _backward(impl: str):
     """A closure that runs only the backward; the forward graph is built at its first call and retained."""
 
@@ -89,6 +109,9 @@ def cases(sweep: bool = False) -> list[dict]:
     out = [
         {"name": "sparse_attention/fwd", "fn_triton": lambda: _forward("triton"),
          "fn_baseline": lambda: _forward("reference"), "flops": FWD_FLOPS},
+        # before the backward cases, so its baseline does not run beside a retained backward graph
+        {"name": "sparse_attention/fwd_fp8win_fp4cmp", "fn_triton": lambda: _forward_quantised("triton"),
+         "fn_baseline": lambda: _forward_quantised("reference"), "flops": FWD_FLOPS},
         {"name": "sparse_attention/bwd", "fn_triton": _backward("triton"), "fn_baseline": _backward("reference"),
          "flops": int(2.5 * FWD_FLOPS)},
     ]
@@ -97,4 +120,7 @@ def cases(sweep: bool = False) -> list[dict]:
             out.append({"name": f"sparse_attention/fwd/BLOCK_N={bn}", "sweep": True, "flops": FWD_FLOPS,
                         "fn_triton": _with_config(sa.FWD_CONFIG, "BLOCK_N", bn, lambda: _forward("triton")),
                         "fn_baseline": lambda: None})
+            out.append({"name": f"sparse_attention/fwd_fp8win_fp4cmp/BLOCK_N={bn}", "sweep": True,
+                        "flops": FWD_FLOPS, "fn_baseline": lambda: None,
+                        "fn_triton": _with_config(sa.FWD_CONFIG, "BLOCK_N", bn, lambda: _forward_quantised("triton"))})
     return out

@@ -1,5 +1,4 @@
-"""Proves the Triton sparse shared-KV attention (`kernels.sparse_attention`, run by the Triton CPU interpreter) equals
-its PyTorch references:
+"""Proves the Triton sparse shared-KV attention (`kernels.sparse_attention`) equals its PyTorch references:
 
 - forward: equal to the gather-based reference and to `model.attention.attend` given the equivalent masks (window
   mask from positions, cmp_mask = one-hot of topk_idx), with the per-head sink, at awkward sizes (T not a multiple
@@ -11,27 +10,40 @@ its PyTorch references:
 - the optional head-summed top-k probabilities (the indexer's KL target) equal `attend`'s p_cmp summed over heads
   at the selected entries;
 - every output element is written: outputs and scratch come from NaN-poisoned allocations;
-- bad inputs raise errors that name the problem.
-The same kernels were run on an H200 in bf16 (see the kernels report); CUDA cannot run here, the interpreter can.
+- bad inputs raise errors that name the problem;
+- the inference-cache inputs (FP8 kv_win as `kernels.fp8.quantize_fp8(x, 32)` writes it, FP4 kv_cmp as
+  `kernels.fp4.quantize(x, 16, "e4m3")` writes it; each alone and both together) give the output of the reference on
+  `dequantize_fp8(...)` / `dequantize(...)` in q's dtype, at awkward sizes with rows of very different magnitudes
+  (so subnormal e4m3 scales appear), also window-only and with the top-k probabilities; the in-kernel decode equals
+  the dequantisers exactly for every code byte with every finite scale byte; a gradient through a quantised input
+  raises, naming the way out.
+Runs in the Triton CPU interpreter when there is no GPU, on the GPU otherwise.
 """
 
 from __future__ import annotations
 
 import os
 
-os.environ["TRITON_INTERPRET"] = "1"  # before Triton is first imported: the kernels then run on the CPU
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"  # before Triton is first imported: the kernels then run on the CPU
 
 import importlib  # noqa: E402
 
 import pytest  # noqa: E402
-import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 import triton.runtime.interpreter as interpreter  # noqa: E402
 
 import kernels.sparse_attention as sa  # noqa: E402
+from kernels import fp4, fp8  # noqa: E402
 from model.attention import attend  # noqa: E402
 
-if not isinstance(sa._sparse_attn_fwd, interpreter.InterpretedFunction):
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+if INTERPRET and not isinstance(sa._sparse_attn_fwd, interpreter.InterpretedFunction):
     sa = importlib.reload(sa)  # imported earlier without the interpreter: rebuild the kernels under it
+DEVICE = "cpu" if INTERPRET else "cuda"
 
 # (B, T, H, D, E, K, W)
 CASES = [
@@ -71,11 +83,11 @@ def make_inputs(B, T, H, D, E, K, W, seed=0, empty_frac=0.3):
     idx = torch.argsort(torch.rand(B, T, E, generator=g), dim=-1)[..., :K].int()
     idx[torch.rand(B, T, K, generator=g) < empty_frac] = -1
     idx[:, :2] = -1
-    return q, kv_win, kv_cmp, idx, sink
+    return tuple(t.to(DEVICE) for t in (q, kv_win, kv_cmp, idx, sink))
 
 
 def window_mask(T, W):
-    p = torch.arange(T)
+    p = torch.arange(T, device=DEVICE)
     return (p[None, :] <= p[:, None]) & (p[None, :] > p[:, None] - W)
 
 
@@ -206,3 +218,154 @@ def test_bad_inputs_raise():
         call(q, kv_win, kv_cmp.double(), idx, sink, 4, impl="triton")
     with pytest.raises(ValueError, match="contiguous"):
         call(q.transpose(1, 2).contiguous().transpose(1, 2), kv_win, kv_cmp, idx, sink, 4, impl="triton")
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Quantised inference-cache inputs: FP8 kv_win, FP4 kv_cmp
+# ------------------------------------------------------------------------------------------------------------------
+# (B, T, H, D, E, K, W): D = 96 pads the tiles (3 of 4 FP8 scale blocks, 48 of 64 code bytes), D = 64 fills them
+QCASES = [
+    (2, 15, 3, 96, 30, 13, 50),  # window longer than the sequence
+    (1, 37, 5, 64, 19, 7, 8),
+]
+COMBOS = ["fp4_cmp", "fp8_win", "both"]
+
+
+def quantised_inputs(case, combo, seed, dtype=torch.float32):
+    """make_inputs with rows of magnitudes 1e-3 .. 10 (small rows get subnormal e4m3 scales), some rows all zero, and
+    the chosen KV quantised; also returns the dequantised KV in q's dtype, what the reference should see."""
+    q, kv_win, kv_cmp, idx, sink = make_inputs(*case, seed=seed)
+    g = torch.Generator().manual_seed(seed + 100)
+    for kv in (kv_win, kv_cmp):
+        kv.mul_((10.0 ** (4 * torch.rand(*kv.shape[:2], 1, generator=g) - 3)).to(DEVICE))
+        kv[:, 1] = 0.0
+    win = fp8.quantize_fp8(kv_win, 32) if combo in ("fp8_win", "both") else kv_win.to(dtype)
+    cmp = fp4.quantize(kv_cmp, 16, "e4m3") if combo in ("fp4_cmp", "both") else kv_cmp.to(dtype)
+    win_deq = fp8.dequantize_fp8(*win, 32).to(dtype) if isinstance(win, tuple) else win
+    cmp_deq = fp4.dequantize(*cmp, 16).to(dtype) if isinstance(cmp, tuple) else cmp
+    return q.to(dtype), win, cmp, idx, sink, win_deq, cmp_deq
+
+
+@triton.jit
+def _decode_rows(kv_ptr, scale_ptr, out_ptr, R, D: tl.constexpr, BLOCK_N: tl.constexpr, FMT: tl.constexpr):
+    """Rows of a quantised key tensor through the attention kernel's tile loader -> fp32 [R, D]."""
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    valid = rows < R
+    k = sa._load_keys(kv_ptr, scale_ptr, rows, valid, D, D, BLOCK_N, FMT)
+    offs_d = tl.arange(0, D)
+    tl.store(out_ptr + rows[:, None] * D + offs_d[None, :], k, mask=valid[:, None])
+
+
+@pytest.mark.parametrize("fmt", ["fp4", "fp8"])
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # 448 x 2^127 is inf on both sides
+def test_tile_decode_is_exact_for_every_code_and_scale(fmt, poison):
+    """Every code byte against every finite scale byte (e8m0: codes 1..254, all quantize_fp8 can write), the scales
+    rotating from block to block: the loader's tile equals the dequantiser's output exactly, subnormal codes and
+    scales included."""
+    if fmt == "fp4":  # packed E2M1 pairs 0..255 (both nibbles, "-0" included) x every finite e4m3 byte, signs too
+        scales = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F], dtype=torch.uint8)
+        D, block, fmt_id, scale_dtype = 512, 16, sa._FP4, torch.float8_e4m3fn
+        values = torch.arange(256, dtype=torch.uint8).repeat(len(scales), 1)
+    else:  # every finite e4m3 byte (the NaN bytes 0x7F / 0xFF replaced by 0)
+        scales = torch.arange(1, 255, dtype=torch.uint8)
+        D, block, fmt_id, scale_dtype = 256, 32, sa._FP8, torch.float8_e8m0fnu
+        codes = torch.tensor([b if b & 0x7F != 0x7F else 0 for b in range(256)], dtype=torch.uint8)
+        values = codes.repeat(len(scales), 1)
+    R, NB = len(scales), D // block
+    scale_rows = scales[(torch.arange(R)[:, None] + torch.arange(NB)[None, :]) % R]  # [R, NB]
+    if fmt == "fp4":
+        want = fp4.dequantize(values, scale_rows.view(scale_dtype), block)
+    else:
+        want = fp8.dequantize_fp8(values.view(torch.float8_e4m3fn), scale_rows.view(scale_dtype), block)
+    got = torch.empty(R, D, device=DEVICE)
+    _decode_rows[(triton.cdiv(R, 16),)](values.to(DEVICE), scale_rows.to(DEVICE), got, R, D=D, BLOCK_N=16,
+                                        FMT=fmt_id)
+    # torch.equal: exact values, +0 == -0 (the FP4 "-0" code, never written, decodes to -0 here and +0 there)
+    assert torch.equal(got.cpu(), want)
+
+
+@pytest.mark.parametrize("combo", COMBOS)
+@pytest.mark.parametrize("case", QCASES)
+def test_quantised_forward_matches_reference_on_dequantised(case, combo, poison):
+    B, T, H, D, E, K, W = case
+    q, win, cmp, idx, sink, win_deq, cmp_deq = quantised_inputs(case, combo, seed=7)
+    out = sa.sparse_attention(q, win, cmp, idx, sink, W, impl="triton")
+    assert not out.isnan().any()
+    want = sa.sparse_attention_reference(q, win_deq, cmp_deq, idx, sink, W)
+    torch.testing.assert_close(out, want, atol=2e-5, rtol=1e-5)
+    # the reference path dequantises first and then is exactly the plain reference
+    torch.testing.assert_close(sa.sparse_attention(q, win, cmp, idx, sink, W), want, atol=0, rtol=0)
+
+
+def test_quantised_bf16_matches_reference_on_dequantised(poison):
+    """bf16 q, both KV quantised (the serving case): the decoded tiles are exact in bf16, so the kernel agrees with
+    its own plain path on the dequantised bf16 KV, and with the reference within bf16 rounding."""
+    case = QCASES[0]
+    B, T, H, D, E, K, W = case
+    q, win, cmp, idx, sink, win_deq, cmp_deq = quantised_inputs(case, "both", seed=8, dtype=torch.bfloat16)
+    out = sa.sparse_attention(q, win, cmp, idx, sink, W, impl="triton")
+    assert out.dtype == torch.bfloat16 and not out.isnan().any()
+    plain = sa.sparse_attention(q, win_deq, cmp_deq, idx, sink, W, impl="triton")
+    # The interpreter runs the same arithmetic on the same tiles. On the GPU the decoded tiles reach the tensor cores
+    # through registers rather than an async copy, which may change the MMA schedule: then within a bf16 rounding.
+    tol = {"atol": 0.0, "rtol": 0.0} if INTERPRET else {"atol": 1e-3, "rtol": 1.6e-2}
+    torch.testing.assert_close(out, plain, **tol)
+    ref = sa.sparse_attention_reference(q.float(), win_deq.float(), cmp_deq.float(), idx, sink, W)
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+
+
+def test_quantised_topk_probs_and_window_only(poison):
+    case = QCASES[1]
+    B, T, H, D, E, K, W = case
+    q, win, cmp, idx, sink, win_deq, cmp_deq = quantised_inputs(case, "both", seed=9)
+    out, probs = sa.sparse_attention(q, win, cmp, idx, sink, W, return_topk_probs=True, impl="triton")
+    want, want_probs = sa.sparse_attention_reference(q, win_deq, cmp_deq, idx, sink, W, return_topk_probs=True)
+    torch.testing.assert_close(out, want, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(probs, want_probs, atol=1e-6, rtol=1e-5)
+    # window only: no kv_cmp at all
+    out = sa.sparse_attention(q, win, None, None, sink, W, impl="triton")
+    torch.testing.assert_close(out, sa.sparse_attention_reference(q, win_deq, None, None, sink, W),
+                               atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("impl", ["triton", "reference"])
+def test_no_gradient_through_quantised_inputs(impl):
+    case = (1, 9, 2, 32, 6, 3, 4)
+    B, T, H, D, E, K, W = case
+    q, win, cmp, idx, sink, win_deq, cmp_deq = quantised_inputs(case, "both", seed=10)
+    q.requires_grad_()
+    out = sa.sparse_attention(q, win, cmp, idx, sink, W, impl=impl)  # the forward itself is fine
+    with pytest.raises(RuntimeError, match="no backward through quantised"):
+        out.sum().backward()
+    with torch.no_grad():
+        assert not sa.sparse_attention(q, win, cmp, idx, sink, W, impl=impl).requires_grad
+    # a plain kv_cmp asking for a gradient next to a quantised kv_win gets the same answer
+    out = sa.sparse_attention(q.detach(), win, cmp_deq.requires_grad_(), idx, sink, W, impl=impl)
+    with pytest.raises(RuntimeError, match="no backward through quantised"):
+        torch.autograd.grad(out.sum(), cmp_deq)
+    values = win[0].detach().requires_grad_()  # fp8 tensors can require grad; nothing could reach them
+    with pytest.raises(RuntimeError, match="quantised kv_win requires grad"):
+        sa.sparse_attention(q, (values, win[1]), cmp, idx, sink, W, impl=impl)
+
+
+def test_bad_quantised_inputs_raise():
+    case = (1, 8, 2, 32, 5, 3, 4)
+    q, win, cmp, idx, sink, _, _ = quantised_inputs(case, "both", seed=11)
+    call = sa.sparse_attention
+    with pytest.raises(TypeError, match="kv_win must be an FP8"):
+        call(q, cmp, None, None, sink, 4, impl="triton")  # FP4 where the FP8 window belongs
+    with pytest.raises(TypeError, match="kv_cmp must be an FP4"):
+        call(q, win, fp4.quantize(q[:, :, 0], 32, "ue8m0"), idx, sink, 4, impl="triton")  # power-of-two scales
+    with pytest.raises(TypeError, match="kv_cmp must be a tensor or an FP4"):
+        call(q, win, list(cmp), idx, sink, 4, impl="triton")
+    with pytest.raises(ValueError, match=r"FP4 kv_cmp must be values \(1, 5, 16\) and scales \(1, 5, 2\)"):
+        call(q, win, (cmp[0], cmp[1][..., :1].contiguous()), idx, sink, 4, impl="triton")
+    with pytest.raises(ValueError, match=r"FP8 kv_win must be values \(1, 8, 32\)"):
+        call(q, (win[0][:, :4].contiguous(), win[1][:, :4].contiguous()), cmp, idx, sink, 4, impl="triton")
+    q48 = torch.randn(1, 8, 2, 48, device=DEVICE)
+    with pytest.raises(ValueError, match="FP8 kv_win needs D divisible by its scale block 32, got D=48"):
+        call(q48, fp8.quantize_fp8(torch.randn(1, 8, 48, device=DEVICE), 16), None, None, sink, 4, impl="triton")
+    with pytest.raises(ValueError, match="kv_cmp scales must be contiguous"):
+        strided = torch.empty(1, 5, 4, dtype=torch.float8_e4m3fn, device=DEVICE)[..., ::2]
+        strided.copy_(cmp[1])
+        call(q, win, (cmp[0], strided), idx, sink, 4, impl="triton")
