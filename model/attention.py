@@ -16,6 +16,11 @@ Per layer (REFERENCE A2-A5):
 The indexer learns from a KL loss only (top-k has no gradient): target = this layer's attention distribution over
 compressed entries, summed over heads and renormalised on the indexer's search domain, detached; the indexer's inputs
 are detached so the loss never reaches the backbone.
+
+Kernels (ModelConfig.kernels, resolved in model/kernels.py, which also says when the reference path stays): on the
+Triton path the indexer scores, pools and picks with `kernels.indexer` and publishes int32 top-k ids, and the
+attention runs `kernels.sparse_attention` over them, which also returns the KL target (top-k probabilities summed
+over heads); `attend` and the [B, T, E] masks are the reference path.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from model import kernels as kern
 from model.common import RMSNorm, init_linear, linear, local
 from model.config import ModelConfig
 from model.csa2 import Compressor, Indexer, candidate_pool, index_scores, select_topk, visible_mask
@@ -63,6 +69,9 @@ class SequenceShard:
     chunk_mean: Callable[[torch.Tensor], torch.Tensor] = _same
 
 
+_WHOLE = SequenceShard()  # one process holds whole sequences (no context parallelism)
+
+
 @dataclass
 class ForwardContext:
     """State one forward shares across layers (per sequence batch). Pipeline stages carry it along."""
@@ -73,8 +82,10 @@ class ForwardContext:
     shard: SequenceShard = field(default_factory=SequenceShard)
     h_mid: torch.Tensor | None = None  # [B, T, dim] the encoder's output (collapsed streams), CED
     kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # source -> (main, index keys)
-    selection: dict[int, torch.Tensor] = field(default_factory=dict)  # index source -> [B, T, E] bool
-    pool: torch.Tensor | None = None  # [B, T, E] bool, the candidate pool
+    # index source -> its top-k: [B, T, E] bool (reference path) or [B, T, K] int32 entry ids, -1 = empty (Triton
+    # path, model/kernels.py)
+    selection: dict[int, torch.Tensor] = field(default_factory=dict)
+    pool: torch.Tensor | None = None  # the candidate pool: [B, T, E] bool, or [B, T, P] int32 block ids (Triton)
     indexer_kl: dict[int, torch.Tensor] = field(default_factory=dict)  # index source -> scalar KL
     _rope: dict = field(default_factory=dict)
 
@@ -85,16 +96,12 @@ class ForwardContext:
         return self._rope[key]
 
 
-def _fake_quant_fp4(x: torch.Tensor, block: int, fmt: str) -> torch.Tensor:
-    from kernels import fp4
-
-    return fp4.fake_quant(x, block=block, scale_fmt=fmt)
+def _fake_quant_fp4(x: torch.Tensor, block: int, fmt: str, path: str = "reference") -> torch.Tensor:
+    return kern.fake_quant_fp4(x, block, fmt, path)
 
 
-def _fake_quant_fp8(x: torch.Tensor) -> torch.Tensor:
-    from kernels import fp4
-
-    return fp4.fake_quant_fp8(x, block=32)
+def _fake_quant_fp8(x: torch.Tensor, path: str = "reference") -> torch.Tensor:
+    return kern.fake_quant_fp8(x, 32, path)
 
 
 def attend(q, kv_win, kv_cmp, win_mask, cmp_mask, sink):
@@ -191,7 +198,7 @@ class CSA2Attention(nn.Module):
             self.indexer.init_weights(std)
 
     # -- pieces ------------------------------------------------------------------------------------------------------
-    def _publish_kv(self, kv_in: torch.Tensor, ctx: ForwardContext) -> None:
+    def _publish_kv(self, kv_in: torch.Tensor, ctx: ForwardContext, path: str) -> None:
         """Full layer: compress, rotate at each group's first token, fake-quantise, publish (main, index keys)."""
         a, q = self.cfg.attention, self.cfg.quant
         m = self.spec.ratio
@@ -201,28 +208,31 @@ class CSA2Attention(nn.Module):
         cos, sin = ctx.rope(a, "compress", pos, latent.dtype, key=("entries", m))
         main = apply_rope(latent, cos, sin)
         if q.main_kv == "fp4":
-            main = _fake_quant_fp4(main, 16, "e4m3")
+            main = _fake_quant_fp4(main, 16, "e4m3", path)
         keys = self.indexer.keys(latent.detach())
         keys = apply_rope(keys, cos, sin)
         if q.index == "fp4":
-            keys = _fake_quant_fp4(keys, 32, "ue8m0")
+            keys = _fake_quant_fp4(keys, 32, "ue8m0", path)
         # Context parallelism: chunks align with groups, so each compresses its own and all exchange the entries.
         ctx.kv[self.spec.index] = ctx.shard.gather_entries(main, keys)
 
-    def _select(self, x, q_res, keys, E, ctx: ForwardContext):
-        """Index source: score visible entries (in the pool, if restricted), publish top-k; return (scores, domain)."""
+    def _select(self, x, q_res, keys, E, ctx: ForwardContext, path: str, attn_path: str):
+        """Index source: score visible entries (in the pool, if restricted), publish top-k; return (scores, domain).
+        path: the kernel switch (fake-quant); attn_path: the indexer's (see `_select_triton` for its returns)."""
         a, c, q = self.cfg.attention, self.cfg.csa2, self.cfg.quant
         T = x.shape[1]
         qi = self.indexer.queries(q_res.detach())
         cos, sin = ctx.rope(a, "compress", ctx.positions, qi.dtype)
         qi = apply_rope(qi, cos, sin)
         if q.index == "fp4":
-            qi = _fake_quant_fp4(qi, 32, "ue8m0")
+            qi = _fake_quant_fp4(qi, 32, "ue8m0", path)
         w = self.indexer.head_weights(x.detach())
+        if self.spec.uses_pool and ctx.pool is None:
+            raise RuntimeError(f"layer {self.spec.index}: Reindex layer found no candidate pool in the context")
+        if attn_path == "triton":
+            return self._select_triton(qi, w, keys, E, ctx)
         domain = visible_mask(T, E, self.spec.ratio, x.device, ctx.offset).expand(x.shape[0], T, E)
         if self.spec.uses_pool:
-            if ctx.pool is None:
-                raise RuntimeError(f"layer {self.spec.index}: Reindex layer found no candidate pool in the context")
             domain = domain & ctx.pool
         scores = index_scores(qi, w, keys)
         masked = scores.masked_fill(~domain, float("-inf"))
@@ -233,6 +243,27 @@ class CSA2Attention(nn.Module):
             ctx.selection[self.spec.index] = select_topk(masked, c.index_topk)
         return scores, domain
 
+    def _select_triton(self, qi, w, keys, E, ctx: ForwardContext):
+        """`_select` on the indexer kernels. Returns (scores, pos): scores [B, T, E] (dense) or [B, T, S] (the pool's
+        slots, in a pool-restricted layer), -inf outside the search domain; pos [B, T, K] int32, the top-k's
+        positions in scores' last dim (-1 = empty). Publishes the top-k as entry ids and the pool as block ids."""
+        c, spec = self.cfg.csa2, self.spec
+        bs = c.candidate_block_size
+        if E == 0:  # no group complete yet: nothing to score, an empty top-k (and pool)
+            pos = torch.full((*qi.shape[:2], 0), -1, dtype=torch.int32, device=qi.device)
+            ctx.pool = pos if spec.builds_pool else ctx.pool
+            ctx.selection[spec.index] = pos
+            return w.new_zeros(*qi.shape[:2], 0), pos
+        if spec.uses_pool:
+            scores = kern.index_scores_pool(qi, w, keys, ctx.pool, spec.ratio, bs)
+        else:
+            scores = kern.index_scores(qi, w, keys, spec.ratio)
+            if spec.builds_pool:
+                ctx.pool = kern.candidate_pool(scores.detach(), spec.ratio, bs, c.candidate_topk_blocks)
+        pos = kern.select_topk(scores.detach(), c.index_topk)
+        ctx.selection[spec.index] = kern.slot_entries(pos, ctx.pool, bs) if spec.uses_pool else pos
+        return scores, pos
+
     # -- forward -----------------------------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, ctx: ForwardContext, kv_in: torch.Tensor | None = None) -> torch.Tensor:
         """x [B, T, dim] normalised attention input; kv_in: the compressor input of a Full layer (x in the encoder,
@@ -241,28 +272,29 @@ class CSA2Attention(nn.Module):
         spec = self.spec
         B, T, _ = x.shape
         kind = spec.rope
+        path = kern.resolve(self.cfg.kernels, x.device)
         cos, sin = ctx.rope(a, kind, ctx.positions, x.dtype)
 
         q_res = self.q_norm(self.wq_a(x))
         q = apply_rope(self.wq_b(q_res).unflatten(-1, (-1, self.head_dim)), cos, sin)  # [B, T, H, D] (H/tp under tp)
         kv = apply_rope(self.kv_norm(self.wkv(x)), cos, sin)
         if qc.swa_kv == "fp8":
-            kv = _fake_quant_fp8(kv)
+            kv = _fake_quant_fp8(kv, path)
         # Window keys: under context parallelism the previous chunk's last rows come first (a halo of h rows).
         kv_keys = ctx.shard.window_halo(kv)  # [B, h + T, D]
-        p = ctx.positions
         h = kv_keys.shape[1] - T
-        k_pos = torch.cat((torch.arange(-h, 0, device=p.device) + p[0], p))  # [h + T]; < 0: no token (first chunk)
-        win_mask = (k_pos[None, :] <= p[:, None]) & (k_pos[None, :] > p[:, None] - a.window) & (k_pos >= 0)[None, :]
+        # the attention and indexer kernels take one whole sequence of plain tensors (model/kernels.py says why)
+        attn_path = kern.attention_path(path, context_parallel=h > 0 or ctx.offset > 0 or ctx.shard != _WHOLE,
+                                        tensor_parallel=not kern.plain(self.attn_sink))
 
         kv_cmp = cmp_mask = scores = domain = None
         if spec.ratio > 0:
             if spec.owns_kv:
-                self._publish_kv(kv_in if kv_in is not None else x, ctx)
+                self._publish_kv(kv_in if kv_in is not None else x, ctx, path)
             kv_cmp, keys = ctx.kv[spec.kv_source]
             E = kv_cmp.shape[1]
             if spec.owns_indexer:
-                scores, domain = self._select(x, q_res, keys, E, ctx)
+                scores, domain = self._select(x, q_res, keys, E, ctx, path, attn_path)
             if ctx.phase == "dense_warmup":
                 cmp_mask = visible_mask(T, E, spec.ratio, x.device, ctx.offset).expand(B, T, E)
             else:
@@ -270,12 +302,34 @@ class CSA2Attention(nn.Module):
             if E == 0:
                 kv_cmp = None
 
-        out, p_cmp = attend(q, kv_keys, kv_cmp, win_mask, cmp_mask, local(self.attn_sink))
-        if scores is not None and p_cmp is not None:
-            if ctx.phase == "sparse":
-                domain = domain & cmp_mask
-            ctx.indexer_kl[spec.index] = indexer_kl(self.head_sum(p_cmp.detach()), scores, domain,
-                                                    ctx.shard.chunk_mean)
+        sink = local(self.attn_sink)
+        if attn_path == "triton" and (ctx.phase == "sparse" or kv_cmp is None):
+            # Window + top-k ids (cmp_mask is [B, T, K] int32 here). For an index source the kernel also returns
+            # the KL target on the sparse phase's domain, the top-k itself: each slot's probability summed over heads.
+            out, p_top = kern.sparse_attention(q, kv_keys, kv_cmp, cmp_mask, sink, a.window,
+                                               topk_probs=scores is not None)
+            if p_top is not None:
+                # `domain` holds the top-k's positions in scores; HeadSum sums a unit head axis (the kernel summed
+                # the heads) and stays the hook a tensor-parallel plan completes the sum at
+                ctx.indexer_kl[spec.index] = indexer_kl(self.head_sum(p_top[:, None]),
+                                                        scores.gather(-1, domain.clamp_min(0).long()), domain >= 0,
+                                                        ctx.shard.chunk_mean)
+        else:
+            p = ctx.positions
+            k_pos = torch.cat((torch.arange(-h, 0, device=p.device) + p[0], p))  # [h + T]; < 0: no token (1st chunk)
+            win_mask = (k_pos[None, :] <= p[:, None]) & (k_pos[None, :] > p[:, None] - a.window) & (k_pos >= 0)[None]
+            out, p_cmp = attend(q, kv_keys, kv_cmp, win_mask, cmp_mask, sink)
+            if scores is not None and p_cmp is not None:
+                mass = self.head_sum(p_cmp.detach())  # [B, T, E]
+                if attn_path == "triton":
+                    # dense warm-up on the indexer kernels' scores: -inf marks the domain (visible, in the pool)
+                    if spec.uses_pool:
+                        slots = kern.pool_entries(ctx.pool, self.cfg.csa2.candidate_block_size)
+                        mass = mass.gather(-1, slots.clamp(0, E - 1))  # [B, T, S]
+                    domain = scores > float("-inf")
+                elif ctx.phase == "sparse":
+                    domain = domain & cmp_mask
+                ctx.indexer_kl[spec.index] = indexer_kl(mass, scores, domain, ctx.shard.chunk_mean)
 
         out = apply_rope(out, cos, sin, inverse=True)  # [B, T, H, D]
         w = local(self.wo_a.weight).unflatten(0, (-1, a.o_lora_rank))  # [G, o_lora_rank, H / G * D]

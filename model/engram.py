@@ -10,7 +10,12 @@ addresses depend only on token ids, so they are known before layer 0 runs and th
 There is no short causal convolution (SPEC 1.6).
 
 The table is read only through `lookup`, so a sharded or host-resident table can replace it without touching the
-gate (REFERENCE B5: serving shards it by hash head or keeps it in pinned host memory).
+gate (REFERENCE B5: serving shards it by hash head or keeps it in pinned host memory). A parallel plan installs a
+`row_reader` (trainer/parallel/engram.py shards the rows over ranks); the model never sees a process group.
+
+Initialisation draws the table in fixed blocks of rows, each from its own generator seeded from one draw of the
+default generator: any process holding any contiguous row range gets the single process's values for those rows
+without materialising the whole table (98B values per module in the flagship).
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from model.common import local
+from model import kernels as kern
 from model.config import ModelConfig
 from model.engram_hash import (
     EngramHasher,
@@ -42,6 +49,24 @@ __all__ = [
 ]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# Rows per initialisation block (one generator each): 64 MB of fp32 values at the flagship's 256 columns.
+_INIT_BLOCK_ROWS = 1 << 16
+_GOLDEN = 0x9E3779B97F4A7C15  # odd 64-bit constant: spreads consecutive block indices over the seed space
+
+
+@torch.no_grad()
+def init_table_rows_(rows: torch.Tensor, first_row: int, std: float, seed: int) -> None:
+    """Fill rows [N_local, Dh] (table rows first_row .. first_row + N_local - 1) with normal(0, std) values that
+    depend only on (seed, row): block b of _INIT_BLOCK_ROWS rows is drawn in fp32 on the CPU from a generator
+    seeded with (seed + b * _GOLDEN) mod 2^63, whatever device or dtype holds the rows."""
+    num_local, dh = rows.shape
+    gen = torch.Generator(device="cpu")
+    end = first_row + num_local
+    for b in range(first_row // _INIT_BLOCK_ROWS, -(-end // _INIT_BLOCK_ROWS)):
+        gen.manual_seed((seed + b * _GOLDEN) % 2**63)
+        block = torch.empty(_INIT_BLOCK_ROWS, dh).normal_(0.0, std, generator=gen)
+        lo, hi = max(first_row, b * _INIT_BLOCK_ROWS), min(end, (b + 1) * _INIT_BLOCK_ROWS)
+        rows[lo - first_row:hi - first_row].copy_(block[lo - b * _INIT_BLOCK_ROWS:hi - b * _INIT_BLOCK_ROWS])
 
 
 class Engram(nn.Module):
@@ -59,6 +84,7 @@ class Engram(nn.Module):
         self.head_dim = ecfg.head_dim
         self.eps = cfg.norm_eps
         self.init_std = cfg.init_std
+        self.kernels = cfg.kernels
         self.num_rows = engram_table_rows(ecfg, layer_id)
         # [N, Dh]; the 24 prime-sized sub-tables of this layer laid end to end (row ids carry the offsets).
         self.table = nn.Parameter(torch.empty(self.num_rows, self.head_dim, dtype=_DTYPES[ecfg.table_dtype]))
@@ -67,16 +93,24 @@ class Engram(nn.Module):
         # Used only as their product (A8); kept as two [n, D] tensors so checkpoints map one to one.
         self.q_weight = nn.Parameter(torch.empty(self.num_streams, self.dim))
         self.k_weight = nn.Parameter(torch.empty(self.num_streams, self.dim))
+        # How `lookup` reads rows. None: this process holds the whole table. A plan installs a plain object (not a
+        # module, so the state dict is unchanged) with `__call__(table, row_ids) -> rows` and `first_row` (the global
+        # index of this process's first row, which `init_weights` needs).
+        self.row_reader = None
 
     @torch.no_grad()
     def init_weights(self) -> None:
-        nn.init.normal_(self.table, mean=0.0, std=self.init_std)
+        # One draw advances the default generator by the same amount in every layout (and the wkv draw after it).
+        seed = int(torch.randint(0, 2**62, ()))
+        init_table_rows_(local(self.table), getattr(self.row_reader, "first_row", 0), self.init_std, seed)
         nn.init.normal_(self.wkv.weight, mean=0.0, std=self.init_std)
         nn.init.ones_(self.q_weight)
         nn.init.ones_(self.k_weight)
 
     def lookup(self, row_ids: torch.Tensor) -> torch.Tensor:
         """row_ids [...] int64 -> rows [..., Dh] in the table dtype. Gradient lands only on the rows read."""
+        if self.row_reader is not None:
+            return self.row_reader(self.table, row_ids)
         return F.embedding(row_ids, self.table)
 
     def gate(self, S: torch.Tensor, key: torch.Tensor, dead: torch.Tensor | None) -> torch.Tensor:
@@ -98,6 +132,11 @@ class Engram(nn.Module):
 
     def forward(self, S: torch.Tensor, row_ids: torch.Tensor, dead: torch.Tensor | None = None) -> torch.Tensor:
         """S [B, T, n, D] streams, row_ids [B, T, C] int64, dead [B, T] bool -> S' [B, T, n, D] (S's dtype)."""
+        if (kern.resolve(self.kernels, S.device) == "triton" and self.row_reader is None
+                and kern.plain(S, self.table, self.wkv.weight)):
+            # The Triton gather and fused gate (model/kernels.py). It reads the whole table by global row id, so a
+            # sharded table (a row_reader) and a tensor-parallel plan's DTensors stay on this reference path.
+            return kern.engram_forward(self, S, row_ids, dead)
         B, T, n, D = S.shape
         rows = self.lookup(row_ids)  # [B, T, C, Dh]
         kv = self.wkv(rows.flatten(-2).to(self.wkv.weight.dtype))  # [B, T, (n + 1) * D]

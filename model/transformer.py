@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from model import kernels as kern
 from model import mhc
 from model.attention import CSA2Attention, ForwardContext, SequenceShard
 from model.common import RMSNorm, init_normal
@@ -30,6 +31,7 @@ class Block(nn.Module):
         super().__init__()
         self.spec = spec
         self.impl = cfg.mhc.impl
+        self.kernels = cfg.kernels
         self.engram = Engram(cfg, spec.index) if spec.engram else None
         self.hc_attn = mhc.HCSite(cfg.dim, cfg.mhc, cfg.norm_eps)
         self.hc_ffn = mhc.HCSite(cfg.dim, cfg.mhc, cfg.norm_eps)
@@ -61,7 +63,7 @@ class Block(nn.Module):
         if self.spec.owns_kv and self.spec.kv_input == "h_mid":
             kv_in = self.attn_norm(ctx.h_mid)
         y = self.attn(self.attn_norm(x), ctx, kv_in)
-        S, x, cf = mhc.mhc_step(self.impl, y, S, ca, ca.pre, self.hc_ffn)
+        S, x, cf = mhc.mhc_step(self.impl, y, S, ca, ca.pre, self.hc_ffn, kern.resolve(self.kernels, S.device))
         y = self.ffn(self.ffn_norm(x), image_mask)
         S = mhc.expand(y, S, cf.post, cf.comb)
         return S, cf.pre

@@ -291,7 +291,7 @@ def test_shape_and_dtype_errors() -> None:
 
 
 def test_impl_triton_matches_and_unknown_impl_rejected() -> None:
-    x = torch.randn(2, 32)
+    x = torch.randn(2, 32, device="cuda" if torch.cuda.is_available() else "cpu")
     codes, scales_q = quantize(x)
     values, scales8 = quantize_fp8(x)
     calls = [

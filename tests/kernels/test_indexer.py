@@ -20,19 +20,22 @@ from __future__ import annotations
 
 import os
 
-os.environ["TRITON_INTERPRET"] = "1"  # before Triton is first imported: the kernels then run on the CPU
-
 import importlib  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"  # before Triton is first imported: the kernels then run on the CPU
 import triton.runtime.interpreter as interpreter  # noqa: E402
 
 import kernels.indexer as ix  # noqa: E402
 import kernels.sparse_attention as sa  # noqa: E402
 from model import csa2  # noqa: E402
 
-if not isinstance(ix._scores_fwd, interpreter.InterpretedFunction):
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+DEVICE = "cpu" if INTERPRET else "cuda"
+if INTERPRET and not isinstance(ix._scores_fwd, interpreter.InterpretedFunction):
     # imported earlier without the interpreter: rebuild the kernels (and the dot helper they share) under it
     sa = importlib.reload(sa)
     ix = importlib.reload(ix)
@@ -64,8 +67,8 @@ def poison(monkeypatch):
 
 def make_inputs(B, T, Hi, Di, E, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return (torch.randn(B, T, Hi, Di, generator=g), torch.randn(B, T, Hi, generator=g),
-            torch.randn(B, E, Di, generator=g))
+    return (torch.randn(B, T, Hi, Di, generator=g).to(DEVICE), torch.randn(B, T, Hi, generator=g).to(DEVICE),
+            torch.randn(B, E, Di, generator=g).to(DEVICE))
 
 
 def assert_scores_equal(a, b):
@@ -81,7 +84,7 @@ def test_scores_match_model(ratio, poison):
     E = T // ratio
     q, w, k = make_inputs(B, T, Hi, Di, E)
     got = ix.index_scores(q, w, k, ratio, impl="triton")
-    want = csa2.index_scores(q, w, k).masked_fill(~csa2.visible_mask(T, E, ratio, "cpu"), NEG_INF)
+    want = csa2.index_scores(q, w, k).masked_fill(~csa2.visible_mask(T, E, ratio, DEVICE), NEG_INF)
     assert_scores_equal(got, want)
 
 
@@ -142,11 +145,12 @@ def test_candidate_pool_matches_model(block_size, topk_blocks):
 def test_candidate_pool_with_query_offset():
     B, T, E, ratio, offset = 1, 12, 30, 2, 40
     g = torch.Generator().manual_seed(4)
-    scores = torch.randn(B, T, E, generator=g).masked_fill(~ix._visible(T, E, ratio, offset, "cpu"), NEG_INF)
+    scores = torch.randn(B, T, E, generator=g).to(DEVICE).masked_fill(~ix._visible(T, E, ratio, offset, DEVICE),
+                                                                      NEG_INF)
     got = ix.candidate_pool(scores, ratio, 4, 2, q_offset=offset, impl="triton")
     want = ix.candidate_pool_reference(scores, ratio, 4, 2, q_offset=offset)
     assert torch.equal(got.sort(-1).values, want.sort(-1).values)
-    newest_block = ((torch.arange(T) + offset + 1) // ratio - 1) // 4
+    newest_block = ((torch.arange(T, device=DEVICE) + offset + 1) // ratio - 1) // 4
     assert (got == newest_block[None, :, None]).any(-1).all()  # the newest block is always in the pool
 
 
@@ -187,7 +191,7 @@ def test_pool_topk_selects_the_reindex_domain():
     E = k.shape[1]
     got = ix.select_topk(ix.index_scores_pool(q, w, k, pool, ratio, bs, impl="triton"), 5, pool=pool,
                          block_size=bs)
-    domain = ix.pool_to_mask(pool, E, bs) & csa2.visible_mask(q.shape[1], E, ratio, "cpu")
+    domain = ix.pool_to_mask(pool, E, bs) & csa2.visible_mask(q.shape[1], E, ratio, DEVICE)
     want = csa2.select_topk(dense.masked_fill(~domain, NEG_INF), 5)
     assert torch.equal(topk_to_mask(got, E), want)
 

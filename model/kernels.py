@@ -1,0 +1,228 @@
+"""The kernel switch (`ModelConfig.kernels`): the one place that resolves it, and thin calls into `kernels/`.
+
+Shape legend: B batch, T tokens, E compressed entries, K top-k slots, P pool blocks per query, BS entries per pool
+block, S = P * BS pool slots, Hi/Di indexer heads/dims, H query heads, D latent width, n mHC streams.
+
+"reference" runs the plain-PyTorch code in the model files; "triton" runs the Triton kernels of `kernels/`, which
+compute the same functions (each is proven against its reference in tests/kernels, the whole model in
+tests/model/test_kernels_switch.py); "auto" is triton on CUDA and reference elsewhere. Every site resolves the switch
+from its config string and the device of its activations (`resolve`), so one forward takes one path everywhere.
+
+Where the Triton path does not apply yet, the site keeps the reference path (correct, only slower); the reasons:
+| site | Triton kernel | stays on the reference when |
+| --- | --- | --- |
+| QAT fake-quant: main KV, indexer q/k (FP4), SWA KV (FP8) | kernels.fp4 / kernels.fp8 (impl=) | DTensor input |
+| sparse attention over window + top-k | kernels.sparse_attention | dense-warmup phase, context or tensor parallelism |
+| indexer scores, candidate pool, pool scores, top-k | kernels.indexer | context or tensor parallelism |
+| single-pass mHC step | kernels.mhc_triton.single_pass | mhc.impl="unfused"; DTensor parameters or inputs |
+| Engram gather + gate | kernels.engram_triton.engram_forward | DTensor parameters or inputs; a sharded table |
+- Dense warm-up: the attention reads every visible entry, a [B, T, E] mask that an int32 top-k list would only
+  spell out entry by entry (K = E per query, no saving), so it stays on `model.attention.attend`; the indexer still
+  scores, pools and picks with the kernels, and its KL target comes from attend's probabilities.
+- Context parallelism: a chunk's window keys arrive with the previous chunk's halo rows in front ([B, h + T, D])
+  and its queries start at an offset; the attention kernel takes window keys [B, T, D] at positions 0..T-1 only.
+- Tensor parallelism: the plans make parameters DTensors (the kernels take plain tensors) and split the heads, so
+  the kernel's head-summed top-k probabilities are a per-rank partial sum (routed through `HeadSum`, the hook the
+  plan completes the sum at, but not yet proven equal under tp).
+- mHC: only the step `mhc_step` does (attention expand + FFN site + collapse) is fused; the block's FFN expand and
+  the next block's site prediction run unfused in `model.transformer.Block` on either path.
+- Engram: the kernel gathers rows by global id from the whole table, so a table sharded by a `row_reader` stays on
+  the reference lookup.
+The Triton attention path keeps the selection as int32 top-k ids [B, T, K] (-1 = empty) and the pool as int32
+block ids [B, T, P] in the ForwardContext; the reference path keeps [B, T, E] bool masks. Pipeline stages ship the
+masks between stages (trainer/parallel/pipeline.py), and reject the id lists by name until they carry those too.
+Exact ties in the indexer scores (0 where every head's ReLU is 0) are broken by torch.topk on both paths, over the
+entry layout or, in a pool-restricted layer, the pool's slot layout: both pick a valid top-k, not always the same
+one. With 32 indexer heads (flagship) such a zero is about 2^-32 rare; the 4-head tiny config has one in ~16.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch.distributed.tensor import DTensor
+
+__all__ = [
+    "CHOICES",
+    "resolve",
+    "plain",
+    "attention_path",
+    "fake_quant_fp4",
+    "fake_quant_fp8",
+    "sparse_attention",
+    "index_scores",
+    "index_scores_pool",
+    "candidate_pool",
+    "select_topk",
+    "slot_entries",
+    "pool_entries",
+    "mhc_single_pass",
+    "engram_forward",
+]
+
+CHOICES = ("reference", "triton", "auto")
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def resolve(kernels: str, device: torch.device | str) -> str:
+    """ModelConfig.kernels and the activations' device -> "triton" or "reference".
+
+    "auto" is triton on CUDA only. "triton" elsewhere needs the Triton CPU interpreter (TRITON_INTERPRET=1, the
+    tests' mode) and fails here, by name, without it. The meta device (shape-only runs) always takes the
+    reference: no kernel launches there."""
+    if kernels not in CHOICES:
+        raise ValueError(f"model.kernels must be one of {list(CHOICES)}, got {kernels!r}")
+    kind = torch.device(device).type
+    if kind == "meta":
+        return "reference"
+    if kernels == "auto":
+        return "triton" if kind == "cuda" else "reference"
+    if kernels == "triton" and kind != "cuda" and not _interpreting():
+        raise RuntimeError(f"model.kernels='triton' needs CUDA tensors (or TRITON_INTERPRET=1 for the CPU "
+                           f"interpreter), got tensors on {kind}")
+    return kernels
+
+
+def plain(*tensors: torch.Tensor | None) -> bool:
+    """True when no tensor is a DTensor: the kernels' host wrappers take plain (local) tensors only."""
+    return not any(isinstance(t, DTensor) for t in tensors)
+
+
+def attention_path(path: str, *, context_parallel: bool, tensor_parallel: bool) -> str:
+    """The path of the attention and its indexer: `path`, or the reference under context or tensor parallelism
+    (see the module docstring for why)."""
+    return "reference" if context_parallel or tensor_parallel else path
+
+
+# -- QAT fake quantisation ------------------------------------------------------------------------------------------
+def fake_quant_fp4(x: torch.Tensor, block: int, scale_fmt: str, path: str) -> torch.Tensor:
+    """FP4 E2M1 fake-quant with a straight-through gradient (kernels.fp4.fake_quant), bit-identical both ways."""
+    from kernels import fp4
+
+    impl = path if plain(x) else "reference"
+    return fp4.fake_quant(x.contiguous() if impl == "triton" else x, block=block, scale_fmt=scale_fmt, impl=impl)
+
+
+def fake_quant_fp8(x: torch.Tensor, block: int, path: str) -> torch.Tensor:
+    """FP8 E4M3 fake-quant with a straight-through gradient (kernels.fp8.fake_quant_fp8), bit-identical both ways."""
+    from kernels import fp8
+
+    impl = path if plain(x) else "reference"
+    return fp8.fake_quant_fp8(x.contiguous() if impl == "triton" else x, block=block, impl=impl)
+
+
+# -- attention ----------------------------------------------------------------------------------------------------
+def _matmul_dtype(t: torch.Tensor) -> torch.dtype:
+    """The dtype the reference's einsums compute in: the autocast dtype inside an autocast region, else t's."""
+    kind = t.device.type
+    if torch.amp.is_autocast_available(kind) and torch.is_autocast_enabled(kind):
+        return torch.get_autocast_dtype(kind)
+    return t.dtype
+
+
+def sparse_attention(q: torch.Tensor, kv_win: torch.Tensor, kv_cmp: torch.Tensor | None,
+                     topk_idx: torch.Tensor | None, sink: torch.Tensor, window: int, *, topk_probs: bool = False
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """kernels.sparse_attention: q [B, T, H, D] over the window of kv_win [B, T, D] and the entries of kv_cmp
+    [B, E, D] (None: window only) picked by topk_idx [B, T, K] int32 (-1 = empty); sink [H] fp32.
+    Returns (out [B, T, H, D], probs [B, T, K] fp32 head-summed and detached, or None): `attend`'s output and its
+    p_cmp summed over heads at the picked entries.
+
+    Inside an autocast region the reference's einsums run in the autocast dtype (a compressor may hand over fp32
+    entries next to bf16 queries), so the operands are cast to it, as autocast would; the kernel needs one dtype."""
+    from kernels import sparse_attention as sa
+
+    dtype = _matmul_dtype(q)
+    q, kv_win = q.to(dtype).contiguous(), kv_win.to(dtype).contiguous()
+    if kv_cmp is None:
+        topk_idx = None
+    else:
+        kv_cmp, topk_idx = kv_cmp.to(dtype).contiguous(), topk_idx.contiguous()
+    out = sa.sparse_attention(q, kv_win, kv_cmp, topk_idx, sink.contiguous(), window,
+                              return_topk_probs=topk_probs and kv_cmp is not None, impl="triton")
+    if isinstance(out, tuple):
+        return out
+    return out, None
+
+
+# -- indexer ------------------------------------------------------------------------------------------------------
+def _same_dtype(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference scores in fp32 (q.float(), k.float()); when q and k differ in dtype (fp32 keys next to bf16
+    queries under autocast) the kernel gets both in fp32, an exact upcast. Same dtype: unchanged (the kernel
+    accumulates in fp32)."""
+    if q.dtype != k.dtype:
+        q, k = q.float(), k.float()
+    return q.contiguous(), k.contiguous()
+
+
+def index_scores(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor, ratio: int) -> torch.Tensor:
+    """Indexer scores q [B, T, Hi, Di], w [B, T, Hi] fp32, k [B, E, Di] -> [B, T, E] fp32, -inf where an entry
+    is not visible. Differentiable in q, w, k."""
+    from kernels import indexer
+
+    q, k = _same_dtype(q, k)
+    return indexer.index_scores(q, w.contiguous(), k, ratio, impl="triton")
+
+
+def index_scores_pool(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor, pool: torch.Tensor, ratio: int,
+                      block_size: int) -> torch.Tensor:
+    """Reindex scores over the candidate pool [B, T, P] int32 block ids -> slot scores [B, T, S] fp32, slot
+    i * BS + j scoring entry pool[..., i] * BS + j (-inf: empty, not visible or past E). Differentiable in q, w, k."""
+    from kernels import indexer
+
+    q, k = _same_dtype(q, k)
+    return indexer.index_scores_pool(q, w.contiguous(), k, pool, ratio, block_size, impl="triton")
+
+
+def candidate_pool(scores: torch.Tensor, ratio: int, block_size: int, topk_blocks: int) -> torch.Tensor:
+    """Masked scores [B, T, E] -> the hierarchical candidate pool, [B, T, P] int32 block ids (-1 = empty)."""
+    from kernels import indexer
+
+    return indexer.candidate_pool(scores.contiguous(), ratio, block_size, topk_blocks, impl="triton")
+
+
+def select_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Scores [B, T, X] (-inf = not allowed) -> positions [B, T, min(k, X)] int32 of the top picks along the last
+    dim, -1 where a pick is -inf. Positions, not entry ids: the indexer's KL reads its differentiable scores
+    through them (slot scores of a pool map to entries with `slot_entries`)."""
+    from kernels import indexer
+
+    return indexer.select_topk(scores, k)
+
+
+def slot_entries(pos: torch.Tensor, pool: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Top-k slot positions [B, T, K] of pool slot scores -> entry ids [B, T, K] int32 (-1 stays -1)."""
+    taken = pos >= 0
+    slot = pos.clamp_min(0).long()
+    block = pool.gather(-1, slot // block_size).long()
+    return torch.where(taken, block * block_size + slot % block_size, -1).to(torch.int32).contiguous()
+
+
+def pool_entries(pool: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Pool block ids [B, T, P] -> the entry of every slot, [B, T, S] int64 (-1 for an empty block; a slot past E
+    keeps its id, its score is -inf)."""
+    ent = pool.long()[..., None] * block_size + torch.arange(block_size, device=pool.device)
+    return torch.where(pool[..., None] >= 0, ent, -1).flatten(-2)
+
+
+# -- mHC and Engram ------------------------------------------------------------------------------------------------
+def mhc_single_pass(y, S, coeffs, pre_lag, next_site):
+    """model.mhc.single_pass as the fused Triton kernel (kernels.mhc_triton.single_pass); the reference when a
+    tensor-parallel plan made the next site's parameters (read outside its own call here) or the streams DTensors."""
+    from kernels import mhc_triton
+
+    fn = None if next_site is None else next_site.fn
+    impl = "triton" if plain(y, S, fn, *coeffs, pre_lag) else "reference"
+    return mhc_triton.single_pass(y, S, coeffs, pre_lag, next_site, impl=impl)
+
+
+def engram_forward(module, S, row_ids, dead):
+    """Engram.forward as the Triton gather + fused gate (kernels.engram_triton.engram_forward). The caller checks
+    `plain` first: the reference path is the module's own forward."""
+    from kernels import engram_triton
+
+    return engram_triton.engram_forward(module, S, row_ids, dead, impl="triton")

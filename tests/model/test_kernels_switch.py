@@ -1,0 +1,301 @@
+"""Proves the model's kernel switch (`ModelConfig.kernels`, model/kernels.py):
+
+- the whole tiny model (v41_tiny shrunk to 6 layers that keep every layer role: SWA, encoder Full m=2, Reuse with
+  Engram, decoder Full m=1 fed from h_{L/2} that builds the candidate pool, pool-restricted Reindex, Reuse) with
+  kernels="triton" equals kernels="reference" in fp32: logits, the indexer KL loss and the gradient of every
+  parameter within tight fp32 tolerance, in both indexer phases, with QAT (FP4 main KV and indexer q/k, FP8 SWA KV)
+  on. The triton run goes through every Triton entry point (FP4/FP8 fake-quant, sparse attention, indexer scores,
+  candidate pool, pool scores, top-k, single-pass mHC, Engram) the expected number of times; the reference run
+  through none of them;
+- under bf16 autocast the Triton run is as close to the fp32 reference as the bf16 reference run is (logits,
+  indexer KL, all gradients together); bf16 noise flips top-k, FP4 codes and expert routing, so per-tensor
+  agreement is not expected there, only equal accuracy;
+- context parallelism falls back to the reference attention and indexer (the other kernels stay on), and the
+  result still equals the reference;
+- "auto" resolves to the reference on CPU (and a forward on CPU launches no kernel), to triton on CUDA; an unknown
+  value is rejected by the config and by `resolve`; "triton" on CPU without the interpreter fails by name.
+
+The model is not continuous everywhere: top-k and the pool are discrete, QAT rounds, and the Engram gate's signed
+square root is steep at 0. Two correct paths differ by fp32 rounding (sums in another order), which moves a result
+by far more than rounding where an input sits on such an edge. The fp32 test therefore checks, on its fixed ids,
+that no input sits on one (`Edges`) before it compares, so a failure of those checks names the edge, not a bug.
+On CPU the kernels run in the Triton interpreter (tests/conftest.py sets TRITON_INTERPRET=1); on a GPU, on CUDA.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import importlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import model.attention as attention_mod
+from model import csa2
+from model import kernels as kern
+from model.attention import SequenceShard
+from model.config import ModelConfig
+from model.layer_plan import build_layer_plan
+from tests.helpers import build_tiny, load_config
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# fp32 agreement, as a fraction of each tensor's largest magnitude: the interpreter's fp32 dots sum in another order
+# than torch's; on the GPU the mHC kernel's projection is a bf16x3 split (~1e-5 relative) and atomics reorder sums.
+FP32_TOL = 1e-4 if DEVICE == "cpu" else 2e-4
+
+# Every Triton entry point the switch reaches: (module, function).
+ENTRIES = {
+    "fp4": ("kernels.fp4", "fake_quant"),
+    "fp8": ("kernels.fp8", "fake_quant_fp8"),
+    "sparse_attention": ("kernels.sparse_attention", "sparse_attention"),
+    "index_scores": ("kernels.indexer", "index_scores"),
+    "candidate_pool": ("kernels.indexer", "candidate_pool"),
+    "index_scores_pool": ("kernels.indexer", "index_scores_pool"),
+    "select_topk": ("kernels.indexer", "select_topk"),
+    "mhc": ("kernels.mhc_triton", "single_pass"),
+    "engram": ("kernels.engram_triton", "engram_forward"),
+}
+
+
+def _overrides(phase: str = "sparse", qat: bool = True, **extra) -> dict:
+    base = load_config("v41_tiny")
+    quant = dict(main_kv="fp4", index="fp4", swa_kv="fp8") if qat else dict(main_kv="none", index="none", swa_kv="none")
+    return dict(
+        num_layers=6,
+        num_encoder_layers=3,
+        attention=dataclasses.replace(base.attention, window=8),  # window < T: its edge is exercised
+        csa2=dataclasses.replace(
+            base.csa2, compress_ratios=[0, 2, 2, 1, 1, 1], kv_source_layers=[1, 3], index_source_layers=[1, 3, 4],
+            candidate_source_layer=3, index_topk=6, candidate_block_size=4, candidate_topk_blocks=3,
+            # v41_tiny has 4: then ~1 score in 16 is exactly 0 (every head's ReLU 0), ties the top-k breaks by layout
+            index_num_heads=8),
+        indexer=dataclasses.replace(base.indexer, phase=phase),
+        engram=dataclasses.replace(base.engram, layers=[2]),
+        quant=dataclasses.replace(base.quant, **quant),
+        **extra,
+    )
+
+
+def _pair(phase: str, qat: bool = True):
+    """The same weights twice: kernels="reference" and kernels="triton", on DEVICE."""
+    ref = build_tiny(seed=0, **_overrides(phase, qat, kernels="reference")).to(DEVICE)
+    tri = build_tiny(seed=0, **_overrides(phase, qat, kernels="triton")).to(DEVICE)
+    tri.load_state_dict(ref.state_dict())
+    return ref, tri
+
+
+def _ids(B: int, T: int, seed: int = 4) -> torch.Tensor:
+    return torch.randint(3, 4096, (B, T), generator=torch.Generator().manual_seed(seed)).to(DEVICE)
+
+
+def _step(m, ids, autocast: bool = False) -> dict[str, torch.Tensor]:
+    """Forward + backward of LM loss + indexer KL; returns logits, the KL and every parameter's gradient."""
+    m.zero_grad(set_to_none=True)
+    with torch.autocast(DEVICE, dtype=torch.bfloat16, enabled=autocast):
+        logits, aux = m(ids, return_aux=True)
+        loss = F.cross_entropy(logits.flatten(0, 1), ids.roll(-1, dims=1).flatten()) + aux["indexer_kl"]
+    loss.backward()
+    out = {"logits": logits.detach().float(), "indexer_kl": aux["indexer_kl"].detach().float()}
+    for name, p in m.named_parameters():
+        assert p.grad is not None, f"{name} got no gradient"
+        out[name] = p.grad.detach().float()
+    return out
+
+
+class Launches:
+    """Spies on every Triton entry point: calls counted by (entry, impl) (impl None: select_topk, which has none),
+    and the fake-quant outputs of either path in call order."""
+
+    def __init__(self, monkeypatch):
+        self.calls: collections.Counter = collections.Counter()
+        self.quantised: list[torch.Tensor] = []
+        for entry, (module_name, fn) in ENTRIES.items():
+            module = importlib.import_module(module_name)
+            monkeypatch.setattr(module, fn, self._spy(entry, getattr(module, fn)))
+
+    def _spy(self, entry, real):
+        def spy(*args, **kwargs):
+            self.calls[(entry, kwargs.get("impl"))] += 1
+            out = real(*args, **kwargs)
+            if entry in ("fp4", "fp8"):
+                self.quantised.append(out.detach().clone())
+            return out
+
+        return spy
+
+    def clear(self) -> None:
+        self.calls.clear()
+        self.quantised = []
+
+    def kernel_calls(self) -> list:
+        return [k for k in self.calls if k[1] != "reference"]
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    return Launches(monkeypatch)
+
+
+def _expected_launches(plan, phase: str) -> collections.Counter:
+    """One call per site of the plan, all with impl="triton"."""
+    full = [s for s in plan if s.role == "full"]
+    sources = [s for s in plan if s.owns_indexer]
+    compressed = [s for s in plan if s.ratio > 0]
+    n = collections.Counter({
+        "fp4": 2 * len(full) + len(sources),  # main KV and index keys per Full layer, index queries per source
+        "fp8": len(plan),  # SWA KV, every layer
+        "sparse_attention": len(plan) - (len(compressed) if phase == "dense_warmup" else 0),
+        "index_scores": sum(not s.uses_pool for s in sources),
+        "candidate_pool": sum(s.builds_pool for s in plan),
+        "index_scores_pool": sum(s.uses_pool for s in plan),
+        "select_topk": len(sources),
+        "mhc": len(plan),  # one single-pass step per block (attention expand + FFN site)
+        "engram": sum(s.engram for s in plan),
+    })
+    return collections.Counter({(k, None if k == "select_topk" else "triton"): v for k, v in n.items()})
+
+
+class Edges:
+    """How far the reference run stays from the model's edges, recorded from its own calls:
+    - top-k and the pool (`model.csa2.select_topk`): the gap between the last pick and the first entry left out,
+      relative to the row's largest score (0: a tie, which the two paths may break differently);
+    - the Engram gate sigmoid(sign(s) sqrt(|s|)): min |s| = min logit(g)^2; its derivative 1 / (2 sqrt |s|) (the
+      clamp at 1e-6 makes it 0 below) moves by a large fraction under a rounding change of s near 0."""
+
+    def __init__(self, m, monkeypatch):
+        self.topk_gaps: list[float] = []
+        self.gates: list[torch.Tensor] = []
+        real_topk = csa2.select_topk
+
+        def topk(scores, k):
+            kk = min(k, scores.shape[-1])
+            if kk < scores.shape[-1]:
+                top = scores.topk(kk + 1, dim=-1).values  # descending
+                last, out = top[..., kk - 1], top[..., kk]
+                both = torch.isfinite(last) & torch.isfinite(out)
+                scale = scores.masked_fill(~torch.isfinite(scores), 0).abs().amax(-1).clamp_min(1e-30)
+                if both.any():
+                    self.topk_gaps.append(((last - out) / scale)[both].min().item())
+            return real_topk(scores, k)
+
+        monkeypatch.setattr(csa2, "select_topk", topk)  # candidate_pool's blocks
+        monkeypatch.setattr(attention_mod, "select_topk", topk)  # the top-k
+        for layer in m.layers:
+            if layer.engram is not None:
+                real = layer.engram.gate
+                monkeypatch.setattr(layer.engram, "gate", lambda *a, _real=real: self.gates.append(_real(*a)) or
+                                    self.gates[-1])
+
+    def check(self) -> None:
+        assert self.topk_gaps and self.gates, "the reference run did not go through the recorded sites"
+        gap = min(self.topk_gaps)
+        assert gap > 1e-5, f"a top-k or pool pick is (nearly) tied, relative gap {gap:.1e}: pick other ids"
+        margin = min(torch.logit(g.double()).square().min().item() for g in self.gates)
+        assert margin > 1e-3, f"a token sits near the Engram gate's singularity, |s| = {margin:.1e}: pick other ids"
+
+
+def _assert_close(actual: torch.Tensor, expected: torch.Tensor, tol: float, what: str) -> None:
+    """max |actual - expected| <= tol * max |expected|."""
+    assert torch.isfinite(actual).all() and torch.isfinite(expected).all(), what
+    err = (actual - expected).abs().max().item()
+    scale = expected.abs().max().item()
+    assert err <= tol * scale, f"{what}: max error {err:.3e} > {tol:g} x max |ref| {scale:.3e}"
+
+
+def test_shrunk_plan_keeps_every_role():
+    plan = build_layer_plan(dataclasses.replace(load_config("v41_tiny"), **_overrides()))
+    assert [s.role for s in plan] == ["swa", "full", "reuse", "full", "reindex", "reuse"]
+    assert [s.ratio for s in plan] == [0, 2, 2, 1, 1, 1]
+    assert plan[2].engram and plan[3].is_decoder and plan[3].kv_input == "h_mid"
+    assert plan[3].builds_pool and plan[4].uses_pool
+
+
+# (phase, QAT). On a GPU (minutes, not the interpreter's) also without QAT: its rounding edges move with the GPU's
+# summation order, so that case stays conclusive if a QAT case meets one there.
+CASES = [("sparse", True), ("dense_warmup", True)] + ([("sparse", False)] if DEVICE == "cuda" else [])
+
+
+@pytest.mark.parametrize("phase, qat", CASES)
+def test_triton_equals_reference_fp32(phase, qat, launches, monkeypatch):
+    B, T = 2, 17  # T: a partial m=2 group, a partial pool block (17 = 4 * 4 + 1), and T > window
+    ref, tri = _pair(phase, qat)
+    ids = _ids(B, T)
+    edges = Edges(ref, monkeypatch)
+    want = _step(ref, ids)
+    edges.check()
+    assert not launches.kernel_calls(), f"the reference run launched kernels: {launches.calls}"
+    ref_quantised = launches.quantised
+    launches.clear()
+    got = _step(tri, ids)
+    expected = _expected_launches(tri.plan, phase)
+    if not qat:
+        expected = +collections.Counter({k: v for k, v in expected.items() if k[0] not in ("fp4", "fp8")})
+    assert launches.calls == expected
+    # QAT rounds: same values on both paths unless an input sat on a rounding edge (then fp32 noise flips a code)
+    assert len(launches.quantised) == len(ref_quantised)
+    flips = [i for i, (a, b) in enumerate(zip(launches.quantised, ref_quantised)) if not torch.equal(a, b)]
+    assert not flips, f"QAT rounded differently at fake-quant calls {flips} (an input on a rounding edge?)"
+    assert want["indexer_kl"] > 0  # the KL is live: its gradient reaches the indexers
+    worst = max(((got[k] - want[k]).abs().max() / want[k].abs().max()).item() for k in want)
+    print(f"{phase}, QAT {qat}: worst error {worst:.1e} of a tensor's largest magnitude ({len(want)} tensors)")
+    for key in want:
+        _assert_close(got[key], want[key], FP32_TOL, f"{phase}: {key}")
+
+
+def test_bf16_autocast_is_as_accurate_as_the_reference():
+    ref, tri = _pair("sparse")
+    ids = _ids(1, 16)
+    truth = _step(ref, ids)
+    r16 = _step(ref, ids, autocast=True)
+    t16 = _step(tri, ids, autocast=True)
+    params = [k for k in truth if k not in ("logits", "indexer_kl")]
+    report = []
+    for what, keys, floor in (("logits", ["logits"], 0.02), ("indexer_kl", ["indexer_kl"], 0.1),
+                              ("all gradients", params, 0.02)):
+        def flat(d):
+            return torch.cat([d[k].flatten() for k in keys])
+
+        norm = flat(truth).norm().item()
+        e_ref = (flat(r16) - flat(truth)).norm().item() / norm
+        e_tri = (flat(t16) - flat(truth)).norm().item() / norm
+        report.append(f"{what}: bf16 reference {e_ref:.2e}, bf16 triton {e_tri:.2e} (relative to fp32)")
+        assert e_tri <= 1.5 * e_ref + floor, "; ".join(report)
+    print("\n".join(report))
+
+
+def test_context_parallelism_falls_back_to_the_reference_attention(launches):
+    ref, tri = _pair("sparse", qat=False)
+    # any installed shard means context parallelism to the attention (here one chunk with identity hooks)
+    tri.sequence_shard = SequenceShard(chunk_mean=lambda t: t)
+    ids = _ids(1, 12)
+    with torch.no_grad():
+        want = ref(ids)
+        launches.clear()
+        got = tri(ids)
+    attention_entries = {"sparse_attention", "index_scores", "candidate_pool", "index_scores_pool", "select_topk"}
+    assert not [k for k in launches.calls if k[0] in attention_entries], launches.calls
+    assert launches.calls[("mhc", "triton")] and launches.calls[("engram", "triton")]
+    _assert_close(got, want, FP32_TOL, "logits")
+
+
+def test_auto_is_reference_on_cpu_and_triton_on_cuda(launches):
+    assert kern.resolve("auto", "cpu") == "reference"
+    assert kern.resolve("auto", torch.device("cuda", 0)) == "triton"
+    assert kern.resolve("auto", "meta") == kern.resolve("triton", "meta") == "reference"
+    assert kern.resolve("reference", "cuda") == "reference"
+    m = build_tiny(**_overrides(kernels="auto"))  # on CPU
+    with torch.no_grad():
+        m(_ids(1, 12).cpu())
+    assert launches.calls and not launches.kernel_calls(), launches.calls
+
+
+def test_unknown_kernels_value_is_rejected(monkeypatch):
+    with pytest.raises(ValueError, match="model.kernels"):
+        ModelConfig(kernels="cuda")
+    with pytest.raises(ValueError, match="model.kernels"):
+        kern.resolve("fast", "cpu")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
+        kern.resolve("triton", "cpu")

@@ -1,0 +1,321 @@
+"""Engram row sharding: each rank of a group holds a contiguous block of every Engram table's rows; lookups travel.
+
+Shape legend: M row ids this rank looks up (B * T * C), U distinct ids among them, W ranks of the group, R ids other
+ranks ask this rank for (its rows they read, each requester's ids distinct), Dh row width (head_dim), N table rows,
+N_r = ceil(N / W) rows per rank (the last ranks may hold fewer, or none).
+
+Why: the flagship's two tables are 98.3B values each (SPEC 1.6), 16 bytes per value with AdamW: no rank holds one.
+Rows are addressed only by token ids, so any rank can ask for any row, and a micro-batch of N tokens reads at most
+C * N rows of a table (C = 24: 98K of its 384M rows for 4K tokens): moving rows is cheap next to holding tables.
+
+Layout: rank r of the group owns rows [r * N_r, min((r + 1) * N_r, N)) of each table (torch.chunk's split, which is
+DTensor's Shard(0)): the table parameter becomes a DTensor sharded on dim 0, so DCP saves each rank's block under
+the usual key and a checkpoint loads into any other layout, the single process included. `Engram.lookup` goes
+through an installed `ShardedRows` reader (the `row_reader` seam); the gate and projections are untouched.
+
+One lookup, forward, per rank (`ShardedRows.issue`, then `_ShardedLookup.forward`):
+- the M ids are made distinct (sorted unique, U of them) and each owner is sent the ids it owns: an all-to-all of
+  W int64 counts, then one of the U ids;
+- each owner gathers the R rows asked of it from its block and sends them back: one all-to-all, R * Dh values out,
+  U * Dh in (table dtype); the requester expands its U rows to the M positions.
+Backward (`_ShardedLookup.backward`): the M row gradients are summed per distinct id in position order, one term
+at a time in the table dtype (as F.embedding's backward sums repeats), sent back to the owners (U * Dh out, R * Dh
+in), and each owner adds them into the touched rows of its block's gradient, requesters in rank order. A row nobody
+read gets a zero gradient; no rank ever forms a gradient of the whole table (each forms its block's, dense).
+Per lookup and rank: forward U int64 ids out and R in, R * Dh rows out and U * Dh in; backward U * Dh out, R * Dh
+in (balanced ranks: R ~ U, and (W - 1) / W of it crosses the network). Flagship (C = 24, Dh = 256, bf16): at most
+24 * (8 + 2 * 256 * 2) = 24.8 KB per token and Engram layer each way over forward + backward, less the repeats.
+
+Exactness: forward rows are copies. The block's gradient is, row by row, ((g_0 + g_1) + g_2) + ... where g_r is the
+sum rank r's positions made in position order: bit for bit the sum over ranks, in rank order, of what the unsharded
+module's backward gives each rank on its own ids (what data parallelism with a replicated table all-reduces); the
+whole batch on one process adds the same terms in another order (fp32 rounding apart).
+
+Host memory (`host_memory=True`, REFERENCE B5 `cpu_offload`): the block lives in host memory (pinned when CUDA is
+available); owners gather on the host and the rows cross to the device for the exchange; gradients come back to
+the host, where the optimiser updates the block. On a CPU-only machine it is ordinary CPU memory.
+
+Prefetch: row ids depend only on token ids, so the exchange for a micro-batch can be issued before its forward
+(`EngramSharding.prefetch(input_ids)`, e.g. while the previous micro-batch computes); the rows' all-to-all is left
+in flight and the layer's `lookup` waits for it and consumes it. A prefetched block read is only valid while the
+table is unchanged: the shard's version counter is recorded at issue, and a lookup after an in-place update (the
+optimiser step) re-issues the exchange (every rank steps together, so every rank re-issues). A lookup checks that it
+asks for the prefetched ids (one comparison; a device sync on GPU, `verify_prefetch=False` drops it) and raises
+otherwise: falling back alone would leave the other ranks' collectives unmatched.
+
+Every rank of the group must run the same lookups in the same order (forward and backward), as with EP.
+
+Gradients (`reduce_engram_gradients`): after backward, a rank's block gradient already holds every group rank's
+contribution; the job's loss is the mean of `num_loss_ranks` per-rank losses, so the block gradient is divided by
+that (and first summed over `replica_group`, ranks outside the group that hold the same block and read other
+tokens). The usual group is `Meshes.dp_ep_cp`: every rank of one pipeline stage and tp rank, which are exactly the
+ranks whose losses are averaged, so `reduce_engram_gradients(model, meshes.dp_ep_cp.size())`.
+`trainer.parallel.expert.reduce_gradients` would all-reduce these blocks as if replicated, and its
+`clip_grad_norm_` sums DTensor squares over ep only: a trainer must keep `engram_tables(model)` out of the first and
+sum their squares over the group in the second. FSDP must leave them alone too (fully_shard(...,
+ignored_params=set(engram_tables(model)))): it would all-gather whole tables.
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+from model.common import local
+from model.engram import Engram
+
+__all__ = [
+    "EngramSharding", "ShardedRows", "RowFetch", "apply_engram_sharding", "engram_tables", "reduce_engram_gradients",
+]
+
+
+def _as_mesh(mesh_or_group) -> DeviceMesh:
+    if isinstance(mesh_or_group, DeviceMesh):
+        if mesh_or_group.ndim != 1:
+            raise ValueError(f"apply_engram_sharding wants a 1-D mesh (e.g. Meshes.dp_ep_cp), got {mesh_or_group.ndim}"
+                             " dims")
+        return mesh_or_group
+    device_type = "cuda" if dist.get_backend(mesh_or_group) == "nccl" else "cpu"
+    return DeviceMesh.from_group(mesh_or_group, device_type)
+
+
+# --- one exchange ----------------------------------------------------------------------------------------------------
+
+@dataclass
+class RowFetch:
+    """One issued exchange: what the lookup needs to finish it and what its backward needs to send gradients home."""
+
+    row_ids: torch.Tensor  # [...] the ids asked for (a prefetched fetch is checked against the lookup's)
+    inverse: torch.Tensor  # [M] position -> its distinct row (index into the U rows)
+    serve: torch.Tensor  # [R] block-local rows this rank served, source-rank major (on the block's device)
+    send_splits: list[int]  # [W] distinct ids this rank asked each owner for
+    recv_splits: list[int]  # [W] ids each requester asked this rank for
+    rows: torch.Tensor  # [U, Dh] the distinct rows, valid once `work` has completed
+    work: Any  # the rows' all-to-all in flight (None once waited on)
+    version: int  # the block's version counter at issue: a later in-place update makes `rows` stale
+
+    def wait(self) -> torch.Tensor:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        return self.rows
+
+
+def _block_version(block: torch.Tensor) -> int:
+    # to_local() hands out a view; views share the base's version counter, which every in-place update bumps.
+    return block._version
+
+
+class _ShardedLookup(torch.autograd.Function):
+    """(block [N_r, Dh], fetch) -> rows [..., Dh]; the backward returns the block's gradient (touched rows only)."""
+
+    @staticmethod
+    def forward(ctx, block, fetch: RowFetch, group):
+        rows = fetch.wait()
+        ctx.group, ctx.block_shape, ctx.block_device = group, block.shape, block.device
+        ctx.inverse, ctx.serve, ctx.num_unique = fetch.inverse, fetch.serve, rows.shape[0]
+        ctx.send_splits, ctx.recv_splits = fetch.send_splits, fetch.recv_splits
+        return rows.index_select(0, fetch.inverse).view(*fetch.row_ids.shape, rows.shape[1])
+
+    @staticmethod
+    def backward(ctx, grad):
+        dh = grad.shape[-1]
+        # Repeats summed in position order first: the owner then receives one row per distinct id and requester.
+        # index_put_(accumulate) adds one term at a time in the table dtype, as F.embedding's backward does (CPU
+        # index_add_ accumulates bf16 in fp32, which would round differently from the unsharded module).
+        g_unique = grad.new_zeros(ctx.num_unique, dh).index_put_((ctx.inverse,), grad.reshape(-1, dh),
+                                                                 accumulate=True)
+        g_served = grad.new_empty(sum(ctx.recv_splits), dh)
+        dist.all_to_all_single(g_served, g_unique.contiguous(), ctx.recv_splits, ctx.send_splits, group=ctx.group)
+        g_block = torch.zeros(ctx.block_shape, dtype=grad.dtype, device=ctx.block_device)
+        g_block.index_put_((ctx.serve,), g_served.to(ctx.block_device), accumulate=True)  # source-rank order
+        return g_block, None, None
+
+
+class ShardedRows:
+    """The `row_reader` of one Engram: rows [first_row, first_row + num_local) live here, the rest on the group."""
+
+    def __init__(self, mesh: DeviceMesh, num_rows: int, *, verify_prefetch: bool = True):
+        self.mesh = mesh
+        self.group = mesh.get_group()
+        self.num_ranks, self.rank = mesh.size(), mesh.get_local_rank()
+        self.num_rows = num_rows
+        self.rows_per_rank = -(-num_rows // self.num_ranks)  # torch.chunk's split (DTensor's Shard(0))
+        self.first_row = min(self.rank * self.rows_per_rank, num_rows)
+        self.num_local = min(num_rows, self.first_row + self.rows_per_rank) - self.first_row
+        self.verify_prefetch = verify_prefetch
+        self.pending: collections.deque[RowFetch] = collections.deque()
+
+    @torch.no_grad()
+    def issue(self, block: torch.Tensor, row_ids: torch.Tensor) -> RowFetch:
+        """Start the exchange for row_ids (global ids, any shape, on the compute device); the rows' all-to-all is
+        left in flight. Collective over the group: every rank issues its own ids at the same point."""
+        device = row_ids.device
+        unique, inverse = torch.unique(row_ids.reshape(-1), sorted=True, return_inverse=True)  # [U], [M]
+        owner = torch.div(unique, self.rows_per_rank, rounding_mode="floor")  # sorted ids -> owners ascending
+        send_counts = torch.bincount(owner, minlength=self.num_ranks)  # raises on a negative id
+        if send_counts.numel() != self.num_ranks:
+            raise IndexError(f"Engram row id {int(unique[-1])} is outside the table's {self.num_rows} rows")
+        recv_counts = torch.empty_like(send_counts)
+        dist.all_to_all_single(recv_counts, send_counts, group=self.group)
+        send_splits, recv_splits = send_counts.tolist(), recv_counts.tolist()
+        asked = unique.new_empty(sum(recv_splits))  # [R] source-rank major
+        dist.all_to_all_single(asked, unique, recv_splits, send_splits, group=self.group)
+        serve = (asked - self.first_row).to(block.device)
+        if block.device.type == "cpu" and device.type == "cuda":
+            # Host-resident block: gather into pinned memory so the copy to the device can overlap.
+            served = torch.empty((serve.numel(), block.shape[1]), dtype=block.dtype, pin_memory=True)
+            torch.index_select(block, 0, serve, out=served)
+            served = served.to(device, non_blocking=True)
+        else:
+            served = block.index_select(0, serve).to(device)
+        rows = served.new_empty((unique.numel(), block.shape[1]))  # [U, Dh]
+        work = dist.all_to_all_single(rows, served, send_splits, recv_splits, group=self.group, async_op=True)
+        return RowFetch(row_ids, inverse, serve, send_splits, recv_splits, rows, work, _block_version(block))
+
+    def prefetch(self, table: torch.Tensor, row_ids: torch.Tensor) -> None:
+        """Issue the exchange for a later `lookup` of the same ids (consumed first in, first out)."""
+        self.pending.append(self.issue(local(table).detach(), row_ids))
+
+    def _take(self, block: torch.Tensor, row_ids: torch.Tensor) -> RowFetch:
+        if not self.pending:
+            return self.issue(block.detach(), row_ids)
+        fetch = self.pending.popleft()
+        if fetch.row_ids.shape != row_ids.shape or (self.verify_prefetch and not torch.equal(fetch.row_ids, row_ids)):
+            fetch.wait()  # complete the collective every rank issued before failing
+            raise RuntimeError(
+                "Engram lookup asks for other rows than the prefetched ones: prefetch the micro-batches in the order "
+                f"the forwards run (prefetched ids of shape {tuple(fetch.row_ids.shape)}, "
+                f"asked {tuple(row_ids.shape)})")
+        if fetch.version != _block_version(block):
+            fetch.wait()  # the stale exchange must still complete on every rank before the next one
+            fetch = self.issue(block.detach(), row_ids)
+        return fetch
+
+    def __call__(self, table: torch.Tensor, row_ids: torch.Tensor) -> torch.Tensor:
+        block = local(table)  # autograd-aware: the block's gradient reaches the DTensor parameter
+        if isinstance(row_ids, DTensor):
+            # Under tensor parallelism Engram runs in DTensor form, replicated over tp: every tp rank looks up the
+            # same rows in its own group (the group holds no tp peer, so no block sees a contribution twice).
+            ids = row_ids.to_local()
+            rows = _ShardedLookup.apply(block, self._take(block, ids), self.group)
+            return DTensor.from_local(rows, row_ids.device_mesh, row_ids.placements, run_check=False)
+        return _ShardedLookup.apply(block, self._take(block, row_ids), self.group)
+
+
+# --- applying it to a model ------------------------------------------------------------------------------------------
+
+def _engrams(model: nn.Module) -> list[Engram]:
+    return [m for m in model.modules() if isinstance(m, Engram)]
+
+
+def _install_block(engram: Engram, block: torch.Tensor, reader: ShardedRows) -> None:
+    shard = DTensor.from_local(block, reader.mesh, [Shard(0)], run_check=False,
+                               shape=torch.Size((reader.num_rows, block.shape[1])), stride=(block.shape[1], 1))
+    engram.register_parameter("table", nn.Parameter(shard, requires_grad=engram.table.requires_grad))
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    if t.is_meta:
+        return t
+    t = t.to("cpu")
+    return t.pin_memory() if torch.cuda.is_available() else t
+
+
+@dataclass
+class EngramSharding:
+    """What apply_engram_sharding installed: one reader per Engram, by model layer."""
+
+    model: nn.Module
+    readers: dict[int, ShardedRows]
+    host_memory: bool
+
+    def _engram(self, layer: int) -> Engram:
+        return next(m for m in _engrams(self.model) if m.layer_id == layer)
+
+    def to_host(self) -> None:
+        """Move every block to host memory (pinned when CUDA is available). apply_engram_sharding does it on a
+        materialised model; after a meta build call it once `to_empty` and `init_weights` ran, before the optimiser
+        is built (it replaces the parameters)."""
+        for layer, reader in self.readers.items():
+            engram = self._engram(layer)
+            _install_block(engram, _to_host(local(engram.table).detach()), reader)
+
+    def prefetch_row_ids(self, row_ids: dict[int, torch.Tensor]) -> None:
+        """Issue the exchange of every sharded Engram for {model layer: row ids [B, T, C]} (the ids its forward will
+        look up, e.g. from `model.transformer.new_context`)."""
+        for layer, reader in self.readers.items():
+            reader.prefetch(self._engram(layer).table, row_ids[layer])
+
+    def prefetch(self, input_ids: torch.Tensor, image_mask: torch.Tensor | None = None) -> None:
+        """Issue the exchanges of the forward on input_ids [B, T] (this process's tokens), hashed as the model's
+        forward hashes them (its hasher and sequence shard). A pipeline stage without the hasher (Engram layers
+        behind the first stage get their row ids across the cut) uses `prefetch_row_ids`."""
+        from model.attention import SequenceShard
+        from model.transformer import new_context
+
+        hasher = getattr(self.model, "hasher", None)
+        if hasher is None:
+            raise ValueError("EngramSharding.prefetch: this module has no Engram hasher; use prefetch_row_ids")
+        shard = getattr(self.model, "sequence_shard", None) or SequenceShard()
+        _, engram_in = new_context(self.model.cfg, input_ids, shard, hasher, image_mask)
+        self.prefetch_row_ids({layer: engram_in[layer][0] for layer in self.readers})
+
+
+def apply_engram_sharding(model: nn.Module, mesh_or_group, *, host_memory: bool = False,
+                          verify_prefetch: bool = True) -> EngramSharding:
+    """Shard every Engram table of `model` by rows over `mesh_or_group` (a 1-D DeviceMesh such as Meshes.dp_ep_cp,
+    or a ProcessGroup) and route its lookups through the all-to-all row exchange. Returns the handle that prefetches.
+
+    Call it on the meta-built model, before to_empty and init_weights: Engram.init_weights then draws this rank's
+    rows with the single process's values (model.engram.init_table_rows_). On a materialised model each rank keeps
+    the rows it had. A group of one rank works too (its exchange is a local copy), e.g. for host_memory alone.
+    """
+    mesh = _as_mesh(mesh_or_group)
+    readers: dict[int, ShardedRows] = {}
+    for engram in _engrams(model):
+        if engram.row_reader is not None:
+            raise ValueError(f"Engram of layer {engram.layer_id} already has a row reader")
+        table = engram.table
+        if isinstance(table, DTensor) and any(not pl.is_replicate() for pl in table.placements):
+            raise ValueError(f"Engram of layer {engram.layer_id}: its table is already sharded ({table.placements}); "
+                             "apply_engram_sharding before FSDP, and keep the tables out of fully_shard "
+                             "(ignored_params=engram_tables(model))")
+        reader = ShardedRows(mesh, engram.num_rows, verify_prefetch=verify_prefetch)
+        # A table replicated by tensor parallelism holds every row locally; the block becomes a DTensor on the
+        # group's mesh only (tp ranks hold identical blocks).
+        block = local(table).detach()[reader.first_row:reader.first_row + reader.num_local].clone()
+        _install_block(engram, _to_host(block) if host_memory else block, reader)
+        engram.row_reader = reader
+        readers[engram.layer_id] = reader
+    return EngramSharding(model, readers, host_memory)
+
+
+def engram_tables(model: nn.Module) -> list[nn.Parameter]:
+    """The Engram tables a reader shards (leave them out of replicated-gradient reductions and norms)."""
+    return [m.table for m in _engrams(model) if isinstance(m.row_reader, ShardedRows)]
+
+
+@torch.no_grad()
+def reduce_engram_gradients(model: nn.Module, num_loss_ranks: int, replica_group=None) -> None:
+    """Turn each sharded table's block gradient (the sum of every group rank's loss gradient) into the gradient of
+    the job's loss, the mean of num_loss_ranks per-rank losses: sum over `replica_group` (ranks outside the group
+    holding the same block, e.g. cp ranks when the group is Meshes.data), then divide by num_loss_ranks.
+
+    A table no rank of the group looked up keeps grad None only if that holds on every rank: a rank whose ids all
+    missed its own block still got a (zero) gradient from the backward, so grads are None everywhere or nowhere.
+    """
+    for table in engram_tables(model):
+        if table.grad is None:
+            continue
+        g = local(table.grad)
+        if replica_group is not None and dist.get_world_size(replica_group) > 1:
+            dist.all_reduce(g, group=replica_group)
+        g.div_(num_loss_ranks)
