@@ -1,6 +1,8 @@
 """Counts read off a built model (meta device is fine): parameters by kind, active parameters, KV-cache bytes and
-decode FLOPs. Nothing here is a formula typed separately from the modules: every figure walks the real parameters
-and the cache records that the layers declare.
+decode FLOPs, and what one layer keeps for its backward in training (`layer_activation_bytes`, for the planner
+trainer/plan.py). Nothing here is a formula typed separately from the modules: every figure walks the real
+parameters and the cache records that the layers declare, and the activation terms read the layers' widths (the
+table above `layer_activation_bytes` says which tensor each term is).
 
 What each count includes:
 - params_total: every parameter (backbone + Engram tables).
@@ -174,3 +176,133 @@ def train_flops_per_token(model: nn.Module, seq_len: int) -> float:
                 flops += 3 * float(searched.mean()) * c.index_num_heads * (2 * c.index_head_dim + 2)
         flops += 3 * 4 * a.num_heads * a.head_dim * float(keys.mean())
     return flops
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Training memory: what one layer keeps for its backward
+#
+# Per layer and micro-batch of N = B * T tokens (T: this process's tokens; the compressed entries E = context / m
+# cover the whole sequence, gathered under context parallelism), in bytes, for the run the planner plans: CUDA,
+# bf16 autocast (c = 2 bytes per compute value), parameters and so the residual streams in fp32 (s = 4: the
+# embedding's dtype), the Triton kernels where model/kernels.py uses them (sparse attention, indexer, fused mHC
+# step) and the PyTorch Engram (a row-sharded table is a DTensor, which keeps Engram on its reference path).
+# Read off the forward code: autocast saves the bf16 copy a linear or einsum casts its input to (one copy per call:
+# it caches only leaf weights), every `.float()` of a bf16 tensor is a new fp32 tensor the next op saves, and the
+# bf16 copy of every matmul weight stays in the graph until backward, once per micro-batch.
+#   weight_casts    c * every matmul weight of the layer this rank holds (experts: E / ep of them, the per-expert
+#                   loop casts each one it runs, as the dispatched rows are fp32 and miss the grouped GEMM); the
+#                   mHC `fn` runs in fp32 and the Engram table is read, not multiplied: neither is cast
+#   streams         the block's input S (saved by hc_attn and the collapse), hc_attn's RMS-normalised fp32 copy
+#                   (its projection's input), S after the attention's expand (saved by the fused step for the FFN
+#                   expand): n*dim*(2s + 4) per token; the FFN expand also keeps the MoE output in fp32 (4*dim)
+#   mhc_coefficients two sites' Sinkhorn iterations (2 * (n^2 + n) fp32 each) and gates, the fused step's mix
+#   norms           attn_norm and ffn_norm each keep x and x * rsqrt in fp32: 2 * 2 * 4 * dim
+#   attention       bf16 input casts of wq_a and wkv (2c*dim), q_norm (2 * 4 * q_lora + c*q_lora), kv_norm
+#                   (2 * 4 * D + c*D), the kernel's q, out and lse (H*D*c twice, 4H), the inverse-RoPE output read
+#                   by wo_a (H*D*c), wo_a's output read by wo_b (G*o_lora*c), the output read by the mHC step
+#                   (c*dim); the head-split terms divide by tp
+#   selection       index sources: int32 top-k ids (4K) the attention kernels of the layer and its Reuse layers
+#                   keep; the pool builder also keeps int32 pool blocks (4P)
+#   indexer         index sources: kernel inputs q (Hi*Di*c) and w (4Hi), weights_proj's input cast (c*dim), and
+#                   the KL over [N, E]: log_softmax output and target in fp32, three bool masks (11 E per token)
+#   compressor      KV sources: input casts (c*dim per projection), the ratio-2 gate softmax (4D) and values (c*D)
+#                   per token, per entry the latent norm (8D) and the key path (c*D + 8Di); a decoder Full layer
+#                   also norms h_{L/2} (2 * 4 * dim)
+#   moe             router input cast (c*dim) and bf16 logit/softplus chain (4c per routed expert); per routed copy
+#                   (K per token): the bf16 input casts of w1 and w3 (2c*dim), six fp32 [F] SwiGLU intermediates
+#                   (g, u, both clamps, silu, product with the weight), w2's bf16 input and the routing indices;
+#                   the shared expert likewise without the weight product; F divides by tp
+#   engram          Engram layers: the row ids, wkv's bf16 input (c*C*Dh), the gate's streams, fp32 key and h*qk
+#                   (3 * 4 * n*dim), the fp32 value (4*dim), about ten fp32 [n] gate intermediates
+# Not counted: per-layer constants (RoPE tables, the sites' small parameters).
+# tests/trainer/test_plan.py measures the saved tensors of the MoE, the Engram and an mHC site on CPU (where they run
+# the same code) against these terms.
+# ---------------------------------------------------------------------------------------------------------------------
+
+_TP_SPLIT = ("attn.wq_b.weight", "attn.attn_sink", "attn.wo_a.weight", "attn.wo_b.weight",
+             "ffn.shared_experts.w1.weight", "ffn.shared_experts.w3.weight", "ffn.shared_experts.w2.weight")
+
+
+def tp_split(name: str) -> bool:
+    """Whether tensor parallelism splits the parameter `name` (a model parameter path) over tp ranks: the plan of
+    model/parallelize.py (query heads, output groups, the shared expert's width; routed experts along their width;
+    embedding and head column-wise). Everything else is replicated over tp."""
+    return (name.endswith(_TP_SPLIT) or ".ffn.experts." in name
+            or name in ("embed.weight", "head.weight"))
+
+
+def _matmul_weights(layer) -> list[tuple[str, torch.Tensor]]:
+    skip = {id(p) for m in layer.modules() if hasattr(m, "fn") for p in [m.fn]}
+    if layer.engram is not None:
+        skip.add(id(layer.engram.table))
+    return [(n, p) for n, p in layer.named_parameters() if p.ndim >= 2 and id(p) not in skip]
+
+
+def layer_activation_bytes(layer, tokens: int, context: int, *, stream_bytes: int = 4, compute_bytes: int = 2,
+                           tp: int = 1, ep: int = 1) -> dict[str, float]:
+    """Bytes `layer` (a model.transformer.Block) keeps for backward on `tokens` tokens of a sequence of `context`
+    tokens (compressed entries E = context // ratio), itemised as in the table above, on a rank holding 1 / ep of
+    the routed experts and 1 / tp of the split weights."""
+    cfg = layer.attn.cfg
+    spec, attn, moe = layer.spec, layer.attn, layer.ffn
+    s, c, n, dim = stream_bytes, compute_bytes, cfg.mhc.num_streams, cfg.dim
+    H, D = attn.num_heads, attn.head_dim
+    q_lora, o_groups, o_lora = attn.wq_a.out_features, cfg.attention.o_groups, cfg.attention.o_lora_rank
+    iters = cfg.mhc.sinkhorn_iters
+    casts = 0.0
+    for name, p in _matmul_weights(layer):
+        split = (tp if tp_split("layers.0." + name) else 1) * (ep if name.startswith("ffn.experts.") else 1)
+        casts += p.numel() / split
+    per_token: dict[str, float] = {
+        "streams": n * dim * (2 * s + 4) + 4 * dim,
+        "mhc_coefficients": 2 * 4 * (iters * 2 * (n * n + n) + 2 * n * n) + 4 * (n + 1) ** 2,
+        "norms": 2 * 2 * 4 * dim,
+        "attention": (2 * c * dim + 2 * 4 * q_lora + c * q_lora + 2 * 4 * D + c * D + c * dim
+                      + (3 * H * D * c + 4 * H + o_groups * o_lora * c) / tp),
+    }
+    c2 = cfg.csa2
+    if spec.owns_indexer:
+        entries = context // spec.ratio
+        idx = attn.indexer
+        per_token["selection"] = 4 * c2.index_topk + (4 * c2.candidate_topk_blocks if spec.builds_pool else 0)
+        per_token["indexer"] = idx.num_heads * idx.head_dim * c + 4 * idx.num_heads + c * dim + 11 * entries
+    if spec.owns_kv:
+        Di = c2.index_head_dim
+        per_entry = 8 * D + c * D + 8 * Di
+        comp = 2 * c * dim + 4 * D + c * D if spec.ratio > 1 else c * dim + 8 * D
+        if spec.kv_input == "h_mid":
+            comp += 2 * 4 * dim
+        per_token["compressor"] = comp + per_entry / spec.ratio
+    K, F_exp = moe.cfg.experts_per_token, moe.cfg.expert_dim / tp
+    shared = moe.cfg.num_shared_experts * moe.cfg.expert_dim / tp
+    per_token["moe"] = (c * dim + 4 * c * moe.num_experts + K * (2 * c * dim + 6 * 4 * F_exp + c * F_exp + 3 * 8)
+                        + (2 * c * dim + 5 * 4 * shared + c * shared if moe.shared_experts is not None else 0))
+    if layer.engram is not None:
+        e = layer.engram
+        per_token["engram"] = e.num_columns * (8 + c * e.head_dim) + 3 * 4 * n * dim + 4 * dim + 10 * 4 * n
+    out = {k: v * tokens for k, v in per_token.items()}
+    out["weight_casts"] = c * casts
+    return out
+
+
+def layer_checkpoint_bytes(layer, tokens: int, *, stream_bytes: int = 4) -> float:
+    """What a layer keeps under full activation checkpointing: its inputs, the streams S and the previous `pre`."""
+    n, dim = layer.attn.cfg.mhc.num_streams, layer.attn.cfg.dim
+    return tokens * (n * dim * stream_bytes + 4 * n)
+
+
+def layer_transient_bytes(layer, tokens: int, context: int, *, stream_bytes: int = 4,
+                          compute_bytes: int = 2) -> dict[str, float]:
+    """The largest short-lived buffers of one layer's forward or backward (freed before the next layer runs):
+    the indexer's fp32 scores and their masked copy [N, E] (index sources), the sparse-attention backward's
+    P / dS scratch (bounded by the kernel's query chunking at 1 GiB), the MoE dispatch (fp32 rows out, bf16 results
+    back, the fp32 sum over K)."""
+    cfg, spec = layer.attn.cfg, layer.spec
+    c, dim, H = compute_bytes, cfg.dim, layer.attn.num_heads
+    slots = cfg.attention.window + (cfg.csa2.index_topk if spec.ratio else 0)
+    out = {"attention_backward_scratch": min(float(1 << 30), 2.0 * tokens * H * slots * c)}
+    if spec.owns_indexer:
+        out["indexer_scores"] = 2 * 4 * tokens * (context // spec.ratio)
+    K = layer.ffn.cfg.experts_per_token
+    out["moe_dispatch"] = tokens * K * dim * (stream_bytes + c + 4)
+    return out

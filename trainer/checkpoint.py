@@ -1,10 +1,21 @@
-"""Checkpoints with torch.distributed.checkpoint (DCP): atomic, keep-last-k, resumable.
+"""Checkpoints with torch.distributed.checkpoint (DCP): atomic, keep-last-k, resumable, and resharded on load.
 
 A checkpoint is the directory `<run dir>/checkpoints/step_<N>/` holding two Stateful entries:
-- `train`: model weights and buffers (MoE balancing biases included), optimiser, LR scheduler, step and
-  tokens seen; identical on every rank under plain data parallelism.
-- `rank_local`: each rank's data-loader position and RNG states (torch CPU/CUDA, python, numpy), under
-  a rank-specific key so DCP keeps them all instead of deduplicating them as replicas.
+- `train`: model weights and buffers (MoE balancing biases included), optimiser, LR scheduler, step and tokens
+  seen. Keys are the whole model's fully-qualified names under every layout (a pipeline rank saves its stages'
+  parameters under their global names, TP / EP / FSDP parameters are DTensors saved as their shards of the global
+  tensor), so DCP loads a checkpoint into any other layout, the single process included: it reads, for each
+  tensor this rank holds, the pieces of it that the saving ranks wrote. The optimiser state goes through
+  `get_optimizer_state_dict` / `set_optimizer_state_dict`, keyed by the same names, and reshards the same way.
+- `rank_local`: the data-loader position under `data_rank<d>` (d: this rank's index among the ranks that read
+  different data, dp_replicate x dp_shard x ep; its tp / pp / cp peers hold the same position, and DCP keeps one
+  copy of equal keys) and the RNG states (torch CPU/CUDA, python, numpy) under `rng_rank<r>`. A run with another
+  layout but the same data ranks resumes the data exactly; a rank whose RNG state was not saved (more ranks than
+  before) keeps its fresh seed. A different number of data ranks cannot replay the data position and is refused.
+
+The `COMPLETE` marker (JSON) records the format, the step, the model config and the parallel sizes. Resuming with
+a model config whose parameters differ fails before anything is built, naming every key to change
+(`Checkpointer.check_model`). Format 1 checkpoints (one `rank<r>` blob of data position and RNG) stay loadable.
 
 Atomicity: every rank writes into `.tmp_step_<N>/`; only after all ranks finished does rank 0 write the
 `COMPLETE` marker and rename the directory. A crash at any point before that leaves a `.tmp_*` directory,
@@ -17,6 +28,7 @@ Fault injection for tests: with CEDAR_FAULT_CRASH_IN_SAVE=<N>, the save at step 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pickle
@@ -31,7 +43,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -42,7 +54,11 @@ from torch.distributed.checkpoint.state_dict import (
 from trainer.config import CheckpointConfig
 
 COMPLETE_MARKER = "COMPLETE"
-CHECKPOINT_FORMAT = 1  # bump when the layout of the Stateful entries changes; keep older formats loadable
+CHECKPOINT_FORMAT = 2  # bump when the layout of the Stateful entries changes; keep older formats loadable
+# Model config keys that change no parameter's name, shape or dtype: a resume may change them (switches of
+# post-training hooks, kernels, balancing rates, the initialisation that a checkpoint overrides anyway).
+RESUMABLE_MODEL_KEYS = ("name", "init_std", "kernels", "image_token_id", "mhc.impl", "indexer.", "quant.",
+                        "moe.bias_update_rate", "moe.seq_aux_loss_coef", "csa2.hierarchical_pool")
 FAULT_ENV = "CEDAR_FAULT_CRASH_IN_SAVE"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
@@ -105,27 +121,69 @@ def _set_rng_state(state: dict) -> None:
 
 
 class RankLocalState:
-    """Stateful: this rank's data position and RNG states, pickled to one opaque blob so that DCP neither
-    flattens nor deduplicates them (the loader's state may change shape as it advances)."""
+    """Stateful: this rank's data position (shared by the peers that read the same data) and RNG states, each
+    pickled to one opaque blob so that DCP neither flattens them nor mixes two ranks' states.
 
-    def __init__(self, loader, rank: int) -> None:
+    `keys_in_checkpoint` (set by Checkpointer.load) lets a load ask only for what the checkpoint has: the RNG of a
+    rank the saving run did not have is skipped, a missing data position is an error naming the layouts."""
+
+    def __init__(self, loader, rank: int, data_rank: int | None = None) -> None:
         self.loader, self.rank = loader, rank
+        self.data_rank = rank if data_rank is None else data_rank
+        self.keys_in_checkpoint: set[str] | None = None  # None: saving, or everything is there
 
     @property
-    def key(self) -> str:
+    def data_key(self) -> str:
+        return f"data_rank{self.data_rank}"
+
+    @property
+    def rng_key(self) -> str:
+        return f"rng_rank{self.rank}"
+
+    @property
+    def key(self) -> str:  # format 1: data position and RNG in one blob per rank
         return f"rank{self.rank}"
 
     def state_dict(self) -> dict:
-        blob = {"data": self.loader.state_dict(), "rng": _rng_state()}
-        return {self.key: pickle.dumps(blob)}
+        keys = self.keys_in_checkpoint
+        if keys is not None and self.data_key not in keys and self.key in keys:  # format 1
+            return {self.key: b""}
+        out = {self.data_key: pickle.dumps(self.loader.state_dict()), self.rng_key: pickle.dumps(_rng_state())}
+        return out if keys is None else {k: v for k, v in out.items() if k in keys}
 
     def load_state_dict(self, state: dict) -> None:
-        blob = state[self.key]
-        if not isinstance(blob, bytes):
-            raise ValueError(f"checkpoint has no state for {self.key}: was it saved with another world size?")
-        blob = pickle.loads(blob)
-        self.loader.load_state_dict(blob["data"])
-        _set_rng_state(blob["rng"])
+        if self.key in state:  # format 1
+            blob = pickle.loads(state[self.key])
+            self.loader.load_state_dict(blob["data"])
+            _set_rng_state(blob["rng"])
+            return
+        if self.data_key not in state:
+            saved = sorted(k for k in (self.keys_in_checkpoint or ()) if k.startswith("data_rank"))
+            raise ValueError(
+                f"checkpoint has no data position for data rank {self.data_rank} (it has {len(saved)} data ranks, "
+                "dp_replicate x dp_shard x ep): resume with the data-parallel sizes it was saved with, or set "
+                "checkpoint.resume=none to start fresh")
+        try:
+            self.loader.load_state_dict(pickle.loads(state[self.data_key]))
+        except ValueError as e:
+            raise ValueError(f"cannot resume the data position: {e}. Resume with the checkpoint's number of data ranks "
+                             "(dp_replicate x dp_shard x ep) and data.num_workers, or set checkpoint.resume=none to "
+                             "start fresh") from None
+        if self.rng_key in state:  # else: a rank the saving run did not have keeps its fresh seed
+            _set_rng_state(pickle.loads(state[self.rng_key]))
+
+
+def model_config_differences(saved: dict, current: dict, prefix: str = "") -> list[tuple[str, object, object]]:
+    """(key, saved value, current value) for every model config key that differs and changes parameters."""
+    out = []
+    for key in sorted(set(saved) | set(current)):
+        name = f"{prefix}{key}"
+        a, b = saved.get(key), current.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += model_config_differences(a, b, f"{name}.")
+        elif a != b and not any(name == k or (k.endswith(".") and name.startswith(k)) for k in RESUMABLE_MODEL_KEYS):
+            out.append((name, a, b))
+    return out
 
 
 class _CrashingWriter(FileSystemWriter):
@@ -141,10 +199,12 @@ def _barrier() -> None:
 
 
 class Checkpointer:
-    """Saves and finds checkpoints under one directory (`<run dir>/checkpoints`)."""
+    """Saves and finds checkpoints under one directory (`<run dir>/checkpoints`). `info` (JSON-able: the model
+    config, the parallel sizes) is recorded in every checkpoint's marker."""
 
-    def __init__(self, root: Path, cfg: CheckpointConfig, rank: int = 0) -> None:
+    def __init__(self, root: Path, cfg: CheckpointConfig, rank: int = 0, info: dict | None = None) -> None:
         self.root, self.cfg, self.rank = Path(root), cfg, rank
+        self.info = info or {}
 
     def due(self, step: int, max_steps: int) -> bool:
         periodic = self.cfg.interval > 0 and step % self.cfg.interval == 0
@@ -162,10 +222,37 @@ class Checkpointer:
             raise ValueError(f"checkpoint.resume={self.cfg.resume!r} is not a complete checkpoint directory")
         return path
 
+    @staticmethod
+    def marker(path: Path) -> dict:
+        return json.loads((Path(path) / COMPLETE_MARKER).read_text())
+
+    def check_model(self, path: Path, model_cfg) -> None:
+        """ValueError naming every model config key whose value differs from the checkpoint's in a way that changes
+        the parameters (checkpoints without a recorded config, format 1, are not checked)."""
+        saved = self.marker(path).get("model")
+        if saved is None:
+            return
+        diff = model_config_differences(saved, dataclasses.asdict(model_cfg))
+        if diff:
+            shown = "; ".join(f"model.{k}={a!r} there, {b!r} here" for k, a, b in diff)
+            fix = " ".join(f"model.{k}={_override(a)}" for k, a, _ in diff)
+            raise ValueError(f"checkpoint {path} was saved with another model: {shown}. Resume with the "
+                             f"checkpoint's values ({fix}) or start fresh with checkpoint.resume=none")
+
     def load(self, path: Path, states: dict) -> None:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-            dcp.load(states, checkpoint_id=str(path))
+        reader = FileSystemReader(str(path))
+        saved = set(reader.read_metadata().state_dict_metadata)
+        for name, state in states.items():
+            if isinstance(state, RankLocalState):
+                state.keys_in_checkpoint = {k[len(name) + 1:] for k in saved if k.startswith(f"{name}.")}
+        try:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+                dcp.load(states, storage_reader=reader)
+        finally:
+            for state in states.values():
+                if isinstance(state, RankLocalState):
+                    state.keys_in_checkpoint = None
 
     def save(self, step: int, states: dict) -> Path:
         final = self.root / step_dir_name(step)
@@ -183,7 +270,7 @@ class Checkpointer:
             dcp.save(states, storage_writer=writer)
         _barrier()  # every rank's files are on disk before the checkpoint is declared complete
         if self.rank == 0:
-            marker = {"format": CHECKPOINT_FORMAT, "step": step, "saved_at": time.time()}
+            marker = {"format": CHECKPOINT_FORMAT, "step": step, "saved_at": time.time(), **self.info}
             with open(tmp / COMPLETE_MARKER, "w") as f:
                 json.dump(marker, f)
                 f.flush()
@@ -200,3 +287,12 @@ class Checkpointer:
             # drop the marker first: a crash halfway through the delete leaves an incomplete directory
             (old / COMPLETE_MARKER).unlink()
             shutil.rmtree(old, ignore_errors=True)
+
+
+def _override(value) -> str:
+    """A value as a Hydra override writes it."""
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(_override(v) for v in value) + "]"
+    if isinstance(value, bool):
+        return str(value).lower()
+    return str(value)

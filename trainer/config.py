@@ -33,11 +33,13 @@ class TrainerConfig:
     max_steps: int = 300
     """optimiser steps of the whole run (a resumed run stops at the same step)"""
     grad_accum: int = 1
-    """micro-batches per optimiser step"""
+    """micro-batches per optimiser step on each data rank, accumulated or run through the pipeline schedule
+    (Megatron's number of micro-batches); each holds data.batch_size rows"""
     grad_clip: float = 1.0
     """max global gradient L2 norm; 0 turns clipping off (the norm is still logged)"""
     seed: int = 0
-    """weights are initialised from `seed` on every rank; per-rank randomness from seed + rank"""
+    """weights are initialised from `seed` on every rank (each piece of the model from its own seed derived from
+    it, so every layout starts from the same values); per-rank randomness from seed + rank"""
     device: str = "auto"  # auto, cpu, cuda
     """auto: cuda when available, else cpu"""
     precision: str = "auto"  # auto, bf16, fp32
@@ -57,50 +59,101 @@ class TrainerConfig:
         _choice("trainer.precision", self.precision, ("auto", "bf16", "fp32"))
 
 
+PP_SCHEDULES = ("1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble")
+
+
 @dataclass
 class ParallelConfig:
-    """Sizes of the parallel dimensions; their product must equal the world size.
+    """How the job's processes split the work. The sizes multiply to the world size:
+    dp_replicate * dp_shard * tp * pp * ep * cp.
 
-    Only replicated data parallelism runs today (gradients all-reduced); the other dimensions come in a
-    later issue and are refused when > 1. dp_replicate = -1 takes whatever the other sizes leave.
+    Megatron-LM equivalents are named under each field. Micro-batches: `data.batch_size` rows per micro-batch
+    (Megatron's --micro-batch-size) and `trainer.grad_accum` micro-batches per optimiser step on each data rank
+    (Megatron's number of micro-batches, global batch / (micro-batch x data-parallel size)); the pipeline runs
+    the same grad_accum micro-batches through its schedule, so one global batch means the same thing in every
+    layout: dp_replicate * dp_shard * ep * grad_accum * batch_size rows.
+
+    Ranks that read different data: dp_replicate x dp_shard x ep (expert-parallel ranks route their own tokens,
+    as in Megatron, where the expert-parallel group lies inside the data-parallel group). Checks that need the
+    model (divisibility of heads, experts, layers, sequence) run at start-up in trainer.parallel.apply.
     """
 
     dp_replicate: int = 1
-    """data-parallel replicas (full copies of the model); -1 = world size / product of the others"""
+    """full model replicas, gradients all-reduced (DDP; Megatron --data-parallel-size without the distributed
+    optimiser); -1 = world size / the product of the others"""
     dp_shard: int = 1
-    """FSDP shards (not yet supported)"""
+    """FSDP2 shards: parameters, gradients and optimiser state split over these ranks, gradients reduce-scattered
+    in fp32 (Megatron --use-distributed-optimizer with --data-parallel-sharding-strategy optim_grads_params, i.e.
+    ZeRO-3 / Megatron-FSDP); with dp_replicate > 1 as well it is HSDP"""
     tp: int = 1
-    """tensor (+ sequence) parallel size (not yet supported)"""
+    """tensor parallel size: attention heads, expert width, embedding channels and vocabulary split
+    (Megatron --tensor-model-parallel-size)"""
+    sequence_parallel: bool = False
+    """with tp > 1, keep activations between sub-blocks split along the sequence (Megatron --sequence-parallel);
+    not with pp > 1 (the pipeline's static boundary layout carries whole sequences)"""
     pp: int = 1
-    """pipeline stages (not yet supported)"""
+    """pipeline ranks (Megatron --pipeline-model-parallel-size)"""
+    pp_virtual: int = 1
+    """stages per pipeline rank: pp * pp_virtual stages in all (Megatron --virtual-pipeline-model-parallel-size);
+    1F1B needs 1, ZBVZeroBubble needs 2"""
+    pp_schedule: str = "1F1B"  # 1F1B, Interleaved1F1B, InterleavedZeroBubble, ZBVZeroBubble
+    """torch.distributed.pipelining schedule: 1F1B (Megatron's default), Interleaved1F1B (Megatron's schedule
+    when virtual stages are set), InterleavedZeroBubble or ZBVZeroBubble (zero-bubble schedules, no Megatron-LM
+    core equivalent)"""
+    pp_cuts: list[int] = field(default_factory=list)
+    """first layer of every stage but the first (pp * pp_virtual - 1 increasing layer indices); [] = the
+    balanced split of trainer.parallel.pipeline.split_points (Megatron --decoder-first/last-pipeline-num-layers
+    set uneven stages)"""
     ep: int = 1
-    """expert parallel size (not yet supported)"""
+    """expert parallel size: each rank holds num_experts / ep routed experts of every MoE layer and reads its own
+    data (Megatron --expert-model-parallel-size)"""
     cp: int = 1
-    """context parallel size (not yet supported)"""
-
-    _UNSUPPORTED = ("dp_shard", "tp", "pp", "ep", "cp")
+    """context parallel size: every sequence split into cp contiguous chunks (Megatron --context-parallel-size)"""
+    timeout_s: float = 600.0
+    """collective timeout: a rank whose peer died or hangs raises after this many seconds instead of waiting
+    forever (Megatron --distributed-timeout-minutes, default 10 minutes)"""
 
     def __post_init__(self) -> None:
         if self.dp_replicate == 0 or self.dp_replicate < -1:
             raise ValueError(f"parallel.dp_replicate must be >= 1 or -1 (fill), got {self.dp_replicate}")
-        for name in self._UNSUPPORTED:
-            value = getattr(self, name)
-            _at_least(f"parallel.{name}", value, 1)
-            if value > 1:
-                raise ValueError(
-                    f"parallel.{name}={value} is not supported yet: only data parallelism "
-                    f"(parallel.dp_replicate) runs in this version; set parallel.{name}=1"
-                )
+        for name in ("dp_shard", "tp", "pp", "pp_virtual", "ep", "cp"):
+            _at_least(f"parallel.{name}", getattr(self, name), 1)
+        _choice("parallel.pp_schedule", self.pp_schedule, PP_SCHEDULES)
+        if not self.timeout_s > 0:
+            raise ValueError(f"parallel.timeout_s must be > 0, got {self.timeout_s!r}")
+        if self.pp_schedule == "1F1B" and self.pp_virtual != 1:
+            raise ValueError(f"parallel.pp_schedule=1F1B runs one stage per pipeline rank, got "
+                             f"parallel.pp_virtual={self.pp_virtual}: set parallel.pp_schedule=Interleaved1F1B "
+                             "(or InterleavedZeroBubble, ZBVZeroBubble with pp_virtual=2)")
+        if self.pp_schedule == "ZBVZeroBubble" and self.pp_virtual != 2:
+            raise ValueError(f"parallel.pp_schedule=ZBVZeroBubble places exactly two stages on each pipeline rank "
+                             f"(a V), got parallel.pp_virtual={self.pp_virtual}: set parallel.pp_virtual=2")
+        if self.pp_cuts and len(self.pp_cuts) != self.pp * self.pp_virtual - 1:
+            raise ValueError(f"parallel.pp_cuts={list(self.pp_cuts)} must hold pp * pp_virtual - 1 = "
+                             f"{self.pp * self.pp_virtual - 1} layer indices (or be [] for the balanced split)")
+        if self.sequence_parallel and self.pp > 1 and self.tp > 1:
+            raise ValueError(f"parallel.sequence_parallel=true with parallel.pp={self.pp} is not supported: the "
+                             "pipeline's static boundary layout carries whole sequences; set "
+                             "parallel.sequence_parallel=false")
 
     def resolve(self, world_size: int) -> ParallelDims:
         """Concrete sizes for `world_size` processes, checked to multiply to it."""
         others = self.dp_shard * self.tp * self.pp * self.ep * self.cp
-        dp = world_size // others if self.dp_replicate == -1 else self.dp_replicate
-        if dp * others != world_size:
-            raise ValueError(
-                f"parallel: dp_replicate*dp_shard*tp*pp*ep*cp = {dp}*{self.dp_shard}*{self.tp}*{self.pp}*"
-                f"{self.ep}*{self.cp} = {dp * others} must equal the world size {world_size}"
-            )
+        sizes = f"{self.dp_shard}*{self.tp}*{self.pp}*{self.ep}*{self.cp}"
+        if self.dp_replicate == -1:
+            if world_size % others:
+                raise ValueError(
+                    f"parallel: dp_shard*tp*pp*ep*cp = {sizes} = {others} does not divide the world size "
+                    f"{world_size} (dp_replicate=-1 fills the rest): launch a multiple of {others} processes or "
+                    "change the sizes")
+            dp = world_size // others
+        else:
+            dp = self.dp_replicate
+            if dp * others != world_size:
+                raise ValueError(
+                    f"parallel: dp_replicate*dp_shard*tp*pp*ep*cp = {dp}*{sizes} = {dp * others} must equal the "
+                    f"world size {world_size}: launch {dp * others} processes, change the sizes, or set "
+                    "parallel.dp_replicate=-1 to fill")
         return ParallelDims(dp_replicate=dp, dp_shard=self.dp_shard, tp=self.tp, pp=self.pp, ep=self.ep, cp=self.cp)
 
 
@@ -117,8 +170,13 @@ class ParallelDims:
 
     @property
     def dp(self) -> int:
-        """Ranks that see different data."""
+        """Data-parallel ranks that hold the same experts (dp_replicate x dp_shard)."""
         return self.dp_replicate * self.dp_shard
+
+    @property
+    def data(self) -> int:
+        """Ranks that read different batches: dp_replicate x dp_shard x ep."""
+        return self.dp * self.ep
 
     @property
     def world_size(self) -> int:

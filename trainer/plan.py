@@ -1,20 +1,72 @@
-"""The planner: `python -m trainer.plan model=<name> [overrides...]` prints one JSON object of counts read off the
-model built on the meta device (see model/accounting.py for what each count includes).
+"""The planner: `python -m trainer.plan model=<name> [parallel=<layout>] [data.seq_len=T] [data.batch_size=B]
+[trainer.grad_accum=M] [overrides...]` prints one JSON object: counts read off the model built on the meta device
+(model/accounting.py), and under "training" what one rank of the layout holds and sends per optimiser step.
 
-Example: `python -m trainer.plan model=v41_flash` -> params_total, params_backbone, params_engram,
-params_active_prefill, params_active_decode, kv_bytes_per_token, kv_bytes_per_token_persistent,
-swa_kv_bytes_per_layer, decode_flops_per_token_4k, decode_flops_per_token_1m (and a few breakdowns).
+Example: `python -m trainer.plan model=v41_flash parallel=flagship_256xh200 data.seq_len=4096 data.batch_size=1
+trainer.grad_accum=16` -> params_total, params_backbone, params_engram, params_active_*, kv_bytes_per_token*,
+swa_kv_bytes_per_layer, decode_flops_per_token_* and "training": {layout, assumptions, per pipeline rank: memory
+by term and communication by dimension, the worst rank, whether it fits and what dominates}.
+
+Per rank and pipeline rank r (a rank's figures depend only on its pipeline position; the other axes split evenly,
+except Engram rows, where the figure is the largest block):
+- parameters by kind (embed, head, dense, routed_experts, engram_tables): the meta model's parameters of the layers
+  the rank's stages hold (cuts: parallel.pp_cuts or trainer.parallel.pipeline.split_points), each divided the way the
+  plans divide it: TP (model.accounting.tp_split, the plan of model/parallelize.py), EP (routed experts / ep), FSDP2
+  (dim 0 of what is left / dp_shard, rounded up, as fully_shard pads), Engram rows over the Engram group (dp x ep x
+  cp: every rank of the stage and tp rank, trainer/parallel/engram.py; largest block = ceil(rows / group)).
+- gradients: one per parameter, in the parameter's dtype.
+- optimiser state: AdamW, two fp32 moments, plus an fp32 master copy for a parameter not stored in fp32 (the
+  flagship's bf16 Engram tables; the trainer keeps every other parameter in fp32 and computes under bf16 autocast).
+  The step of torch's default (foreach) AdamW also allocates an fp32 denominator per parameter for its duration.
+- activations: micro-batches in flight x what each layer keeps for backward (model.accounting.layer_activation_bytes,
+  itemised there, including the bf16 weight copies autocast keeps per micro-batch), plus per micro-batch the
+  compressed KV entries the stage's layers read and the last stage's fp32 logits and log-softmax. In flight on
+  pipeline rank r under 1F1B: min(M, pp - r) (M = trainer.grad_accum); other schedules: the rank's stages each
+  hold min(M, pp) (an upper bound). Under `activation_checkpoint=full` (read from parallel; not implemented by the
+  trainer yet, see the assumptions) a layer keeps only its inputs and one layer at a time is recomputed.
+- working set: the largest transient of one layer (indexer scores [N, E], attention backward scratch, MoE dispatch
+  buffers) plus the gradient buffers of the layer being differentiated (about its saved activations; twice that
+  when it is recomputed first), on the last stage the logits' gradient, and under FSDP two blocks' gathered
+  parameters (the running one and the prefetched next).
+- reserve: 4 GB for the CUDA context, NCCL buffers and allocator fragmentation.
+Peak = parameters + gradients + optimiser state + max(activations + working set, the optimiser step's transient)
++ reserve; it fits when the peak is within the device memory (parallel.device_memory_gb, default 141: H200).
+
+Communication, bytes each rank sends per optimiser step (received volumes are the same on balance), by dimension:
+- tp: per layer and micro-batch the all-reduces of model/parallelize.py's table (attention and MoE outputs forward;
+  q_res, latent, the experts' and shared expert's inputs backward), ring cost 2 (tp - 1) / tp of the tensor; the
+  embedding's all-gather and, when pp > 1 (no loss_parallel), the logits' all-gather;
+- ep: per MoE layer and micro-batch, forward the token rows (fp32 streams + the packed routing weight) out and the
+  bf16 results back, the backward the same again (trainer/parallel/expert.py), (ep - 1) / ep of it off-rank;
+- pp: per micro-batch the forward state across the stage's output cut and the gradient across its input cut
+  (trainer/parallel/pipeline.boundary_slots);
+- cp: per Full layer the entry all-gather and its reduce-scatter, per layer the SWA halo both ways, the token ids
+  once per forward (trainer/parallel/context.py's table);
+- dp: without FSDP, once per step the ring all-reduce of the fp32 gradients of replicated weights over dp x ep x cp
+  and of expert weights over dp x cp; with FSDP (dp_shard > 1), per micro-batch the fp32 parameter all-gathers
+  (forward, and again in backward for blocks, which reshard after forward) and gradient reduce-scatters over
+  dp_shard, HSDP's all-reduce over dp_replicate, and once per step the non-expert shards' all-reduce over ep x cp;
+- engram: per Engram layer and micro-batch the row exchange (ids and rows forward, row gradients backward), bounded
+  by C distinct rows per token (repeats only lower it), (group - 1) / group of it off-rank.
+Under activation_checkpoint=full the recomputation repeats every forward collective of tp, ep, cp and engram.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+
+_GB = 1e9
+_RESERVE = 4e9
+_KINDS = ("embed", "head", "dense", "routed_experts", "engram_tables")
 
 
 def compose(overrides: list[str]):
@@ -29,23 +81,419 @@ def compose(overrides: list[str]):
         return hydra_compose(config_name="config", overrides=overrides)
 
 
-def plan_model(model_cfg) -> dict:
+def _build_meta(model_cfg):
     import model as model_pkg
-    from model import accounting
 
     cfg = model_pkg.to_model_config(model_cfg)
     with torch.device("meta"):
-        m = model_pkg.build(cfg)
-    out = {"model": cfg.name}
+        return model_pkg.build(cfg)
+
+
+def plan_model(model_cfg) -> dict:
+    from model import accounting
+
+    m = _build_meta(model_cfg)
+    out = {"model": m.cfg.name}
     out.update(accounting.summary(m))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The layout
+
+
+@dataclass
+class Layout:
+    """Parallel sizes and the step's shape, read from the composed config."""
+
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    cp: int = 1
+    pp_virtual: int = 1
+    pp_schedule: str = "1F1B"
+    pp_cuts: list[int] = field(default_factory=list)
+    batch_size: int = 1  # rows per micro-batch per data rank
+    seq_len: int = 4096
+    grad_accum: int = 1  # micro-batches per step
+    activation_checkpoint: str = "none"  # none | full
+    engram_shard: bool = True  # Engram rows sharded over dp x ep x cp (trainer/parallel/engram.py)
+    device_bytes: float = 141e9
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def world_size(self) -> int:
+        return self.dp_replicate * self.dp_shard * self.tp * self.pp * self.ep * self.cp
+
+    @property
+    def data_ranks(self) -> int:
+        """Ranks whose losses are averaged (and that read different tokens): dp x ep x cp."""
+        return self.dp_replicate * self.dp_shard * self.ep * self.cp
+
+    @property
+    def engram_group(self) -> int:
+        return self.data_ranks if self.engram_shard else 1
+
+
+def layout_from_config(cfg) -> Layout:
+    """The composed config's `parallel`, `data` and `trainer` sections. Keys the schema may not have yet are read
+    with getattr and defaults: parallel.pp_virtual, pp_schedule, pp_cuts, activation_checkpoint, engram_shard,
+    device_memory_gb (pass a missing one as `+parallel.<key>=...`)."""
+    par = cfg.parallel
+    lay = Layout(
+        dp_replicate=int(par.dp_replicate), dp_shard=int(par.dp_shard), tp=int(par.tp), pp=int(par.pp),
+        ep=int(par.ep), cp=int(par.cp), pp_virtual=int(getattr(par, "pp_virtual", 1)),
+        pp_schedule=str(getattr(par, "pp_schedule", "1F1B")), pp_cuts=list(getattr(par, "pp_cuts", []) or []),
+        batch_size=int(cfg.data.batch_size), seq_len=int(cfg.data.seq_len), grad_accum=int(cfg.trainer.grad_accum),
+        activation_checkpoint=str(getattr(par, "activation_checkpoint", "none")),
+        engram_shard=bool(getattr(par, "engram_shard", True)),
+        device_bytes=float(getattr(par, "device_memory_gb", 141)) * _GB)
+    if lay.dp_replicate == -1:
+        lay.dp_replicate = 1
+        lay.notes.append("parallel.dp_replicate=-1 (fill) planned as 1: the planner knows no world size")
+    if lay.activation_checkpoint not in ("none", "full"):
+        raise ValueError(f"parallel.activation_checkpoint must be 'none' or 'full', got {lay.activation_checkpoint!r}")
+    if lay.seq_len % lay.cp:
+        raise ValueError(f"data.seq_len={lay.seq_len} is not divisible by parallel.cp={lay.cp}")
+    return lay
+
+
+def _stage_bounds(model, lay: Layout) -> list[int]:
+    from trainer.parallel.pipeline import split_points
+
+    num_stages = lay.pp * lay.pp_virtual
+    cuts = lay.pp_cuts or (split_points(model.plan, num_stages) if num_stages > 1 else [])
+    if len(cuts) != num_stages - 1:
+        raise ValueError(f"parallel.pp_cuts={cuts} must hold pp * pp_virtual - 1 = {num_stages - 1} layers")
+    return [0, *cuts, model.cfg.num_layers]
+
+
+def _rank_stages(lay: Layout) -> list[list[int]]:
+    from trainer.parallel.pipeline import stage_ids_for_rank
+
+    return [stage_ids_for_rank(r, lay.pp, lay.pp_virtual, lay.pp_schedule) for r in range(lay.pp)]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Parameters per rank
+
+
+def param_kind(name: str) -> str:
+    if name in ("embed.weight", "head.weight"):
+        return name.split(".")[0]
+    if name.endswith("engram.table"):
+        return "engram_tables"
+    if ".ffn.experts." in name:
+        return "routed_experts"
+    return "dense"
+
+
+def _tp_dim(name: str, ndim: int) -> int:
+    """The dim tensor parallelism splits (model/parallelize.py): output rows of column-wise weights, input columns
+    of row-wise ones, the experts' width F, the embedding's channels."""
+    if ".ffn.experts." in name:
+        return 2 if name.endswith("w2") else 1
+    if name.endswith(("wo_b.weight", "shared_experts.w2.weight")) or name == "embed.weight":
+        return 1
+    return 0
+
+
+def local_numel(name: str, shape: tuple[int, ...], lay: Layout) -> int:
+    """Elements of parameter `name` on the rank holding the largest share of it in layout `lay`."""
+    from model.accounting import tp_split
+
+    shape = list(shape)
+    kind = param_kind(name)
+    if kind == "engram_tables" and lay.engram_shard:
+        # Row blocks over the Engram group; excluded from FSDP (an FSDP table would be all-gathered whole).
+        return -(-shape[0] // lay.engram_group) * math.prod(shape[1:])
+    if lay.tp > 1 and tp_split(name):
+        d = _tp_dim(name, len(shape))
+        shape[d] //= lay.tp
+    if kind == "routed_experts":
+        shape[0] //= lay.ep
+    if lay.dp_shard > 1:
+        shape[0] = -(-shape[0] // lay.dp_shard)
+    return math.prod(shape)
+
+
+def _stage_of(name: str, bounds: list[int]) -> int:
+    if name.startswith("layers."):
+        layer = int(name.split(".")[1])
+        return next(s for s in range(len(bounds) - 1) if bounds[s] <= layer < bounds[s + 1])
+    return 0 if name == "embed.weight" else len(bounds) - 2  # final norm and head: the last stage
+
+
+def stage_parameters(model, lay: Layout, bounds: list[int]) -> list[dict[str, dict[str, int]]]:
+    """Per pipeline stage and kind: {"numel": local elements, "bytes": in the parameters' dtypes,
+    "low_precision_numel": elements not stored in fp32 (they get an fp32 master copy)}."""
+    out = [{k: {"numel": 0, "bytes": 0, "low_precision_numel": 0} for k in _KINDS} for _ in range(len(bounds) - 1)]
+    for name, p in model.named_parameters():
+        n = local_numel(name, tuple(p.shape), lay)
+        rec = out[_stage_of(name, bounds)][param_kind(name)]
+        rec["numel"] += n
+        rec["bytes"] += n * p.element_size()
+        if p.dtype != torch.float32:
+            rec["low_precision_numel"] += n
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Memory
+
+
+def _kv_context_bytes(model, layers: range, lay: Layout, tokens: int) -> float:
+    """Compressed entries (main KV + indexer keys, fp32) the stage's layers read, per micro-batch."""
+    cfg = model.cfg
+    sources = {model.plan[i].kv_source for i in layers if model.plan[i].kv_source is not None}
+    per_entry = 4 * (cfg.attention.head_dim + cfg.csa2.index_head_dim)
+    return sum(lay.batch_size * (lay.seq_len // model.plan[s].ratio) * per_entry for s in sources)
+
+
+def _stage_memory(model, lay: Layout, bounds: list[int], stage: int) -> dict:
+    from model import accounting
+
+    cfg = model.cfg
+    tokens = lay.batch_size * lay.seq_len // lay.cp  # this rank's tokens per micro-batch
+    layers = range(bounds[stage], bounds[stage + 1])
+    per_layer = []
+    for i in layers:
+        terms = accounting.layer_activation_bytes(model.layers[i], tokens, lay.seq_len, tp=lay.tp, ep=lay.ep)
+        per_layer.append(terms)
+    full = sum(sum(t.values()) for t in per_layer)
+    if lay.activation_checkpoint == "full":
+        saved = sum(accounting.layer_checkpoint_bytes(model.layers[i], tokens) for i in layers)
+    else:
+        saved = full
+    saved += _kv_context_bytes(model, layers, lay, tokens)
+    is_last = stage == len(bounds) - 2
+    vocab = cfg.vocab_size / lay.tp
+    if is_last:
+        saved += 2 * 4 * tokens * vocab  # fp32 logits and the cross-entropy's log-softmax
+    largest = max((sum(t.values()) for t in per_layer), default=0.0)
+    grads_of_layer = largest * (2 if lay.activation_checkpoint == "full" else 1)
+    transient = max((sum(accounting.layer_transient_bytes(model.layers[i], tokens, lay.seq_len).values())
+                     for i in layers), default=0.0)
+    working = grads_of_layer + transient + (4 * tokens * vocab if is_last else 0.0)
+    if lay.dp_shard > 1:
+        # FSDP2 holds a block's unsharded (fp32) parameters while it runs, and prefetches the next block's.
+        whole = dataclasses.replace(lay, dp_shard=1)
+        blocks = [sum(local_numel(f"layers.{i}.{n}", tuple(p.shape), whole) * p.element_size()
+                      for n, p in model.layers[i].named_parameters() if not n.endswith("engram.table"))
+                  for i in layers]
+        working += 2 * max(blocks, default=0)
+    itemised: dict[str, float] = {}
+    for t in per_layer:
+        for k, v in t.items():
+            itemised[k] = itemised.get(k, 0.0) + v
+    return {"saved_per_microbatch": saved, "working_set": working, "itemised_per_microbatch": itemised}
+
+
+def _in_flight(lay: Layout, rank: int) -> int:
+    if lay.pp_schedule == "1F1B":
+        return min(lay.grad_accum, lay.pp - rank)
+    return min(lay.grad_accum, lay.pp)
+
+
+def rank_memory(model, lay: Layout, bounds: list[int], params: list[dict], stages: list[int], rank: int) -> dict:
+    """Bytes on pipeline rank `rank` (holding `stages`), by term."""
+    by_kind = {k: sum(params[s][k]["bytes"] for s in stages) for k in _KINDS}
+    numel = sum(params[s][k]["numel"] for s in stages for k in _KINDS)
+    low = sum(params[s][k]["low_precision_numel"] for s in stages for k in _KINDS)
+    grads = dict(by_kind)
+    optimizer = {k: sum(8 * params[s][k]["numel"] + 4 * params[s][k]["low_precision_numel"] for s in stages)
+                 for k in _KINDS}
+    mems = [_stage_memory(model, lay, bounds, s) for s in stages]
+    in_flight = _in_flight(lay, rank)
+    activations = in_flight * sum(m["saved_per_microbatch"] for m in mems)
+    working = max(m["working_set"] for m in mems)
+    step_transient = 4 * numel  # foreach AdamW's denominators
+    static = sum(by_kind.values()) + sum(grads.values()) + sum(optimizer.values())
+    peak = static + max(activations + working, step_transient) + _RESERVE
+    itemised: dict[str, float] = {}
+    for m in mems:
+        for k, v in m["itemised_per_microbatch"].items():
+            itemised[k] = itemised.get(k, 0.0) + v
+    return {
+        "pp_rank": rank, "stages": stages, "layers": [[bounds[s], bounds[s + 1]] for s in stages],
+        "microbatches_in_flight": in_flight,
+        "params_numel": numel, "params_low_precision_numel": low,
+        "params_bytes": by_kind, "grads_bytes": grads, "optimizer_bytes": optimizer,
+        "activations_bytes": activations, "activations_per_microbatch_itemised": itemised,
+        "working_set_bytes": working, "optimizer_step_transient_bytes": step_transient,
+        "reserve_bytes": _RESERVE, "peak_bytes": peak,
+    }
+
+
+def dominant_term(mem: dict) -> tuple[str, float]:
+    """The largest single term of a rank's peak: one kind's parameters + gradients + optimiser state, the
+    activations, or the working set."""
+    terms = {f"{k} (params + grads + AdamW state)": mem["params_bytes"][k] + mem["grads_bytes"][k]
+             + mem["optimizer_bytes"][k] for k in _KINDS}
+    terms["activations"] = mem["activations_bytes"]
+    terms["working_set"] = mem["working_set_bytes"]
+    name = max(terms, key=terms.get)
+    return name, terms[name]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Communication
+
+
+def _ring(size: int) -> float:
+    """Fraction of a tensor one rank sends in a ring all-gather or reduce-scatter over `size` ranks."""
+    return (size - 1) / size
+
+
+def rank_communication(model, lay: Layout, bounds: list[int], params: list[dict], stages: list[int]) -> dict:
+    """Bytes pipeline rank `stages`' ranks send per optimiser step, by dimension (see the module docstring)."""
+    from trainer.parallel.pipeline import boundary_slots
+
+    cfg = model.cfg
+    M, B = lay.grad_accum, lay.batch_size
+    N = B * lay.seq_len // lay.cp
+    s, c, dim = 4, 2, cfg.dim
+    fwd_passes = 2 if lay.activation_checkpoint == "full" else 1  # recomputation repeats forward collectives
+    layers = [i for st in stages for i in range(bounds[st], bounds[st + 1])]
+    out = dict.fromkeys(("tp", "ep", "pp", "cp", "dp", "engram"), 0.0)
+    K = cfg.moe.experts_per_token
+    D, Di = cfg.attention.head_dim, cfg.csa2.index_head_dim
+    for i in layers:
+        spec = model.plan[i]
+        entries = B * (lay.seq_len // spec.ratio) if spec.ratio else 0
+        if lay.tp > 1:
+            fwd = N * dim * c + N * dim * 4
+            bwd = N * cfg.attention.q_lora_rank * c + N * D * c + N * K * (dim + 1) * s + N * dim * s
+            if spec.owns_kv:
+                bwd += entries * D * c
+            out["tp"] += M * 2 * _ring(lay.tp) * (fwd_passes * fwd + bwd)
+        if lay.ep > 1:
+            one_way = N * K * ((dim + 1) * s + dim * c)  # rows + packed fp32 weight out, bf16 results back
+            out["ep"] += M * _ring(lay.ep) * (fwd_passes + 1) * one_way
+        if lay.cp > 1:
+            per = 2 * B * (cfg.attention.window - 1) * D * c  # halo, forward and backward
+            if spec.owns_kv:
+                per += 2 * _ring(lay.cp) * entries * (D + Di) * s
+            out["cp"] += M * per * (fwd_passes + 1) / 2
+        if model.layers[i].engram is not None and lay.engram_group > 1:
+            e = model.layers[i].engram
+            rows = N * e.num_columns  # distinct rows per lookup, at most
+            t = e.table.element_size()
+            out["engram"] += M * _ring(lay.engram_group) * (fwd_passes * rows * (8 + e.head_dim * t)
+                                                             + rows * e.head_dim * t)
+    first, last = 0 in stages, (len(bounds) - 2) in stages
+    if lay.tp > 1:
+        if first:
+            out["tp"] += M * fwd_passes * _ring(lay.tp) * N * dim * s
+        if last and lay.pp > 1:
+            out["tp"] += M * _ring(lay.tp) * N * cfg.vocab_size * 4
+    if lay.cp > 1 and first:
+        out["cp"] += M * _ring(lay.cp) * B * lay.seq_len * 8
+    for st in stages:
+        if st + 1 < len(bounds) - 1:  # forward state across the output cut
+            out["pp"] += M * sum(x.num_bytes for x in boundary_slots(cfg, bounds[st + 1], B, lay.seq_len // lay.cp,
+                                                                      context_len=lay.seq_len))
+        if st > 0:  # gradients of the float state across the input cut
+            out["pp"] += M * sum(x.num_bytes for x in boundary_slots(cfg, bounds[st], B, lay.seq_len // lay.cp,
+                                                                      context_len=lay.seq_len) if x.grad)
+    # Data parallelism: fp32 gradients (and, with FSDP, fp32 parameters).
+    grad_bytes = {k: sum(params[st][k]["numel"] for st in stages) * 4 for k in _KINDS}
+    experts = grad_bytes["routed_experts"]
+    replicated = sum(v for k, v in grad_bytes.items() if k not in ("routed_experts", "engram_tables")
+                     or (k == "engram_tables" and not lay.engram_shard))
+    dp = lay.dp_replicate * lay.dp_shard
+    if lay.dp_shard == 1:
+        if lay.data_ranks > 1:
+            out["dp"] += 2 * _ring(lay.data_ranks) * replicated
+        if dp * lay.cp > 1:
+            out["dp"] += 2 * _ring(dp * lay.cp) * experts
+    else:
+        f = lay.dp_shard
+        sharded = replicated + experts  # this rank's shards; the unsharded unit is f times that
+        out["dp"] += M * (2 + 1) * _ring(f) * f * sharded  # all-gather forward + backward, reduce-scatter
+        if lay.dp_replicate > 1:
+            out["dp"] += M * 2 * _ring(lay.dp_replicate) * sharded
+        if lay.ep * lay.cp > 1:
+            out["dp"] += 2 * _ring(lay.ep * lay.cp) * replicated
+    out["total"] = sum(out.values())
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The plan
+
+
+def _assumptions(lay: Layout) -> list[str]:
+    out = [
+        "CUDA run: bf16 autocast, parameters (so the residual streams) fp32 except the Engram tables "
+        "(model.engram.table_dtype); Triton kernels for attention, indexer and the fused mHC step; PyTorch Engram",
+        "AdamW: 2 fp32 moments per parameter, plus an fp32 master copy of every parameter not stored in fp32 "
+        "(optim/builder.py refuses such parameters today); foreach step allocates an fp32 denominator per parameter",
+        "gradients in the parameters' dtypes; FSDP2 (dp_shard > 1) shards dim 0 over dp_shard and gathers in fp32 "
+        "(no param_dtype in trainer/parallel/apply.py), reduce-scatters every micro-batch",
+        ("Engram tables row-sharded over dp x ep x cp (trainer/parallel/engram.py), kept out of FSDP"
+         if lay.engram_shard else "Engram tables not row-sharded (parallel.engram_shard=false)"),
+        f"pipeline schedule {lay.pp_schedule}: micro-batches in flight on pipeline rank r = "
+        + ("min(M, pp - r)" if lay.pp_schedule == "1F1B" else "min(M, pp) per stage (upper bound)"),
+        f"activation checkpointing: {lay.activation_checkpoint}"
+        + (" (not implemented in the trainer: trainer/parallel/apply.py explains why)"
+           if lay.activation_checkpoint == "full" else ""),
+        "communication: bytes sent per rank per optimiser step; Engram exchange bounded by distinct rows = C per "
+        "token (no repeats)",
+        f"reserve {_RESERVE / _GB:.0f} GB for CUDA context, NCCL buffers and fragmentation",
+    ]
+    return out + lay.notes
+
+
+def plan_training(model, lay: Layout) -> dict:
+    """The "training" section of the plan (see the module docstring)."""
+    bounds = _stage_bounds(model, lay)
+    params = stage_parameters(model, lay, bounds)
+    ranks = []
+    for r, stages in enumerate(_rank_stages(lay)):
+        mem = rank_memory(model, lay, bounds, params, stages, r)
+        mem["communication_bytes_per_step"] = rank_communication(model, lay, bounds, params, stages)
+        name, size = dominant_term(mem)
+        mem["dominant"] = {"term": name, "bytes": size, "share_of_peak": size / mem["peak_bytes"]}
+        ranks.append(mem)
+    worst = max(ranks, key=lambda m: m["peak_bytes"])
+    comm_max = {k: max(m["communication_bytes_per_step"][k] for m in ranks) for k in ranks[0]
+                ["communication_bytes_per_step"]}
+    return {
+        "layout": {"world_size": lay.world_size, "dp_replicate": lay.dp_replicate, "dp_shard": lay.dp_shard,
+                   "tp": lay.tp, "pp": lay.pp, "pp_virtual": lay.pp_virtual, "ep": lay.ep, "cp": lay.cp,
+                   "pp_schedule": lay.pp_schedule, "stage_bounds": bounds, "engram_group": lay.engram_group,
+                   "activation_checkpoint": lay.activation_checkpoint, "seq_len": lay.seq_len,
+                   "batch_size": lay.batch_size, "grad_accum": lay.grad_accum,
+                   "tokens_per_step": lay.seq_len * lay.batch_size * lay.grad_accum * lay.data_ranks // lay.cp,
+                   "device_memory_bytes": lay.device_bytes},
+        "assumptions": _assumptions(lay),
+        "per_pp_rank": ranks,
+        "peak_bytes": worst["peak_bytes"],
+        "peak_pp_rank": worst["pp_rank"],
+        "fits": worst["peak_bytes"] <= lay.device_bytes,
+        "dominant": worst["dominant"],
+        "communication_bytes_per_step_max": comm_max,
+    }
+
+
+def plan(cfg) -> dict:
+    """Model counts plus the training plan of the composed config."""
+    from model import accounting
+
+    m = _build_meta(cfg.model)
+    out = {"model": m.cfg.name}
+    out.update(accounting.summary(m))
+    out["training"] = plan_training(m, layout_from_config(cfg))
     return out
 
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     try:
-        cfg = compose(argv)
-        result = plan_model(cfg.model)
+        result = plan(compose(argv))
     except ValueError as e:  # config and layer-plan errors name the key and the rule
         sys.exit(f"error: {e}")
     print(json.dumps(result, indent=2))

@@ -4,23 +4,32 @@
 data, checkpointer, metrics), resuming from a checkpoint when `checkpoint.resume` finds one; `fit(job)`
 runs `train_loop` and closes what `build` opened. Each builder receives only its own config section.
 
-Order of set-up (STYLE.md): build the model on the meta device, materialise it with `to_empty` on the
-training device, then `init_weights()` from the same seed on every rank (replicas start identical).
-Plain data parallelism: every rank runs the full model on its own data and gradients are averaged with
-one all-reduce per step; MoE load counts are summed across ranks before the bias update, so the
-balancing biases stay identical too.
+Order of set-up (STYLE.md): check the layout against the model and the batch (before any process group), build
+the model on the meta device, apply every parallel plan (trainer/parallel/apply.py: pipeline stages, TP, EP, CP),
+materialise this rank's part piece by piece with the single process's initial values, wrap it in FSDP2 when
+dp_shard > 1, then build the optimiser over the local parameters.
+
+One optimiser step (`compute_gradients`, then the update): each data rank (dp_replicate x dp_shard x ep) reads
+trainer.grad_accum micro-batches of its own; context-parallel ranks keep their chunk of every sequence; the
+micro-batches run one after the other (gradient accumulation) or through the pipeline schedule; gradients are
+reduced by the rules of trainer/parallel/data_parallel.py, the loss is averaged over the ranks that saw different
+tokens, the gradient norm is clipped over every axis that shards parameters, and after the update the MoE loads
+of all data ranks move the balancing biases. Every rank ends a step with the same loss and norm; rank 0 logs.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
 import os
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -34,7 +43,18 @@ from optim import LRScheduler, build_optimizer
 from trainer.checkpoint import Checkpointer, RankLocalState, TrainState
 from trainer.config import Config, ParallelConfig, ParallelDims, StageConfig, TrainerConfig
 from trainer.metrics import MetricsLogger, device_peak_flops, memory_mb
+from trainer.parallel.apply import ParallelModel, describe, materialize, parallelize, validate_layout
+from trainer.parallel.data_parallel import (
+    clip_grad_norm_,
+    mean_over_data,
+    reduce_gradients,
+    sum_over_data,
+    update_router_biases,
+)
 from trainer.progress import Progress
+
+if TYPE_CHECKING:
+    from trainer.parallel.mesh import Meshes
 
 log = logging.getLogger(__name__)
 
@@ -45,23 +65,26 @@ class TrainingDiverged(RuntimeError):
 
 @dataclass
 class Runtime:
-    """Where this process runs: its rank, device, precision and the validated parallel sizes."""
+    """Where this process runs: its rank, device, precision, the validated parallel sizes and their meshes."""
 
     rank: int
     world_size: int
     device: torch.device
     autocast_dtype: torch.dtype | None  # None: plain fp32
     dims: ParallelDims
+    meshes: Meshes | None = None  # None for a single process
 
     @property
     def distributed(self) -> bool:
         return self.world_size > 1
 
 
-def setup_runtime(cfg: TrainerConfig, parallel: ParallelConfig) -> Runtime:
+def setup_runtime(cfg: TrainerConfig, parallel: ParallelConfig, dims: ParallelDims | None = None) -> Runtime:
+    """Device, precision, the process group (with a finite collective timeout: a dead or hung peer makes every
+    other rank raise after parallel.timeout_s instead of waiting forever) and the device mesh."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
-    dims = parallel.resolve(world_size)
+    dims = dims or parallel.resolve(world_size)
     kind = cfg.device
     if kind == "auto":
         kind = "cuda" if torch.cuda.is_available() else "cpu"
@@ -77,9 +100,16 @@ def setup_runtime(cfg: TrainerConfig, parallel: ParallelConfig) -> Runtime:
     if rank != 0:  # one voice per job: the other ranks log warnings and errors only
         logging.getLogger().setLevel(logging.WARNING)
     precision = cfg.precision if cfg.precision != "auto" else ("bf16" if device.type == "cuda" else "fp32")
-    if world_size > 1 and not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
-    return Runtime(rank, world_size, device, torch.bfloat16 if precision == "bf16" else None, dims)
+    meshes = None
+    if world_size > 1:
+        if not dist.is_initialized():
+            # On GPU, gloo beside NCCL: a few small bookkeeping collectives (MoE usage votes, metrics) run on CPU.
+            backend = "cuda:nccl,cpu:gloo" if device.type == "cuda" else "gloo"
+            dist.init_process_group(backend=backend, timeout=timedelta(seconds=parallel.timeout_s))
+        from trainer.parallel.mesh import build_mesh
+
+        meshes = build_mesh(dims, device.type)
+    return Runtime(rank, world_size, device, torch.bfloat16 if precision == "bf16" else None, dims, meshes)
 
 
 def apply_stage_hooks(model_cfg: ModelConfig, stage: StageConfig) -> ModelConfig:
@@ -94,14 +124,26 @@ def apply_stage_hooks(model_cfg: ModelConfig, stage: StageConfig) -> ModelConfig
     return model_cfg
 
 
-def build_model(cfg: ModelConfig, device: torch.device, seed: int) -> torch.nn.Module:
+def build_model(cfg: ModelConfig, rt: Runtime, parallel: ParallelConfig, seed: int, *, batch_size: int,
+                seq_len: int, grad_accum: int) -> ParallelModel:
+    """This rank's part of the model, parallelised and holding the single process's initial values
+    (trainer/parallel/apply.py); with pp > 1 also the pipeline schedule over grad_accum micro-batches."""
+    cuts = validate_layout(parallel, cfg, seq_len=seq_len, grad_accum=grad_accum)
     with torch.device("meta"):
         model = model_pkg.build(cfg)
-    model.to_empty(device=device)
-    torch.manual_seed(seed)  # same weights on every rank
-    with torch.no_grad():
-        model.init_weights()
-    return model
+    pm = parallelize(model, rt.meshes, parallel, rt.dims, cuts=cuts)
+    materialize(pm, rt.device, seed, microbatch_size=batch_size, seq_len=seq_len, grad_accum=grad_accum,
+                schedule=parallel.pp_schedule, autocast_dtype=rt.autocast_dtype)
+    return pm
+
+
+def trainable_parameters(module: torch.nn.Module, cfg: ModelConfig) -> list[torch.nn.Parameter]:
+    """What the optimiser owns of `module` (a Transformer or a pipeline StageGroup): every parameter, or only
+    the indexers in the dense warm-up phase (Transformer.trainable_parameters' rule)."""
+    if cfg.indexer.phase == "dense_warmup":
+        layers = module.layers.values() if isinstance(module.layers, torch.nn.ModuleDict) else module.layers
+        return [p for layer in layers if layer.attn.indexer is not None for p in layer.attn.indexer.parameters()]
+    return [p for p in module.parameters() if p.requires_grad]
 
 
 def install_canonical_vocab(model: torch.nn.Module, cfg: ModelConfig, tokenizer_path: str) -> None:
@@ -118,7 +160,9 @@ def install_canonical_vocab(model: torch.nn.Module, cfg: ModelConfig, tokenizer_
             f"model.engram.compressed_vocab_size={cfg.engram.compressed_vocab_size} is smaller than the "
             f"{num_canonical} canonical ids of tokenizer {tokenizer_path}"
         )
-    model.set_canonical_vocab(mapping)
+    hasher = getattr(model, "hasher", None)  # only the first pipeline stage hashes
+    if hasher is not None:
+        hasher.set_canonical_map(mapping)
 
 
 def freeze_all_but(model: torch.nn.Module, trainable: list[torch.nn.Parameter]) -> None:
@@ -141,7 +185,7 @@ class Job:
 
     rt: Runtime
     trainer: TrainerConfig
-    model: torch.nn.Module
+    pm: ParallelModel
     optimizer: torch.optim.Optimizer
     scheduler: LRScheduler
     state: TrainState
@@ -153,40 +197,59 @@ class Job:
     progress_bar: bool
     peak_flops: float
     run_dir: Path
+    flops_per_token: object  # seq_len -> training FLOPs per token of the whole model (model/accounting.py)
     batches: object = None  # the live iterator over `loader`
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """This rank's parameters under the whole model's names (the Transformer, or its pipeline stages)."""
+        return self.pm.module
 
 
 def build(cfg: Config, run_dir: Path) -> Job:
-    rt = setup_runtime(cfg.trainer, cfg.parallel)
     model_cfg = apply_stage_hooks(cfg.model, cfg.stage)
+    # Every layout rule before any process group exists (the model's first, then the world size): a bad layout
+    # fails at once, on every rank alike, naming the key to change.
+    validate_layout(cfg.parallel, model_cfg, seq_len=cfg.data.seq_len, grad_accum=cfg.trainer.grad_accum)
+    dims = cfg.parallel.resolve(int(os.environ.get("WORLD_SIZE", "1")))
+    rt = setup_runtime(cfg.trainer, cfg.parallel, dims)
     ensure_prepared(cfg.data, progress=rt.rank == 0)  # node-safe: one process prepares, the others wait
-    loader, tokenizer = build_dataloader(cfg.data, rt.rank, rt.dims.dp)
+    data_rank = rt.meshes.data.get_local_rank() if rt.meshes is not None else 0
+    loader, tokenizer = build_dataloader(cfg.data, data_rank, dims.data)
     if tokenizer.vocab_size > model_cfg.vocab_size:
         raise ValueError(
             f"model.vocab_size={model_cfg.vocab_size} is smaller than the tokenizer's {tokenizer.vocab_size} ids "
             f"({tokenizer.path})"
         )
-    model = build_model(model_cfg, rt.device, cfg.trainer.seed)
-    install_canonical_vocab(model, model_cfg, tokenizer.path)
-    trainable = list(model.trainable_parameters())
-    freeze_all_but(model, trainable)
+    checkpointer = Checkpointer(run_dir / "checkpoints", cfg.checkpoint, rt.rank,
+                                info={"model": dataclasses.asdict(model_cfg), "layout": dataclasses.asdict(dims)})
+    resume_from = checkpointer.resume_path()
+    if resume_from is not None:  # before the model is built: an incompatible checkpoint fails at once
+        checkpointer.check_model(resume_from, model_cfg)
+    pm = build_model(model_cfg, rt, cfg.parallel, cfg.trainer.seed, batch_size=cfg.data.batch_size,
+                     seq_len=cfg.data.seq_len, grad_accum=cfg.trainer.grad_accum)
+    log.info("parallel layout: %s", describe(pm))
+    install_canonical_vocab(pm.module, model_cfg, tokenizer.path)
+    trainable = trainable_parameters(pm.module, model_cfg)
+    freeze_all_but(pm.module, trainable)
     optimizer = build_optimizer(trainable, cfg.optim)
     scheduler = LRScheduler(optimizer, cfg.optim, total_steps=cfg.trainer.max_steps)
-    state = TrainState(model, optimizer, scheduler)
-    ckpt_states = {"train": state, "rank_local": RankLocalState(loader, rt.rank)}
-    checkpointer = Checkpointer(run_dir / "checkpoints", cfg.checkpoint, rt.rank)
+    state = TrainState(pm.module, optimizer, scheduler)
+    ckpt_states = {"train": state, "rank_local": RankLocalState(loader, rt.rank, data_rank)}
     seed_everything(cfg.trainer.seed + rt.rank)  # anything random after init differs per rank
     metrics = MetricsLogger(run_dir, cfg.logger.wandb, rt.rank, config=dataclasses.asdict(cfg))
-    resume_from = checkpointer.resume_path()
     if resume_from is not None:
         checkpointer.load(resume_from, ckpt_states)
         metrics.truncate_after(state.step)
         log.info("resumed from %s at step %d", resume_from, state.step)
+    with torch.device("meta"):  # FLOPs of the whole model, whatever this rank holds of it
+        flops_per_token = model_pkg.build(model_cfg).flops_per_token
     return Job(
-        rt=rt, trainer=cfg.trainer, model=model, optimizer=optimizer, scheduler=scheduler, state=state,
+        rt=rt, trainer=cfg.trainer, pm=pm, optimizer=optimizer, scheduler=scheduler, state=state,
         loader=loader, checkpointer=checkpointer, ckpt_states=ckpt_states, metrics=metrics,
         log_every=cfg.logger.log_every, progress_bar=cfg.logger.progress_bar,
         peak_flops=device_peak_flops(rt.device, cfg.trainer.peak_flops), run_dir=run_dir,
+        flops_per_token=flops_per_token,
     )
 
 
@@ -204,71 +267,104 @@ def _to_device(batch: dict, device: torch.device):
 class MicroBatches:
     """What one optimiser step's micro-batches produced on this rank."""
 
-    loss: torch.Tensor  # mean LM loss, detached
+    loss: float  # mean LM loss over the micro-batches
     aux: dict[str, float]  # means of "aux/<name>" (weighted terms added to the loss), "aux_metric/<name>" (raw)
-    tokens: int  # input tokens processed
+    tokens: int  # input tokens this data rank read (whole sequences, before any context-parallel split)
     seq_len: int
 
 
-def forward_backward(job: Job) -> MicroBatches:
-    """Forward and backward over trainer.grad_accum micro-batches; gradients accumulate in .grad."""
-    accum, dtype = job.trainer.grad_accum, job.rt.autocast_dtype
-    loss_sum, aux_sums, tokens = torch.zeros((), device=job.rt.device), {}, 0
-    for _ in range(accum):
-        input_ids, labels, image_mask = _to_device(next(job.batches), job.rt.device)
-        with torch.autocast(job.rt.device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
-            logits, aux = job.model(input_ids, image_mask=image_mask, return_aux=True)
-        lm_loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100)
+def _device(pm: ParallelModel) -> torch.device:
+    return next(iter(pm.module.parameters())).device
+
+
+def _local_chunk(pm: ParallelModel, *tensors):
+    """This rank's context-parallel chunk of each [B, T] tensor (None passes); the tensors as they are otherwise."""
+    if pm.dims.cp == 1:
+        return tensors
+    from trainer.parallel.context import shard_sequence
+
+    return tuple(None if t is None else shard_sequence(t, pm.meshes.cp) for t in tensors)
+
+
+def forward_backward(pm: ParallelModel, batches: list[dict], autocast_dtype: torch.dtype | None) -> MicroBatches:
+    """Forward and backward over this data rank's micro-batches (loader batches of whole sequences), one after the
+    other or through the pipeline schedule; the gradient of the mean loss over them accumulates in .grad."""
+    if pm.pipeline is not None:
+        return _pipeline_forward_backward(pm, batches)
+    accum, device = len(batches), _device(pm)
+    if pm.loss_parallel:  # the logits are vocab-sharded DTensors: cross-entropy and backward under loss_parallel
+        from torch.distributed.tensor.parallel import loss_parallel as loss_context
+    else:
+        loss_context = contextlib.nullcontext
+    loss_sum, aux_sums, tokens = 0.0, {}, 0
+    for batch in batches:
+        input_ids, labels, image_mask = _to_device(batch, device)
+        tokens += input_ids.numel()
+        seq_len = input_ids.shape[1]
+        input_ids, labels, image_mask = _local_chunk(pm, input_ids, labels, image_mask)
+        with torch.autocast(device.type, dtype=autocast_dtype or torch.float32, enabled=autocast_dtype is not None):
+            logits, aux = pm.module(input_ids, image_mask=image_mask, return_aux=True)
         raw = aux.pop("metrics", {})
-        # each micro-batch's loss is divided by accum so the accumulated gradient is the mean over micro-batches
-        ((lm_loss + sum(aux.values())) / accum).backward()
-        loss_sum += lm_loss.detach()
+        with loss_context():
+            lm_loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100)
+            if pm.loss_parallel:  # a replicated DTensor: the same value on every tp rank
+                lm_loss = lm_loss.full_tensor()
+            # each micro-batch's loss is divided by accum so the accumulated gradient is the mean over micro-batches
+            ((lm_loss + sum(aux.values())) / accum).backward()
+        loss_sum += float(lm_loss.detach())
         values = {f"aux/{k}": float(v.detach()) for k, v in aux.items()}
         values.update({f"aux_metric/{k}": v for k, v in raw.items()})
         for name, value in values.items():
             aux_sums[name] = aux_sums.get(name, 0.0) + value / accum
-        tokens += input_ids.numel()
-    return MicroBatches(loss_sum / accum, aux_sums, tokens, input_ids.shape[1])
+    return MicroBatches(loss_sum / accum, aux_sums, tokens, seq_len)
 
 
-def sync_gradients(params: list[torch.nn.Parameter], world_size: int) -> None:
-    """Average gradients over data-parallel ranks with one flat all-reduce. A parameter unused on one rank
-    (an expert no local token chose) gets a zero gradient there, so every rank reduces the same list."""
-    # on the parameters' device: NCCL reduces only GPU tensors
-    used = torch.tensor([p.grad is not None for p in params], dtype=torch.int32, device=params[0].device)
-    dist.all_reduce(used, op=dist.ReduceOp.MAX)
-    live = [p for p, u in zip(params, used.tolist()) if u]
-    for p in live:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    flat = torch.cat([p.grad.reshape(-1) for p in live]) / world_size
-    dist.all_reduce(flat)
-    offset = 0
-    for p in live:
-        p.grad.copy_(flat[offset: offset + p.numel()].view_as(p.grad))
-        offset += p.numel()
+def _pipeline_forward_backward(pm: ParallelModel, batches: list[dict]) -> MicroBatches:
+    """The micro-batches as one [M*B, T] batch through the schedule; the last stage's loss terms reach every
+    pipeline rank (Pipeline.step)."""
+    device = _device(pm)
+    parts = [_to_device(batch, device) for batch in batches]
+    if any(mask is not None for _, _, mask in parts):
+        raise ValueError("pipeline parallelism: batches with an image mask are not wired into the pipeline yet")
+    input_ids, labels = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+    tokens, seq_len = input_ids.numel(), input_ids.shape[1]
+    input_ids, labels = _local_chunk(pm, input_ids, labels)
+    pm.pipeline.step(input_ids, labels)
+    terms, cfg, aux = pm.pipeline.metrics, pm.cfg, {}
+    if cfg.csa2.index_source_layers:  # the same keys the whole model's aux dict has
+        aux["aux/indexer_kl"] = cfg.indexer.loss_coef * terms["indexer_kl"]
+        aux["aux_metric/indexer_kl"] = terms["indexer_kl"]
+    if cfg.moe.seq_aux_loss_coef > 0:
+        aux["aux/moe_seq_balance"] = aux["aux_metric/moe_seq_balance"] = terms["moe_seq_balance"]
+    return MicroBatches(terms["lm"], aux, tokens, seq_len)
 
 
-def update_router_biases(job: Job) -> float:
-    """Aux-loss-free MoE balancing after the optimiser step; returns the worst layer's max/mean expert load.
-    Under data parallelism the loads are summed over ranks first, so every replica moves its biases alike."""
-    if not job.rt.distributed:
-        return job.model.update_router_biases()
-    moes = job.model.moe_layers()
-    counts = torch.stack([moe.load_counts() for moe in moes])  # [layers, 2, E]
-    dist.all_reduce(counts)
-    imbalance = max(moe.imbalance(c) for moe, c in zip(moes, counts))
-    job.model.update_router_biases(counts=list(counts))
-    return imbalance
+@dataclass
+class StepStats:
+    """One optimiser step's numbers, the same on every rank."""
+
+    loss: float  # LM loss, mean over every token of the global batch (equal-length rows)
+    grad_norm: float  # before clipping
+    aux: dict[str, float] = field(default_factory=dict)
+    tokens: int = 0  # tokens of the global batch
+    seq_len: int = 0
 
 
-def _reduce(job: Job, value: torch.Tensor | float, mean: bool) -> float:
-    """Sum (or mean) of a per-rank number over all ranks; every rank must call it."""
-    if not job.rt.distributed:
-        return float(value)
-    value = torch.tensor(float(value), dtype=torch.float64, device=job.rt.device)
-    dist.all_reduce(value)
-    return float(value / job.rt.world_size if mean else value)
+def compute_gradients(pm: ParallelModel, batches: list[dict], params: list[torch.nn.Parameter], max_norm: float,
+                      autocast_dtype: torch.dtype | None = None, step: int = 0) -> StepStats:
+    """Forward, backward, gradient reduction and clipping of one optimiser step; leaves the clipped gradients in
+    .grad. Raises TrainingDiverged (on every rank alike) when the loss or the norm is not finite."""
+    micro = forward_backward(pm, batches, autocast_dtype)
+    reduce_gradients(pm)
+    names = sorted(micro.aux)
+    loss, *aux = mean_over_data(pm, [micro.loss, *(micro.aux[n] for n in names)])
+    # Stop before the update: the weights, and so every checkpoint, stay those of the last good step.
+    if not math.isfinite(loss):
+        raise TrainingDiverged(f"loss is {loss} at step {step}: stopped before its update, nothing saved")
+    grad_norm = float(clip_grad_norm_(params, max_norm, pm))
+    if not math.isfinite(grad_norm):
+        raise TrainingDiverged(f"gradient norm is {grad_norm} at step {step}: stopped before its update")
+    return StepStats(loss, grad_norm, dict(zip(names, aux)), micro.tokens * pm.dims.data, micro.seq_len)
 
 
 def train_loop(job: Job) -> None:
@@ -285,38 +381,31 @@ def train_loop(job: Job) -> None:
         while state.step < cfg.max_steps:
             step = state.step + 1
             lr = job.optimizer.param_groups[0]["lr"]
-            micro = forward_backward(job)
-            if rt.distributed:
-                sync_gradients(params, rt.world_size)
-            loss = _reduce(job, micro.loss, mean=True)
-            # Stop before the update: the weights, and so every checkpoint, stay those of the last good step.
-            if not math.isfinite(loss):
-                raise TrainingDiverged(f"loss is {loss} at step {step}: stopped before its update, nothing saved")
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
-            if not math.isfinite(grad_norm):
-                raise TrainingDiverged(f"gradient norm is {grad_norm} at step {step}: stopped before its update")
+            batches = [next(job.batches) for _ in range(cfg.grad_accum)]
+            stats = compute_gradients(job.pm, batches, params, max_norm, rt.autocast_dtype, step)
             job.optimizer.step()
             job.scheduler.step()
             job.optimizer.zero_grad(set_to_none=True)
-            imbalance = update_router_biases(job)
+            imbalance = update_router_biases(job.pm)
             state.step = step
-            state.tokens_seen += micro.tokens * rt.world_size
-            window_tokens += micro.tokens * rt.world_size
+            state.tokens_seen += stats.tokens
+            window_tokens += stats.tokens
             tokens_per_s = window_tokens / max(time.perf_counter() - window_start, 1e-9)
-            progress.update(loss, tokens_per_s)
+            progress.update(stats.loss, tokens_per_s)
 
             if step % job.log_every == 0 or step == cfg.max_steps:
+                (skipped,) = sum_over_data(job.pm, [job.loader.skipped_shards])
                 record = {
-                    "loss": loss,
+                    "loss": stats.loss,
                     "lr": lr,
-                    "grad_norm": grad_norm,
+                    "grad_norm": stats.grad_norm,
                     "tokens_per_s": tokens_per_s,
                     "tokens_seen": state.tokens_seen,
-                    "mfu": _mfu(job, flops_cache, micro.seq_len, tokens_per_s),
+                    "mfu": _mfu(job, flops_cache, stats.seq_len, tokens_per_s),
                     "expert_imbalance": imbalance,
                     "memory_mb": memory_mb(rt.device),
-                    "skipped_shards": int(_reduce(job, job.loader.skipped_shards, mean=False)),
-                    **{name: _reduce(job, value, mean=True) for name, value in sorted(micro.aux.items())},
+                    "skipped_shards": int(skipped),
+                    **dict(sorted(stats.aux.items())),
                 }
                 job.metrics.log(step, record)
                 window_tokens, window_start = 0, time.perf_counter()
@@ -330,10 +419,9 @@ def train_loop(job: Job) -> None:
 
 
 def _mfu(job: Job, cache: dict[int, float], seq_len: int, tokens_per_s: float) -> float:
-    """Model FLOPs utilisation; without model.flops_per_token, falls back to 6 * parameters."""
+    """Model FLOPs utilisation of the whole job: global tokens/s x FLOPs per token over every device's peak."""
     if seq_len not in cache:
-        flops = getattr(job.model, "flops_per_token", None)
-        cache[seq_len] = flops(seq_len) if flops else 6.0 * sum(p.numel() for p in job.model.parameters())
+        cache[seq_len] = job.flops_per_token(seq_len)
     return cache[seq_len] * tokens_per_s / (job.peak_flops * job.rt.world_size)
 
 

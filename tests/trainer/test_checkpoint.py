@@ -1,8 +1,17 @@
 """Checkpoints: a round trip restores model, optimiser, scheduler, data position and RNG exactly; only renamed
 directories with the completion marker count, keep-last-k prunes; and end to end, a run killed with SIGKILL
 mid-training, or killed inside a save, resumes (checkpoint.resume=auto) from the newest complete checkpoint and
-reproduces the uninterrupted run's losses exactly."""
+reproduces the uninterrupted run's losses exactly.
 
+Across layouts: the data position is keyed by data rank (a tp / pp / cp peer of data rank 0 resumes it; a data rank
+the checkpoint lacks is refused), the RNG by global rank (a rank the checkpoint lacks keeps its fresh state); format 1
+checkpoints still load; a model config that changes parameters is refused naming each key and both values, while
+switches that change no parameter (kernels, quantisation hooks, balancing rate) may change.
+(Moving weights and optimiser state between tp 2 x pp 2 and one process: tests/parallel/test_reshard.py.)"""
+
+import dataclasses
+import json
+import pickle
 import random
 import signal
 import subprocess
@@ -14,9 +23,11 @@ import pytest
 import torch
 
 from optim import LRScheduler, OptimConfig, build_optimizer
+from model.config import ModelConfig
 from tests.trainer.harness import REPO, env, losses, micro_overrides, read_metrics, run_cli
 from trainer.checkpoint import (
-    COMPLETE_MARKER, FAULT_ENV, Checkpointer, RankLocalState, TrainState, complete_checkpoints,
+    COMPLETE_MARKER, FAULT_ENV, Checkpointer, RankLocalState, TrainState, _rng_state, complete_checkpoints,
+    model_config_differences,
 )
 from trainer.config import CheckpointConfig
 
@@ -157,3 +168,86 @@ def test_crash_inside_save_leaves_no_complete_checkpoint(tmp_path, small_data, r
     assert losses(tmp_path) == reference
     assert not partial.exists()
     assert [p.name for p in complete_checkpoints(ckpts)] == ["step_00000021", "step_00000024"]
+
+
+# --- layouts: what a checkpoint carries from one layout to another ---------------------------------------------------
+
+
+def test_data_position_follows_the_data_rank_and_rng_stays_per_rank(tmp_path):
+    model, opt, sched, loader, states = _toy(0)
+    _train_steps(model, opt, sched, 1)
+    loader.position = 11
+    ckpt = Checkpointer(tmp_path, CheckpointConfig())
+    path = ckpt.save(1, states)  # one process: global rank 0, data rank 0
+
+    # A tensor-parallel peer (global rank 1) that reads data rank 0's batches: the position comes back; its own RNG
+    # state was never saved, so its fresh state stays.
+    _, _, _, loader2, states2 = _toy(1)
+    states2["rank_local"] = RankLocalState(loader2, rank=1, data_rank=0)
+    torch.manual_seed(123)
+    fresh = torch.get_rng_state()
+    ckpt.load(path, states2)
+    assert loader2.position == 11 and torch.equal(torch.get_rng_state(), fresh)
+
+    # A second data rank has no position to resume: refused, saying what to do.
+    _, _, _, loader3, states3 = _toy(1)
+    states3["rank_local"] = RankLocalState(loader3, rank=1, data_rank=1)
+    with pytest.raises(ValueError, match=r"no data position for data rank 1 \(it has 1 data ranks.*"
+                                         r"checkpoint.resume=none"):
+        ckpt.load(path, states3)
+
+
+class _Format1State:
+    """The rank-local Stateful of checkpoint format 1: data position and RNG in one blob under rank<r>."""
+
+    def __init__(self, loader):
+        self.loader = loader
+
+    def state_dict(self):
+        return {"rank0": pickle.dumps({"data": self.loader.state_dict(), "rng": _rng_state()})}
+
+    def load_state_dict(self, state):  # (DCP treats only objects with both methods as Stateful)
+        raise AssertionError("only saved here")
+
+
+def test_format_1_checkpoints_still_load(tmp_path):
+    model, opt, sched, loader, states = _toy(0)
+    _train_steps(model, opt, sched, 2)
+    loader.position = 5
+    states["train"].step = 2
+    torch.manual_seed(77)
+    expected_rng = torch.get_rng_state()
+    path = Checkpointer(tmp_path, CheckpointConfig()).save(2, {"train": states["train"],
+                                                               "rank_local": _Format1State(loader)})
+    (path / COMPLETE_MARKER).write_text(json.dumps({"format": 1, "step": 2, "saved_at": 0.0}))  # as format 1 wrote it
+
+    model2, opt2, sched2, loader2, states2 = _toy(1)
+    ckpt = Checkpointer(tmp_path, CheckpointConfig())
+    ckpt.check_model(path, ModelConfig())  # no model recorded: nothing to check
+    torch.manual_seed(0)
+    ckpt.load(path, states2)
+    assert states2["train"].step == 2 and loader2.position == 5
+    assert torch.equal(torch.get_rng_state(), expected_rng)
+    for a, b in zip(model.parameters(), model2.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_a_model_that_changes_parameters_is_refused_naming_the_keys(tmp_path):
+    model, opt, sched, loader, states = _toy(0)
+    _train_steps(model, opt, sched, 1)
+    saved = ModelConfig(dim=256, num_layers=40)
+    ckpt = Checkpointer(tmp_path, CheckpointConfig(), info={"model": dataclasses.asdict(saved)})
+    path = ckpt.save(1, states)
+    assert json.loads((path / COMPLETE_MARKER).read_text())["model"]["dim"] == 256
+    # switches that leave every parameter as it is may change
+    ckpt.check_model(path, dataclasses.replace(saved, kernels="reference", quant=dataclasses.replace(
+        saved.quant, main_kv="fp4"), moe=dataclasses.replace(saved.moe, bias_update_rate=0.5)))
+    other = dataclasses.replace(saved, dim=512, moe=dataclasses.replace(saved.moe, num_experts=64))
+    with pytest.raises(ValueError) as e:
+        ckpt.check_model(path, other)
+    assert str(e.value) == (
+        f"checkpoint {path} was saved with another model: model.dim=256 there, 512 here; model.moe.num_experts=384 "
+        "there, 64 here. Resume with the checkpoint's values (model.dim=256 model.moe.num_experts=384) or start fresh "
+        "with checkpoint.resume=none")
+    assert [k for k, _, _ in model_config_differences(dataclasses.asdict(saved), dataclasses.asdict(other))] == [
+        "dim", "moe.num_experts"]

@@ -1,6 +1,7 @@
 """Job configuration: the CLI rejects a misspelled key, a wrong type and a bad value at start-up with a clear
 message naming the full key path and a non-zero exit (no traceback wall); `--cfg job` and `-m` multirun work;
-the schemas' own checks (parallel sizes vs world size, unsupported dimensions) raise ValueErrors naming the key."""
+the schemas' own checks (parallel sizes vs world size, schedule vs virtual stages, ...) raise ValueErrors naming the
+key and what to change; an impossible parallel layout fails before training with exit status 2."""
 
 import pytest
 
@@ -70,14 +71,47 @@ def test_multirun_sweeps_overrides(tmp_path, small_data):
 def test_parallel_sizes_must_match_world_size():
     assert ParallelConfig(dp_replicate=-1).resolve(4).dp == 4
     assert ParallelConfig(dp_replicate=2).resolve(2).world_size == 2
-    with pytest.raises(ValueError, match="must equal the world size 4"):
+    dims = ParallelConfig(dp_replicate=-1, dp_shard=2, tp=2, pp=2, ep=2, cp=2).resolve(64)
+    assert (dims.dp_replicate, dims.dp, dims.data, dims.world_size) == (2, 4, 8, 64)
+    with pytest.raises(ValueError, match=r"= 2 must equal the world size 4: launch 2 processes.*dp_replicate=-1"):
         ParallelConfig(dp_replicate=2).resolve(4)
+    with pytest.raises(ValueError, match=r"dp_shard\*tp\*pp\*ep\*cp = 1\*3\*1\*1\*1 = 3 does not divide the world "
+                                         r"size 4 .*launch a multiple of 3 processes"):
+        ParallelConfig(dp_replicate=-1, tp=3).resolve(4)
 
 
-@pytest.mark.parametrize("dim", ["dp_shard", "tp", "pp", "ep", "cp"])
-def test_unsupported_parallel_dims_are_refused(dim):
-    with pytest.raises(ValueError, match=f"parallel.{dim}=2 is not supported yet"):
-        ParallelConfig(**{dim: 2})
+def test_parallel_field_checks_say_what_to_change():
+    with pytest.raises(ValueError, match=r"pp_schedule=1F1B runs one stage per pipeline rank, got "
+                                         r"parallel.pp_virtual=2: set parallel.pp_schedule=Interleaved1F1B"):
+        ParallelConfig(pp=2, pp_virtual=2)
+    with pytest.raises(ValueError, match=r"ZBVZeroBubble places exactly two stages .* set parallel.pp_virtual=2"):
+        ParallelConfig(pp=2, pp_schedule="ZBVZeroBubble")
+    with pytest.raises(ValueError, match=r"parallel.pp_schedule must be one of .*got 'GPipe'"):
+        ParallelConfig(pp_schedule="GPipe")
+    with pytest.raises(ValueError, match=r"pp_cuts=\[3, 6\] must hold pp \* pp_virtual - 1 = 1 layer indices"):
+        ParallelConfig(pp=2, pp_cuts=[3, 6])
+    with pytest.raises(ValueError, match=r"sequence_parallel=true with parallel.pp=2 is not supported.*"
+                                         r"set parallel.sequence_parallel=false"):
+        ParallelConfig(tp=2, pp=2, sequence_parallel=True)
+    with pytest.raises(ValueError, match=r"parallel.timeout_s must be > 0, got 0"):
+        ParallelConfig(timeout_s=0)
+    for name in ("dp_shard", "tp", "pp", "pp_virtual", "ep", "cp"):
+        with pytest.raises(ValueError, match=f"parallel.{name} must be >= 1, got 0"):
+            ParallelConfig(**{name: 0})
+
+
+def test_impossible_layout_fails_before_training(tmp_path):
+    # the model's rules first (they hold for any world size), then the world size
+    r = _cli(tmp_path, "parallel.tp=3", "logger.wandb.mode=disabled")
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines()[-1] == (
+        "error: parallel.tp=3 does not divide model.attention.num_heads=4: tensor parallelism splits it evenly; "
+        "choose a tp that divides it")
+    r = _cli(tmp_path, "parallel.tp=2", "logger.wandb.mode=disabled")
+    assert r.returncode == 2
+    assert "does not divide the world size 1 (dp_replicate=-1 fills the rest): launch a multiple of 2" in r.stderr
+    assert "Traceback" not in r.stderr
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
 def test_field_checks_name_key_and_value():

@@ -1,13 +1,28 @@
 """The planner: `python -m trainer.plan model=v41_flash` prints the flagship's figures read off the meta-built model,
 within the report's tolerances (backbone 552B +-1%, Engram 196B +-1%, decode-active 16B +-5%, prefill-active 8B
-+-10%, global KV exactly 890 B/token and all of it persistent); a bad override fails with a clear message."""
++-10%, global KV exactly 890 B/token and all of it persistent); a bad override fails with a clear message.
+
+The training plan (per rank memory and communication):
+- for tp 2 x ep 2, pp 2 x ep 2 and dp_shard 2 x ep 2 (FSDP2) on 4 gloo ranks, with the Engram tables row-sharded over
+  dp x ep x cp, the planner's parameter elements and bytes by kind for each rank's pipeline position equal the
+  local shards of the real tiny model after the trainer's plans (trainer.parallel.apply.parallelize, apply_engram_
+  sharding, fully_shard), walked on the meta device (Engram: the largest block, which group rank 0 holds);
+- the activation terms of model/accounting.py for the MoE (with its norm), the Engram and an mHC site equal, within
+  2%, the bytes autograd actually saves for them on CPU under bf16 autocast (the same code as on CUDA);
+- the flagship layout conf/parallel/flagship_256xh200.yaml (256 ranks) fits in 141 GB per H200 at 4K tokens with
+  activation checkpointing, its largest term being the routed experts' parameters + gradients + AdamW state, and
+  its figures add up; without activation checkpointing it does not fit and the activations dominate.
+"""
 
 import json
 import subprocess
 import sys
 
+import pytest
+import torch
+
 from tests.helpers import ROOT, load_config
-from trainer.plan import plan_model
+from trainer.plan import Layout, param_kind, plan_model, stage_parameters
 
 
 def _run(*args):
@@ -52,3 +67,154 @@ def test_bad_override_is_reported():
     r = _run("model=v41_flash", "model.moe.experts_per_token=999")
     assert r.returncode != 0
     assert "experts_per_token" in r.stderr
+
+
+# --- the training plan ------------------------------------------------------------------------------------------------
+
+FLAGSHIP = ("model=v41_flash", "parallel=flagship_256xh200", "data.seq_len=4096", "data.batch_size=1",
+            "trainer.grad_accum=16")
+
+
+def test_flagship_layout_fits_with_activation_checkpointing():
+    r = _run(*FLAGSHIP, "+parallel.activation_checkpoint=full")
+    assert r.returncode == 0, r.stderr
+    plan = json.loads(r.stdout)["training"]
+    lay = plan["layout"]
+    assert lay["world_size"] == 256 and (lay["pp"], lay["ep"], lay["tp"], lay["engram_group"]) == (4, 64, 1, 64)
+    assert plan["fits"] and plan["peak_bytes"] < 141e9
+    assert plan["dominant"]["term"] == "routed_experts (params + grads + AdamW state)"
+    ranks = plan["per_pp_rank"]
+    assert len(ranks) == 4 and plan["peak_bytes"] == max(r["peak_bytes"] for r in ranks)
+    for rank in ranks:
+        static = sum(rank[k][kind] for k in ("params_bytes", "grads_bytes", "optimizer_bytes")
+                     for kind in rank["params_bytes"])
+        dynamic = max(rank["activations_bytes"] + rank["working_set_bytes"], rank["optimizer_step_transient_bytes"])
+        assert rank["peak_bytes"] == pytest.approx(static + dynamic + rank["reserve_bytes"])
+        # AdamW: 8 bytes of moments per element, 4 more for the master copy of the bf16 Engram rows.
+        assert sum(rank["optimizer_bytes"].values()) == 8 * rank["params_numel"] + 4 * rank[
+            "params_low_precision_numel"]
+        comm = rank["communication_bytes_per_step"]
+        assert comm["ep"] > 0 and comm["pp"] > 0 and comm["dp"] > 0 and comm["tp"] == comm["cp"] == 0
+    # The Engram layers sit on the first two pipeline ranks, each table in 64 row blocks (bf16).
+    rows_l14 = 384_016_682
+    assert ranks[1]["params_bytes"]["engram_tables"] == -(-rows_l14 // 64) * 256 * 2
+    assert ranks[2]["params_bytes"]["engram_tables"] == 0 and ranks[1]["communication_bytes_per_step"]["engram"] > 0
+
+
+def test_flagship_layout_without_activation_checkpointing_does_not_fit():
+    r = _run(*FLAGSHIP)
+    assert r.returncode == 0, r.stderr
+    plan = json.loads(r.stdout)["training"]
+    assert not plan["fits"] and plan["dominant"]["term"] == "activations"
+
+
+# The activation terms against what autograd saves (CPU runs the same code for these three pieces).
+
+def _saved_bytes(fn, exclude) -> int:
+    """Bytes of the distinct storages autograd saves during fn(), parameters excluded."""
+    seen = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in exclude:
+            seen[st.data_ptr()] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(seen.values())
+
+
+def test_activation_terms_match_saved_tensors():
+    from model import accounting
+    from tests.helpers import build_tiny
+
+    model = build_tiny()
+    cfg, layer = model.cfg, model.layers[1]
+    assert layer.engram is not None
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    B, T = 2, 64
+    est = accounting.layer_activation_bytes(layer, B * T, T)
+    casts = {name: 2 * sum(p.numel() for p in mod.parameters() if p.ndim >= 2)
+             for name, mod in (("moe", layer.ffn), ("engram", layer.engram.wkv))}
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(B, T, cfg.dim, generator=gen, requires_grad=True)
+    S = torch.randn(B, T, cfg.mhc.num_streams, cfg.dim, generator=gen, requires_grad=True)
+    rows, dead = model.hasher.for_tokens(torch.randint(0, cfg.vocab_size, (B, T), generator=gen))[1]
+    n_dim = cfg.mhc.num_streams * cfg.dim
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        moe = _saved_bytes(lambda: layer.ffn(layer.ffn_norm(x)), params)
+        engram = _saved_bytes(lambda: layer.engram(S, rows, dead), params)
+        site = _saved_bytes(lambda: layer.hc_attn(S), params)
+    assert moe == pytest.approx(est["moe"] + est["norms"] / 2 + casts["moe"], rel=0.02)
+    assert engram == pytest.approx(est["engram"] + casts["engram"], rel=0.02)
+    # one site: the streams and their normalised fp32 copy (2 of the per-token stream terms) and its coefficients
+    assert site == pytest.approx(B * T * 8 * n_dim + (est["mhc_coefficients"] - B * T * 4 * 25) / 2, rel=0.02)
+
+
+# The planner's per-rank parameters against the real sharded tiny model (meta device, 4 gloo ranks).
+
+LAYOUTS = {"tp2_ep2": dict(tp=2, ep=2), "pp2_ep2": dict(pp=2, ep=2), "fsdp2_ep2": dict(dp_shard=2, ep=2)}
+
+
+def _local_numel(p) -> int:
+    return p.to_local().numel() if hasattr(p, "to_local") else p.numel()
+
+
+def _sharded_worker(rank: int, world: int, sizes: dict) -> dict:
+    from model import build
+    from trainer.config import ParallelConfig
+    from trainer.parallel.apply import parallelize
+    from trainer.parallel.engram import apply_engram_sharding, engram_tables
+    from trainer.parallel.mesh import build_mesh
+
+    parallel = ParallelConfig(**sizes)
+    dims = parallel.resolve(world)
+    meshes = build_mesh(dims, "cpu")
+    with torch.device("meta"):
+        model = build(load_config("v41_tiny"))
+    cuts = [6] if dims.pp > 1 else []
+    pm = parallelize(model, meshes, parallel, dims, cuts=cuts)
+    apply_engram_sharding(pm.module, meshes.dp_ep_cp)
+    if dims.dp_shard > 1:
+        from torch.distributed.fsdp import fully_shard
+
+        layers = pm.module.layers
+        for block in layers.values() if isinstance(layers, torch.nn.ModuleDict) else layers:
+            fully_shard(block, mesh=meshes.dp_shard, ignored_params=set(engram_tables(block)))
+        fully_shard(pm.module, mesh=meshes.dp_shard, ignored_params=set(engram_tables(pm.module)))
+    out = {"pp_rank": meshes.pp.get_local_rank(), "group_rank": meshes.dp_ep_cp.get_local_rank(),
+           "fsdp_rank": meshes.dp_shard.get_local_rank()}
+    for name, p in pm.module.named_parameters():
+        kind = param_kind(name)
+        out[kind] = out.get(kind, 0) + _local_numel(p)
+        out[kind + "_bytes"] = out.get(kind + "_bytes", 0) + _local_numel(p) * p.element_size()
+    return out
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_planned_parameters_equal_real_shards(name):
+    from tests.distributed import run_distributed
+    import model as model_pkg
+
+    sizes = LAYOUTS[name]
+    ranks = run_distributed(_sharded_worker, 4, sizes)
+    with torch.device("meta"):
+        meta = model_pkg.build(load_config("v41_tiny"))
+    lay = Layout(**sizes)
+    bounds = [0, 6, meta.cfg.num_layers] if lay.pp > 1 else [0, meta.cfg.num_layers]
+    planned = stage_parameters(meta, lay, bounds)
+    for got in ranks:
+        want = planned[got["pp_rank"]]
+        for kind, rec in want.items():
+            # The planner states the largest share: Engram group rank 0's block, FSDP rank 0's (padded) chunks.
+            if (got["group_rank"] if kind == "engram_tables" else got["fsdp_rank"]) != 0:
+                assert got.get(kind, 0) <= rec["numel"], (name, got, kind)
+                continue
+            assert got.get(kind, 0) == rec["numel"], (name, got["pp_rank"], kind, got.get(kind, 0), rec["numel"])
+            assert got.get(kind + "_bytes", 0) == rec["bytes"], (name, kind)
+    assert any(got.get("engram_tables", 0) > 0 for got in ranks)
+    if lay.pp > 1:
+        assert {got["pp_rank"] for got in ranks if got.get("embed", 0)} == {0}
+        assert {got["pp_rank"] for got in ranks if got.get("head", 0)} == {1}

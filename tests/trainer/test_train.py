@@ -3,11 +3,17 @@ the promised metrics (metrics.jsonl and the offline W&B run inside the run direc
 <run dir>/checkpoints/; gradient accumulation equals the larger batch; two gloo processes launched by
 launch/torchrun.sh reproduce the single-process run (same data, same losses and gradient norms); a NaN loss stops
 the run with a one-line error and saves nothing of the diverged step; the stage hooks set up or refuse their
-switches; only the parameters the optimiser owns get gradients."""
+switches; only the parameters the optimiser owns get gradients; a 2-rank torchrun job whose rank 1 is killed fails
+within the collective timeout, and one whose rank 1 hangs (SIGSTOP) has rank 0 raise a timeout error after
+parallel.timeout_s instead of waiting forever."""
 
 import math
+import os
 import re
+import signal
 import subprocess
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -124,3 +130,96 @@ def test_only_optimised_parameters_get_gradients():
     freeze_all_but(model, list(model[1].parameters()))  # like the indexer-only dense warm-up
     model(torch.randn(2, 3)).sum().backward()
     assert model[0].weight.grad is None and model[1].weight.grad is not None
+
+
+# --- a dead or hung rank ------------------------------------------------------------------------------------------
+
+TIMEOUT_S = 10
+
+
+def _workers(agent_pid: int) -> dict[int, int]:
+    """{RANK: pid} of the worker processes a torchrun agent started."""
+    found = {}
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            if ppid != agent_pid:
+                continue
+            environ = dict(kv.split("=", 1) for kv in (proc / "environ").read_bytes().decode().split("\0") if "=" in kv)
+        except (OSError, ValueError, IndexError):
+            continue
+        if "RANK" in environ:
+            found[int(environ["RANK"])] = int(proc.name)
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def _start_two_ranks(tmp_path, small_data) -> tuple[subprocess.Popen, dict[int, int]]:
+    """A 2-rank torchrun job with a short collective timeout, once it has logged a step."""
+    args = micro_overrides(tmp_path, small_data, "trainer.max_steps=100000", "checkpoint.interval=0",
+                           "checkpoint.save_final=false", f"parallel.timeout_s={TIMEOUT_S}")
+    with open(tmp_path / "job.log", "w") as log:  # a file, not a pipe: nothing blocks on unread output
+        job = subprocess.Popen(["bash", str(REPO / "launch" / "torchrun.sh"), "2", *args], cwd=REPO, env=env(),
+                               stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and job.poll() is None:
+        if (tmp_path / "metrics.jsonl").exists() and read_metrics(tmp_path):
+            workers = _workers(job.pid)
+            if len(workers) == 2:
+                return job, workers
+        time.sleep(0.2)
+    job.kill()
+    job.wait()
+    raise AssertionError(f"the job did not start training: {(tmp_path / 'job.log').read_text()[-3000:]}")
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_killed_rank_fails_the_job_within_the_timeout(tmp_path, small_data):
+    job, workers = _start_two_ranks(tmp_path, small_data)
+    start = time.monotonic()
+    os.kill(workers[1], signal.SIGKILL)
+    try:
+        job.wait(timeout=TIMEOUT_S + 30)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    assert job.returncode != 0
+    assert time.monotonic() - start < TIMEOUT_S + 30
+    assert not _alive(workers[0]), "rank 0 outlived the job"
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_hung_rank_makes_the_other_raise_after_the_timeout(tmp_path, small_data):
+    # A stopped rank is not dead to torchrun, which would wait for it forever: only the collective timeout
+    # (parallel.timeout_s) gets rank 0 out of the collective it waits in.
+    job, workers = _start_two_ranks(tmp_path, small_data)
+    start = time.monotonic()
+    os.kill(workers[1], signal.SIGSTOP)
+    try:
+        deadline = start + TIMEOUT_S + 60
+        while _alive(workers[0]) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        waited = time.monotonic() - start
+        assert not _alive(workers[0]), "rank 0 is still waiting on its stopped peer"
+    finally:
+        try:  # torchrun may have killed it already, once rank 0 failed
+            os.kill(workers[1], signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        if job.poll() is None:
+            job.wait(timeout=60)
+    output = (tmp_path / "job.log").read_text()
+    assert job.returncode != 0
+    assert waited >= TIMEOUT_S * 0.8, f"rank 0 exited after {waited:.1f} s, before the timeout"
+    assert re.search(r"Timed out waiting \d+ms", output), output[-3000:]  # gloo's collective timeout

@@ -1,0 +1,315 @@
+"""Proves the trainer's parallel wiring: every layout trains exactly like the single process.
+
+Each layout runs the trainer's own code path (trainer.train.build_model: validate_layout -> parallelize ->
+materialize; compute_gradients: micro-batches or the pipeline schedule, gradient reduction, the job-wide mean loss,
+the clipped norm over every sharding axis; update_router_biases) on gloo, fp32, the tiny model, and is compared with
+the same code path in one process on the same global batch: 4 micro-batches of 1 row x 64 tokens per step, split
+over the data ranks (dp_replicate x dp_shard x ep), each data rank accumulating its share (trainer.grad_accum =
+4 / data ranks), the pipeline running that share through its schedule, cp ranks each holding half of every sequence.
+
+Layouts: dp_replicate 2; dp_shard 2 (FSDP2); tp 2 with and without sequence parallelism; pp 2 with 1F1B; pp 2 x
+pp_virtual 2 with Interleaved1F1B; ep 2; cp 2; tp 2 x pp 2; dp_shard 2 x ep 2 (FSDP2 over expert-parallel experts);
+tp 2 x pp 2 x ep 2 (8 ranks; experts split over ep and their width over tp); and dp_replicate 2 x dp_shard 2 (HSDP)
+and dp_shard 2 x cp 2.
+
+What is compared, per layout:
+- initial weights: every parameter this layout holds (DTensors gathered, pipeline ranks merged) equals the single
+  process's exactly, so each rank holds the single process's values for its part;
+- at both optimiser steps: the logged loss (the mean over the global batch), each auxiliary loss and the clipped
+  gradient norm within 1e-5 relative; every gradient tensor within ||g - g_ref|| / max(||g_ref||, floor) < 1e-5, and
+  the whole gradient vector within 1e-5 of its norm; every rank has the same loss and norm, and all ranks of one
+  pipeline stage hold the same parameters;
+- after the two steps: every parameter within the same bound and the MoE balancing biases exactly.
+The comparison is not vacuous: clipping is active at both steps, the biases move, and the sequence-balance loss is on.
+
+The floor of a tensor is its share of the whole gradient's norm, sqrt(numel) x the RMS of the whole gradient: the
+mHC `base` / `scale` gradients (3 to 24 entries a site) are sums that cancel to ~1% of the gradient's RMS, and the
+single process alone, fed its 4 micro-batches in reverse order, moves them by up to 3e-5 of their own norm
+(test_tolerance_is_the_rounding_floor), more than any layout's error on any other tensor.
+
+SGD with momentum and weight decay, not AdamW: AdamW's first update is about lr * sign(g), so gradient entries at
+rounding level move their weight by a whole lr whatever the layout, and the second step's comparison would test the
+optimiser's sensitivity instead of the layout (see test_ep.py, test_cp.py). The trainer's own AdamW path is
+exercised end to end in tests/parallel/test_reshard.py.
+
+Engram is on (layers 1 and 4 of the tiny model). Its gate takes a signed square root of a score, steep where the
+score nears 0: test_ep.py, test_tp.py and test_cp.py met batches where that amplifies the rounding of a changed
+summation order to 1e-3 in the gate's gradients. On these batches no score comes that close and every layout stays
+within 2e-6 on the Engram tensors; a model change that makes only Engram gate tensors fail here should be judged
+with test_cp.py's rounding twin before blaming a layout.
+
+Cost: one spawn per world size (2, 4, 8 processes), every layout of that size in it, one thread per rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import traceback
+
+import pytest
+import torch
+
+from tests.distributed import run_distributed
+from tests.helpers import load_config
+from trainer.config import ParallelConfig, TrainerConfig
+from trainer.parallel.apply import validate_layout
+from trainer.parallel.data_parallel import full_named_tensors, update_router_biases
+from trainer.train import build_model, compute_gradients, setup_runtime, trainable_parameters
+
+SEED, ROWS, SEQ_LEN, MICROBATCHES, STEPS, LR, MAX_NORM = 0, 1, 64, 4, 2, 0.1, 0.5
+
+# name -> ParallelConfig fields; the world size is their product
+LAYOUTS = {
+    "dp_replicate2": dict(dp_replicate=2),
+    "dp_shard2": dict(dp_shard=2),
+    "tp2": dict(tp=2),
+    "tp2_sp": dict(tp=2, sequence_parallel=True),
+    "pp2_1f1b": dict(pp=2),
+    "pp2_v2_interleaved": dict(pp=2, pp_virtual=2, pp_schedule="Interleaved1F1B"),
+    "ep2": dict(ep=2),
+    "cp2": dict(cp=2),
+    "tp2_pp2": dict(tp=2, pp=2),
+    "dp_shard2_ep2": dict(dp_shard=2, ep=2),
+    "tp2_pp2_ep2": dict(tp=2, pp=2, ep=2),
+    # two more in the 4-rank spawn, for code paths the list above leaves out: HSDP's 2-D FSDP mesh, and what FSDP
+    # leaves to reduce over cp
+    "dp_replicate2_dp_shard2": dict(dp_replicate=2, dp_shard=2),
+    "dp_shard2_cp2": dict(dp_shard=2, cp=2),
+}
+
+
+def _world(fields: dict) -> int:
+    """The product of the sizes: the ranks the layout runs on."""
+    out = 1
+    for key in ("dp_replicate", "dp_shard", "tp", "pp", "ep", "cp"):
+        out *= fields.get(key, 1)
+    return out
+
+
+def _config():
+    base = load_config("v41_tiny")
+    # A bias rate large enough that the first update changes picks of the second step, and the sequence-wise
+    # balance loss on (its whole-sequence statistics cross cp chunks). Engram on, at layers 1 and 4.
+    moe = dataclasses.replace(base.moe, bias_update_rate=0.05, seq_aux_loss_coef=1e-2)
+    return dataclasses.replace(base, moe=moe)
+
+
+def _global_batch(step: int) -> list[dict]:
+    """The step's MICROBATCHES micro-batches of ROWS x SEQ_LEN tokens, as the loader hands them out."""
+    gen = torch.Generator().manual_seed(100 + step)
+    ids = torch.randint(0, 4096, (MICROBATCHES, ROWS, SEQ_LEN + 1), generator=gen)
+    return [{"input_ids": mb[:, :-1], "labels": mb[:, 1:]} for mb in ids]
+
+
+def _biases(module) -> dict:
+    return {n: b.clone() for n, b in module.named_buffers() if n.endswith(("gate.bias", "gate.bias_image"))}
+
+
+def _train(fields: dict) -> dict:
+    """One layout through the trainer's code path; what this rank saw (whole tensors, gathered)."""
+    parallel = ParallelConfig(**fields)
+    rt = setup_runtime(TrainerConfig(device="cpu", precision="fp32", num_threads=1), parallel)
+    data_rank, data_size = (0, 1) if rt.meshes is None else (rt.meshes.data.get_local_rank(), rt.meshes.data.size())
+    accum = MICROBATCHES // data_size
+    cfg = _config()
+    pm = build_model(cfg, rt, parallel, SEED, batch_size=ROWS, seq_len=SEQ_LEN, grad_accum=accum)
+    params = trainable_parameters(pm.module, cfg)
+    opt = torch.optim.SGD(params, lr=LR, momentum=0.9, weight_decay=0.1)
+    out = {"init": full_named_tensors(pm.module), "loss": [], "grad_norm": [], "grads": [], "aux": []}
+    pm.module.train()
+    for step in range(STEPS):
+        mine = _global_batch(step)[data_rank * accum:(data_rank + 1) * accum]
+        stats = compute_gradients(pm, mine, params, MAX_NORM, step=step + 1)
+        out["loss"].append(stats.loss)
+        out["grad_norm"].append(stats.grad_norm)
+        out["aux"].append(stats.aux)
+        out["grads"].append(full_named_tensors(pm.module, grads=True))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        update_router_biases(pm)
+    out["params"] = full_named_tensors(pm.module)
+    out["biases"] = _biases(pm.module)
+    if rt.meshes is not None:
+        coords = dict(zip(rt.meshes.world.mesh_dim_names, rt.meshes.world.get_coordinate()))
+        out["pp_rank"] = coords["pp"]
+        out["reporter"] = all(c == 0 for axis, c in coords.items() if axis != "pp")
+        # every rank's view of the whole parameters, to show that all ranks of a stage hold the same model
+        out["checksum"] = {n: float(p.double().sum()) for n, p in out["params"].items()}
+        if not out["reporter"]:  # the tensors of one rank per pipeline stage are enough; the rest: numbers
+            out = {k: out[k] for k in ("loss", "grad_norm", "reporter", "pp_rank", "checksum")}
+    return out
+
+
+def _worker(rank: int, world: int, names: list[str]) -> dict:
+    """Every layout of this world size in one spawn (process start-up dominates); a failure is reported per
+    layout and stops the rest (the peers may be stuck in a collective of the failed one)."""
+    results = {}
+    for name in names:
+        try:
+            results[name] = _train(LAYOUTS[name])
+        except Exception:
+            results[name] = traceback.format_exc()
+            break
+    return results
+
+
+@pytest.fixture(scope="module")
+def single():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as each rank runs
+    try:
+        return _train({})
+    finally:
+        torch.set_num_threads(threads)
+
+
+_RUNS: dict[int, list] = {}
+
+
+def _runs(world: int) -> list:
+    """The results of every layout of `world` ranks, one spawn per world size, run on first use."""
+    if world not in _RUNS:
+        names = [n for n, f in LAYOUTS.items() if _world(f) == world]
+        _RUNS[world] = run_distributed(_worker, world, names)
+    return _RUNS[world]
+
+
+def _rel(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """||actual - expected|| / ||expected||."""
+    return ((actual - expected).norm() / expected.norm().clamp_min(1e-30)).item()
+
+
+def _errors(actual: dict, expected: dict, what: str) -> dict[str, float]:
+    """Norm-relative error of each tensor, and of the whole vector ("<what> all"). A tensor's floor is its share of
+    the whole vector's norm, sqrt(numel) x the whole vector's RMS (see test_tolerance_is_the_rounding_floor)."""
+    assert actual.keys() == expected.keys(), what
+    diff = torch.stack([(actual[n] - t).double().norm() for n, t in expected.items()])
+    norm = torch.stack([t.double().norm() for t in expected.values()])
+    numel = torch.tensor([t.numel() for t in expected.values()], dtype=torch.float64)
+    total = norm.square().sum().sqrt()
+    floor = total * (numel / numel.sum()).sqrt()  # sqrt(numel) x RMS of the whole vector
+    out = dict(zip((f"{what} {n}" for n in expected), (diff / torch.maximum(norm, floor)).tolist()))
+    out[f"{what} all"] = float(diff.square().sum().sqrt() / total)
+    return out
+
+
+def _merge(ranks: list[dict], key: str, step: int | None = None) -> dict:
+    """One dict of whole tensors from the reporting rank of every pipeline stage."""
+    merged = {}
+    for r in ranks:
+        if not r["reporter"]:
+            continue
+        part = r[key] if step is None else r[key][step]
+        assert not set(part) & set(merged), f"{key}: two pipeline stages hold the same tensor"
+        merged.update(part)
+    return merged
+
+
+def _check(name: str, ranks: list, single: dict) -> None:
+    for r in ranks:
+        assert not isinstance(r, str), f"{name} failed on a rank:\n{r}"
+    first = ranks[0]
+    for r in ranks:  # one loss and one norm for the whole job, one model per pipeline stage
+        assert r["loss"] == first["loss"] and r["grad_norm"] == first["grad_norm"], name
+        (reporter,) = [q for q in ranks if q["reporter"] and q["pp_rank"] == r["pp_rank"]]
+        assert r["checksum"] == reporter["checksum"], f"{name}: ranks of one stage hold different parameters"
+    assert first["loss"] == pytest.approx(single["loss"], rel=1e-5), name
+    assert first["grad_norm"] == pytest.approx(single["grad_norm"], rel=1e-5), name
+    for step in range(STEPS):
+        assert first["aux"][step].keys() == single["aux"][step].keys()
+        for key, value in single["aux"][step].items():
+            assert first["aux"][step][key] == pytest.approx(value, rel=1e-5), (name, step, key)
+    init = _merge(ranks, "init")
+    assert init.keys() == single["init"].keys(), name
+    mismatched = [n for n, t in single["init"].items() if not torch.equal(init[n], t)]
+    assert mismatched == [], f"{name}: initial values differ from the single process's"
+    errors = {}
+    for step in range(STEPS):
+        errors.update(_errors(_merge(ranks, "grads", step), single["grads"][step], f"step {step + 1} grad"))
+    errors.update(_errors(_merge(ranks, "params"), single["params"], "param"))
+    bad = {k: v for k, v in errors.items() if not v < 1e-5}
+    assert not bad, f"{name}: relative errors above 1e-5: {bad}"
+    biases = _merge(ranks, "biases")
+    assert biases.keys() == single["biases"].keys()
+    for n, b in single["biases"].items():
+        assert torch.equal(biases[n], b), f"{name}: bias {n}"
+
+
+def test_reference_is_not_vacuous(single):
+    assert all(norm > MAX_NORM for norm in single["grad_norm"])  # clipping active at both steps
+    assert any(b.abs().sum() > 0 for b in single["biases"].values())  # the biases moved
+    assert single["aux"][0]["aux/moe_seq_balance"] > 0 and single["aux"][0]["aux/indexer_kl"] > 0
+    assert any(n.endswith("engram.table") for n in single["grads"][0])  # Engram is in the comparison
+
+
+def test_tolerance_is_the_rounding_floor(single, monkeypatch):
+    """Why a tensor's error is measured against at least its share of the whole gradient's norm: the single
+    process alone, fed the same 4 micro-batches in reverse order (the same sum in another order), moves the
+    gradient of some mHC `base` / `scale` parameter (a few entries each, sums that cancel to ~1% of the gradient's
+    RMS) by more than 1e-5 of its own norm at the second step, while with the floor every tensor stays far below."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    forward_order = _global_batch
+    monkeypatch.setattr(__import__(__name__, fromlist=["_global_batch"]), "_global_batch",
+                        lambda step: forward_order(step)[::-1])
+    try:
+        reversed_run = _train({})
+    finally:
+        torch.set_num_threads(threads)
+    grads, twin = single["grads"][1], reversed_run["grads"][1]
+    own_norm = {n: _rel(twin[n], g) for n, g in grads.items()}
+    assert max(own_norm.values()) > 1e-5  # without a floor, the single process would fail against itself
+    assert max(_errors(twin, grads, "grad").values()) < 2e-6
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", [n for n, f in LAYOUTS.items() if _world(f) == 2])
+def test_two_rank_layouts_match_single_process(name, single):
+    _check(name, [r[name] if name in r else f"{name} did not run" for r in _runs(2)], single)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", [n for n, f in LAYOUTS.items() if _world(f) == 4])
+def test_four_rank_layouts_match_single_process(name, single):
+    _check(name, [r[name] if name in r else f"{name} did not run" for r in _runs(4)], single)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", [n for n, f in LAYOUTS.items() if _world(f) == 8])
+def test_eight_rank_layout_matches_single_process(name, single):
+    _check(name, [r[name] if name in r else f"{name} did not run" for r in _runs(8)], single)
+
+
+# --- start-up checks ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("fields, seq_len, grad_accum, message", [
+    (dict(tp=3), 64, 1, r"parallel.tp=3 does not divide model.attention.num_heads=4"),
+    (dict(tp=4), 64, 1, r"parallel.tp=4 does not divide model.attention.o_groups=2"),
+    (dict(tp=2, sequence_parallel=True), 65, 1, r"data.seq_len=65, / cp=1\) does not split into tp=2"),
+    (dict(ep=3), 64, 1, r"parallel.ep=3 does not divide model.moe.num_experts=8"),
+    (dict(cp=2), 60, 1, r"parallel.cp=2 with data.seq_len=60: .*chunk length 30 .* window halo of 31 rows"),
+    (dict(cp=3), 64, 1, r"parallel.cp=3 with data.seq_len=64: .*not divisible by cp=3"),
+    (dict(pp=8), 64, 8, r"parallel.pp=8 x parallel.pp_virtual=1: .*num_layers=12 into 8 pipeline stages.*"
+                        r"at most 7 stages; use fewer stages, or give the cuts with parallel.pp_cuts"),
+    (dict(pp=2, pp_cuts=[12]), 64, 2, r"parallel.pp_cuts=\[12\] must increase strictly inside \(0, "
+                                      r"model.num_layers=12\)"),
+    (dict(pp=2), 64, 1, r"1F1B needs at least as many micro-batches as stages: trainer.grad_accum=1 < pp \* "
+                        r"pp_virtual = 2"),
+    (dict(pp=2, pp_virtual=2, pp_schedule="Interleaved1F1B"), 64, 5,
+     r"rounds of pp=2: trainer.grad_accum=5 must be below pp or a multiple of 2"),
+    (dict(pp=2, pp_virtual=2, pp_schedule="ZBVZeroBubble"), 64, 4,
+     r"pp_schedule=ZBVZeroBubble is refused for now: .*use 1F1B or Interleaved1F1B"),
+])
+def test_impossible_layouts_name_what_to_change(fields, seq_len, grad_accum, message):
+    with pytest.raises(ValueError, match=message):
+        validate_layout(ParallelConfig(**fields), _config(), seq_len=seq_len, grad_accum=grad_accum)
+
+
+def test_possible_layouts_pass_and_give_the_cuts():
+    cfg = _config()
+    assert validate_layout(ParallelConfig(tp=2, sequence_parallel=True, ep=2, cp=2), cfg, seq_len=64,
+                           grad_accum=1) == []
+    assert validate_layout(ParallelConfig(pp=2), cfg, seq_len=64, grad_accum=2) == [6]
+    assert validate_layout(ParallelConfig(pp=2, pp_virtual=2, pp_schedule="Interleaved1F1B"), cfg, seq_len=64,
+                           grad_accum=4) == [2, 6, 10]
+    assert validate_layout(ParallelConfig(pp=2, pp_cuts=[7]), cfg, seq_len=64, grad_accum=2) == [7]

@@ -1,0 +1,339 @@
+"""All parallel plans applied to the meta-built model in one place: `validate_layout`, `parallelize`, `materialize`.
+
+Order (torchtitan's `parallelize_llama`, with the pipeline split first in spirit):
+1. `validate_layout`, before any process group exists: every divisibility rule, each error naming the key to change.
+2. On the whole meta-built Transformer: TP (model/parallelize.py `apply_tp`) -> EP (`apply_ep`; over TP, the experts
+   are re-placed on the (ep, tp) mesh) -> CP (`apply_cp`). The plans take the Transformer, not a stage; the
+   pipeline's stage modules share its submodules and copy its SequenceShard when they are cut, so applying the
+   plans before the cut is the same as applying them to each stage, and costs nothing on meta.
+3. Pipeline split (pp > 1): this rank's stage modules (`split_model`), gathered into one `StageGroup` whose names
+   are the whole model's. The other stages' layers stay on meta and are dropped with the Transformer.
+4. `materialize`: piece by piece (embedding, head, final norm, Engram hasher, each block), `to_empty`, then the
+   piece's init from its own seed (`piece_seed`), then FSDP2 `fully_shard` of each block and of the root(s) when
+   dp_shard > 1 (gradients reduce-scattered in fp32, MixedPrecisionPolicy(reduce_dtype=float32)).
+
+Why each piece has its own seed: a pipeline rank initialises only its layers, so one generator running through
+the whole model (Transformer.init_weights) cannot give it the single process's values. With a seed per piece,
+every layout (one process, TP / EP shards drawn as full tensors and sliced, any pipeline split) holds exactly the
+single process's values of what it holds.
+
+Why FSDP comes after the initialisation: the model's init functions give TP and EP shards their single-process
+values (model.common.init_normal), but not every one of them handles a parameter
+sharded on dim 0 over dp_shard (mHC's `fn` is drawn with nn.init.normal_, Engram's table rows from its own row
+offset); fully_shard of an initialised block keeps each rank's slice of the values, exactly. Peak memory is one
+unsharded block on top of the sharded rest.
+
+Activation checkpointing is not applied (the blocks write their KV into a shared ForwardContext, which a
+recomputation would write twice).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from model.common import init_normal
+from model.config import ModelConfig
+from model.layer_plan import build_layer_plan
+from trainer.config import ParallelConfig, ParallelDims
+
+if TYPE_CHECKING:  # importing the mesh machinery costs a single process a second or so
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from trainer.parallel.mesh import Meshes
+
+__all__ = ["ParallelModel", "StageGroup", "validate_layout", "parallelize", "materialize", "piece_seed", "describe"]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Start-up checks
+
+
+def validate_layout(parallel: ParallelConfig, cfg: ModelConfig, *, seq_len: int, grad_accum: int) -> list[int]:
+    """ValueError naming the key and the value for a layout this model and batch cannot run; returns the pipeline
+    cuts (first layer of each stage but the first; [] without pp). Needs no world size and no process group.
+
+    tp must divide the query heads, the output groups, the expert width, the hidden width and the vocabulary (the
+    plan of model/parallelize.py splits them; the indexer is replicated, so its heads need not divide); under
+    sequence parallelism also each rank's sequence. ep must divide the routed experts; cp the sequence, in chunks
+    whole in every compression ratio and at least one window halo long; pp * pp_virtual stages must fit the layer
+    plan (trainer/parallel/pipeline.py split_points) and the schedule must get enough micro-batches."""
+    if parallel.tp > 1:
+        a, moe = cfg.attention, cfg.moe
+        for key, size in (("attention.num_heads", a.num_heads), ("attention.o_groups", a.o_groups),
+                          ("moe.expert_dim", moe.expert_dim), ("dim", cfg.dim), ("vocab_size", cfg.vocab_size)):
+            if size % parallel.tp:
+                raise ValueError(f"parallel.tp={parallel.tp} does not divide model.{key}={size}: tensor parallelism "
+                                 f"splits it evenly; choose a tp that divides it")
+        if parallel.sequence_parallel and (seq_len // parallel.cp) % parallel.tp:
+            raise ValueError(f"parallel.sequence_parallel: the sequence (data.seq_len={seq_len}, / cp={parallel.cp}) "
+                             f"does not split into tp={parallel.tp} equal shards; choose a data.seq_len that does")
+    if parallel.ep > 1 and cfg.moe.num_experts % parallel.ep:
+        raise ValueError(f"parallel.ep={parallel.ep} does not divide model.moe.num_experts={cfg.moe.num_experts}: each "
+                         "expert-parallel rank holds num_experts / ep experts; choose an ep that divides it")
+    if parallel.cp > 1:
+        from trainer.parallel.context import check_sequence_length
+
+        try:
+            check_sequence_length(cfg, seq_len, parallel.cp)
+        except ValueError as e:
+            raise ValueError(f"parallel.cp={parallel.cp} with data.seq_len={seq_len}: {e}") from None
+    if parallel.pp == 1:
+        return []
+    from trainer.parallel.pipeline import split_points
+
+    plan = build_layer_plan(cfg)
+    num_stages = parallel.pp * parallel.pp_virtual
+    if parallel.pp_cuts:
+        cuts = list(parallel.pp_cuts)
+    else:
+        try:
+            cuts = split_points(plan, num_stages)
+        except ValueError as e:
+            reason = str(e).split("; any_layer")[0]  # that switch is parallel.pp_cuts here
+            raise ValueError(f"parallel.pp={parallel.pp} x parallel.pp_virtual={parallel.pp_virtual}: {reason}; use "
+                             "fewer stages, or give the cuts with parallel.pp_cuts (a cut in front of a Reuse layer "
+                             "also ships its top-k)") from None
+    if any(b >= c for b, c in zip([0, *cuts], [*cuts, cfg.num_layers])):
+        raise ValueError(f"parallel.pp_cuts={cuts} must increase strictly inside (0, model.num_layers="
+                         f"{cfg.num_layers})")
+    _check_microbatches(parallel, parallel.pp, grad_accum)
+    return cuts
+
+
+def _check_microbatches(parallel: ParallelConfig, pp: int, grad_accum: int) -> None:
+    """The schedules' own rules (torch.distributed.pipelining), stated in our keys; and the zero-bubble schedules
+    refused: run through this trainer on the tiny model (pp 2 x pp_virtual 2, cuts [2, 6, 9] or [2, 6, 10], where
+    a source layer's main KV and indexer keys cross a cut), their stages send some input gradients as
+    non-contiguous tensors, which gloo's send refuses, and with those made contiguous the indexer weights of the
+    source layer get a gradient 2e-3 (relative) away from the single process's. 1F1B and Interleaved1F1B are
+    exact on the same splits (tests/parallel/test_layouts.py)."""
+    if "ZeroBubble" in parallel.pp_schedule:
+        raise ValueError(f"parallel.pp_schedule={parallel.pp_schedule} is refused for now: the zero-bubble "
+                         "schedules give wrong gradients where compressed KV crosses a stage cut; use 1F1B or "
+                         "Interleaved1F1B")
+    num_stages = pp * parallel.pp_virtual
+    if parallel.pp_schedule == "1F1B" and grad_accum < num_stages:
+        raise ValueError(f"parallel.pp_schedule={parallel.pp_schedule} needs at least as many micro-batches as "
+                         f"stages: trainer.grad_accum={grad_accum} < pp * pp_virtual = {num_stages}; raise "
+                         "trainer.grad_accum")
+    if parallel.pp_schedule == "Interleaved1F1B":
+        rounds = max(1, grad_accum // pp)
+        if grad_accum % rounds:
+            raise ValueError(f"parallel.pp_schedule={parallel.pp_schedule} runs micro-batches in rounds of pp={pp}: "
+                             f"trainer.grad_accum={grad_accum} must be below pp or a multiple of "
+                             f"{rounds} (grad_accum // pp); a multiple of pp always works")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The plans
+
+
+class StageGroup(nn.Module):
+    """This pipeline rank's stage modules as one module under the whole model's names (`embed`, `layers.<i>`,
+    `norm`, `head`, `hasher`): the optimiser, gradient reduction and DCP checkpoints see exactly the parameters
+    and fully-qualified names the single process has for these layers. Not called: the schedule runs the stages."""
+
+    def __init__(self, stages: list[nn.Module]):
+        super().__init__()
+        self.cfg = stages[0].cfg
+        self.layers = nn.ModuleDict()
+        for stage in stages:
+            for name, child in stage.named_children():
+                if name == "layers":
+                    self.layers.update(child)
+                elif child is not None:
+                    self.add_module(name, child)
+        self.layers = nn.ModuleDict(sorted(self.layers.items(), key=lambda kv: int(kv[0])))
+
+    def forward(self, *args):
+        raise RuntimeError("StageGroup is not called: the pipeline schedule runs its stage modules")
+
+
+@dataclass
+class ParallelModel:
+    """What this rank runs and holds after `parallelize`."""
+
+    module: nn.Module  # the Transformer, or the StageGroup of this rank's stages: parameters under global names
+    meshes: Meshes | None  # None for a single process
+    dims: ParallelDims
+    sequence_parallel: bool
+    stages: list = field(default_factory=list)  # PipelineStageModules of this rank (pp > 1)
+    fsdp: bool = False  # dp_shard > 1: blocks and roots wrapped by fully_shard in `materialize`
+    ep_cp: DeviceMesh | None = None  # ep x cp flattened: what FSDP's reduction leaves to reduce (fsdp only)
+    pipeline: object = None  # trainer.parallel.pipeline.Pipeline, built by `materialize`
+
+    @property
+    def loss_parallel(self) -> bool:
+        """The logits come back vocab-sharded (a DTensor): cross-entropy under tensor.parallel.loss_parallel."""
+        return self.dims.tp > 1 and self.dims.pp == 1
+
+    @property
+    def cfg(self) -> ModelConfig:
+        return self.module.cfg
+
+
+def _apply_ep_over_tp(model: nn.Module, meshes: Meshes) -> None:
+    """EP on experts that TP already split along their width F: rank (e, t) keeps experts [e * E/ep, (e+1) * E/ep)
+    of its F/tp columns, a DTensor on the (ep, tp) mesh with placements (Shard(0), Shard(F's dim)). Every tp rank
+    routes the same tokens, so the ep all-to-all of one tp rank carries what its tp peers' carry; TP's hooks
+    (experts' input gradient all-reduced over tp, MoE output reduced over tp) then stay exact."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    from trainer.parallel.expert import AllToAllDispatcher, moe_layers
+
+    mesh = meshes.world["ep", "tp"]
+    ep, rank = meshes.ep.size(), meshes.ep.get_local_rank()
+    for moe in moe_layers(model):
+        experts = moe.experts
+        num_experts = experts.w1.shape[0]
+        e_local = num_experts // ep
+        for name in ("w1", "w3", "w2"):
+            w = getattr(experts, name)
+            (tp_placement,) = w.placements  # Shard(1) for w1 / w3, Shard(2) for w2 (apply_tp's plan)
+            rows = w.to_local().detach()[rank * e_local:(rank + 1) * e_local].clone()
+            shard = DTensor.from_local(rows, mesh, [Shard(0), tp_placement], run_check=False)
+            experts.register_parameter(name, nn.Parameter(shard, requires_grad=w.requires_grad))
+        moe.dispatcher = AllToAllDispatcher(meshes.ep.get_group(), num_experts)
+
+
+def parallelize(model: nn.Module, meshes: Meshes | None, parallel: ParallelConfig, dims: ParallelDims, *,
+                cuts: list[int]) -> ParallelModel:
+    """Apply TP -> EP -> CP to the meta-built Transformer, then cut this rank's pipeline stages (see the module
+    docstring). FSDP comes in `materialize`. A single process (meshes None) gets the model back unchanged."""
+    if meshes is None:
+        return ParallelModel(model, None, dims, False)
+    if dims.tp > 1:
+        from model.parallelize import apply_tp
+
+        # Pipeline stages exchange plain tensors and the pipeline's loss reads whole logits: no loss_parallel.
+        apply_tp(model, meshes.tp, parallel.sequence_parallel, loss_parallel=dims.pp == 1)
+    if dims.ep > 1:
+        if dims.tp > 1:
+            _apply_ep_over_tp(model, meshes)
+        else:
+            from trainer.parallel.expert import apply_ep
+
+            apply_ep(model, meshes.ep)
+    if dims.cp > 1:
+        from trainer.parallel.context import apply_cp
+
+        apply_cp(model, meshes.cp)
+    pm = ParallelModel(model, meshes, dims, parallel.sequence_parallel and dims.tp > 1, fsdp=dims.dp_shard > 1)
+    if pm.fsdp and dims.ep * dims.cp > 1:
+        pm.ep_cp = meshes.world["ep", "cp"]._flatten("ep_cp")  # every rank creates the group, now
+    if dims.pp > 1:
+        from trainer.parallel.pipeline import split_model, stage_ids_for_rank
+
+        ids = stage_ids_for_rank(meshes.pp.get_local_rank(), dims.pp, parallel.pp_virtual, parallel.pp_schedule)
+        pm.stages = split_model(model, cuts, ids)
+        pm.module = StageGroup(pm.stages)
+    return pm
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Materialisation, initialisation, FSDP
+
+
+def piece_seed(seed: int, piece: int) -> int:
+    """The generator seed of one piece of the model (see the module docstring)."""
+    return (seed * 1_000_003 + piece) % 2**63
+
+
+def _pieces(module: nn.Module) -> list[tuple[int, nn.Module, object]]:
+    """(piece id, module, init) for what `module` (Transformer or StageGroup) holds, in Transformer.init_weights'
+    terms: embedding 0, head 1, final norm 2, Engram hasher 3, layer i -> 4 + i."""
+    cfg = module.cfg
+    out = []
+    if getattr(module, "embed", None) is not None:
+        out.append((0, module.embed, lambda: init_normal(module.embed.weight, cfg.init_std)))
+    if getattr(module, "head", None) is not None:
+        out.append((1, module.head, lambda: init_normal(module.head.weight, cfg.init_std)))
+    if getattr(module, "norm", None) is not None:
+        out.append((2, module.norm, module.norm.init_weights))
+    if getattr(module, "hasher", None) is not None:
+        out.append((3, module.hasher, module.hasher.init_buffers))
+    layers = module.layers.values() if isinstance(module.layers, nn.ModuleDict) else module.layers
+    out += [(4 + layer.spec.index, layer, layer.init_weights) for layer in layers]
+    return out
+
+
+def _keep_context(block: nn.Module) -> None:
+    """FSDP2's pre-forward hook re-builds the block's inputs to hook the gradient of every tensor in them, and
+    rebuilds dataclasses and dicts on the way (dataclasses.replace): the block would then write its KV, top-k and
+    pool into a copy of the ForwardContext that later layers never see. Hand the block the caller's context
+    object again after FSDP's hook (the copies' tensors only carried FSDP's post-backward trigger, which the
+    block's other inputs, the streams, still carry)."""
+    saved: list = []
+
+    def grab(_, args, kwargs):  # runs before FSDP's pre-forward hook (prepended after it)
+        saved.append(args[2])
+
+    def restore(_, args, kwargs):  # runs after it
+        return (*args[:2], saved.pop(), *args[3:]), kwargs
+
+    block.register_forward_pre_hook(grab, prepend=True, with_kwargs=True)
+    block.register_forward_pre_hook(restore, with_kwargs=True)
+
+
+def _fsdp_mesh(meshes: Meshes, dims: ParallelDims) -> DeviceMesh:
+    """dp_shard (FSDP), or (dp_replicate, dp_shard) (HSDP: shards within a replica, all-reduce across them)."""
+    if dims.dp_replicate == 1:
+        return meshes.dp_shard
+    return meshes.world["dp_replicate", "dp_shard"]
+
+
+def materialize(pm: ParallelModel, device: torch.device, seed: int, *, microbatch_size: int, seq_len: int,
+                grad_accum: int, schedule: str = "1F1B", autocast_dtype: torch.dtype | None = None) -> None:
+    """Allocate this rank's parameters on `device`, initialise them (the single process's values), wrap them in
+    FSDP2 when dp_shard > 1 and, with pp > 1, build the pipeline schedule over `grad_accum` micro-batches of
+    `microbatch_size` rows x `seq_len` tokens (whole sequences; chunks under cp)."""
+    fully_shard = mp_policy = mesh = None
+    if pm.fsdp:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        mp_policy = MixedPrecisionPolicy(reduce_dtype=torch.float32)
+        mesh = _fsdp_mesh(pm.meshes, pm.dims)
+    with torch.no_grad():
+        for piece, module, init in _pieces(pm.module):
+            module.to_empty(device=device)
+            torch.manual_seed(piece_seed(seed, piece))
+            init()
+            if pm.fsdp and piece >= 4:  # a block: its own FSDP unit
+                fully_shard(module, mesh=mesh, mp_policy=mp_policy)
+                _keep_context(module)
+    left = [n for n, t in [*pm.module.named_parameters(), *pm.module.named_buffers()] if t.is_meta]
+    if left:  # a tensor outside the pieces _pieces knows (a new top-level part of the model)
+        raise RuntimeError(f"materialize: {left} are still on the meta device; add their piece to _pieces")
+    if pm.fsdp:
+        # The roots hold embedding, head and final norm; they stay gathered between forward and backward.
+        roots = pm.stages if pm.stages else [pm.module]
+        for root in roots:
+            fully_shard(root, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=False)
+        for m in [*pm.stages, *pm.module.modules()]:
+            if hasattr(m, "set_reduce_scatter_unused_params"):
+                # A parameter no token reached on this rank (an expert) still takes part in the reduce-scatter,
+                # as zeros, so every rank issues the same collectives.
+                m.set_reduce_scatter_unused_params(True)
+    if pm.stages:
+        from trainer.parallel.pipeline import build_pipeline
+
+        cp = pm.dims.cp
+        pm.pipeline = build_pipeline(
+            pm.stages, pm.meshes.pp.get_group(), schedule=schedule, n_microbatches=grad_accum,
+            microbatch_size=microbatch_size, seq_len=seq_len // cp, device=device, autocast_dtype=autocast_dtype,
+            context_len=seq_len if cp > 1 else None)
+
+
+def describe(pm: ParallelModel) -> dict:
+    """A one-line summary for the log: sizes and, with pp, this rank's layers."""
+    out = dataclasses.asdict(pm.dims)
+    if pm.stages:
+        out["stages"] = [(s.stage_index, s.start, s.end) for s in pm.stages]
+    out["fsdp"] = pm.fsdp
+    return out

@@ -1,0 +1,176 @@
+"""What happens between backward and the optimiser step in every layout: gradient reduction, the clipped global
+gradient norm, the MoE balancing update and the job-wide mean of per-rank numbers.
+
+The rules (the job's loss is the mean over the ranks that see different tokens, dp x ep x cp, of each rank's mean
+loss; see trainer/parallel/expert.py and context.py for why each rule gives the single process's gradient):
+- non-expert gradients: mean over dp_replicate x dp_shard x ep x cp;
+- routed-expert gradients (already summed over their ep peers by the all-to-all backward): sum over dp x cp,
+  divided by dp x ep x cp;
+- tp and pp ranks hold different parameters (or identical replicas computed from the same tokens): no reduction
+  over them, except that sequence parallelism leaves the replicated norms and mHC sites a Partial gradient (each
+  tp rank saw only its tokens), completed over tp first.
+Without FSDP (dp_shard = 1) all of it is trainer/parallel/expert.py's `reduce_gradients`. With FSDP, the
+reduce-scatter in the backward already averaged every gradient over dp (and HSDP's all-reduce over dp_replicate);
+what is left is a sum over ep x cp (non-experts) or cp (experts) of the local shards, times 1 / (ep x cp).
+
+The clip norm sums squares over every axis that shards a parameter: for each gradient, the mesh axes on which its
+placement is Shard (tp, ep, dp_shard; a plain tensor is whole), then over pp (each pipeline rank holds other
+layers). Squares are summed in fp64 (as trainer/parallel/pipeline.py's clip), so per-rank partial sums added in
+any order agree with the single process far below fp32 rounding.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from model.common import local as local_shard
+from trainer.parallel.apply import ParallelModel
+
+__all__ = ["reduce_gradients", "clip_grad_norm_", "update_router_biases", "mean_over_data", "sum_over_data"]
+
+
+def _is_dtensor(t) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+@torch.no_grad()
+def _all_reduce_scaled(grads: list[torch.Tensor], group, scale: float) -> None:
+    """grads = scale * sum over `group`, through one flat buffer."""
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    if dist.get_world_size(group) > 1:
+        dist.all_reduce(flat, group=group)
+    flat *= scale
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+@torch.no_grad()
+def reduce_gradients(pm: ParallelModel) -> None:
+    """Bring every gradient of this rank's parameters to the single process's value (the rules above)."""
+    if pm.meshes is None:
+        return
+    from trainer.parallel.expert import expert_parameters
+    from trainer.parallel.expert import reduce_gradients as reduce_replicated
+
+    if not pm.fsdp:
+        if pm.sequence_parallel:
+            from model.parallelize import reduce_partial_grads
+
+            reduce_partial_grads(pm.module)
+        reduce_replicated(pm.module, pm.meshes)
+        return
+    dims = pm.dims
+    if dims.ep * dims.cp == 1:
+        return
+    experts = {id(p) for p in expert_parameters(pm.module)}
+    params = [p for p in pm.module.parameters() if p.requires_grad]
+    missing = [p for p in params if p.grad is None]
+    if missing:  # FSDP reduce-scatters unused parameters as zeros (materialize sets that up)
+        raise RuntimeError(f"{len(missing)} FSDP parameters have no gradient after backward")
+    scale = 1.0 / (dims.ep * dims.cp)
+    _all_reduce_scaled([local_shard(p.grad) for p in params if id(p) not in experts], pm.ep_cp.get_group(), scale)
+    _all_reduce_scaled([local_shard(p.grad) for p in params if id(p) in experts], pm.meshes.cp.get_group(), scale)
+
+
+def _shard_groups(g: torch.Tensor) -> tuple:
+    """The process groups of the mesh axes that shard this gradient (empty for a plain or replicated tensor)."""
+    if not _is_dtensor(g):
+        return ()
+    groups = []
+    for axis, placement in enumerate(g.placements):
+        if placement.is_partial():
+            raise RuntimeError("clip_grad_norm_: a gradient is still Partial; reduce gradients first")
+        # Shard, or FSDP's _StridedShard over an ep-sharded dim (is_shard() is False for it)
+        if not placement.is_replicate() and g.device_mesh.size(axis) > 1:
+            groups.append(g.device_mesh.get_group(axis))
+    return tuple(groups)
+
+
+@torch.no_grad()
+def clip_grad_norm_(params, max_norm: float, pm: ParallelModel) -> torch.Tensor:
+    """torch.nn.utils.clip_grad_norm_ (L2) over the whole model, whatever this rank holds of it; call after
+    reduce_gradients. Returns the total norm (fp32), the same on every rank."""
+    grads = [p.grad for p in params if p.grad is not None]
+    device = grads[0].device if grads else None
+    squares: dict[tuple, torch.Tensor] = {}  # shard groups -> sum of squares of this rank's pieces
+    for g in grads:
+        key = _shard_groups(g)
+        sq = local_shard(g).double().pow(2).sum()
+        squares[key] = squares[key] + sq if key in squares else sq
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for groups, sq in squares.items():  # same parameter order, so the same keys in the same order, on every peer
+        for group in groups:
+            dist.all_reduce(sq, group=group)
+        total += sq
+    if pm.meshes is not None and pm.dims.pp > 1:
+        dist.all_reduce(total, group=pm.meshes.pp.get_group())
+    norm = total.sqrt().float()
+    coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)  # torch's coefficient
+    for g in grads:
+        local_shard(g).mul_(coef.to(g.dtype))
+    return norm
+
+
+@torch.no_grad()
+def update_router_biases(pm: ParallelModel) -> float:
+    """Aux-loss-free balancing after the optimiser step, from the load counts of every rank that routed different
+    tokens (dp x ep x cp; tp peers routed the same ones); returns the worst max/mean expert load of the model."""
+    from trainer.parallel.expert import moe_layers, reduce_load_counts
+
+    moes = moe_layers(pm.module)
+    if pm.meshes is None:
+        counts = [moe.load_counts() for moe in moes]
+    else:
+        counts = reduce_load_counts(pm.module, pm.meshes)
+    worst = max(moe.imbalance(c) for moe, c in zip(moes, counts))
+    for moe, c in zip(moes, counts):
+        moe.update_bias(counts=c)
+    if pm.meshes is not None and pm.dims.pp > 1:  # each pipeline rank saw its own layers
+        worst_t = torch.tensor(worst, dtype=torch.float64, device=counts[0].device)
+        dist.all_reduce(worst_t, op=dist.ReduceOp.MAX, group=pm.meshes.pp.get_group())
+        worst = float(worst_t)
+    return worst
+
+
+def _reduce_over(pm: ParallelModel, values: list[float], mesh_name: str, mean: bool) -> list[float]:
+    if pm.meshes is None or not values:
+        return list(values)
+    mesh = getattr(pm.meshes, mesh_name)
+    device = next(iter(pm.module.parameters())).device
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    if mesh.size() > 1:
+        dist.all_reduce(t, group=mesh.get_group())
+    if mean:
+        t /= mesh.size()
+    return t.tolist()
+
+
+def mean_over_data(pm: ParallelModel, values: list[float]) -> list[float]:
+    """Mean of per-rank numbers over the ranks that see different tokens (dp x ep x cp): the job's loss from each
+    rank's mean loss (equal token counts per rank). tp and pp peers hold the same numbers already."""
+    return _reduce_over(pm, values, "dp_ep_cp", mean=True)
+
+
+def sum_over_data(pm: ParallelModel, values: list[float]) -> list[float]:
+    """Sum over the ranks that read different batches (dp x ep): per-reader counts such as skipped shards."""
+    return _reduce_over(pm, values, "data", mean=False)
+
+
+def full_named_tensors(module: nn.Module, grads: bool = False) -> dict[str, torch.Tensor]:
+    """{name: whole tensor} of this rank's parameters (or their gradients), DTensors gathered: for tests and
+    debugging. Every rank holding a piece of a DTensor must call it (collectives)."""
+    out = {}
+    for name, p in module.named_parameters():
+        t = p.grad if grads else p.detach()
+        if t is None:
+            continue
+        out[name] = (t.full_tensor() if _is_dtensor(t) else t).clone()
+    return out
