@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from model.common import local as local_shard
+from trainer.parallel.expert import all_reduce_flat
 from trainer.parallel.apply import ParallelModel
 
 __all__ = ["reduce_gradients", "clip_grad_norm_", "update_router_biases", "mean_over_data", "sum_over_data"]
@@ -35,21 +36,6 @@ def _is_dtensor(t) -> bool:
     from torch.distributed.tensor import DTensor
 
     return isinstance(t, DTensor)
-
-
-@torch.no_grad()
-def _all_reduce_scaled(grads: list[torch.Tensor], group, scale: float) -> None:
-    """grads = scale * sum over `group`, through one flat buffer."""
-    if not grads:
-        return
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    if dist.get_world_size(group) > 1:
-        dist.all_reduce(flat, group=group)
-    flat *= scale
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
-        offset += g.numel()
 
 
 @torch.no_grad()
@@ -76,8 +62,8 @@ def reduce_gradients(pm: ParallelModel) -> None:
     if missing:  # FSDP reduce-scatters unused parameters as zeros (materialize sets that up)
         raise RuntimeError(f"{len(missing)} FSDP parameters have no gradient after backward")
     scale = 1.0 / (dims.ep * dims.cp)
-    _all_reduce_scaled([local_shard(p.grad) for p in params if id(p) not in experts], pm.ep_cp.get_group(), scale)
-    _all_reduce_scaled([local_shard(p.grad) for p in params if id(p) in experts], pm.meshes.cp.get_group(), scale)
+    all_reduce_flat([local_shard(p.grad) for p in params if id(p) not in experts], [pm.ep_cp.get_group()], scale)
+    all_reduce_flat([local_shard(p.grad) for p in params if id(p) in experts], [pm.meshes.cp.get_group()], scale)
 
 
 def _shard_groups(g: torch.Tensor) -> tuple:

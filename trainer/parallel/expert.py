@@ -212,7 +212,7 @@ def reduce_load_counts(model: nn.Module, meshes) -> list[torch.Tensor]:
     return list(counts)
 
 
-def _all_reduce_flat(grads: list[torch.Tensor], groups: list, scale: float) -> None:
+def all_reduce_flat(grads: list[torch.Tensor], groups: list, scale: float) -> None:
     """grads = scale * (the sum over each group in turn), through one flat buffer."""
     if not grads:
         return
@@ -250,8 +250,8 @@ def reduce_gradients(model: nn.Module, meshes) -> None:
             p.grad = torch.zeros_like(p)
     live_ids = {id(p) for p in live}
     scale = 1.0 / meshes.dp_ep_cp.size()
-    _all_reduce_flat([local(p.grad) for p in others if id(p) in live_ids], [data], scale)
-    _all_reduce_flat([local(p.grad) for p in experts if id(p) in live_ids],
+    all_reduce_flat([local(p.grad) for p in others if id(p) in live_ids], [data], scale)
+    all_reduce_flat([local(p.grad) for p in experts if id(p) in live_ids],
                      [meshes.dp.get_group(), meshes.cp.get_group()], scale)
 
 
