@@ -48,6 +48,10 @@ def _worker(rank: int, world_size: int, backend: str, store_file: str, out_dir: 
     dist.init_process_group(backend, init_method=f"file://{store_file}", rank=rank, world_size=world_size)
     try:
         result = fn(rank, world_size, *args)
+        # every rank's collectives (async ones included) finish before any rank tears its group down: a rank that
+        # destroys the group under a peer's pending gloo work can abort that peer ("terminate called without an
+        # active exception")
+        dist.barrier()
         torch.save(result, Path(out_dir) / f"rank{rank}.pt")
     except BaseException:
         traceback.print_exc()
