@@ -43,7 +43,7 @@ def _worker(rank: int, world_size: int, backend: str, store_file: str, out_dir: 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size))
     torch.set_num_threads(threads)
-    if backend == "nccl":
+    if "nccl" in backend:
         torch.cuda.set_device(rank)
     dist.init_process_group(backend, init_method=f"file://{store_file}", rank=rank, world_size=world_size)
     try:

@@ -1,0 +1,229 @@
+"""Parallel layouts on GPUs: equality with one GPU, then tokens/s and scaling efficiency.
+
+    python bench/parallel_gpu.py [--model v41_small] [--layouts tp2,ep2,dp2] [--steps 60] [--seq-len 2048]
+
+Two parts, both on this machine's GPUs (NCCL for the model's collectives, gloo beside it for bookkeeping):
+
+1. Equality (`--check-steps`, default 3): the trainer's own code path (trainer.train.build_model ->
+   compute_gradients, AdamW from optim/, router-bias updates) on fixed random global batches, one GPU against each
+   layout, once in fp32 (TF32 off: every difference is summation order) and once under bf16 autocast. Every layout
+   sees the same global batch (micro-batches split over its data ranks as the loader would). Prints the loss and
+   the gradient norm of each step and their relative differences from one GPU.
+2. Throughput (`--steps`): the CLI (`python -m torch.distributed.run ... -m trainer.main`) on the prepared stdlib
+   corpus, bf16, the model's default kernels; tokens/s is the median over the steps after `--warmup`, memory the
+   peak allocated. Scaling efficiency = tokens/s of the layout / (GPUs x tokens/s of one GPU at the same
+   per-data-rank batch). tp keeps one data rank (the same global batch as one GPU); ep and dp read one batch per
+   GPU, so their global batch doubles.
+
+Writes one JSON line per result to --out (default bench_parallel_gpu.jsonl) and a table to stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+LAYOUTS = {  # name -> (ParallelConfig fields, GPUs)
+    "1gpu": ({}, 1),
+    "1gpu_ref": ({}, 1),  # throughput only: model.kernels=reference (what tp runs its attention on, model/kernels.py)
+    "dp2": ({"dp_replicate": 2}, 2),
+    "tp2": ({"tp": 2}, 2),
+    "tp2_sp": ({"tp": 2, "sequence_parallel": True}, 2),
+    "ep2": ({"ep": 2}, 2),
+    "dp_shard2": ({"dp_shard": 2}, 2),
+}
+
+
+# -- part 1: equality ------------------------------------------------------------------------------------------------
+def _global_batch(step: int, micro: int, rows: int, seq_len: int, vocab: int) -> list[dict]:
+    gen = torch.Generator().manual_seed(1000 + step)
+    ids = torch.randint(0, vocab, (micro, rows, seq_len + 1), generator=gen)
+    return [{"input_ids": mb[:, :-1], "labels": mb[:, 1:]} for mb in ids]
+
+
+def _equality_run(fields: dict, args: dict) -> dict:
+    """One layout through the trainer's code path; losses and norms of every step (the same on every rank)."""
+    from omegaconf import OmegaConf
+
+    from model.config import ModelConfig
+    from optim.builder import build_optimizer
+    from optim.config import OptimConfig
+    from trainer.config import ParallelConfig, TrainerConfig
+    from trainer.parallel.data_parallel import update_router_biases
+    from trainer.train import build_model, compute_gradients, setup_runtime, trainable_parameters
+
+    device = args["device"]
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    y = OmegaConf.load(ROOT / "conf" / "model" / f"{args['model']}.yaml")
+    y.pop("defaults")
+    cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), y))
+    parallel = ParallelConfig(**fields)
+    rt = setup_runtime(TrainerConfig(device=device, precision=args["precision"], num_threads=1), parallel)
+    data_rank, data_size = (0, 1) if rt.meshes is None else (rt.meshes.data.get_local_rank(), rt.meshes.data.size())
+    micro = args["micro"]
+    accum = micro // data_size
+    pm = build_model(cfg, rt, parallel, 0, batch_size=args["rows"], seq_len=args["seq_len"], grad_accum=accum)
+    params = trainable_parameters(pm.module, cfg)
+    opt = build_optimizer(params, OptimConfig(lr=args["lr"], warmup_steps=0))
+    pm.module.train()
+    out = {"loss": [], "grad_norm": []}
+    for step in range(args["steps"]):
+        mine = _global_batch(step, micro, args["rows"], args["seq_len"], cfg.vocab_size)
+        mine = mine[data_rank * accum:(data_rank + 1) * accum]
+        stats = compute_gradients(pm, mine, params, 1.0, rt.autocast_dtype, step=step + 1)
+        out["loss"].append(stats.loss)
+        out["grad_norm"].append(stats.grad_norm)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        update_router_biases(pm)
+    out["memory_gb"] = torch.cuda.max_memory_allocated() / 1e9 if device == "cuda" else 0.0
+    return out
+
+
+def _equality_worker(rank: int, world: int, fields: dict, args: dict) -> dict:
+    return _equality_run(fields, args)
+
+
+def equality(names: list[str], args: argparse.Namespace) -> list[dict]:
+    from tests.distributed import run_distributed
+
+    rows = []
+    backend = "cuda:nccl,cpu:gloo" if args.device == "cuda" else "gloo"
+    for precision in ("fp32", "bf16") if args.device == "cuda" else ("fp32",):
+        run_args = dict(model=args.model, device=args.device, precision=precision, rows=args.check_rows, seq_len=args.check_seq_len,
+                        micro=args.check_micro, steps=args.check_steps, lr=args.lr)
+        results = {}
+        for name in ["1gpu", *(n for n in names if n != "1gpu_ref")]:
+            fields, gpus = LAYOUTS[name]
+            t0 = time.perf_counter()
+            if gpus == 1:
+                results[name] = run_distributed(_equality_worker, 1, fields, run_args, backend=backend)[0]
+            else:
+                per_rank = run_distributed(_equality_worker, gpus, fields, run_args, backend=backend)
+                assert all(r["loss"] == per_rank[0]["loss"] for r in per_rank), f"{name}: ranks disagree on the loss"
+                results[name] = per_rank[0]
+            ref = results["1gpu"]
+            res = results[name]
+            loss_rel = max(abs(a - b) / abs(b) for a, b in zip(res["loss"], ref["loss"]))
+            norm_rel = max(abs(a - b) / abs(b) for a, b in zip(res["grad_norm"], ref["grad_norm"]))
+            row = dict(part="equality", layout=name, loss=res["loss"],
+                       grad_norm=res["grad_norm"], max_loss_rel=loss_rel, max_grad_norm_rel=norm_rel,
+                       memory_gb=res["memory_gb"], seconds=time.perf_counter() - t0, **run_args)
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    return rows
+
+
+# -- part 2: throughput ----------------------------------------------------------------------------------------------
+def _overrides(fields: dict) -> list[str]:
+    return [f"parallel.{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in fields.items()]
+
+
+def throughput(names: list[str], args: argparse.Namespace) -> list[dict]:
+    data_path = Path(args.data_path)
+    if not (data_path / "tokenizer.json").exists():
+        subprocess.run([sys.executable, "-m", "data.prepare", "--out", str(data_path), "--vocab-size",
+                        str(args.vocab_size), "--no-progress"], cwd=ROOT, check=True)
+    rows, base = [], None
+    for name in ["1gpu", *names]:
+        fields, gpus = LAYOUTS[name]
+        run_dir = Path(tempfile.mkdtemp(prefix=f"bench_{name}_"))
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}",
+               "-m", "trainer.main", f"model={args.model}", f"data.path={data_path}",
+               f"data.vocab_size={args.vocab_size}", f"data.seq_len={args.seq_len}",
+               f"data.batch_size={args.batch_size}", f"trainer.max_steps={args.steps}",
+               f"trainer.grad_accum={args.grad_accum}", "logger.wandb.mode=disabled", "logger.progress_bar=false",
+               "checkpoint.interval=0", "checkpoint.save_final=false", "checkpoint.resume=none",
+               f"trainer.device={args.device}", f"hydra.run.dir={run_dir}", *_overrides(fields), *args.extra]
+        t0 = time.perf_counter()
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+        if proc.returncode != 0:
+            print(f"{name}: failed ({proc.returncode})\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}", flush=True)
+            rows.append(dict(part="throughput", layout=name, failed=proc.returncode))
+            continue
+        records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        steady = [r for r in records if r["step"] > args.warmup]
+        tps = statistics.median(r["tokens_per_s"] for r in steady)
+        row = dict(part="throughput", layout=name, gpus=gpus, tokens_per_s=tps, tokens_per_s_per_gpu=tps / gpus,
+                   mfu=statistics.median(r["mfu"] for r in steady), memory_gb=max(r["memory_mb"] for r in records) / 1e3,
+                   first_loss=records[0]["loss"], last_loss=records[-1]["loss"], steps=len(records),
+                   seconds=time.perf_counter() - t0, command=" ".join(cmd[1:]))
+        if name == "1gpu":
+            base = tps
+        elif base:
+            row["scaling_efficiency"] = tps / (gpus * base)
+            if "tp" in fields and "ep" not in fields and "dp_replicate" not in fields:
+                row["speedup_same_batch"] = tps / base
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="v41_small")
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a dry run of the script (gloo)")
+    p.add_argument("--layouts", default="tp2,ep2,dp2")
+    p.add_argument("--parts", default="equality,throughput")
+    p.add_argument("--check-steps", type=int, default=3)
+    p.add_argument("--check-rows", type=int, default=2)
+    p.add_argument("--check-seq-len", type=int, default=1024)
+    p.add_argument("--check-micro", type=int, default=2)
+    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--grad-accum", type=int, default=1)
+    p.add_argument("--vocab-size", type=int, default=32768)
+    p.add_argument("--data-path", default=".data/stdlib32k")
+    p.add_argument("--out", default="bench_parallel_gpu.jsonl")
+    p.add_argument("extra", nargs="*", help="more Hydra overrides for the throughput runs")
+    args = p.parse_args()
+    names = [n for n in args.layouts.split(",") if n]
+    unknown = [n for n in names if n not in LAYOUTS]
+    if unknown:
+        p.error(f"unknown layouts {unknown}; known: {list(LAYOUTS)}")
+    needed = max(LAYOUTS[n][1] for n in ["1gpu", *names])
+    if args.device == "cuda" and torch.cuda.device_count() < needed:
+        p.error(f"the layouts need {needed} GPUs, this machine has {torch.cuda.device_count()}")
+    rows = []
+    parts = args.parts.split(",")
+    if "equality" in parts:
+        rows += equality(names, args)
+    if "throughput" in parts:
+        rows += throughput(names, args)
+    with open(args.out, "a") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    print(f"\n{'part':<11}{'layout':<10}{'prec':<6}{'loss rel':>10}{'norm rel':>10}{'tok/s':>11}{'tok/s/GPU':>11}"
+          f"{'MFU':>7}{'eff':>7}{'mem GB':>8}")
+    for r in rows:
+        if r.get("failed"):
+            print(f"{r['part']:<11}{r['layout']:<10}FAILED ({r['failed']})")
+        elif r["part"] == "equality":
+            print(f"{'equality':<11}{r['layout']:<10}{r['precision']:<6}{r['max_loss_rel']:>10.2e}"
+                  f"{r['max_grad_norm_rel']:>10.2e}{'':>11}{'':>11}{'':>7}{'':>7}{r['memory_gb']:>8.1f}")
+        else:
+            eff = r.get("scaling_efficiency", math.nan)
+            print(f"{'throughput':<11}{r['layout']:<10}{'bf16':<6}{'':>10}{'':>10}{r['tokens_per_s']:>11.0f}"
+                  f"{r['tokens_per_s_per_gpu']:>11.0f}{r['mfu']:>7.3f}{eff:>7.2f}{r['memory_gb']:>8.1f}")
+
+
+if __name__ == "__main__":
+    main()
