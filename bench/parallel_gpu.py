@@ -72,6 +72,7 @@ def _equality_run(fields: dict, args: dict) -> dict:
     y = OmegaConf.load(ROOT / "conf" / "model" / f"{args['model']}.yaml")
     y.pop("defaults")
     cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), y))
+    cfg = dataclasses.replace(cfg, kernels=args["kernels"])
     parallel = ParallelConfig(**fields)
     rt = setup_runtime(TrainerConfig(device=device, precision=args["precision"], num_threads=1), parallel)
     data_rank, data_size = (0, 1) if rt.meshes is None else (rt.meshes.data.get_local_rank(), rt.meshes.data.size())
@@ -104,8 +105,8 @@ def equality(names: list[str], args: argparse.Namespace) -> list[dict]:
 
     rows = []
     backend = "cuda:nccl,cpu:gloo" if args.device == "cuda" else "gloo"
-    for precision in ("fp32", "bf16") if args.device == "cuda" else ("fp32",):
-        run_args = dict(model=args.model, device=args.device, precision=precision, rows=args.check_rows, seq_len=args.check_seq_len,
+    for precision in args.precisions.split(",") if args.device == "cuda" else ("fp32",):
+        run_args = dict(model=args.model, kernels=args.kernels, device=args.device, precision=precision, rows=args.check_rows, seq_len=args.check_seq_len,
                         micro=args.check_micro, steps=args.check_steps, lr=args.lr)
         results = {}
         for name in ["1gpu", *(n for n in names if n != "1gpu_ref")]:
@@ -181,6 +182,8 @@ def main() -> None:
     p.add_argument("--layouts", default="tp2,ep2,dp2")
     p.add_argument("--parts", default="equality,throughput")
     p.add_argument("--check-steps", type=int, default=3)
+    p.add_argument("--kernels", default="auto", help="model.kernels of the equality runs")
+    p.add_argument("--precisions", default="fp32,bf16", help="of the equality runs")
     p.add_argument("--check-rows", type=int, default=2)
     p.add_argument("--check-seq-len", type=int, default=1024)
     p.add_argument("--check-micro", type=int, default=2)

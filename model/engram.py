@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model.common import local
+from model.common import init_normal, local
 from model import kernels as kern
 from model.config import ModelConfig
 from model.engram_hash import (
@@ -103,7 +103,7 @@ class Engram(nn.Module):
         # One draw advances the default generator by the same amount in every layout (and the wkv draw after it).
         seed = int(torch.randint(0, 2**62, ()))
         init_table_rows_(local(self.table), getattr(self.row_reader, "first_row", 0), self.init_std, seed)
-        nn.init.normal_(self.wkv.weight, mean=0.0, std=self.init_std)
+        init_normal(self.wkv.weight, self.init_std)
         nn.init.ones_(self.q_weight)
         nn.init.ones_(self.k_weight)
 

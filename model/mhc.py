@@ -50,6 +50,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from model.common import init_normal
 from model.config import MHCConfig
 
 
@@ -107,7 +108,7 @@ class HCSite(nn.Module):
     def init_weights(self, init_std: float) -> None:
         # A6 "Init": fn ~ N(0, init_std), base = 0, scale = 1. With base = 0 a fresh site starts at pre ~ 0.5,
         # post ~ 1 and a near-uniform comb.
-        nn.init.normal_(self.fn, mean=0.0, std=init_std)
+        init_normal(self.fn, init_std)
         nn.init.zeros_(self.base)
         nn.init.ones_(self.scale)
 

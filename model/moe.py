@@ -65,7 +65,7 @@ class Router(nn.Module):
 
     def init_weights(self, init_std: float) -> None:
         with torch.no_grad():
-            nn.init.normal_(self.weight, mean=0.0, std=init_std)
+            init_normal(self.weight, init_std)
             self.bias.zero_()
             self.bias_image.zero_()
 
