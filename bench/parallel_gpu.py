@@ -126,6 +126,7 @@ def equality(names: list[str], args: argparse.Namespace) -> list[dict]:
                        grad_norm=res["grad_norm"], max_loss_rel=loss_rel, max_grad_norm_rel=norm_rel,
                        memory_gb=res["memory_gb"], seconds=time.perf_counter() - t0, **run_args)
             print(json.dumps(row), flush=True)
+            _save(args.out, row)
             rows.append(row)
     return rows
 
@@ -152,7 +153,12 @@ def throughput(names: list[str], args: argparse.Namespace) -> list[dict]:
                "checkpoint.interval=0", "checkpoint.save_final=false", "checkpoint.resume=none",
                f"trainer.device={args.device}", f"hydra.run.dir={run_dir}", *_overrides(fields), *args.extra]
         t0 = time.perf_counter()
-        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+        try:
+            proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=args.run_timeout)
+        except subprocess.TimeoutExpired:
+            print(f"{name}: no result within --run-timeout {args.run_timeout} s", flush=True)
+            rows.append(dict(part="throughput", layout=name, failed="timeout"))
+            continue
         if proc.returncode != 0:
             print(f"{name}: failed ({proc.returncode})\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}", flush=True)
             rows.append(dict(part="throughput", layout=name, failed=proc.returncode))
@@ -171,8 +177,15 @@ def throughput(names: list[str], args: argparse.Namespace) -> list[dict]:
             if "tp" in fields and "ep" not in fields and "dp_replicate" not in fields:
                 row["speedup_same_batch"] = tps / base
         print(json.dumps(row), flush=True)
+        _save(args.out, row)
         rows.append(row)
     return rows
+
+
+def _save(path: str, row: dict) -> None:
+    """Append one result as soon as it exists: a run cut short keeps what it measured."""
+    with open(path, "a") as f:
+        f.write(json.dumps(row) + "\n")
 
 
 def main() -> None:
@@ -190,6 +203,7 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--run-timeout", type=float, default=600.0, help="seconds one throughput run may take")
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--grad-accum", type=int, default=1)
@@ -211,9 +225,6 @@ def main() -> None:
         rows += equality(names, args)
     if "throughput" in parts:
         rows += throughput(names, args)
-    with open(args.out, "a") as f:
-        for row in rows:
-            f.write(json.dumps(row) + "\n")
     print(f"\n{'part':<11}{'layout':<10}{'prec':<6}{'loss rel':>10}{'norm rel':>10}{'tok/s':>11}{'tok/s/GPU':>11}"
           f"{'MFU':>7}{'eff':>7}{'mem GB':>8}")
     for r in rows:
