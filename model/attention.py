@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from model import kernels as kern
-from model.common import RMSNorm, init_linear, linear, local
+from model.common import RMSNorm, init_linear, linear, local, recomputing
 from model.config import ModelConfig
 from model.csa2 import Compressor, Indexer, candidate_pool, index_scores, select_topk, visible_mask
 from model.layer_plan import LayerSpec
@@ -74,7 +74,9 @@ _WHOLE = SequenceShard()  # one process holds whole sequences (no context parall
 
 @dataclass
 class ForwardContext:
-    """State one forward shares across layers (per sequence batch). Pipeline stages carry it along."""
+    """State one forward shares across layers (per sequence batch). Pipeline stages carry it along. Each entry is
+    written once, by the layer that owns it; a recomputation under activation checkpointing only reads it
+    (model.common.recomputing)."""
 
     positions: torch.Tensor  # [T] absolute positions: offset, offset + 1, ...
     phase: str  # indexer phase: "sparse" or "dense_warmup"
@@ -214,7 +216,9 @@ class CSA2Attention(nn.Module):
         if q.index == "fp4":
             keys = _fake_quant_fp4(keys, 32, "ue8m0", path)
         # Context parallelism: chunks align with groups, so each compresses its own and all exchange the entries.
-        ctx.kv[self.spec.index] = ctx.shard.gather_entries(main, keys)
+        entries = ctx.shard.gather_entries(main, keys)
+        if not recomputing():  # a recomputation reads back the entries the forward published (model.common)
+            ctx.kv[self.spec.index] = entries
 
     def _select(self, x, q_res, keys, E, ctx: ForwardContext, path: str, attn_path: str):
         """Index source: score visible entries (in the pool, if restricted), publish top-k; return (scores, domain).
@@ -236,6 +240,8 @@ class CSA2Attention(nn.Module):
             domain = domain & ctx.pool
         scores = index_scores(qi, w, keys)
         masked = scores.masked_fill(~domain, float("-inf"))
+        if recomputing():  # pool and top-k carry no gradient: the recomputation reads the forward's
+            return scores, domain
         if self.spec.builds_pool:
             ctx.pool = candidate_pool(masked.detach(), self.spec.ratio, c.candidate_block_size,
                                       c.candidate_topk_blocks, ctx.offset)
@@ -249,19 +255,23 @@ class CSA2Attention(nn.Module):
         positions in scores' last dim (-1 = empty). Publishes the top-k as entry ids and the pool as block ids."""
         c, spec = self.cfg.csa2, self.spec
         bs = c.candidate_block_size
+        publish = not recomputing()  # a recomputation reads back the forward's pool and top-k (model.common)
         if E == 0:  # no group complete yet: nothing to score, an empty top-k (and pool)
             pos = torch.full((*qi.shape[:2], 0), -1, dtype=torch.int32, device=qi.device)
-            ctx.pool = pos if spec.builds_pool else ctx.pool
-            ctx.selection[spec.index] = pos
+            if publish:
+                ctx.pool = pos if spec.builds_pool else ctx.pool
+                ctx.selection[spec.index] = pos
             return w.new_zeros(*qi.shape[:2], 0), pos
         if spec.uses_pool:
             scores = kern.index_scores_pool(qi, w, keys, ctx.pool, spec.ratio, bs)
         else:
             scores = kern.index_scores(qi, w, keys, spec.ratio)
-            if spec.builds_pool:
+            if spec.builds_pool and publish:
                 ctx.pool = kern.candidate_pool(scores.detach(), spec.ratio, bs, c.candidate_topk_blocks)
+        # pos is recomputed: the KL gathers the scores at it (a saved index)
         pos = kern.select_topk(scores.detach(), c.index_topk)
-        ctx.selection[spec.index] = kern.slot_entries(pos, ctx.pool, bs) if spec.uses_pool else pos
+        if publish:
+            ctx.selection[spec.index] = kern.slot_entries(pos, ctx.pool, bs) if spec.uses_pool else pos
         return scores, pos
 
     # -- forward -----------------------------------------------------------------------------------------------------
@@ -311,9 +321,10 @@ class CSA2Attention(nn.Module):
             if p_top is not None:
                 # `domain` holds the top-k's positions in scores; HeadSum sums a unit head axis (the kernel summed
                 # the heads) and stays the hook a tensor-parallel plan completes the sum at
-                ctx.indexer_kl[spec.index] = indexer_kl(self.head_sum(p_top[:, None]),
-                                                        scores.gather(-1, domain.clamp_min(0).long()), domain >= 0,
-                                                        ctx.shard.chunk_mean)
+                kl = indexer_kl(self.head_sum(p_top[:, None]), scores.gather(-1, domain.clamp_min(0).long()),
+                                domain >= 0, ctx.shard.chunk_mean)
+                if not recomputing():  # the loss already holds the forward's KL
+                    ctx.indexer_kl[spec.index] = kl
         else:
             p = ctx.positions
             k_pos = torch.cat((torch.arange(-h, 0, device=p.device) + p[0], p))  # [h + T]; < 0: no token (1st chunk)
@@ -329,7 +340,9 @@ class CSA2Attention(nn.Module):
                     domain = scores > float("-inf")
                 elif ctx.phase == "sparse":
                     domain = domain & cmp_mask
-                ctx.indexer_kl[spec.index] = indexer_kl(mass, scores, domain, ctx.shard.chunk_mean)
+                kl = indexer_kl(mass, scores, domain, ctx.shard.chunk_mean)
+                if not recomputing():  # the loss already holds the forward's KL
+                    ctx.indexer_kl[spec.index] = kl
 
         out = apply_rope(out, cos, sin, inverse=True)  # [B, T, H, D]
         w = local(self.wo_a.weight).unflatten(0, (-1, a.o_lora_rank))  # [G, o_lora_rank, H / G * D]

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model.common import init_normal, local
+from model.common import init_normal, local, recomputing
 from model.config import MoEConfig
 
 # Normalisation guard of the routing weights, as in the reference.
@@ -222,7 +222,8 @@ class MoE(nn.Module):
 
     Side effects of a forward: per-expert token counts are added to `load_text` / `load_image` (for
     `update_bias`), and `aux_loss` holds the sequence-wise balance loss (None when seq_aux_loss_coef is 0) for
-    the trainer to add to the loss.
+    the trainer to add to the loss. A recomputation under activation checkpointing (model.common.recomputing)
+    has neither: the tokens were counted, and the loss read, in the forward.
     """
 
     def __init__(self, dim: int, cfg: MoEConfig, init_std: float) -> None:
@@ -275,10 +276,11 @@ class MoE(nn.Module):
         x_flat = x.reshape(b * t, d)  # [N, D]
         img = None if image_mask is None else image_mask.reshape(b * t).to(torch.bool)
         weights, topk_idx, scores = self.gate(x_flat, img)  # [N, K], [N, K], [N, E]
-        self._record_load(topk_idx, img)
-        self.aux_loss = (
-            self.sequence_balance_loss(scores, topk_idx, b, t) if self.cfg.seq_aux_loss_coef > 0 else None
-        )
+        # computed in a recomputation too: its saved tensors are what the forward's loss term differentiates
+        aux_loss = self.sequence_balance_loss(scores, topk_idx, b, t) if self.cfg.seq_aux_loss_coef > 0 else None
+        if not recomputing():
+            self._record_load(topk_idx, img)
+            self.aux_loss = aux_loss
         x_sorted, w_sorted, tokens_per_expert, order = self.dispatch(x_flat, topk_idx, weights)
         y_sorted = self.experts_forward(x_sorted, w_sorted, tokens_per_expert)  # [S, D]
         out = self.combine(y_sorted, order, b * t)  # [N, D] fp32
@@ -290,8 +292,6 @@ class MoE(nn.Module):
 
     @torch.no_grad()
     def _record_load(self, topk_idx: torch.Tensor, image_mask: torch.Tensor | None) -> None:
-        # Under activation checkpointing the recompute counts every token a second time. Harmless: the doubling
-        # is uniform within a layer, and both the sign update and max/mean are invariant to a uniform scale.
         e = self.num_experts
         if image_mask is None:
             self.load_text += torch.bincount(topk_idx.reshape(-1), minlength=e)

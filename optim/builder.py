@@ -36,10 +36,22 @@ def param_groups(params: Iterable[torch.nn.Parameter], weight_decay: float) -> l
     return [g for g in groups if g["params"]]
 
 
+def _kind(p: torch.Tensor) -> tuple[bool, str]:
+    """(a DTensor?, the device type of what this process holds)."""
+    local = getattr(p, "to_local", None)
+    return local is not None, (local() if local is not None else p).device.type
+
+
 def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: OptimConfig) -> torch.optim.Optimizer:
     groups = param_groups(params, cfg.weight_decay)
     if not groups:
         raise ValueError("optimizer: no trainable parameters")
+    # torch's multi-tensor (foreach) step refuses a list mixing DTensors with plain tensors (expert- or Engram-
+    # sharded weights beside replicated ones), and its default turns foreach off anyway for a group holding a
+    # host tensor (parallel.engram_host_memory): with such a mix, the per-tensor step, explicitly. The param groups
+    # stay as they are, so checkpoints load across layouts.
+    mixed = len({_kind(p) for g in groups for p in g["params"]}) > 1
     if cfg.name == "adamw":
-        return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
+        return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
+                                 foreach=False if mixed else None)
     raise ValueError(f"optim.name={cfg.name!r} has no builder")

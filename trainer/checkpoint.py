@@ -3,10 +3,11 @@
 A checkpoint is the directory `<run dir>/checkpoints/step_<N>/` holding two Stateful entries:
 - `train`: model weights and buffers (MoE balancing biases included), optimiser, LR scheduler, step and tokens
   seen. Keys are the whole model's fully-qualified names under every layout (a pipeline rank saves its stages'
-  parameters under their global names, TP / EP / FSDP parameters are DTensors saved as their shards of the global
-  tensor), so DCP loads a checkpoint into any other layout, the single process included: it reads, for each
-  tensor this rank holds, the pieces of it that the saving ranks wrote. The optimiser state goes through
-  `get_optimizer_state_dict` / `set_optimizer_state_dict`, keyed by the same names, and reshards the same way.
+  parameters under their global names, TP / EP / FSDP parameters and row-sharded Engram tables are DTensors saved
+  as their shards of the global tensor, host-resident ones included), so DCP loads a checkpoint into any other
+  layout, the single process included: it reads, for each tensor this rank holds, the pieces of it that the saving
+  ranks wrote. The optimiser state goes through `get_optimizer_state_dict` / `set_optimizer_state_dict`, keyed by
+  the same names, and reshards the same way.
 - `rank_local`: the data-loader position under `data_rank<d>` (d: this rank's index among the ranks that read
   different data, dp_replicate x dp_shard x ep; its tp / pp / cp peers hold the same position, and DCP keeps one
   copy of equal keys) and the RNG states (torch CPU/CUDA, python, numpy) under `rng_rank<r>`. A run with another
@@ -99,7 +100,12 @@ class TrainState:
 
     def load_state_dict(self, state: dict) -> None:
         set_model_state_dict(self.model, state["model"])
+        # `foreach` says how this layout runs the step (optim/builder.py turns it off where the parameters mix
+        # DTensors, plain tensors and devices), not training state: the saving layout's value must not replace it.
+        foreach = [group.get("foreach") for group in self.optimizer.param_groups]
         set_optimizer_state_dict(self.model, self.optimizer, state["optim"])
+        for group, value in zip(self.optimizer.param_groups, foreach):
+            group["foreach"] = value
         self.scheduler.load_state_dict(state["scheduler"])
         self.step = int(state["step"])
         self.tokens_seen = int(state["tokens_seen"])

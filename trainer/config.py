@@ -60,6 +60,7 @@ class TrainerConfig:
 
 
 PP_SCHEDULES = ("1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble")
+ACTIVATION_CHECKPOINT_MODES = ("none", "full")
 
 
 @dataclass
@@ -109,6 +110,18 @@ class ParallelConfig:
     data (Megatron --expert-model-parallel-size)"""
     cp: int = 1
     """context parallel size: every sequence split into cp contiguous chunks (Megatron --context-parallel-size)"""
+    engram_shard: bool = False
+    """split every Engram table by rows over the ranks of one pipeline stage and tp rank (dp_replicate x dp_shard x ep
+    x cp: Meshes.dp_ep_cp), lookups and row gradients travelling by all-to-all (trainer/parallel/engram.py); false
+    keeps whole tables on every rank, replicated like any dense weight. The flagship needs it (a 98B-row table holds
+    1.6 TB of AdamW state). No effect in a single process. No Megatron-LM equivalent"""
+    engram_host_memory: bool = False
+    """with engram_shard: keep each rank's block of Engram rows and its AdamW state in (pinned) host memory, rows and
+    row gradients crossing to the device per micro-batch (DeepSeek's Engram cpu_offload)"""
+    activation_checkpoint: str = "none"  # none, full
+    """full: every transformer block keeps only its inputs for the backward and recomputes its forward there (one
+    more forward per step, collectives included; trainer/parallel/activation_checkpoint.py); none: every block keeps
+    its activations (Megatron --recompute-granularity full --recompute-method uniform --recompute-num-layers 1)"""
     timeout_s: float = 600.0
     """collective timeout: a rank whose peer died or hangs raises after this many seconds instead of waiting
     forever (Megatron --distributed-timeout-minutes, default 10 minutes)"""
@@ -119,6 +132,7 @@ class ParallelConfig:
         for name in ("dp_shard", "tp", "pp", "pp_virtual", "ep", "cp"):
             _at_least(f"parallel.{name}", getattr(self, name), 1)
         _choice("parallel.pp_schedule", self.pp_schedule, PP_SCHEDULES)
+        _choice("parallel.activation_checkpoint", self.activation_checkpoint, ACTIVATION_CHECKPOINT_MODES)
         if not self.timeout_s > 0:
             raise ValueError(f"parallel.timeout_s must be > 0, got {self.timeout_s!r}")
         if self.pp_schedule == "1F1B" and self.pp_virtual != 1:
@@ -131,6 +145,9 @@ class ParallelConfig:
         if self.pp_cuts and len(self.pp_cuts) != self.pp * self.pp_virtual - 1:
             raise ValueError(f"parallel.pp_cuts={list(self.pp_cuts)} must hold pp * pp_virtual - 1 = "
                              f"{self.pp * self.pp_virtual - 1} layer indices (or be [] for the balanced split)")
+        if self.engram_host_memory and not self.engram_shard:
+            raise ValueError("parallel.engram_host_memory=true keeps a rank's block of Engram rows on the host and "
+                             "needs parallel.engram_shard=true (whole replicated tables stay on the device)")
         if self.sequence_parallel and self.pp > 1 and self.tp > 1:
             raise ValueError(f"parallel.sequence_parallel=true with parallel.pp={self.pp} is not supported: the "
                              "pipeline's static boundary layout carries whole sequences; set "

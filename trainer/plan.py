@@ -12,8 +12,9 @@ except Engram rows, where the figure is the largest block):
 - parameters by kind (embed, head, dense, routed_experts, engram_tables): the meta model's parameters of the layers
   the rank's stages hold (cuts: parallel.pp_cuts or trainer.parallel.pipeline.split_points), each divided the way the
   plans divide it: TP (model.accounting.tp_split, the plan of model/parallelize.py), EP (routed experts / ep), FSDP2
-  (dim 0 of what is left / dp_shard, rounded up, as fully_shard pads), Engram rows over the Engram group (dp x ep x
-  cp: every rank of the stage and tp rank, trainer/parallel/engram.py; largest block = ceil(rows / group)).
+  (dim 0 of what is left / dp_shard, rounded up, as fully_shard pads), Engram rows, with parallel.engram_shard, over
+  the Engram group (dp x ep x cp: every rank of the stage and tp rank, trainer/parallel/engram.py; largest block =
+  ceil(rows / group)), else whole on every rank.
 - gradients: one per parameter, in the parameter's dtype.
 - optimiser state: AdamW, two fp32 moments, plus an fp32 master copy for a parameter not stored in fp32 (the
   flagship's bf16 Engram tables; the trainer keeps every other parameter in fp32 and computes under bf16 autocast).
@@ -22,8 +23,8 @@ except Engram rows, where the figure is the largest block):
   itemised there, including the bf16 weight copies autocast keeps per micro-batch), plus per micro-batch the
   compressed KV entries the stage's layers read and the last stage's fp32 logits and log-softmax. In flight on
   pipeline rank r under 1F1B: min(M, pp - r) (M = trainer.grad_accum); other schedules: the rank's stages each
-  hold min(M, pp) (an upper bound). Under `activation_checkpoint=full` (read from parallel; not implemented by the
-  trainer yet, see the assumptions) a layer keeps only its inputs and one layer at a time is recomputed.
+  hold min(M, pp) (an upper bound). Under parallel.activation_checkpoint=full (trainer/parallel/
+  activation_checkpoint.py) a layer keeps only its inputs and one layer at a time is recomputed.
 - working set: the largest transient of one layer (indexer scores [N, E], attention backward scratch, MoE dispatch
   buffers) plus the gradient buffers of the layer being differentiated (about its saved activations; twice that
   when it is recomputed first), on the last stage the logits' gradient, and under FSDP two blocks' gathered
@@ -61,6 +62,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
+from trainer.config import ACTIVATION_CHECKPOINT_MODES
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 
@@ -119,7 +122,7 @@ class Layout:
     seq_len: int = 4096
     grad_accum: int = 1  # micro-batches per step
     activation_checkpoint: str = "none"  # none | full
-    engram_shard: bool = True  # Engram rows sharded over dp x ep x cp (trainer/parallel/engram.py)
+    engram_shard: bool = False  # parallel.engram_shard: rows over dp x ep x cp (trainer/parallel/engram.py)
     device_bytes: float = 141e9
     notes: list[str] = field(default_factory=list)
 
@@ -139,22 +142,23 @@ class Layout:
 
 def layout_from_config(cfg) -> Layout:
     """The composed config's `parallel`, `data` and `trainer` sections. Keys the schema may not have yet are read
-    with getattr and defaults: parallel.pp_virtual, pp_schedule, pp_cuts, activation_checkpoint, engram_shard,
-    device_memory_gb (pass a missing one as `+parallel.<key>=...`)."""
+    with getattr and defaults: parallel.pp_virtual, pp_schedule, pp_cuts, device_memory_gb (pass a missing one as
+    `+parallel.<key>=...`)."""
     par = cfg.parallel
     lay = Layout(
         dp_replicate=int(par.dp_replicate), dp_shard=int(par.dp_shard), tp=int(par.tp), pp=int(par.pp),
         ep=int(par.ep), cp=int(par.cp), pp_virtual=int(getattr(par, "pp_virtual", 1)),
         pp_schedule=str(getattr(par, "pp_schedule", "1F1B")), pp_cuts=list(getattr(par, "pp_cuts", []) or []),
         batch_size=int(cfg.data.batch_size), seq_len=int(cfg.data.seq_len), grad_accum=int(cfg.trainer.grad_accum),
-        activation_checkpoint=str(getattr(par, "activation_checkpoint", "none")),
-        engram_shard=bool(getattr(par, "engram_shard", True)),
+        activation_checkpoint=str(par.activation_checkpoint),
+        engram_shard=bool(par.engram_shard),
         device_bytes=float(getattr(par, "device_memory_gb", 141)) * _GB)
     if lay.dp_replicate == -1:
         lay.dp_replicate = 1
         lay.notes.append("parallel.dp_replicate=-1 (fill) planned as 1: the planner knows no world size")
-    if lay.activation_checkpoint not in ("none", "full"):
-        raise ValueError(f"parallel.activation_checkpoint must be 'none' or 'full', got {lay.activation_checkpoint!r}")
+    if lay.activation_checkpoint not in ACTIVATION_CHECKPOINT_MODES:
+        raise ValueError(f"parallel.activation_checkpoint must be one of {list(ACTIVATION_CHECKPOINT_MODES)}, got "
+                         f"{lay.activation_checkpoint!r}")
     if lay.seq_len % lay.cp:
         raise ValueError(f"data.seq_len={lay.seq_len} is not divisible by parallel.cp={lay.cp}")
     return lay
@@ -438,7 +442,7 @@ def _assumptions(lay: Layout) -> list[str]:
         f"pipeline schedule {lay.pp_schedule}: micro-batches in flight on pipeline rank r = "
         + ("min(M, pp - r)" if lay.pp_schedule == "1F1B" else "min(M, pp) per stage (upper bound)"),
         f"activation checkpointing: {lay.activation_checkpoint}"
-        + (" (not implemented in the trainer: trainer/parallel/apply.py explains why)"
+        + (" (every block recomputed in backward, trainer/parallel/activation_checkpoint.py)"
            if lay.activation_checkpoint == "full" else ""),
         "communication: bytes sent per rank per optimiser step; Engram exchange bounded by distinct rows = C per "
         "token (no repeats)",

@@ -274,7 +274,9 @@ class MicroBatches:
 
 
 def _device(pm: ParallelModel) -> torch.device:
-    return next(iter(pm.module.parameters())).device
+    """The compute device (host-resident Engram rows, parallel.engram_host_memory, are not it)."""
+    devices = [p.device for p in pm.module.parameters()]
+    return next((d for d in devices if d.type != "cpu"), devices[0])
 
 
 def _local_chunk(pm: ParallelModel, *tensors):
@@ -302,6 +304,11 @@ def forward_backward(pm: ParallelModel, batches: list[dict], autocast_dtype: tor
         tokens += input_ids.numel()
         seq_len = input_ids.shape[1]
         input_ids, labels, image_mask = _local_chunk(pm, input_ids, labels, image_mask)
+        if pm.engram is not None:
+            # Row ids depend only on token ids: the rows' exchange goes out before the forward and travels while
+            # the layers in front of each Engram layer compute. Not issued earlier (during the previous micro-
+            # batch's backward): a recomputed Engram forward (activation checkpointing) would consume it.
+            pm.engram.prefetch(input_ids, image_mask)
         with torch.autocast(device.type, dtype=autocast_dtype or torch.float32, enabled=autocast_dtype is not None):
             logits, aux = pm.module(input_ids, image_mask=image_mask, return_aux=True)
         raw = aux.pop("metrics", {})
@@ -321,7 +328,8 @@ def forward_backward(pm: ParallelModel, batches: list[dict], autocast_dtype: tor
 
 def _pipeline_forward_backward(pm: ParallelModel, batches: list[dict]) -> MicroBatches:
     """The micro-batches as one [M*B, T] batch through the schedule; the last stage's loss terms reach every
-    pipeline rank (Pipeline.step)."""
+    pipeline rank (Pipeline.step). Row-sharded Engram lookups go unprefetched here: the schedule runs the
+    micro-batches' forwards itself, and stages past the first receive their row ids across the cut."""
     device = _device(pm)
     parts = [_to_device(batch, device) for batch in batches]
     if any(mask is not None for _, _, mask in parts):

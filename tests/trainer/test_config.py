@@ -95,6 +95,9 @@ def test_parallel_field_checks_say_what_to_change():
         ParallelConfig(tp=2, pp=2, sequence_parallel=True)
     with pytest.raises(ValueError, match=r"parallel.timeout_s must be > 0, got 0"):
         ParallelConfig(timeout_s=0)
+    with pytest.raises(ValueError, match=r"parallel.activation_checkpoint must be one of \['none', 'full'\], got "
+                                         r"'sometimes'"):
+        ParallelConfig(activation_checkpoint="sometimes")
     for name in ("dp_shard", "tp", "pp", "pp_virtual", "ep", "cp"):
         with pytest.raises(ValueError, match=f"parallel.{name} must be >= 1, got 0"):
             ParallelConfig(**{name: 0})

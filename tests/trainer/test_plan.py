@@ -76,11 +76,12 @@ FLAGSHIP = ("model=v41_flash", "parallel=flagship_256xh200", "data.seq_len=4096"
 
 
 def test_flagship_layout_fits_with_activation_checkpointing():
-    r = _run(*FLAGSHIP, "+parallel.activation_checkpoint=full")
+    r = _run(*FLAGSHIP)  # the layout sets parallel.activation_checkpoint=full
     assert r.returncode == 0, r.stderr
     plan = json.loads(r.stdout)["training"]
     lay = plan["layout"]
     assert lay["world_size"] == 256 and (lay["pp"], lay["ep"], lay["tp"], lay["engram_group"]) == (4, 64, 1, 64)
+    assert lay["activation_checkpoint"] == "full"
     assert plan["fits"] and plan["peak_bytes"] < 141e9
     assert plan["dominant"]["term"] == "routed_experts (params + grads + AdamW state)"
     ranks = plan["per_pp_rank"]
@@ -102,7 +103,7 @@ def test_flagship_layout_fits_with_activation_checkpointing():
 
 
 def test_flagship_layout_without_activation_checkpointing_does_not_fit():
-    r = _run(*FLAGSHIP)
+    r = _run(*FLAGSHIP, "parallel.activation_checkpoint=none")
     assert r.returncode == 0, r.stderr
     plan = json.loads(r.stdout)["training"]
     assert not plan["fits"] and plan["dominant"]["term"] == "activations"
@@ -202,7 +203,7 @@ def test_planned_parameters_equal_real_shards(name):
     ranks = run_distributed(_sharded_worker, 4, sizes)
     with torch.device("meta"):
         meta = model_pkg.build(load_config("v41_tiny"))
-    lay = Layout(**sizes)
+    lay = Layout(**sizes, engram_shard=True)
     bounds = [0, 6, meta.cfg.num_layers] if lay.pp > 1 else [0, meta.cfg.num_layers]
     planned = stage_parameters(meta, lay, bounds)
     for got in ranks:

@@ -3,14 +3,20 @@
 Order (torchtitan's `parallelize_llama`, with the pipeline split first in spirit):
 1. `validate_layout`, before any process group exists: every divisibility rule, each error naming the key to change.
 2. On the whole meta-built Transformer: TP (model/parallelize.py `apply_tp`) -> EP (`apply_ep`; over TP, the experts
-   are re-placed on the (ep, tp) mesh) -> CP (`apply_cp`). The plans take the Transformer, not a stage; the
-   pipeline's stage modules share its submodules and copy its SequenceShard when they are cut, so applying the
-   plans before the cut is the same as applying them to each stage, and costs nothing on meta.
+   are re-placed on the (ep, tp) mesh) -> CP (`apply_cp`) -> activation checkpointing of every block
+   (parallel.activation_checkpoint=full, trainer/parallel/activation_checkpoint.py; in a single process too). The
+   plans take the Transformer, not a stage; the pipeline's stage modules share its submodules and copy its
+   SequenceShard when they are cut, so applying the plans before the cut is the same as applying them to each
+   stage, and costs nothing on meta.
 3. Pipeline split (pp > 1): this rank's stage modules (`split_model`), gathered into one `StageGroup` whose names
    are the whole model's. The other stages' layers stay on meta and are dropped with the Transformer.
+   Then, with parallel.engram_shard, Engram row sharding (trainer/parallel/engram.py) of this rank's Engram tables
+   over Meshes.dp_ep_cp (every rank of the stage and tp rank); after the cut, so a stage without Engram layers
+   holds no reader.
 4. `materialize`: piece by piece (embedding, head, final norm, Engram hasher, each block), `to_empty`, then the
-   piece's init from its own seed (`piece_seed`), then FSDP2 `fully_shard` of each block and of the root(s) when
-   dp_shard > 1 (gradients reduce-scattered in fp32, MixedPrecisionPolicy(reduce_dtype=float32)).
+   piece's init from its own seed (`piece_seed`), then (parallel.engram_host_memory) the block's Engram rows to
+   host memory, then FSDP2 `fully_shard` of each block and of the root(s) when dp_shard > 1 (gradients
+   reduce-scattered in fp32, MixedPrecisionPolicy(reduce_dtype=float32)), row-sharded Engram tables ignored.
 
 Why each piece has its own seed: a pipeline rank initialises only its layers, so one generator running through
 the whole model (Transformer.init_weights) cannot give it the single process's values. With a seed per piece,
@@ -23,8 +29,9 @@ sharded on dim 0 over dp_shard (mHC's `fn` is drawn with nn.init.normal_, Engram
 offset); fully_shard of an initialised block keeps each rank's slice of the values, exactly. Peak memory is one
 unsharded block on top of the sharded rest.
 
-Activation checkpointing is not applied (the blocks write their KV into a shared ForwardContext, which a
-recomputation would write twice).
+Activation checkpointing keeps module names (it swaps each block's class, as fully_shard does), so it composes with
+FSDP, the pipeline's StageGroup and checkpoints; how a recomputation avoids repeating the blocks' writes into the
+shared ForwardContext and MoE state is in trainer/parallel/activation_checkpoint.py.
 """
 
 from __future__ import annotations
@@ -41,10 +48,12 @@ from model.common import init_normal
 from model.config import ModelConfig
 from model.layer_plan import build_layer_plan
 from trainer.config import ParallelConfig, ParallelDims
+from trainer.parallel.activation_checkpoint import apply_activation_checkpointing
 
 if TYPE_CHECKING:  # importing the mesh machinery costs a single process a second or so
     from torch.distributed.device_mesh import DeviceMesh
 
+    from trainer.parallel.engram import EngramSharding
     from trainer.parallel.mesh import Meshes
 
 __all__ = ["ParallelModel", "StageGroup", "validate_layout", "parallelize", "materialize", "piece_seed", "describe"]
@@ -107,22 +116,16 @@ def validate_layout(parallel: ParallelConfig, cfg: ModelConfig, *, seq_len: int,
 
 
 def _check_microbatches(parallel: ParallelConfig, pp: int, grad_accum: int) -> None:
-    """The schedules' own rules (torch.distributed.pipelining), stated in our keys; and the zero-bubble schedules
-    refused: run through this trainer on the tiny model (pp 2 x pp_virtual 2, cuts [2, 6, 9] or [2, 6, 10], where
-    a source layer's main KV and indexer keys cross a cut), their stages send some input gradients as
-    non-contiguous tensors, which gloo's send refuses, and with those made contiguous the indexer weights of the
-    source layer get a gradient 2e-3 (relative) away from the single process's. 1F1B and Interleaved1F1B are
-    exact on the same splits (tests/parallel/test_layouts.py)."""
-    if "ZeroBubble" in parallel.pp_schedule:
-        raise ValueError(f"parallel.pp_schedule={parallel.pp_schedule} is refused for now: the zero-bubble "
-                         "schedules give wrong gradients where compressed KV crosses a stage cut; use 1F1B or "
-                         "Interleaved1F1B")
+    """The schedules' own rules (torch.distributed.pipelining), stated in our keys. Every schedule, the zero-bubble
+    ones included, trains exactly like the single process on the tiny model's splits where compressed KV and indexer
+    keys cross a cut (tests/parallel/test_layouts.py, tests/parallel/test_zero_bubble.py); the zero-bubble split
+    backward needs the stage module's hooks for that (trainer/parallel/pipeline.py, "Zero bubble")."""
     num_stages = pp * parallel.pp_virtual
     if parallel.pp_schedule == "1F1B" and grad_accum < num_stages:
         raise ValueError(f"parallel.pp_schedule={parallel.pp_schedule} needs at least as many micro-batches as "
                          f"stages: trainer.grad_accum={grad_accum} < pp * pp_virtual = {num_stages}; raise "
                          "trainer.grad_accum")
-    if parallel.pp_schedule == "Interleaved1F1B":
+    if parallel.pp_schedule in ("Interleaved1F1B", "InterleavedZeroBubble"):
         rounds = max(1, grad_accum // pp)
         if grad_accum % rounds:
             raise ValueError(f"parallel.pp_schedule={parallel.pp_schedule} runs micro-batches in rounds of pp={pp}: "
@@ -167,6 +170,8 @@ class ParallelModel:
     fsdp: bool = False  # dp_shard > 1: blocks and roots wrapped by fully_shard in `materialize`
     ep_cp: DeviceMesh | None = None  # ep x cp flattened: what FSDP's reduction leaves to reduce (fsdp only)
     pipeline: object = None  # trainer.parallel.pipeline.Pipeline, built by `materialize`
+    engram: EngramSharding | None = None  # parallel.engram_shard: this rank's Engram row readers (prefetch handle)
+    activation_checkpoint: str = "none"  # parallel.activation_checkpoint the blocks were wrapped with
 
     @property
     def loss_parallel(self) -> bool:
@@ -204,10 +209,12 @@ def _apply_ep_over_tp(model: nn.Module, meshes: Meshes) -> None:
 
 def parallelize(model: nn.Module, meshes: Meshes | None, parallel: ParallelConfig, dims: ParallelDims, *,
                 cuts: list[int]) -> ParallelModel:
-    """Apply TP -> EP -> CP to the meta-built Transformer, then cut this rank's pipeline stages (see the module
-    docstring). FSDP comes in `materialize`. A single process (meshes None) gets the model back unchanged."""
+    """Apply TP -> EP -> CP -> activation checkpointing to the meta-built Transformer, then cut this rank's pipeline
+    stages (see the module docstring). FSDP comes in `materialize`. A single process (meshes None) gets only the
+    activation checkpointing."""
     if meshes is None:
-        return ParallelModel(model, None, dims, False)
+        apply_activation_checkpointing(model, parallel.activation_checkpoint)
+        return ParallelModel(model, None, dims, False, activation_checkpoint=parallel.activation_checkpoint)
     if dims.tp > 1:
         from model.parallelize import apply_tp
 
@@ -224,7 +231,9 @@ def parallelize(model: nn.Module, meshes: Meshes | None, parallel: ParallelConfi
         from trainer.parallel.context import apply_cp
 
         apply_cp(model, meshes.cp)
-    pm = ParallelModel(model, meshes, dims, parallel.sequence_parallel and dims.tp > 1, fsdp=dims.dp_shard > 1)
+    apply_activation_checkpointing(model, parallel.activation_checkpoint)  # after the plans' hooks, before FSDP
+    pm = ParallelModel(model, meshes, dims, parallel.sequence_parallel and dims.tp > 1, fsdp=dims.dp_shard > 1,
+                       activation_checkpoint=parallel.activation_checkpoint)
     if pm.fsdp and dims.ep * dims.cp > 1:
         pm.ep_cp = meshes.world["ep", "cp"]._flatten("ep_cp")  # every rank creates the group, now
     if dims.pp > 1:
@@ -233,6 +242,12 @@ def parallelize(model: nn.Module, meshes: Meshes | None, parallel: ParallelConfi
         ids = stage_ids_for_rank(meshes.pp.get_local_rank(), dims.pp, parallel.pp_virtual, parallel.pp_schedule)
         pm.stages = split_model(model, cuts, ids)
         pm.module = StageGroup(pm.stages)
+    if parallel.engram_shard and model.cfg.engram.layers:
+        from trainer.parallel.engram import apply_engram_sharding
+
+        # After the cut, so only this rank's Engram layers get a reader; over the ranks of its stage and tp rank.
+        # On meta: init_weights then draws each rank's rows with the single process's values.
+        pm.engram = apply_engram_sharding(pm.module, meshes.dp_ep_cp, host_memory=parallel.engram_host_memory)
     return pm
 
 
@@ -281,6 +296,14 @@ def _keep_context(block: nn.Module) -> None:
     block.register_forward_pre_hook(restore, with_kwargs=True)
 
 
+def _engram_tables(module: nn.Module) -> set[nn.Parameter] | None:
+    """Row-sharded Engram tables FSDP must leave alone: it would all-gather whole tables (trainer/parallel/engram.py).
+    None without any (an empty set would change which parameterless modules fully_shard manages)."""
+    from trainer.parallel.engram import engram_tables
+
+    return set(engram_tables(module)) or None
+
+
 def _fsdp_mesh(meshes: Meshes, dims: ParallelDims) -> DeviceMesh:
     """dp_shard (FSDP), or (dp_replicate, dp_shard) (HSDP: shards within a replica, all-reduce across them)."""
     if dims.dp_replicate == 1:
@@ -304,8 +327,10 @@ def materialize(pm: ParallelModel, device: torch.device, seed: int, *, microbatc
             module.to_empty(device=device)
             torch.manual_seed(piece_seed(seed, piece))
             init()
+            if pm.engram is not None and pm.engram.host_memory and piece >= 4:
+                pm.engram.to_host(module)  # the block's initialised rows to host memory, before FSDP sees it
             if pm.fsdp and piece >= 4:  # a block: its own FSDP unit
-                fully_shard(module, mesh=mesh, mp_policy=mp_policy)
+                fully_shard(module, mesh=mesh, mp_policy=mp_policy, ignored_params=_engram_tables(module))
                 _keep_context(module)
     left = [n for n, t in [*pm.module.named_parameters(), *pm.module.named_buffers()] if t.is_meta]
     if left:  # a tensor outside the pieces _pieces knows (a new top-level part of the model)
@@ -314,7 +339,8 @@ def materialize(pm: ParallelModel, device: torch.device, seed: int, *, microbatc
         # The roots hold embedding, head and final norm; they stay gathered between forward and backward.
         roots = pm.stages if pm.stages else [pm.module]
         for root in roots:
-            fully_shard(root, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=False)
+            fully_shard(root, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=False,
+                        ignored_params=_engram_tables(root))
         for m in [*pm.stages, *pm.module.modules()]:
             if hasattr(m, "set_reduce_scatter_unused_params"):
                 # A parameter no token reached on this rank (an expert) still takes part in the reduce-scatter,
@@ -336,4 +362,5 @@ def describe(pm: ParallelModel) -> dict:
     if pm.stages:
         out["stages"] = [(s.stage_index, s.start, s.end) for s in pm.stages]
     out["fsdp"] = pm.fsdp
+    out["activation_checkpoint"] = pm.activation_checkpoint
     return out

@@ -12,11 +12,14 @@ loss; see trainer/parallel/expert.py and context.py for why each rule gives the 
 Without FSDP (dp_shard = 1) all of it is trainer/parallel/expert.py's `reduce_gradients`. With FSDP, the
 reduce-scatter in the backward already averaged every gradient over dp (and HSDP's all-reduce over dp_replicate);
 what is left is a sum over ep x cp (non-experts) or cp (experts) of the local shards, times 1 / (ep x cp).
+Row-sharded Engram tables (parallel.engram_shard) take neither path: the row exchange's backward already summed
+every group rank's contribution into the owner's block, which is only divided by dp x ep x cp
+(trainer/parallel/engram.py `reduce_engram_gradients`).
 
 The clip norm sums squares over every axis that shards a parameter: for each gradient, the mesh axes on which its
-placement is Shard (tp, ep, dp_shard; a plain tensor is whole), then over pp (each pipeline rank holds other
-layers). Squares are summed in fp64 (as trainer/parallel/pipeline.py's clip), so per-rank partial sums added in
-any order agree with the single process far below fp32 rounding.
+placement is Shard (tp, ep, dp_shard, and dp x ep x cp for a row-sharded Engram table; a plain tensor is whole),
+then over pp (each pipeline rank holds other layers). Squares are summed in fp64 (as trainer/parallel/pipeline.py's
+clip), so per-rank partial sums added in any order agree with the single process far below fp32 rounding.
 """
 
 from __future__ import annotations
@@ -43,21 +46,26 @@ def reduce_gradients(pm: ParallelModel) -> None:
     """Bring every gradient of this rank's parameters to the single process's value (the rules above)."""
     if pm.meshes is None:
         return
+    from trainer.parallel.engram import engram_tables, reduce_engram_gradients
     from trainer.parallel.expert import expert_parameters
     from trainer.parallel.expert import reduce_gradients as reduce_replicated
 
+    tables = engram_tables(pm.module) if pm.engram is not None else []
+    if tables:
+        reduce_engram_gradients(pm.module, pm.meshes.dp_ep_cp.size())
     if not pm.fsdp:
         if pm.sequence_parallel:
             from model.parallelize import reduce_partial_grads
 
             reduce_partial_grads(pm.module)
-        reduce_replicated(pm.module, pm.meshes)
+        reduce_replicated(pm.module, pm.meshes, exclude=tables)
         return
     dims = pm.dims
     if dims.ep * dims.cp == 1:
         return
     experts = {id(p) for p in expert_parameters(pm.module)}
-    params = [p for p in pm.module.parameters() if p.requires_grad]
+    skip = {id(p) for p in tables}
+    params = [p for p in pm.module.parameters() if p.requires_grad and id(p) not in skip]
     missing = [p for p in params if p.grad is None]
     if missing:  # FSDP reduce-scatters unused parameters as zeros (materialize sets that up)
         raise RuntimeError(f"{len(missing)} FSDP parameters have no gradient after backward")
@@ -85,11 +93,12 @@ def clip_grad_norm_(params, max_norm: float, pm: ParallelModel) -> torch.Tensor:
     """torch.nn.utils.clip_grad_norm_ (L2) over the whole model, whatever this rank holds of it; call after
     reduce_gradients. Returns the total norm (fp32), the same on every rank."""
     grads = [p.grad for p in params if p.grad is not None]
-    device = grads[0].device if grads else None
+    # The compute device: host-resident Engram blocks (parallel.engram_host_memory) sum their squares there too.
+    device = next((g.device for g in grads if g.device.type != "cpu"), grads[0].device if grads else None)
     squares: dict[tuple, torch.Tensor] = {}  # shard groups -> sum of squares of this rank's pieces
     for g in grads:
         key = _shard_groups(g)
-        sq = local_shard(g).double().pow(2).sum()
+        sq = local_shard(g).double().pow(2).sum().to(device)
         squares[key] = squares[key] + sq if key in squares else sq
     total = torch.zeros((), dtype=torch.float64, device=device)
     for groups, sq in squares.items():  # same parameter order, so the same keys in the same order, on every peer
@@ -101,7 +110,7 @@ def clip_grad_norm_(params, max_norm: float, pm: ParallelModel) -> torch.Tensor:
     norm = total.sqrt().float()
     coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)  # torch's coefficient
     for g in grads:
-        local_shard(g).mul_(coef.to(g.dtype))
+        local_shard(g).mul_(coef.to(g.device, g.dtype))
     return norm
 
 

@@ -240,13 +240,15 @@ class EngramSharding:
     def _engram(self, layer: int) -> Engram:
         return next(m for m in _engrams(self.model) if m.layer_id == layer)
 
-    def to_host(self) -> None:
-        """Move every block to host memory (pinned when CUDA is available). apply_engram_sharding does it on a
-        materialised model; after a meta build call it once `to_empty` and `init_weights` ran, before the optimiser
-        is built (it replaces the parameters)."""
+    def to_host(self, within: nn.Module | None = None) -> None:
+        """Move every block (or those of the Engrams inside `within`) to host memory (pinned when CUDA is
+        available). apply_engram_sharding does it on a materialised model; after a meta build call it once
+        `to_empty` and `init_weights` ran, before fully_shard and the optimiser (it replaces the parameters)."""
+        inside = None if within is None else {m.layer_id for m in _engrams(within)}
         for layer, reader in self.readers.items():
-            engram = self._engram(layer)
-            _install_block(engram, _to_host(local(engram.table).detach()), reader)
+            if inside is None or layer in inside:
+                engram = self._engram(layer)
+                _install_block(engram, _to_host(local(engram.table).detach()), reader)
 
     def prefetch_row_ids(self, row_ids: dict[int, torch.Tensor]) -> None:
         """Issue the exchange of every sharded Engram for {model layer: row ids [B, T, C]} (the ids its forward will

@@ -228,17 +228,19 @@ def all_reduce_flat(grads: list[torch.Tensor], groups: list, scale: float) -> No
 
 
 @torch.no_grad()
-def reduce_gradients(model: nn.Module, meshes) -> None:
+def reduce_gradients(model: nn.Module, meshes, exclude=()) -> None:
     """Average gradients the way the single process on the whole batch would have them (plain data-parallel
     path, without FSDP). Non-expert weights: mean over dp x ep x cp. Expert weights: sum over their replicas
     (dp, then cp) divided by dp x ep x cp, since the all-to-all backward already summed over the ep peers.
+    `exclude`: parameters reduced elsewhere (row-sharded Engram tables: trainer/parallel/engram.py).
 
     A parameter that got no gradient on some rank (experts no local token chose) is reduced as zeros there,
     the rows the single process's full gradient holds; one that got none on any rank keeps grad None, as in
     the single process.
     """
+    skip = {id(p) for p in exclude}
     experts = [p for p in expert_parameters(model) if p.requires_grad]
-    expert_ids = {id(p) for p in experts}
+    expert_ids = {id(p) for p in experts} | skip
     others = [p for p in model.parameters() if p.requires_grad and id(p) not in expert_ids]
     data = meshes.dp_ep_cp.get_group()
     used = torch.tensor([p.grad is not None for p in others + experts], dtype=torch.int32)

@@ -17,7 +17,8 @@ class Meshes:
     - pp, tp, ep, cp, dp_shard: one axis each;
     - dp: dp_replicate x dp_shard (gradient reduction of expert weights; FSDP);
     - data: dp_replicate x dp_shard x ep (ranks that read different batches);
-    - dp_ep_cp: dp_replicate x dp_shard x ep x cp (gradient reduction of non-expert weights).
+    - dp_ep_cp: dp_replicate x dp_shard x ep x cp (gradient reduction of non-expert weights; the group Engram
+      tables are row-sharded over with parallel.engram_shard).
     """
 
     world: DeviceMesh

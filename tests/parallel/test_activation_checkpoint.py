@@ -1,0 +1,233 @@
+"""Proves activation checkpointing (parallel.activation_checkpoint=full, trainer/parallel/activation_checkpoint.py)
+changes what a step keeps in memory and nothing it computes.
+
+Single process, through the trainer's code path (build_model -> parallelize -> materialize, compute_gradients,
+update_router_biases; tests/parallel/test_layouts.py's batches, optimiser, clipping and biasing rate), fp32, the tiny
+model with Engram (layers 1 and 4), the indexer KL and the MoE sequence-balance loss on, over two optimiser steps of
+4 micro-batches: the loss, every aux term, the clipped gradient norm, every gradient, the MoE expert load counts that
+drive the bias update, the balancing biases and the parameters after the steps with full checkpointing are BITWISE
+equal to the run without it. Three models: as configured; with QAT fake-quant (main KV FP4, indexer FP4, SWA KV
+FP8); in the indexer's dense warm-up phase (only the indexers train, so the blocks' inputs carry no gradient).
+Bitwise because the recomputation replays the same fp32 CPU operations on the same inputs, and reads the forward's
+own top-k, pool and published KV back from the context instead of recomputed copies.
+
+Not vacuous: the checkpointed run recomputes every block once per micro-batch (in the warm-up, every block with an
+indexer: the others save nothing), and with the recomputation guard switched off (model.common.recomputing always
+False) the expert load counts come out doubled, the side effect the guard exists to stop (the bias update's sign
+would hide it; the counts themselves, logged as expert imbalance and all-reduced across data ranks, must be exact).
+
+Distributed (gloo, one spawn of 2 ranks): pp 2 with 1F1B (compressed KV, top-k, pool and Engram rows cross the cut,
+the stages' backward recomputes), ep 2 (all-to-alls in the recomputation), tp 2 (DTensor collectives in the
+recomputation) and dp_shard 2 (FSDP2 over checkpointed blocks: its pre-backward hook unshards before a block is
+recomputed), each with full checkpointing, equal the single process WITHOUT it by test_layouts' comparison (1e-5
+relative, the rounding floor of a changed summation order; biases exactly). (cp 2, whose entry gather, window halo
+and chunk means also run in the recomputation, passes the same comparison; it is left out to keep this file near a
+minute on two cores.)
+
+Checkpoints: module names, state-dict keys and optimiser-state keys are the same with and without checkpointing,
+and a checkpoint (trainer.checkpoint, DCP) saved by a checkpointed model loads into one without, and back, exactly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import traceback
+
+import pytest
+import torch
+
+import model.attention
+import model.moe
+import trainer.parallel.activation_checkpoint as ac
+from optim import LRScheduler, OptimConfig, build_optimizer
+from tests.distributed import run_distributed
+from tests.parallel import test_layouts as layouts
+from trainer.checkpoint import Checkpointer, TrainState
+from trainer.config import CheckpointConfig, ParallelConfig, TrainerConfig
+from trainer.parallel.data_parallel import full_named_tensors, update_router_biases
+from trainer.train import build_model, compute_gradients, freeze_all_but, setup_runtime, trainable_parameters
+
+STEPS = layouts.STEPS
+
+
+def _model_config(case: str):
+    cfg = layouts._config()
+    if case == "qat":
+        return dataclasses.replace(cfg, quant=dataclasses.replace(cfg.quant, main_kv="fp4", index="fp4",
+                                                                  swa_kv="fp8"))
+    if case == "dense_warmup":
+        return dataclasses.replace(cfg, indexer=dataclasses.replace(cfg.indexer, phase="dense_warmup"))
+    return cfg
+
+
+def _build(cfg, activation_checkpoint: str):
+    parallel = ParallelConfig(activation_checkpoint=activation_checkpoint)
+    rt = setup_runtime(TrainerConfig(device="cpu", precision="fp32", num_threads=1), parallel)
+    pm = build_model(cfg, rt, parallel, layouts.SEED, batch_size=layouts.ROWS, seq_len=layouts.SEQ_LEN,
+                     grad_accum=layouts.MICROBATCHES)
+    params = trainable_parameters(pm.module, cfg)
+    freeze_all_but(pm.module, params)  # as trainer.train.build does (the dense warm-up trains the indexers only)
+    return pm, params
+
+
+def _run(case: str, activation_checkpoint: str) -> dict:
+    """test_layouts._train's single process, recording the expert load counts of every step too."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        cfg = _model_config(case)
+        pm, params = _build(cfg, activation_checkpoint)
+        opt = torch.optim.SGD(params, lr=layouts.LR, momentum=0.9, weight_decay=0.1)
+        out = {"init": full_named_tensors(pm.module), "loss": [], "grad_norm": [], "grads": [], "aux": [],
+               "counts": []}
+        pm.module.train()
+        for step in range(STEPS):
+            stats = compute_gradients(pm, layouts._global_batch(step), params, layouts.MAX_NORM, step=step + 1)
+            out["loss"].append(stats.loss)
+            out["grad_norm"].append(stats.grad_norm)
+            out["aux"].append(stats.aux)
+            out["grads"].append(full_named_tensors(pm.module, grads=True))
+            out["counts"].append(torch.stack([m.load_counts() for m in pm.module.moe_layers()]))
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            update_router_biases(pm)
+        out["params"] = full_named_tensors(pm.module)
+        out["biases"] = layouts._biases(pm.module)
+        return out
+    finally:
+        torch.set_num_threads(threads)
+
+
+_REFERENCE: dict[str, dict] = {}
+
+
+def _reference(case: str) -> dict:
+    """The run without checkpointing, once per case."""
+    if case not in _REFERENCE:
+        _REFERENCE[case] = _run(case, "none")
+    return _REFERENCE[case]
+
+
+def _assert_bitwise(got: dict, ref: dict, what: str) -> None:
+    assert got["loss"] == ref["loss"] and got["grad_norm"] == ref["grad_norm"], what
+    assert got["aux"] == ref["aux"], what
+    for step in range(STEPS):
+        assert torch.equal(got["counts"][step], ref["counts"][step]), f"{what}: expert load counts, step {step + 1}"
+        assert got["grads"][step].keys() == ref["grads"][step].keys(), what
+        bad = [n for n, g in ref["grads"][step].items() if not torch.equal(got["grads"][step][n], g)]
+        assert not bad, f"{what}: gradients differ at step {step + 1}: {bad}"
+    for key in ("init", "params", "biases"):
+        assert got[key].keys() == ref[key].keys(), (what, key)
+        bad = [n for n, t in ref[key].items() if not torch.equal(got[key][n], t)]
+        assert not bad, f"{what}: {key} differ: {bad}"
+
+
+@pytest.mark.parametrize("case", ["plain", "qat", "dense_warmup"])
+def test_single_process_is_bitwise_equal(case, monkeypatch):
+    recomputed = []
+    real = ac.recomputation
+
+    @contextlib.contextmanager
+    def counted():  # entered when a block is recomputed (checkpoint's context_fn builds it at the forward)
+        recomputed.append(1)
+        with real():
+            yield
+
+    monkeypatch.setattr(ac, "recomputation", counted)
+    got = _run(case, "full")
+    cfg = _model_config(case)
+    # every block once per micro-batch; in the warm-up only those with an indexer save anything to recompute
+    blocks = len(cfg.csa2.index_source_layers) if case == "dense_warmup" else cfg.num_layers
+    assert len(recomputed) == STEPS * layouts.MICROBATCHES * blocks
+    _assert_bitwise(got, _reference(case), case)
+
+
+def test_reference_is_not_vacuous():
+    ref = _reference("plain")
+    assert all(norm > layouts.MAX_NORM for norm in ref["grad_norm"])  # clipping active
+    assert ref["aux"][0]["aux/indexer_kl"] > 0 and ref["aux"][0]["aux/moe_seq_balance"] > 0
+    assert any(b.abs().sum() > 0 for b in ref["biases"].values())  # the biases moved
+    assert any(n.endswith("engram.table") for n in ref["grads"][0])
+    warmup = _reference("dense_warmup")
+    assert all(".indexer." in n for n in warmup["grads"][0])  # only the indexers learn in the warm-up
+
+
+def test_without_the_guard_the_recomputation_counts_experts_twice(monkeypatch):
+    for module in (model.attention, model.moe):
+        monkeypatch.setattr(module, "recomputing", lambda: False)
+    got = _run("plain", "full")
+    ref = _reference("plain")
+    assert torch.equal(got["counts"][0], 2 * ref["counts"][0])
+
+
+# --- distributed --------------------------------------------------------------------------------------------------
+
+LAYOUTS = {
+    "pp2_1f1b": dict(pp=2),
+    "ep2": dict(ep=2),
+    "tp2": dict(tp=2),
+    "dp_shard2": dict(dp_shard=2),
+}
+
+
+def _worker(rank: int, world: int, names: list[str]) -> dict:
+    """Every layout in one spawn, checkpointed; a failure stops the rest (peers may wait in a collective)."""
+    results = {}
+    for name in names:
+        try:
+            results[name] = layouts._train({**LAYOUTS[name], "activation_checkpoint": "full"})
+        except Exception:
+            results[name] = traceback.format_exc()
+            break
+    return results
+
+
+_RUNS: list = []
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_checkpointed_layouts_match_single_process_without(name):
+    if not _RUNS:
+        _RUNS.append(run_distributed(_worker, 2, list(LAYOUTS)))
+    ranks = [r[name] if name in r else f"{name} did not run" for r in _RUNS[0]]
+    layouts._check(name, ranks, _reference("plain"))
+
+
+# --- checkpoints --------------------------------------------------------------------------------------------------
+
+def _train_state(activation_checkpoint: str):
+    cfg = layouts._config()
+    pm, params = _build(cfg, activation_checkpoint)
+    optim_cfg = OptimConfig()
+    opt = build_optimizer(params, optim_cfg)
+    return pm, TrainState(pm.module, opt, LRScheduler(opt, optim_cfg, total_steps=10))
+
+
+def test_checkpoints_are_the_same_with_and_without(tmp_path):
+    (with_ac, state_ac), (without, state) = _train_state("full"), _train_state("none")
+    assert all(ac.is_checkpointed(b) for b in with_ac.module.layers)
+    assert not any(ac.is_checkpointed(b) for b in without.module.layers)
+    assert [n for n, _ in with_ac.module.named_parameters()] == [n for n, _ in without.module.named_parameters()]
+    for pm, st in ((with_ac, state_ac), (without, state)):  # one step each, so the optimisers have state
+        compute_gradients(pm, layouts._global_batch(0), list(pm.module.parameters()), layouts.MAX_NORM)
+        st.optimizer.step()
+        st.scheduler.step()
+    saved = state_ac.state_dict()
+    assert saved["model"].keys() == state.state_dict()["model"].keys()
+    assert saved["optim"]["state"].keys() == state.state_dict()["optim"]["state"].keys()
+
+    ckpt = Checkpointer(tmp_path, CheckpointConfig())
+    ckpt.load(ckpt.save(1, {"train": state_ac}), {"train": state})  # into the model without checkpointing
+    loaded = state.state_dict()
+    for n, t in saved["model"].items():
+        assert torch.equal(loaded["model"][n], t), n
+    for n, moments in saved["optim"]["state"].items():
+        for k, t in moments.items():
+            assert torch.equal(loaded["optim"]["state"][n][k], t), (n, k)
+    _, state_back = _train_state("full")  # and from there back into a checkpointed one
+    ckpt.load(ckpt.save(2, {"train": state}), {"train": state_back})
+    for n, t in state_back.state_dict()["model"].items():
+        assert torch.equal(saved["model"][n], t), n
+
