@@ -294,8 +294,7 @@ class CSA2Attention(nn.Module):
         kv_keys = ctx.shard.window_halo(kv)  # [B, h + T, D]
         h = kv_keys.shape[1] - T
         # the attention and indexer kernels take one whole sequence of plain tensors (model/kernels.py says why)
-        attn_path = kern.attention_path(path, context_parallel=h > 0 or ctx.offset > 0 or ctx.shard != _WHOLE,
-                                        tensor_parallel=not kern.plain(self.attn_sink))
+        attn_path = kern.attention_path(path, context_parallel=h > 0 or ctx.offset > 0 or ctx.shard != _WHOLE)
 
         kv_cmp = cmp_mask = scores = domain = None
         if spec.ratio > 0:

@@ -12,8 +12,8 @@ Where the Triton path does not apply yet, the site keeps the reference path (cor
 | site | Triton kernel | stays on the reference when |
 | --- | --- | --- |
 | QAT fake-quant: main KV, indexer q/k (FP4), SWA KV (FP8) | kernels.fp4 / kernels.fp8 (impl=) | DTensor input |
-| sparse attention over window + top-k | kernels.sparse_attention | dense-warmup phase, context or tensor parallelism |
-| indexer scores, candidate pool, pool scores, top-k | kernels.indexer | context or tensor parallelism |
+| sparse attention over window + top-k | kernels.sparse_attention | dense-warmup phase, context parallelism |
+| indexer scores, candidate pool, pool scores, top-k | kernels.indexer | context parallelism |
 | single-pass mHC step | kernels.mhc_triton.single_pass | mhc.impl="unfused"; DTensor parameters or inputs |
 | Engram gather + gate | kernels.engram_triton.engram_forward | DTensor parameters or inputs; a sharded table |
 - Dense warm-up: the attention reads every visible entry, a [B, T, E] mask that an int32 top-k list would only
@@ -21,9 +21,10 @@ Where the Triton path does not apply yet, the site keeps the reference path (cor
   scores, pools and picks with the kernels, and its KL target comes from attend's probabilities.
 - Context parallelism: a chunk's window keys arrive with the previous chunk's halo rows in front ([B, h + T, D])
   and its queries start at an offset; the attention kernel takes window keys [B, T, D] at positions 0..T-1 only.
-- Tensor parallelism: the plans make parameters DTensors (the kernels take plain tensors) and split the heads, so
-  the kernel's head-summed top-k probabilities are a per-rank partial sum (routed through `HeadSum`, the hook the
-  plan completes the sum at, but not yet proven equal under tp).
+- Tensor parallelism takes the kernels: the plan hands the attention plain local tensors (this rank's heads of q
+  and the sink, the replicated latent, compressor and indexer outputs), the indexer runs whole on every rank (the
+  same top-k everywhere), and the kernel's head-summed top-k probabilities, a sum over this rank's heads, pass
+  through `HeadSum`, whose output the plan all-reduces (tests/parallel/test_tp.py, Triton under tp and tp + sp).
 - mHC: only the step `mhc_step` does (attention expand + FFN site + collapse) is fused; the block's FFN expand and
   the next block's site prediction run unfused in `model.transformer.Block` on either path.
 - Engram: the kernel gathers rows by global id from the whole table, so a table sharded by a `row_reader` stays on
@@ -92,10 +93,10 @@ def plain(*tensors: torch.Tensor | None) -> bool:
     return not any(isinstance(t, DTensor) for t in tensors)
 
 
-def attention_path(path: str, *, context_parallel: bool, tensor_parallel: bool) -> str:
-    """The path of the attention and its indexer: `path`, or the reference under context or tensor parallelism
-    (see the module docstring for why)."""
-    return "reference" if context_parallel or tensor_parallel else path
+def attention_path(path: str, *, context_parallel: bool) -> str:
+    """The path of the attention and its indexer: `path`, or the reference under context parallelism (see the
+    module docstring for why)."""
+    return "reference" if context_parallel else path
 
 
 # -- QAT fake quantisation ------------------------------------------------------------------------------------------
