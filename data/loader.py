@@ -23,11 +23,39 @@ wherever a window ends and its rest carries into the next row, the next batch, t
 padded or dropped. Attention is not masked at document boundaries; the <eos> marks them.
 
 Position. A reader's state is {epoch, start of its current chunk (shard position, document index), documents
-of that chunk already packed, the carried tokens, shards skipped}. Each batch travels from its worker with the
-state its reader had right after making it; the loader keeps the state of the last batch it handed out per
-reader, plus which reader hands out the next batch (DataLoader collects from workers round-robin, so batch n
-comes from reader (first + n) mod R; a restored loader runs reader (first + j) mod R in worker slot j). Prefetched
-batches are not part of the state, so a resumed loader yields exactly the batches an uninterrupted one would.
+of that chunk already packed, the carried tokens, shards skipped}, plus, after an elastic resume, the pending work
+it drains first (below). Each batch travels from its worker with the state its reader had right after making it;
+the loader keeps the state of the last batch it handed out per reader, plus which reader hands out the next batch
+(DataLoader collects from workers round-robin, so batch n comes from reader (first + n) mod R; a restored loader
+runs reader (first + j) mod R in worker slot j). Prefetched batches are not part of the state, so a resumed loader
+yields exactly the batches an uninterrupted one would.
+
+Elastic resume (`load_state_dict(states, elastic=True)`, given every saved data rank's state; the trainer's
+checkpoint does this): a position saved with another number of readers G (other data ranks or data.num_workers)
+is continued without losing or repeating a document. With the same G and another split into ranks x workers, every
+reader's state moves as it is to the reader with its global index: exact per reader, only the interleaving of a
+rank's workers changes. With G -> G', the work left is rebuilt and dealt out:
+- e_max = the highest epoch any old reader has begun. Each old reader's leftover is: the rest of the chunk it is in
+  (its unpacked documents, in that chunk's shuffled order), the rest of that shard, its remaining shards of that
+  epoch, and its whole shard lists of the later epochs up to e_max (plus, if it was itself still draining, its
+  pending work): after the leftovers every epoch <= e_max has had each shard read exactly once. Chunk extents are
+  computed from meta.json's document counts (shards the reader recorded as skipped count as empty, as they did
+  when it read them), so planning reads no shard.
+- Segments are {epoch, shard, from} (documents from..end of a shard) and {epoch, docs: [[shard, doc], ...]} (the
+  rest of a begun chunk). In order of (epoch, old reader, position), each goes to the new reader with the fewest
+  leftover documents so far (ties: lowest index): loads differ by at most one segment, and every new reader drains
+  its segments epoch by epoch, in that order. A {docs} segment keeps the old reader's shuffled order; a
+  {epoch, shard, from} segment is read in chunks of shuffle_buffer documents, each permuted by a generator seeded
+  (seed, epoch, shard, from, chunk offset, 1), which does not depend on which reader drains it.
+- Old reader r's carried tokens go to new reader r mod G' (several carries: joined in reader order), ahead of its
+  segments: no token is lost. (The first token of a carry was already the last label of its old reader's last
+  batch; in a carry that follows another one it is a label once more, after the other's <eos>.) Skipped shard
+  names follow the carries.
+- Then every new reader runs normal epochs from e_max + 1 under the new G' split. Its state during the drain is
+  {epoch: e_max + 1, shard 0, doc 0, taken 0, carry, skipped, pending: the segments not finished, pending_pos:
+  [chunk offset in the first one, documents of that chunk taken]}: saved and resumed like any other, exactly with
+  the same layout, and elastically again (pending work is leftover too).
+The plan is computed identically on every rank from all old states; it is logged once (data rank 0).
 
 Unreadable shards (bad checksum, bad tar, wrong counts) are skipped with a warning naming them; the number of
 distinct shards this rank's readers skipped is `PackedLoader.skipped_shards` (per rank: other ranks read other
@@ -37,7 +65,10 @@ has proved unreadable, or at once without shuffling (it would be dealt the same 
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import heapq
+import logging
 import os
 import warnings
 from collections.abc import Iterator
@@ -49,17 +80,25 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from data.shards import ShardError, ShardInfo, read_meta, read_shard
 
-STATE_VERSION = 1
+STATE_VERSION = 2  # 2 adds the optional "pending" / "pending_pos" of an elastic resume; version 1 still loads
+_LOADABLE_VERSIONS = (1, 2)
+_DRAIN = 1  # ends a drained chunk's seed: (seed, epoch, shard, from, offset, 1) never equals an epoch chunk's seed
+
+log = logging.getLogger(__name__)
 
 
 def fresh_state() -> dict:
     return {"epoch": 0, "shard": 0, "doc": 0, "taken": 0, "carry": [], "skipped": []}
 
 
+@functools.lru_cache(maxsize=4)  # an elastic resume asks for every old reader's list of the same few epochs
+def _epoch_order(num_shards: int, epoch: int, seed: int, shuffle: bool) -> np.ndarray:
+    return np.random.default_rng([seed, epoch]).permutation(num_shards) if shuffle else np.arange(num_shards)
+
+
 def epoch_shards(num_shards: int, epoch: int, seed: int, shuffle: bool, reader: int, num_readers: int) -> list[int]:
     """Indices (into meta.json's shard list) that `reader` of `num_readers` reads in `epoch`, in order."""
-    order = np.random.default_rng([seed, epoch]).permutation(num_shards) if shuffle else np.arange(num_shards)
-    return order[reader::num_readers].tolist()
+    return _epoch_order(num_shards, epoch, seed, shuffle)[reader::num_readers].tolist()
 
 
 class _Reader:
@@ -101,10 +140,40 @@ class _Reader:
             for i in range(doc if pos == shard else 0, len(docs)):
                 yield pos, i, docs[i]
 
-    def _stream(self) -> Iterator[tuple[tuple[int, int, int, int], np.ndarray]]:
-        """Documents in packing order, each with the position (epoch, shard, doc, taken) just after it."""
+    def _segment(self, seg: dict) -> list[np.ndarray]:
+        """A pending segment's documents (those of unreadable shards left out, after a warning)."""
+        if "docs" in seg:
+            loaded = {s: self._load(s) for s in dict.fromkeys(s for s, _ in seg["docs"])}  # each shard once
+            return [loaded[s][d] for s, d in seg["docs"] if loaded[s] is not None]
+        docs = self._load(seg["shard"])
+        return [] if docs is None else docs[seg["from"]:]
+
+    def _drain(self, j0: int, t0: int) -> Iterator[tuple[tuple[int, int, int], np.ndarray]]:
+        """The pending segments' documents from (chunk offset j0 of the first, t0 of it taken), each with the drain
+        position (segment index, chunk offset, taken) just after it."""
+        pending = self.state.get("pending") or []
+        for k, seg in enumerate(pending):
+            docs = self._segment(seg)
+            taken = t0 if k == 0 else 0
+            for j in range(j0 if k == 0 else 0, len(docs), self.shuffle_buffer):
+                chunk = docs[j : j + self.shuffle_buffer]
+                if self.shuffle and "docs" not in seg:  # a {docs} segment keeps the old reader's order
+                    order = np.random.default_rng([self.seed, seg["epoch"], seg["shard"], seg["from"], j,
+                                                   _DRAIN]).permutation(len(chunk))
+                else:
+                    order = np.arange(len(chunk))
+                for i in range(taken, len(chunk)):
+                    yield (k, j, i + 1), chunk[order[i]]
+                taken = 0
+
+    def _stream(self) -> Iterator[tuple[tuple, np.ndarray]]:
+        """Documents in packing order, each with the position (epoch, shard, doc, taken, drain) just after it;
+        drain is (pending segment, chunk offset, taken) while the pending work is drained, else None."""
         s = self.state
         epoch, shard, doc, taken = s["epoch"], s["shard"], s["doc"], s["taken"]
+        if s.get("pending"):
+            for drain, tokens in self._drain(*s["pending_pos"]):
+                yield (epoch, shard, doc, taken, drain), tokens
         barren: set[int] = set()  # shards of the consecutive whole epochs that gave this reader nothing
         while True:
             fresh, seen = (shard, doc, taken) == (0, 0, 0), False
@@ -118,7 +187,7 @@ class _Reader:
                 else:
                     order = np.arange(len(chunk))
                 for i in range(taken, len(chunk)):
-                    yield (epoch, *start, i + 1), chunk[order[i]][2]
+                    yield (epoch, *start, i + 1, None), chunk[order[i]][2]
                 taken = 0
             if seen:
                 barren.clear()
@@ -138,7 +207,7 @@ class _Reader:
         eos = np.array([self.eos_id], dtype=np.int64)
         carry = np.asarray(self.state["carry"], dtype=np.int64)
 
-        def drain(position: tuple[int, int, int, int]):
+        def drain(position: tuple):
             # B rows need B*T + 1 tokens: the last label is the first input of the next batch.
             nonlocal carry
             while len(carry) >= B * T + 1:
@@ -147,14 +216,19 @@ class _Reader:
                     "labels": torch.from_numpy(carry[1 : B * T + 1].reshape(B, T).copy()),  # [B, T]
                 }
                 carry = carry[B * T :]
-                epoch, shard, doc, taken = position
+                epoch, shard, doc, taken, pending_at = position
                 # int32 halves what travels between processes; token ids never reach 2**31.
-                yield batch, {"epoch": epoch, "shard": shard, "doc": doc, "taken": taken,
-                              "carry": carry.astype(np.int32), "skipped": sorted(self.skipped)}
+                state = {"epoch": epoch, "shard": shard, "doc": doc, "taken": taken,
+                         "carry": carry.astype(np.int32), "skipped": sorted(self.skipped)}
+                if pending_at is not None:  # the segment list stays in the main process (PackedLoader.__iter__)
+                    state["pending_at"] = pending_at
+                yield batch, state
 
         # A restored carry may already hold whole batches (a long document was being cut): they come out
         # before the next document is read, under the restored position, as they did in the original run.
-        yield from drain(tuple(self.state[k] for k in ("epoch", "shard", "doc", "taken")))
+        s = self.state
+        at = (0, *s["pending_pos"]) if s.get("pending") else None
+        yield from drain((s["epoch"], s["shard"], s["doc"], s["taken"], at))
         for position, tokens in self._stream():
             carry = np.concatenate([carry, tokens, eos])
             yield from drain(position)
@@ -222,12 +296,16 @@ class PackedLoader:
         self._first = 0
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
-        dataset = _ShardStream(self._reader_kwargs, self.rank, self.readers_per_rank, self._first,
-                               list(self._states))
+        given = list(self._states)
+        dataset = _ShardStream(self._reader_kwargs, self.rank, self.readers_per_rank, self._first, given)
         loader = DataLoader(dataset, batch_size=None, num_workers=self.num_workers, collate_fn=_as_is,
                             pin_memory=self.pin_memory)
         for batch, local, state in loader:
             assert local == self._first, f"batch from reader {local}, expected {self._first} (round-robin broken)"
+            at = state.pop("pending_at", None)
+            if at is not None:  # still draining: keep the unfinished segments (indices relative to `given`)
+                k, j, t = at
+                state["pending"], state["pending_pos"] = given[local]["pending"][k:], [j, t]
             self._states[local] = state
             self._first = (local + 1) % self.readers_per_rank
             yield batch
@@ -239,8 +317,9 @@ class PackedLoader:
 
     @property
     def epoch(self) -> int:
-        """The epoch of the slowest reader of this rank (readers advance independently)."""
-        return min(s["epoch"] for s in self._states)
+        """The epoch of the slowest reader of this rank (readers advance independently; a reader draining the work
+        left by an elastic resume is in the epoch of its first pending segment)."""
+        return min(s["pending"][0]["epoch"] if s.get("pending") else s["epoch"] for s in self._states)
 
     def state_dict(self) -> dict:
         """Position after the last consumed batch, in plain Python types.
@@ -253,24 +332,181 @@ class PackedLoader:
         return {f"dp_rank_{self.rank}": {"version": STATE_VERSION, **self._layout, "first": self._first,
                                          "readers": readers}}
 
-    def load_state_dict(self, state_dict: dict) -> None:
+    def resumes_exactly(self, state_dict: dict) -> bool:
+        """Whether `state_dict` holds this rank's position saved under this very layout (same readers per rank,
+        same number of readers, same data settings), which `load_state_dict` restores exactly from it alone.
+        Otherwise a resume needs every saved data rank's state and `elastic=True`."""
+        s = state_dict.get(f"dp_rank_{self.rank}")
+        return (s is not None and s.get("version") in _LOADABLE_VERSIONS
+                and all(s.get(name) == value for name, value in self._layout.items())
+                and len(s["readers"]) == self.readers_per_rank)
+
+    def load_state_dict(self, state_dict: dict, elastic: bool = False) -> None:
+        """Restore a position. Saved under this layout: exactly (the same batches as an uninterrupted run). With
+        `elastic=True` and the states of every saved data rank (`dp_rank_<d>` entries merged into one dict), also
+        a position saved with another number of data ranks or data.num_workers (the module docstring says how);
+        without `elastic`, such a position is refused."""
+        if elastic and not self.resumes_exactly(state_dict):
+            self._load_elastic(state_dict)
+            return
         key = f"dp_rank_{self.rank}"
         if key not in state_dict:
             raise ValueError(f"data loader state has no entry {key!r} (has {sorted(state_dict)}): "
                              "saved with a different data-parallel size?")
         s = state_dict[key]
-        if s.get("version") != STATE_VERSION:
-            raise ValueError(f"data loader state version {s.get('version')!r}, expected {STATE_VERSION}")
+        self._check(s, skip=())
+        if len(s["readers"]) != self.readers_per_rank:
+            raise ValueError(f"data loader state was saved with {len(s['readers'])} readers per rank, this loader has "
+                             f"{self.readers_per_rank} (max(1, data.num_workers)); the saved position cannot be "
+                             "replayed exactly")
+        self._first = int(s["first"])
+        self._states = [_restored(r) for r in s["readers"]]
+
+    def _check(self, s: dict, skip: tuple[str, ...]) -> None:
+        if s.get("version") not in _LOADABLE_VERSIONS:
+            raise ValueError(f"data loader state version {s.get('version')!r}, expected one of {_LOADABLE_VERSIONS}")
         meaning = {"num_readers": " (world_size x max(1, data.num_workers))", "shards": " (hash of the shard list)"}
         for name, value in self._layout.items():
-            if s[name] != value:
+            if name not in skip and s[name] != value:
                 raise ValueError(
                     f"data loader state was saved with {name}={s[name]!r}, this loader has {value!r}"
                     f"{meaning.get(name, '')}; the saved position cannot be replayed exactly"
                 )
-        self._first = int(s["first"])
-        self._states = [
-            {**fresh_state(), **{k: r[k] for k in ("epoch", "shard", "doc", "taken", "skipped")},
-             "carry": np.asarray(r["carry"], dtype=np.int32)}
-            for r in s["readers"]
-        ]
+
+    def _load_elastic(self, state_dict: dict) -> None:
+        entries = {k: v for k, v in state_dict.items() if k.startswith("dp_rank_")}
+        if not entries:
+            raise ValueError(f"data loader state has no dp_rank_<d> entry (has {sorted(state_dict)})")
+        for s in entries.values():
+            self._check(s, skip=("num_readers",))  # everything but the number of readers must match
+        sizes = {(s["num_readers"], len(s["readers"])) for s in entries.values()}
+        if len(sizes) != 1:
+            raise ValueError(f"data loader states disagree on (num_readers, readers per rank): {sorted(sizes)}")
+        ((old_readers, per_rank),) = sizes
+        missing = [f"dp_rank_{d}" for d in range(old_readers // per_rank) if f"dp_rank_{d}" not in entries]
+        if missing or old_readers % per_rank:
+            raise ValueError(f"an elastic data resume needs the state of every saved data rank: {missing} missing "
+                             f"(saved with {old_readers} readers, {per_rank} per rank)")
+        old = [_restored(r) for d in range(old_readers // per_rank) for r in entries[f"dp_rank_{d}"]["readers"]]
+        num_readers = self._layout["num_readers"]
+        if old_readers == num_readers:  # the same readers, split otherwise over ranks x workers: each moves as it is
+            new = old
+            if self.rank == 0:
+                log.info("data: resuming %d readers as %d ranks x %d (saved as %d x %d): each reader continues exactly",
+                         num_readers, self.world_size, self.readers_per_rank, old_readers // per_rank, per_rank)
+        else:
+            kw = self._reader_kwargs
+            new, plan = elastic_split(old, kw["shards"], num_readers=num_readers, seed=kw["seed"],
+                                      shuffle=kw["shuffle"], shuffle_buffer=kw["shuffle_buffer"])
+            if self.rank == 0:
+                log.info("data: elastic resume from %d to %d readers: %d leftover documents of epochs <= %d and %d "
+                         "carried tokens are read first, then epochs from %d", old_readers, num_readers,
+                         plan["documents"], plan["last_epoch"], plan["carried_tokens"], plan["last_epoch"] + 1)
+        R = self.readers_per_rank
+        self._states = new[self.rank * R : (self.rank + 1) * R]
+        self._first = 0
+
+
+def _restored(r: dict) -> dict:
+    """A saved reader state (plain types, from JSON or pickle) as the reader runs it."""
+    out = {**fresh_state(), **{k: r[k] for k in ("epoch", "shard", "doc", "taken")},
+           "skipped": list(r["skipped"]), "carry": np.asarray(r["carry"], dtype=np.int32)}
+    if r.get("pending"):
+        out["pending"] = [{**seg, "docs": [list(x) for x in seg["docs"]]} if "docs" in seg else dict(seg)
+                          for seg in r["pending"]]
+        out["pending_pos"] = [int(x) for x in r["pending_pos"]]
+    return out
+
+
+def _begun(s: dict) -> bool:
+    """Whether a reader has packed a document of its current normal epoch."""
+    return not s.get("pending") and (s["shard"], s["doc"], s["taken"]) != (0, 0, 0)
+
+
+def _permutation(n: int, shuffle: bool, seed_seq: list[int]) -> np.ndarray:
+    return np.random.default_rng(seed_seq).permutation(n) if shuffle else np.arange(n)
+
+
+def _leftover(s: dict, reader: int, num_readers: int, shards: list[ShardInfo], *, seed: int, shuffle: bool,
+              shuffle_buffer: int, last_epoch: int) -> list[dict]:
+    """The segments old reader `reader` of `num_readers`, at state `s`, has left to read in epochs <= last_epoch."""
+    skipped = set(s["skipped"])
+    size = lambda i: 0 if shards[i].name in skipped else shards[i].num_docs  # noqa: E731 (as the reader saw it)
+    out: list[dict] = []
+    if s.get("pending"):  # its own drain: the rest of the current segment's chunk and segment, then the others
+        first, (j, t) = s["pending"][0], s["pending_pos"]
+        if "docs" in first:
+            rest = [d for d in first["docs"] if shards[d[0]].name not in skipped][j + t:]
+        else:
+            lo = first["from"] + j
+            hi = min(lo + shuffle_buffer, size(first["shard"]))
+            order = _permutation(max(0, hi - lo), shuffle, [seed, first["epoch"], first["shard"], first["from"], j,
+                                                            _DRAIN])
+            rest = [[first["shard"], lo + int(i)] for i in order[t:]]
+            if hi < size(first["shard"]):
+                out.append({"epoch": first["epoch"], "shard": first["shard"], "from": hi})
+        if rest:
+            out.insert(0, {"epoch": first["epoch"], "docs": rest})
+        out += s["pending"][1:]
+    epoch = s["epoch"]
+    if _begun(s):  # the rest of the chunk begun at (shard, doc), of its shard and of the epoch's shard list
+        mine = epoch_shards(len(shards), epoch, seed, shuffle, reader, num_readers)
+        pos, doc, chunk = s["shard"], s["doc"], []
+        while pos < len(mine) and len(chunk) < shuffle_buffer:
+            n = size(mine[pos])
+            take = max(0, min(n - doc, shuffle_buffer - len(chunk)))
+            chunk += [[mine[pos], i] for i in range(doc, doc + take)]
+            doc += take
+            if doc >= n:
+                pos, doc = pos + 1, 0
+        order = _permutation(len(chunk), shuffle, [seed, epoch, reader, s["shard"], s["doc"]])
+        rest = [chunk[int(i)] for i in order[s["taken"]:]]
+        if rest:
+            out.append({"epoch": epoch, "docs": rest})
+        if doc > 0:
+            out.append({"epoch": epoch, "shard": mine[pos], "from": doc})
+            pos += 1
+        out += [{"epoch": epoch, "shard": i, "from": 0} for i in mine[pos:]]
+        epoch += 1
+    for e in range(epoch, last_epoch + 1):  # epochs it has not begun, up to the last any reader has begun
+        out += [{"epoch": e, "shard": i, "from": 0}
+                for i in epoch_shards(len(shards), e, seed, shuffle, reader, num_readers)]
+    return out
+
+
+def elastic_split(old: list[dict], shards: list[ShardInfo], *, num_readers: int, seed: int, shuffle: bool,
+                  shuffle_buffer: int) -> tuple[list[dict], dict]:
+    """New states for `num_readers` readers that together read exactly what the old readers (states `old`, indexed
+    by global reader) have left, then go on with epoch e_max + 1 split over the new readers (module docstring).
+
+    Returns (states, {"last_epoch": e_max, "documents": leftover documents, "carried_tokens": ...})."""
+    last = max((s["epoch"] if _begun(s) else s["epoch"] - 1) for s in old)
+    kw = dict(seed=seed, shuffle=shuffle, shuffle_buffer=shuffle_buffer, last_epoch=last)
+    segments = [(seg["epoch"], r, i, seg) for r, s in enumerate(old)
+                for i, seg in enumerate(_leftover(s, r, len(old), shards, **kw))]
+    segments.sort(key=lambda x: x[:3])
+    skipped = set().union(*(s["skipped"] for s in old))
+
+    def docs(seg: dict) -> int:
+        if "docs" in seg:
+            return len(seg["docs"])
+        return 0 if shards[seg["shard"]].name in skipped else max(0, shards[seg["shard"]].num_docs - seg["from"])
+
+    heap = [(0, g) for g in range(num_readers)]  # (leftover documents dealt so far, new reader)
+    dealt: list[list[dict]] = [[] for _ in range(num_readers)]
+    for *_, seg in segments:
+        load, g = heapq.heappop(heap)
+        dealt[g].append(seg)
+        heapq.heappush(heap, (load + docs(seg), g))
+    new = []
+    for g in range(num_readers):
+        mine = old[g::num_readers]  # carries and skipped names of old readers g, g + G', ...
+        state = {**fresh_state(), "epoch": last + 1, "skipped": sorted(set().union(*(s["skipped"] for s in mine))),
+                 "carry": np.concatenate([np.asarray(s["carry"], dtype=np.int32) for s in mine]
+                                         + [np.zeros(0, np.int32)])}
+        if dealt[g]:
+            state["pending"], state["pending_pos"] = dealt[g], [0, 0]
+        new.append(state)
+    plan = {"last_epoch": last, "documents": sum(docs(seg) for *_, seg in segments),
+            "carried_tokens": int(sum(len(s["carry"]) for s in old))}
+    return new, plan

@@ -11,8 +11,11 @@ A checkpoint is the directory `<run dir>/checkpoints/step_<N>/` holding two Stat
 - `rank_local`: the data-loader position under `data_rank<d>` (d: this rank's index among the ranks that read
   different data, dp_replicate x dp_shard x ep; its tp / pp / cp peers hold the same position, and DCP keeps one
   copy of equal keys) and the RNG states (torch CPU/CUDA, python, numpy) under `rng_rank<r>`. A run with another
-  layout but the same data ranks resumes the data exactly; a rank whose RNG state was not saved (more ranks than
-  before) keeps its fresh seed. A different number of data ranks cannot replay the data position and is refused.
+  layout but the same data ranks and data.num_workers resumes the data exactly; a rank whose RNG state was not
+  saved (more ranks than before) keeps its fresh seed. With another number of data ranks or data.num_workers, every
+  rank reads the positions of all saved data ranks (a second, rank-local read: no collective) and the loader deals
+  the work they had left over its new readers (elastic resume, data/loader.py: no document skipped or read twice
+  within an epoch).
 
 The `COMPLETE` marker (JSON) records the format, the step, the model config and the parallel sizes. Resuming with
 a model config whose parameters differ fails before anything is built, naming every key to change
@@ -131,12 +134,16 @@ class RankLocalState:
     pickled to one opaque blob so that DCP neither flattens them nor mixes two ranks' states.
 
     `keys_in_checkpoint` (set by Checkpointer.load) lets a load ask only for what the checkpoint has: the RNG of a
-    rank the saving run did not have is skipped, a missing data position is an error naming the layouts."""
+    rank the saving run did not have is skipped. A loader with `resumes_exactly` (PackedLoader) whose own saved
+    position is missing or from another layout gets every saved data rank's position instead, read from
+    `checkpoint_path` on this rank alone, and resumes elastically; for any other loader a missing data position is
+    an error naming the layouts."""
 
     def __init__(self, loader, rank: int, data_rank: int | None = None) -> None:
         self.loader, self.rank = loader, rank
         self.data_rank = rank if data_rank is None else data_rank
         self.keys_in_checkpoint: set[str] | None = None  # None: saving, or everything is there
+        self.checkpoint_path: tuple[Path, str] | None = None  # (directory, this entry's name) while loading
 
     @property
     def data_key(self) -> str:
@@ -157,24 +164,46 @@ class RankLocalState:
         out = {self.data_key: pickle.dumps(self.loader.state_dict()), self.rng_key: pickle.dumps(_rng_state())}
         return out if keys is None else {k: v for k, v in out.items() if k in keys}
 
+    def _all_data_positions(self) -> dict:
+        """Every saved data rank's loader state, merged ({dp_rank_<d>: ...}), read by this rank alone."""
+        path, name = self.checkpoint_path
+        keys = sorted(k for k in (self.keys_in_checkpoint or ()) if k.startswith("data_rank"))
+        if not keys:
+            raise ValueError(f"checkpoint {path} has no data position")
+        blobs = {name: {k: b"" for k in keys}}
+        dcp.load(blobs, storage_reader=FileSystemReader(str(path)), no_dist=True)
+        merged: dict = {}
+        for k in keys:
+            merged.update(pickle.loads(blobs[name][k]))
+        return merged
+
     def load_state_dict(self, state: dict) -> None:
         if self.key in state:  # format 1
             blob = pickle.loads(state[self.key])
             self.loader.load_state_dict(blob["data"])
             _set_rng_state(blob["rng"])
             return
-        if self.data_key not in state:
+        own = pickle.loads(state[self.data_key]) if self.data_key in state else None
+        exact = getattr(self.loader, "resumes_exactly", None)
+        if exact is not None and self.checkpoint_path is not None and (own is None or not exact(own)):
+            try:
+                self.loader.load_state_dict(self._all_data_positions(), elastic=True)
+            except ValueError as e:
+                raise ValueError(f"cannot resume the data position: {e}. Resume with the checkpoint's data settings, "
+                                 "or set checkpoint.resume=none to start fresh") from None
+        elif own is None:
             saved = sorted(k for k in (self.keys_in_checkpoint or ()) if k.startswith("data_rank"))
             raise ValueError(
                 f"checkpoint has no data position for data rank {self.data_rank} (it has {len(saved)} data ranks, "
                 "dp_replicate x dp_shard x ep): resume with the data-parallel sizes it was saved with, or set "
                 "checkpoint.resume=none to start fresh")
-        try:
-            self.loader.load_state_dict(pickle.loads(state[self.data_key]))
-        except ValueError as e:
-            raise ValueError(f"cannot resume the data position: {e}. Resume with the checkpoint's number of data ranks "
-                             "(dp_replicate x dp_shard x ep) and data.num_workers, or set checkpoint.resume=none to "
-                             "start fresh") from None
+        else:
+            try:
+                self.loader.load_state_dict(own)
+            except ValueError as e:
+                raise ValueError(f"cannot resume the data position: {e}. Resume with the checkpoint's number of data "
+                                 "ranks (dp_replicate x dp_shard x ep) and data.num_workers, or set "
+                                 "checkpoint.resume=none to start fresh") from None
         if self.rng_key in state:  # else: a rank the saving run did not have keeps its fresh seed
             _set_rng_state(pickle.loads(state[self.rng_key]))
 
@@ -251,6 +280,7 @@ class Checkpointer:
         for name, state in states.items():
             if isinstance(state, RankLocalState):
                 state.keys_in_checkpoint = {k[len(name) + 1:] for k in saved if k.startswith(f"{name}.")}
+                state.checkpoint_path = (Path(path), name)
         try:
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
@@ -258,7 +288,7 @@ class Checkpointer:
         finally:
             for state in states.values():
                 if isinstance(state, RankLocalState):
-                    state.keys_in_checkpoint = None
+                    state.keys_in_checkpoint = state.checkpoint_path = None
 
     def save(self, step: int, states: dict) -> Path:
         final = self.root / step_dir_name(step)
