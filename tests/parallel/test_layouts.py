@@ -297,8 +297,9 @@ def test_eight_rank_layout_matches_single_process(name, single):
                         r"pp_virtual = 2"),
     (dict(pp=2, pp_virtual=2, pp_schedule="Interleaved1F1B"), 64, 5,
      r"rounds of pp=2: trainer.grad_accum=5 must be below pp or a multiple of 2"),
-    (dict(pp=2, pp_virtual=2, pp_schedule="ZBVZeroBubble"), 64, 4,
-     r"pp_schedule=ZBVZeroBubble is refused for now: .*use 1F1B or Interleaved1F1B"),
+    (dict(pp=2, pp_virtual=2, pp_schedule="InterleavedZeroBubble"), 64, 5,
+     r"InterleavedZeroBubble runs micro-batches in rounds of pp=2: trainer.grad_accum=5 must be below pp or a "
+     r"multiple of 2"),
 ])
 def test_impossible_layouts_name_what_to_change(fields, seq_len, grad_accum, message):
     with pytest.raises(ValueError, match=message):

@@ -119,7 +119,15 @@ def _check_microbatches(parallel: ParallelConfig, pp: int, grad_accum: int) -> N
     """The schedules' own rules (torch.distributed.pipelining), stated in our keys. Every schedule, the zero-bubble
     ones included, trains exactly like the single process on the tiny model's splits where compressed KV and indexer
     keys cross a cut (tests/parallel/test_layouts.py, tests/parallel/test_zero_bubble.py); the zero-bubble split
-    backward needs the stage module's hooks for that (trainer/parallel/pipeline.py, "Zero bubble")."""
+    backward needs the stage module's hooks for that (trainer/parallel/pipeline.py, "Zero bubble"). Refused: a
+    zero-bubble schedule with activation checkpointing. Its weight pass is a second autograd call, which makes
+    non-reentrant checkpointing recompute every block a second time, and that recomputation enters the context
+    `activation_checkpoint._contexts` made for the block's forward a second time, which a generator-made context
+    refuses (AttributeError in the weight pass)."""
+    if "ZeroBubble" in parallel.pp_schedule and parallel.activation_checkpoint != "none":
+        raise ValueError(f"parallel.pp_schedule={parallel.pp_schedule} does not run with "
+                         f"parallel.activation_checkpoint={parallel.activation_checkpoint} for now: use "
+                         "parallel.pp_schedule=Interleaved1F1B (or 1F1B), or parallel.activation_checkpoint=none")
     num_stages = pp * parallel.pp_virtual
     if parallel.pp_schedule == "1F1B" and grad_accum < num_stages:
         raise ValueError(f"parallel.pp_schedule={parallel.pp_schedule} needs at least as many micro-batches as "

@@ -1,0 +1,208 @@
+"""Proves the zero-bubble pipeline schedules train exactly like the single process, through the trainer.
+
+torch's zero-bubble schedules (ZBVZeroBubble, InterleavedZeroBubble) split each stage's backward into an input pass
+(autograd from the stage outputs to the received inputs, saving the gradients that enter the input-to-output graph
+where the parameters' own subgraphs join it) and a deferred weight pass (from those saved gradients to the
+parameters). Before trainer/parallel/pipeline.py's "Zero bubble" fixes, three things went wrong where a KV source
+layer's main KV and indexer keys cross a cut (the tiny model cut at [2, 6, 9] or [2, 6, 10]):
+- the source layer computes its indexer keys from its detached latent (wk -> k_norm -> RoPE -> kv_keys), a path to
+  a stage output that never joins the input-to-output graph, so the weight pass lost the gradient the keys receive
+  from later stages and gave wk and k_norm only their own stage's indexer-KL term (1.6e-3 relative through the
+  trainer); fixed by tying every differentiable output to a received tensor (`_Tie`);
+- received KV read through a transpose got strided input gradients, which gloo's send refuses
+  (`_ContiguousGrad`);
+- with the tie, torch's own split (_backward.py stage_backward_input / stage_backward_weight) groups parameters
+  wrongly: a parameter whose subgraph joins at two nodes can land in two groups, counted twice or, here,
+  "Trying to backward through the graph a second time"; the stage's own passes (`_Stage`) run the weight pass as
+  one autograd call from all the joints instead.
+
+What the tests show:
+- per stage, in one process: our split backward equals the full backward bit for bit (inputs and every parameter)
+  on cuts [2, 6, 9], the input pass computes no parameter gradient, and the input gradients are contiguous; without
+  the hooks wk and k_norm of layer 6 lose their gradient and the last stage's KV gradients are strided (the test
+  sees the bug);
+- through the trainer on 2 gloo ranks (one spawn, test_layouts.py's _train and _check, the same 1e-5 rules; the
+  errors are in fact 0): pp 2 x pp_virtual 2 with ZBVZeroBubble on the balanced cuts [2, 6, 10] and on [2, 6, 9]
+  (layer 6's main KV and indexer keys cross the last cut; at [2, 6, 9] its top-k and candidate pool too), and
+  InterleavedZeroBubble on the balanced cuts; the backward did run split on every stage with received inputs;
+- validate_layout lets both schedules through, and refuses them with activation checkpointing (apply.py says why).
+"""
+
+from __future__ import annotations
+
+import traceback
+
+import pytest
+import torch
+import torch.distributed.pipelining.stage as pipelining_stage
+
+import model as model_pkg
+from tests.distributed import run_distributed
+from tests.parallel.test_layouts import _check, _config, _train, single  # noqa: F401  (single: the reference)
+from trainer.config import ParallelConfig
+from trainer.parallel import pipeline
+from trainer.parallel.apply import validate_layout
+from trainer.parallel.pipeline import split_model
+
+LAYOUTS = {
+    "pp2_v2_zbv": dict(pp=2, pp_virtual=2, pp_schedule="ZBVZeroBubble"),
+    "pp2_v2_zbv_cuts_2_6_9": dict(pp=2, pp_virtual=2, pp_schedule="ZBVZeroBubble", pp_cuts=[2, 6, 9]),
+    "pp2_v2_interleaved_zb": dict(pp=2, pp_virtual=2, pp_schedule="InterleavedZeroBubble"),
+}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    # one thread, as each spawned rank has (and as test_layouts' reference runs): on two shared cores the tiny
+    # model's small GEMMs run faster without threads competing
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+# --- one process: the split backward of each stage ------------------------------------------------------------------
+
+def _stage_grads(cuts: list[int]) -> list[dict]:
+    """Per non-first stage of the tiny model cut at `cuts`: full-backward and split-backward gradients of the
+    received inputs and of every parameter, for the same inputs and random output gradients."""
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = model_pkg.build(_config())
+    model.to_empty(device="cpu")
+    model.init_weights()
+    model.train()
+    stages = split_model(model, cuts, list(range(len(cuts) + 1)))
+    for s in stages:
+        s.set_shapes(1, 64)
+    x: tuple = (torch.randint(0, 4096, (1, 64)),)
+    received = []
+    for s in stages:
+        received.append(x)
+        x = tuple(t.detach().requires_grad_(t.is_floating_point()) for t in s(*x))
+    out = []
+    for k, s in list(enumerate(stages))[1:]:
+        params = dict(s.named_parameters())
+        result = {}
+        for how in ("full", "split"):
+            inputs = tuple(t.detach().clone().requires_grad_(t.requires_grad) for t in received[k])
+            torch.manual_seed(1)
+            outputs = s(*inputs)
+            if s.is_last:
+                logits, aux = outputs
+                outputs, grads = (logits.square().mean() + aux.sum(),), None
+            else:
+                gen = torch.Generator().manual_seed(2)
+                grads = [torch.randn(t.shape, generator=gen) if t.requires_grad else None for t in outputs]
+            want = [t for t in inputs if t.requires_grad]
+            if how == "full":
+                pairs = [(o, g) for o, g in zip(outputs, grads or [None]) if o.requires_grad]
+                got = torch.autograd.grad([o for o, _ in pairs], want + list(params.values()),
+                                          [g for _, g in pairs] if grads else None, allow_unused=True)
+                d_in, d_w = got[:len(want)], dict(zip(params, got[len(want):]))
+            else:
+                for p in params.values():
+                    p.grad = None
+                d_all, state = pipeline._backward_input(list(outputs), grads, list(inputs), s.parameters())
+                assert all(p.grad is None for p in params.values())  # the input pass leaves the weights alone
+                pipeline._backward_weight(s.parameters(), state)
+                d_in = tuple(d for t, d in zip(inputs, d_all) if t.requires_grad)
+                d_w = {n: p.grad for n, p in params.items()}
+                for p in params.values():
+                    p.grad = None
+            result[how] = (d_in, d_w)
+        out.append(result)
+    return out
+
+
+def _diff(a: torch.Tensor | None, b: torch.Tensor | None) -> float:
+    if a is None or b is None:
+        return 0.0 if a is None and b is None else float("inf")
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def test_split_backward_equals_full_backward_per_stage():
+    for result in _stage_grads([2, 6, 9]):
+        (full_in, full_w), (split_in, split_w) = result["full"], result["split"]
+        assert all(torch.equal(a, b) for a, b in zip(split_in, full_in))
+        assert all(d.is_contiguous() for d in split_in)  # gloo sends them
+        bad = {n: _diff(split_w[n], g) for n, g in full_w.items() if _diff(split_w[n], g) != 0.0}
+        assert not bad, bad
+
+
+def test_without_the_hooks_the_indexer_keys_lose_their_gradient(monkeypatch):
+    """The bug the hooks fix, in one process: stage [6, 9) publishes layer 6's indexer keys, made from its
+    detached latent; the weight pass loses the gradient they receive from the next stage."""
+    monkeypatch.setattr(pipeline._Tie, "apply", staticmethod(lambda t, anchor: t))
+    monkeypatch.setattr(pipeline._ContiguousGrad, "apply", staticmethod(lambda t: t))
+    stage_6_9, last = _stage_grads([2, 6, 9])[1:]
+    (_, full_w), (_, split_w) = stage_6_9["full"], stage_6_9["split"]
+    wrong = sorted(n for n, g in full_w.items() if _diff(split_w[n], g) > 0.5)
+    assert wrong == ["layers.6.attn.indexer.k_norm.weight", "layers.6.attn.indexer.wk.weight"]
+    assert not all(d.is_contiguous() for d in last["split"][0])  # kv gradients of the last stage: strided
+
+
+# --- start-up checks ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("schedule", ["ZBVZeroBubble", "InterleavedZeroBubble"])
+def test_zero_bubble_layouts_pass_validation(schedule):
+    fields = dict(pp=2, pp_virtual=2, pp_schedule=schedule)
+    assert validate_layout(ParallelConfig(**fields), _config(), seq_len=64, grad_accum=4) == [2, 6, 10]
+    assert validate_layout(ParallelConfig(**fields, pp_cuts=[2, 6, 9]), _config(), seq_len=64, grad_accum=4) == [
+        2, 6, 9]
+
+
+def test_zero_bubble_with_activation_checkpointing_is_refused():
+    with pytest.raises(ValueError, match=r"parallel.pp_schedule=ZBVZeroBubble does not run with "
+                                         r"parallel.activation_checkpoint=full .*parallel.activation_checkpoint=none"):
+        validate_layout(ParallelConfig(pp=2, pp_virtual=2, pp_schedule="ZBVZeroBubble", activation_checkpoint="full"),
+                        _config(), seq_len=64, grad_accum=4)
+
+
+# --- through the trainer, 2 ranks -----------------------------------------------------------------------------------
+
+def _worker(rank: int, world: int, names: list[str]) -> dict:
+    """Every layout in one spawn; counts the input passes, the weight passes run apart from them, and the full
+    backward passes."""
+    calls = {"input": 0, "weight": 0, "full": 0}
+
+    def counted(fn, key):
+        def wrapper(*args, **kwargs):
+            calls[key] += 1
+            return fn(*args, **kwargs)
+        return wrapper
+
+    pipeline._backward_input = counted(pipeline._backward_input, "input")
+    pipeline._backward_weight = counted(pipeline._backward_weight, "weight")
+    pipelining_stage.stage_backward = counted(pipelining_stage.stage_backward, "full")
+    results = {}
+    for name in names:
+        calls.update(input=0, weight=0, full=0)
+        try:
+            results[name] = _train(LAYOUTS[name])
+            results[name]["split_passes"] = dict(calls)
+        except Exception:
+            results[name] = traceback.format_exc()
+            break
+    return results
+
+
+_RUNS: list = []
+
+
+def _runs() -> list:
+    if not _RUNS:
+        _RUNS.extend(run_distributed(_worker, 2, list(LAYOUTS)))
+    return _RUNS
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_zero_bubble_layouts_match_single_process(name, single):  # noqa: F811
+    ranks = [r[name] if name in r else f"{name} did not run" for r in _runs()]
+    _check(name, ranks, single)
+    # The backward ran split: an input pass and a later weight pass for each of 2 steps x 4 micro-batches on the 3
+    # stages with received inputs; the first stage, which has no input gradient, runs its whole backward at its
+    # weight pass (torch's rule).
+    passes = {key: sum(r["split_passes"][key] for r in ranks) for key in ("input", "weight", "full")}
+    assert passes == {"input": 3 * 2 * 4, "weight": 3 * 2 * 4, "full": 2 * 4}, passes
