@@ -3,17 +3,17 @@
 torch's zero-bubble schedules (ZBVZeroBubble, InterleavedZeroBubble) split each stage's backward into an input pass
 (autograd from the stage outputs to the received inputs, saving the gradients that enter the input-to-output graph
 where the parameters' own subgraphs join it) and a deferred weight pass (from those saved gradients to the
-parameters). Before trainer/parallel/pipeline.py's "Zero bubble" fixes, three things went wrong where a KV source
+parameters). Before the fixes of trainer/parallel/zero_bubble.py, three things went wrong where a KV source
 layer's main KV and indexer keys cross a cut (the tiny model cut at [2, 6, 9] or [2, 6, 10]):
 - the source layer computes its indexer keys from its detached latent (wk -> k_norm -> RoPE -> kv_keys), a path to
   a stage output that never joins the input-to-output graph, so the weight pass lost the gradient the keys receive
   from later stages and gave wk and k_norm only their own stage's indexer-KL term (1.6e-3 relative through the
-  trainer); fixed by tying every differentiable output to a received tensor (`_Tie`);
+  trainer); fixed by tying every differentiable output to a received tensor (`Tie`, trainer/parallel/zero_bubble.py);
 - received KV read through a transpose got strided input gradients, which gloo's send refuses
-  (`_ContiguousGrad`);
+  (`ContiguousGrad`);
 - with the tie, torch's own split (_backward.py stage_backward_input / stage_backward_weight) groups parameters
   wrongly: a parameter whose subgraph joins at two nodes can land in two groups, counted twice or, here,
-  "Trying to backward through the graph a second time"; the stage's own passes (`_Stage`) run the weight pass as
+  "Trying to backward through the graph a second time"; the stage's own passes (`ZeroBubbleStage`) run the weight pass as
   one autograd call from all the joints instead.
 
 What the tests show:
@@ -40,7 +40,7 @@ import model as model_pkg
 from tests.distributed import run_distributed
 from tests.parallel.test_layouts import _check, _config, _train, single  # noqa: F401  (single: the reference)
 from trainer.config import ParallelConfig
-from trainer.parallel import pipeline
+from trainer.parallel import zero_bubble
 from trainer.parallel.apply import validate_layout
 from trainer.parallel.pipeline import split_model
 
@@ -103,9 +103,9 @@ def _stage_grads(cuts: list[int]) -> list[dict]:
             else:
                 for p in params.values():
                     p.grad = None
-                d_all, state = pipeline._backward_input(list(outputs), grads, list(inputs), s.parameters())
+                d_all, state = zero_bubble._backward_input(list(outputs), grads, list(inputs), s.parameters())
                 assert all(p.grad is None for p in params.values())  # the input pass leaves the weights alone
-                pipeline._backward_weight(s.parameters(), state)
+                zero_bubble._backward_weight(s.parameters(), state)
                 d_in = tuple(d for t, d in zip(inputs, d_all) if t.requires_grad)
                 d_w = {n: p.grad for n, p in params.items()}
                 for p in params.values():
@@ -133,8 +133,8 @@ def test_split_backward_equals_full_backward_per_stage():
 def test_without_the_hooks_the_indexer_keys_lose_their_gradient(monkeypatch):
     """The bug the hooks fix, in one process: stage [6, 9) publishes layer 6's indexer keys, made from its
     detached latent; the weight pass loses the gradient they receive from the next stage."""
-    monkeypatch.setattr(pipeline._Tie, "apply", staticmethod(lambda t, anchor: t))
-    monkeypatch.setattr(pipeline._ContiguousGrad, "apply", staticmethod(lambda t: t))
+    monkeypatch.setattr(zero_bubble.Tie, "apply", staticmethod(lambda t, anchor: t))
+    monkeypatch.setattr(zero_bubble.ContiguousGrad, "apply", staticmethod(lambda t: t))
     stage_6_9, last = _stage_grads([2, 6, 9])[1:]
     (_, full_w), (_, split_w) = stage_6_9["full"], stage_6_9["split"]
     wrong = sorted(n for n, g in full_w.items() if _diff(split_w[n], g) > 0.5)
@@ -172,8 +172,8 @@ def _worker(rank: int, world: int, names: list[str]) -> dict:
             return fn(*args, **kwargs)
         return wrapper
 
-    pipeline._backward_input = counted(pipeline._backward_input, "input")
-    pipeline._backward_weight = counted(pipeline._backward_weight, "weight")
+    zero_bubble._backward_input = counted(zero_bubble._backward_input, "input")
+    zero_bubble._backward_weight = counted(zero_bubble._backward_weight, "weight")
     pipelining_stage.stage_backward = counted(pipelining_stage.stage_backward, "full")
     results = {}
     for name in names:

@@ -56,29 +56,9 @@ MoE balancing: each stage's MoE layers count the loads of all M micro-batches; `
 updates them from those counts (summed over the data ranks by the caller when dp/ep > 1), as the single process
 does on the whole batch.
 
-Zero bubble
------------
-ZBVZeroBubble and InterleavedZeroBubble split each stage's backward in two: an input pass (autograd from the stage
-outputs to its received inputs only, which the previous stage waits for) and a later weight pass (the parameters'
-gradients). The input pass saves the gradient entering each "joint", a node of the input-to-output graph that a
-parameter's own subgraph feeds; the weight pass re-runs autograd from the joints, fed those gradients, to the
-parameters. Three things make that exact here (tests/parallel/test_zero_bubble.py: the gradients equal the single
-process's, through the trainer, on cuts that the source layer's KV and indexer keys cross):
-- `_Tie`: every stage output that carries a gradient is tied to a received tensor. Otherwise a parameter path that
-  reaches an output without touching the input-to-output graph has no joint and its gradient is lost: a KV source
-  layer computes its indexer keys from its detached latent (wk -> k_norm -> RoPE -> kv_keys), so wk and k_norm
-  got only their own stage's indexer-KL gradient, not the later stages' (1.6e-3 relative error through the
-  trainer, where the keys cross a cut).
-- `_ContiguousGrad`: every received tensor hands back a contiguous input gradient (received KV read through a
-  transpose got a strided one, which gloo's send refuses).
-- `_Stage`: our own two passes replace torch's stage_backward_input / stage_backward_weight (pipelining/
-  _backward.py; the full backward and the schedules stay torch's). torch groups the parameters by the joints they
-  feed, but its merge is not transitive: a parameter that feeds two joints first seen under different groups (wk
-  feeds the tie and the aux sum) lands in two groups, whose weight passes then count it twice or, here, walk its
-  freed subgraph a second time ("Trying to backward through the graph a second time"). Ours runs the weight pass
-  as one autograd call from every joint, each clamped to its saved gradient, so no node runs twice.
-The first stage has no input gradient: torch runs its whole backward at its weight pass. Activation checkpointing
-does not combine with these schedules yet (trainer/parallel/apply.py `_check_microbatches` says why).
+Zero bubble: ZBVZeroBubble and InterleavedZeroBubble split each stage's backward into an input and a weight pass;
+trainer/parallel/zero_bubble.py makes that split exact on these stages (the stage wraps its received inputs and
+its outputs in that module's `ContiguousGrad` and `Tie`, and the schedules run `ZeroBubbleStage`s).
 
 Stage modules keep the model's parameter names (`embed.weight`, `layers.<i>...`, `norm.weight`, `head.weight`):
 `layers` is an nn.ModuleDict keyed by the global layer index, so state dicts and checkpoints match the whole model.
@@ -96,19 +76,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.autograd.graph import GradientEdge
 from torch.distributed.pipelining import (
-    PipelineStage,
     Schedule1F1B,
     ScheduleInterleaved1F1B,
     ScheduleInterleavedZeroBubble,
     ScheduleZBVZeroBubble,
-)
-from torch.distributed.pipelining._backward import (
-    _autograd_grad_for_inputs,
-    _get_grad_fn_or_grad_acc,
-    construct_reverse_graph,
-    reverse_closure,
 )
 
 from model.attention import ForwardContext
@@ -116,6 +88,7 @@ from model.config import ModelConfig
 from model.layer_plan import LayerSpec, build_layer_plan
 from model.moe import MoE
 from model.transformer import Transformer, embed_streams, forward_blocks, head_logits, new_context
+from trainer.parallel.zero_bubble import ContiguousGrad, Tie, ZeroBubbleStage
 
 __all__ = [
     "SCHEDULES", "Slot", "PipelineStageModule", "PipelineLoss", "Pipeline",
@@ -407,19 +380,19 @@ class PipelineStageModule(nn.Module):
 
     def forward(self, *inputs: torch.Tensor):
         device_type = inputs[0].device.type
-        # The zero-bubble hooks (see "Zero bubble" at the top): every received tensor that carries a gradient goes
-        # through _ContiguousGrad (its input gradient leaves contiguous, as gloo's send needs), and every output that
-        # carries one through _Tie to a received tensor (every differentiable output is on autograd's path from the
+        # The zero-bubble hooks (trainer/parallel/zero_bubble.py): every received tensor that carries a gradient goes
+        # through ContiguousGrad (its input gradient leaves contiguous, as gloo's send needs), and every output that
+        # carries one through Tie to a received tensor (every differentiable output is on autograd's path from the
         # stage inputs, where the input pass saves the gradients the weight pass starts from).
         anchor = next((t for t in inputs if t.requires_grad), None)
         if anchor is not None:
-            inputs = tuple(_ContiguousGrad.apply(t) if t.requires_grad else t for t in inputs)
+            inputs = tuple(ContiguousGrad.apply(t) if t.requires_grad else t for t in inputs)
         with torch.autocast(device_type, dtype=self.autocast_dtype or torch.float32,
                             enabled=self.autocast_dtype is not None):
             out = self._forward(inputs)
         if anchor is None:
             return out
-        return tuple(_Tie.apply(t, anchor) if t.requires_grad else t for t in out)
+        return tuple(Tie.apply(t, anchor) if t.requires_grad else t for t in out)
 
     def _forward(self, inputs):
         cfg = self.cfg
@@ -507,40 +480,10 @@ class PipelineStageModule(nn.Module):
             t = t.contiguous()  # gloo sends contiguous tensors only
             if t._is_view() or (t.requires_grad and t.is_leaf):
                 # The zero-bubble backward detaches stage outputs in place, which a view refuses and a leaf input
-                # must not suffer (forward's _Tie alias is neither, but the first stage's outputs are not tied).
+                # must not suffer (forward's Tie alias is neither, but the first stage's outputs are not tied).
                 t = t.clone()
             out.append(t)
         return tuple(out)
-
-
-class _ContiguousGrad(torch.autograd.Function):
-    """Identity on a received tensor whose gradient, the stage's input gradient, leaves contiguous: the sender
-    reads it with gloo's send, which refuses a strided tensor (a received KV entry read through a transpose, say,
-    gets a transposed gradient). Returns an alias (no copy forward; a copy backward only when needed)."""
-
-    @staticmethod
-    def forward(ctx, t: torch.Tensor) -> torch.Tensor:
-        return t.detach()
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
-        return grad.contiguous()
-
-
-class _Tie(torch.autograd.Function):
-    """Identity on a stage output t that also takes a received tensor `anchor` (which gets no gradient from it),
-    so that autograd sees t depend on the stage inputs and the zero-bubble input pass saves the gradient t
-    receives, the joint for every parameter path that reaches t without touching the stage inputs (a source
-    layer's indexer keys: see "Zero bubble" at the top). Returns an alias of t that is not a view (the zero-bubble
-    backward detaches outputs in place; t itself stays in the graph)."""
-
-    @staticmethod
-    def forward(ctx, t: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
-        return t.detach()
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return grad, None
 
 
 def _meta(slot: Slot) -> torch.Tensor:
@@ -561,105 +504,6 @@ def split_model(model: Transformer, cuts: Sequence[int], stage_ids: Sequence[int
         if not 0 <= s < len(bounds) - 1:
             raise ValueError(f"pipeline: stage {s} does not exist: {len(bounds) - 1} stages from cuts {list(cuts)}")
     return [PipelineStageModule(model, bounds, s, image_mask=image_mask) for s in stage_ids]
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# The zero-bubble split backward
-
-
-class _Stage(PipelineStage):
-    """torch's PipelineStage with our own zero-bubble split backward (see "Zero bubble" at the top): the input pass
-    (`_backward_input`) and the weight pass (`_backward_weight`) replace pipelining/_backward.py's
-    stage_backward_input / stage_backward_weight; the full backward (1F1B, Interleaved1F1B, and the first stage's
-    weight pass under a zero-bubble schedule) is torch's."""
-
-    def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
-        if backward_type not in ("input", "weight"):
-            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
-        from torch.distributed.fsdp import FSDPModule
-        from torch.nn.parallel import DistributedDataParallel
-
-        if isinstance(self.submod, DistributedDataParallel):
-            raise NotImplementedError("pipeline: the zero-bubble backward of a DDP-wrapped stage")
-        if isinstance(self.submod, FSDPModule):  # as PipelineStage does: gradients reduce after the last backward
-            self.submod.set_is_last_backward(False)
-            self.submod.set_reshard_after_backward(False)
-            self.submod.set_requires_gradient_sync(False)
-        if backward_type == "input":
-            return _backward_input(bwd_kwargs["stage_output"], bwd_kwargs["output_grads"],
-                                   bwd_kwargs["input_values"], self.submod.parameters())
-        return _backward_weight(self.submod.parameters(), bwd_kwargs["param_groups"]), None
-
-
-def _backward_input(outputs, output_grads, input_values, weights):
-    """The input pass: gradients of the stage inputs (set as their .grad and returned, as torch's
-    stage_backward_input does), saving for the weight pass the gradients entering every node of the
-    input-to-output graph that a parameter's own subgraph joins ("the joints"). Returns (input gradients, [state])."""
-    # (output, its gradient): the loss and ones on the last stage; elsewhere those with a gradient (None: zero)
-    pairs = [(t, torch.ones_like(t) if output_grads is None else output_grads[i]) for i, t in enumerate(outputs)
-             if t.requires_grad or t.grad_fn is not None]
-    pairs = [(t, g) for t, g in pairs if g is not None]
-    roots = [_get_grad_fn_or_grad_acc(t) for t, _ in pairs]
-    reverse = construct_reverse_graph(roots)  # node -> the nodes that consume its output (towards the outputs)
-    weight_fns = [f for f in map(_get_grad_fn_or_grad_acc, weights) if f is not None and f in reverse]
-    input_fns = [_get_grad_fn_or_grad_acc(t) for t in input_values if isinstance(t, torch.Tensor)]
-    on_path, _ = reverse_closure([f for f in input_fns if f is not None], set(), reverse)
-    # one search from all parameters at once, stopping at the first node on the input-to-output path: the joints
-    _, joints = reverse_closure(weight_fns, on_path, reverse)
-    saved: dict = {}
-
-    def keep(node):
-        def hook(grad_outputs):
-            saved[node] = grad_outputs
-        return hook
-
-    handles = [node.register_prehook(keep(node)) for node in joints]
-    try:
-        if pairs:
-            dinputs = _autograd_grad_for_inputs([t for t, _ in pairs], input_values, [g for _, g in pairs],
-                                                retain_graph=True, allow_unused=True)
-        else:
-            dinputs = tuple(None for _ in input_values)
-    finally:
-        for h in handles:
-            h.remove()
-    for inp, d in zip(input_values, dinputs):
-        if isinstance(inp, torch.Tensor) and d is not None:
-            inp.grad = d if inp.grad is None else inp.grad + d
-    for t in outputs:  # the outputs' side of the graph is not needed any more (as torch's input pass)
-        t.detach_()
-    return dinputs, [{"saved": saved}]
-
-
-def _backward_weight(weights, state) -> tuple:
-    """The weight pass: one autograd call from every joint, fed the gradient the input pass saved there, to every
-    parameter; each joint's own gradient is clamped to the saved one (a joint downstream of another would otherwise
-    count the other's share twice). One call, not torch's parameter groups: see "Zero bubble" at the top."""
-    (state,) = state
-    saved = state.pop("saved")
-    edges, grads = [], []
-    for node, grad_outputs in saved.items():
-        for i, g in enumerate(grad_outputs):
-            if g is not None:
-                edges.append(GradientEdge(node, i))
-                grads.append(g)
-    weights = [w for w in weights if w.requires_grad]
-    accs = [_get_grad_fn_or_grad_acc(w) for w in weights]
-    if not edges:
-        return tuple(w.grad for w in weights)
-    handles = [node.register_prehook(lambda _, g=grad_outputs: g) for node, grad_outputs in saved.items()]
-    try:
-        dws = torch.autograd.grad(edges, [GradientEdge(a, 0) for a in accs], grads, allow_unused=True)
-    finally:
-        for h in handles:
-            h.remove()
-    for w, dw in zip(weights, dws):
-        if dw is not None:
-            if w.grad is None:
-                w.grad = dw
-            else:
-                w.grad += dw
-    return tuple(w.grad for w in weights)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -766,7 +610,7 @@ def build_pipeline(stages: list[PipelineStageModule], pp_group, *, schedule: str
             raise ValueError(f"pipeline: stage {module.stage_index} was cut into {module.num_stages} stages, but "
                              f"{len(stages)} stages on each of {pp} ranks make {num_stages}")
         module.set_shapes(microbatch_size, seq_len, act_dtype, autocast_dtype, context_len)
-        pipeline_stages.append(_Stage(
+        pipeline_stages.append(ZeroBubbleStage(
             module, module.stage_index, num_stages, device, input_args=module.example_inputs(),
             output_args=module.example_outputs(), group=pp_group))
     loss = PipelineLoss(cfg)

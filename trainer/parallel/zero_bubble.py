@@ -1,0 +1,164 @@
+"""The zero-bubble split backward of a pipeline stage, made exact for the stages of trainer/parallel/pipeline.py.
+
+ZBVZeroBubble and InterleavedZeroBubble split each stage's backward in two: an input pass (autograd from the stage
+outputs to its received inputs only, which the previous stage waits for) and a later weight pass (the parameters'
+gradients). The input pass saves the gradient entering each "joint", a node of the input-to-output graph that a
+parameter's own subgraph feeds; the weight pass re-runs autograd from the joints, fed those gradients, to the
+parameters. Three things make that exact here (tests/parallel/test_zero_bubble.py: the gradients equal the single
+process's, through the trainer, on cuts that the source layer's KV and indexer keys cross):
+- `Tie`: every stage output that carries a gradient is tied to a received tensor. Otherwise a parameter path that
+  reaches an output without touching the input-to-output graph has no joint and its gradient is lost: a KV source
+  layer computes its indexer keys from its detached latent (wk -> k_norm -> RoPE -> kv_keys), so wk and k_norm
+  got only their own stage's indexer-KL gradient, not the later stages' (1.6e-3 relative error through the
+  trainer, where the keys cross a cut).
+- `ContiguousGrad`: every received tensor hands back a contiguous input gradient (received KV read through a
+  transpose got a strided one, which gloo's send refuses).
+- `ZeroBubbleStage`: our own two passes replace torch's stage_backward_input / stage_backward_weight (pipelining/
+  _backward.py; the full backward and the schedules stay torch's). torch groups the parameters by the joints they
+  feed, but its merge is not transitive: a parameter that feeds two joints first seen under different groups (wk
+  feeds the tie and the aux sum) lands in two groups, whose weight passes then count it twice or, here, walk its
+  freed subgraph a second time ("Trying to backward through the graph a second time"). Ours runs the weight pass
+  as one autograd call from every joint, each clamped to its saved gradient, so no node runs twice.
+The first stage has no input gradient: torch runs its whole backward at its weight pass. Activation checkpointing
+does not combine with these schedules yet (trainer/parallel/apply.py `_check_microbatches` says why).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.autograd.graph import GradientEdge
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining._backward import (
+    _autograd_grad_for_inputs,
+    _get_grad_fn_or_grad_acc,
+    construct_reverse_graph,
+    reverse_closure,
+)
+
+__all__ = ["ContiguousGrad", "Tie", "ZeroBubbleStage"]
+
+
+class ContiguousGrad(torch.autograd.Function):
+    """Identity on a received tensor whose gradient, the stage's input gradient, leaves contiguous: the sender
+    reads it with gloo's send, which refuses a strided tensor (a received KV entry read through a transpose, say,
+    gets a transposed gradient). Returns an alias (no copy forward; a copy backward only when needed)."""
+
+    @staticmethod
+    def forward(ctx, t: torch.Tensor) -> torch.Tensor:
+        return t.detach()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
+
+
+class Tie(torch.autograd.Function):
+    """Identity on a stage output t that also takes a received tensor `anchor` (which gets no gradient from it),
+    so that autograd sees t depend on the stage inputs and the zero-bubble input pass saves the gradient t
+    receives, the joint for every parameter path that reaches t without touching the stage inputs (a source
+    layer's indexer keys: see the module docstring). Returns an alias of t that is not a view (the zero-bubble
+    backward detaches outputs in place; t itself stays in the graph)."""
+
+    @staticmethod
+    def forward(ctx, t: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
+        return t.detach()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+
+class ZeroBubbleStage(PipelineStage):
+    """torch's PipelineStage with our own zero-bubble split backward (the module docstring): the input pass
+    (`_backward_input`) and the weight pass (`_backward_weight`) replace pipelining/_backward.py's
+    stage_backward_input / stage_backward_weight; the full backward (1F1B, Interleaved1F1B, and the first stage's
+    weight pass under a zero-bubble schedule) is torch's."""
+
+    def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
+        if backward_type not in ("input", "weight"):
+            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+        from torch.distributed.fsdp import FSDPModule
+        from torch.nn.parallel import DistributedDataParallel
+
+        if isinstance(self.submod, DistributedDataParallel):
+            raise NotImplementedError("pipeline: the zero-bubble backward of a DDP-wrapped stage")
+        if isinstance(self.submod, FSDPModule):  # as PipelineStage does: gradients reduce after the last backward
+            self.submod.set_is_last_backward(False)
+            self.submod.set_reshard_after_backward(False)
+            self.submod.set_requires_gradient_sync(False)
+        if backward_type == "input":
+            return _backward_input(bwd_kwargs["stage_output"], bwd_kwargs["output_grads"],
+                                   bwd_kwargs["input_values"], self.submod.parameters())
+        return _backward_weight(self.submod.parameters(), bwd_kwargs["param_groups"]), None
+
+
+def _backward_input(outputs, output_grads, input_values, weights):
+    """The input pass: gradients of the stage inputs (set as their .grad and returned, as torch's
+    stage_backward_input does), saving for the weight pass the gradients entering every node of the
+    input-to-output graph that a parameter's own subgraph joins ("the joints"). Returns (input gradients, [state])."""
+    # (output, its gradient): the loss and ones on the last stage; elsewhere those with a gradient (None: zero)
+    pairs = [(t, torch.ones_like(t) if output_grads is None else output_grads[i]) for i, t in enumerate(outputs)
+             if t.requires_grad or t.grad_fn is not None]
+    pairs = [(t, g) for t, g in pairs if g is not None]
+    roots = [_get_grad_fn_or_grad_acc(t) for t, _ in pairs]
+    reverse = construct_reverse_graph(roots)  # node -> the nodes that consume its output (towards the outputs)
+    weight_fns = [f for f in map(_get_grad_fn_or_grad_acc, weights) if f is not None and f in reverse]
+    input_fns = [_get_grad_fn_or_grad_acc(t) for t in input_values if isinstance(t, torch.Tensor)]
+    on_path, _ = reverse_closure([f for f in input_fns if f is not None], set(), reverse)
+    # one search from all parameters at once, stopping at the first node on the input-to-output path: the joints
+    _, joints = reverse_closure(weight_fns, on_path, reverse)
+    saved: dict = {}
+
+    def keep(node):
+        def hook(grad_outputs):
+            saved[node] = grad_outputs
+        return hook
+
+    handles = [node.register_prehook(keep(node)) for node in joints]
+    try:
+        if pairs:
+            dinputs = _autograd_grad_for_inputs([t for t, _ in pairs], input_values, [g for _, g in pairs],
+                                                retain_graph=True, allow_unused=True)
+        else:
+            dinputs = tuple(None for _ in input_values)
+    finally:
+        for h in handles:
+            h.remove()
+    for inp, d in zip(input_values, dinputs):
+        if isinstance(inp, torch.Tensor) and d is not None:
+            inp.grad = d if inp.grad is None else inp.grad + d
+    for t in outputs:  # the outputs' side of the graph is not needed any more (as torch's input pass)
+        t.detach_()
+    return dinputs, [{"saved": saved}]
+
+
+def _backward_weight(weights, state) -> tuple:
+    """The weight pass: one autograd call from every joint, fed the gradient the input pass saved there, to every
+    parameter; each joint's own gradient is clamped to the saved one (a joint downstream of another would otherwise
+    count the other's share twice). One call, not torch's parameter groups: see the module docstring."""
+    (state,) = state
+    saved = state.pop("saved")
+    edges, grads = [], []
+    for node, grad_outputs in saved.items():
+        for i, g in enumerate(grad_outputs):
+            if g is not None:
+                edges.append(GradientEdge(node, i))
+                grads.append(g)
+    weights = [w for w in weights if w.requires_grad]
+    accs = [_get_grad_fn_or_grad_acc(w) for w in weights]
+    if not edges:
+        return tuple(w.grad for w in weights)
+    handles = [node.register_prehook(lambda _, g=grad_outputs: g) for node, grad_outputs in saved.items()]
+    try:
+        dws = torch.autograd.grad(edges, [GradientEdge(a, 0) for a in accs], grads, allow_unused=True)
+    finally:
+        for h in handles:
+            h.remove()
+    for w, dw in zip(weights, dws):
+        if dw is not None:
+            if w.grad is None:
+                w.grad = dw
+            else:
+                w.grad += dw
+    return tuple(w.grad for w in weights)
