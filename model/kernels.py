@@ -30,8 +30,8 @@ Where the Triton path does not apply yet, the site keeps the reference path (cor
 - Engram: the kernel gathers rows by global id from the whole table, so a table sharded by a `row_reader` stays on
   the reference lookup.
 The Triton attention path keeps the selection as int32 top-k ids [B, T, K] (-1 = empty) and the pool as int32
-block ids [B, T, P] in the ForwardContext; the reference path keeps [B, T, E] bool masks. Pipeline stages ship the
-masks between stages (trainer/parallel/pipeline.py), and reject the id lists by name until they carry those too.
+block ids [B, T, P] in the ForwardContext; the reference path keeps [B, T, E] bool masks. Pipeline stages ship
+whichever form their path keeps (trainer/parallel/pipeline.py `boundary_slots`: bit-packed masks or the int32 ids).
 Exact ties in the indexer scores (0 where every head's ReLU is 0) are broken by torch.topk on both paths, over the
 entry layout or, in a pool-restricted layer, the pool's slot layout: both pick a valid top-k, not always the same
 one. With 32 indexer heads (flagship) such a zero is about 2^-32 rare; the 4-head tiny config has one in ~16.

@@ -65,10 +65,10 @@ def _one_thread():
     torch.set_num_threads(threads)
 
 
-def _config():
+def _config(kernels: str = "auto"):
     """v41_tiny with a second decoder Full layer (9, so h_{L/2} has a consumer after the first decoder layer),
     Engram at layers 1 and 8 (row ids must cross the encoder/decoder cuts), and both MoE balancing paths on."""
-    base = load_config("v41_tiny")
+    base = load_config("v41_tiny", kernels=kernels)
     csa2 = dataclasses.replace(base.csa2, kv_source_layers=[2, 4, 6, 9], index_source_layers=[2, 4, 6, 8, 9, 10])
     moe = dataclasses.replace(base.moe, bias_update_rate=0.05, seq_aux_loss_coef=1e-2)
     return dataclasses.replace(base, csa2=csa2, moe=moe, engram=dataclasses.replace(base.engram, layers=[1, 8]))
@@ -167,10 +167,10 @@ def test_pack_bits_roundtrip(width):
 # --- stage modules in one process -----------------------------------------------------------------------------------
 
 
-def _build():
+def _build(kernels: str = "auto"):
     torch.manual_seed(SEED)
     with torch.device("meta"):
-        model = model_pkg.build(_config())
+        model = model_pkg.build(_config(kernels))
     model.to_empty(device="cpu")
     model.init_weights()
     return model
@@ -210,6 +210,34 @@ def test_stage_modules_chained_equal_the_whole_model(autocast, image_mask, split
     if autocast is not None:  # the ratio-2 source's main KV crossed as fp32 and its keys as restored bf16
         slots = [s.name for s in stages[0]._out]
         assert "kv_dtypes" in slots
+
+
+def test_stage_modules_on_the_triton_path_carry_ids():
+    """model.kernels=triton (the CUDA default; the CPU interpreter here): the top-k and the pool live in the context
+    as int32 ids and cross the cuts as such; chained stages give the whole model's logits, aux and gradients bit
+    for bit (cut at 7: h_{L/2}, KV, a top-k and the pool cross). One row, one split: the interpreter is slow."""
+    gen = torch.Generator().manual_seed(1)
+    input_ids = torch.randint(0, 4096, (1, SEQ_LEN), generator=gen)
+    model = _build("triton")
+    ref, aux = model(input_ids, return_aux=True)
+    (ref.square().mean() + aux["indexer_kl"]).backward()
+    ref_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    for cuts in ([7],):
+        stages = split_model(model, cuts, range(len(cuts) + 1))
+        for stage in stages:
+            stage.set_shapes(1, SEQ_LEN)
+        sent = {(s.name, s.dtype) for stage in stages[:-1] for s in stage._out}
+        assert ("topk", torch.int32) in sent and ("pool", torch.int32) in sent, (cuts, sent)
+        logits, (kl_sum, kl_count, seq) = _chain(stages, input_ids)
+        assert torch.equal(logits, ref), cuts
+        kl = model.cfg.indexer.loss_coef * kl_sum / kl_count
+        assert torch.equal(kl, aux["indexer_kl"]), cuts
+        (logits.square().mean() + kl).backward()
+        grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+        assert grads.keys() == ref_grads.keys(), cuts
+        assert all(torch.equal(grads[n], g) for n, g in ref_grads.items()), cuts
+        model.zero_grad(set_to_none=True)
 
 
 # --- the pipeline against the single process ------------------------------------------------------------------------

@@ -30,12 +30,17 @@ size back (the integer and bit entries have none):
 | previous site's `pre` | always | [B, T, n] fp32 | 4*B*T*n |
 | h_{L/2} | the encoder ended before c and a decoder Full layer is >= c | [B, T, dim] | b*B*T*dim |
 | main KV + indexer keys of source s | s < c and a layer >= c reads them | [B, E, D], [B, E, Di] | b*B*E*(D+Di) |
-| top-k of index source s | s < c, a Reuse layer >= c uses it (sparse phase) | [B, T, E] bits | B*T*ceil(E/8) |
-| candidate pool | built before c, a pool-restricted Reindex layer >= c | [B, T, E] bits | B*T*ceil(E/8) |
+| top-k of index source s | s < c, a Reuse layer >= c uses it (sparse phase) | [B, T, E] bits, or ids | B*T*ceil(E/8) |
+| candidate pool | built before c, a pool-restricted Reindex layer >= c | [B, T, E] bits, or ids | B*T*ceil(E/8) |
 | Engram row ids | per Engram layer >= c (hashed once, on the first stage) | [B, T, C] int64 | 8*B*T*C |
 | Engram dead mask | with any of those | [B, T] uint8 | B*T |
 | image mask | batches carry one (MoE routes image tokens with its own bias) | [B, T] uint8 | B*T |
 | aux: indexer KL sum, KL count, MoE seq balance | always | [3] fp32 | 12 |
+
+On the Triton attention path (model/kernels.py; the default on CUDA without context parallelism) the top-k and the
+pool live in the context as int32 ids, and cross as such (`ids=True`), exactly: the top-k [B, T, K] entry ids
+(K = min(index_topk, E), or of the pool's slots in a pool-restricted source), 4*B*T*K bytes, and the pool [B, T, P]
+block ids (P = min(candidate_topk_blocks, ceil(E / block))), 4*B*T*P bytes; -1 marks an empty place.
 
 Under autocast with fp32 streams, compressed KV and keys cross in fp32 whatever dtype their path made (a bf16 one
 is upcast exactly), with a [number of KV tensors] uint8 code the receiver uses to restore each one's dtype.
@@ -83,6 +88,7 @@ from torch.distributed.pipelining import (
     ScheduleZBVZeroBubble,
 )
 
+from model import kernels as kern
 from model.attention import ForwardContext
 from model.config import ModelConfig
 from model.layer_plan import LayerSpec, build_layer_plan
@@ -232,13 +238,14 @@ def _boundary_items(plan: Sequence[LayerSpec], cut: int, phase: str, image_mask:
 
 def boundary_slots(cfg: ModelConfig, cut: int, batch: int, seq_len: int, *, act_dtype: torch.dtype = torch.float32,
                    autocast_dtype: torch.dtype | None = None, image_mask: bool = False,
-                   context_len: int | None = None) -> tuple[Slot, ...]:
+                   context_len: int | None = None, ids: bool = False) -> tuple[Slot, ...]:
     """The tuple a stage ending in front of layer `cut` sends (and the next stage receives), for micro-batches of
     `batch` rows x `seq_len` tokens. act_dtype: the streams' dtype (the embedding's). Under autocast the compressed
     KV and keys come out in act_dtype or the autocast dtype depending on the path that made them (the ratio-2
     compressor pools in fp32): they cross in act_dtype, with a `kv_dtypes` code each so the receiver restores the
     exact tensor. context_len: the whole sequence when this process holds a context-parallel chunk of seq_len
-    tokens (compressed entries are gathered over the sequence); default seq_len."""
+    tokens (compressed entries are gathered over the sequence); default seq_len. ids: the top-k and the pool cross
+    as the int32 ids the Triton attention path keeps (see the table at the top), not as bit-packed masks."""
     plan = build_layer_plan(cfg)
     if not 0 < cut < len(plan):
         raise ValueError(f"pipeline: a cut must lie in [1, {len(plan) - 1}], got {cut}")
@@ -250,6 +257,10 @@ def boundary_slots(cfg: ModelConfig, cut: int, batch: int, seq_len: int, *, act_
         entries = context_len // plan[layer].ratio if layer is not None and plan[layer].ratio else 0
         if name == "pool":
             entries = context_len // plan[cfg.csa2.candidate_source_layer].ratio
+        if ids and name in ("topk", "pool"):
+            slots.append(Slot(name, layer, (B, T, _id_count(cfg, plan, name, layer, context_len)), torch.int32,
+                              False))
+            continue
         shape, dtype, grad = {
             "streams": ((B, T, n, dim), act_dtype, True),
             "pre": ((B, T, n), torch.float32, True),
@@ -271,6 +282,20 @@ def boundary_slots(cfg: ModelConfig, cut: int, batch: int, seq_len: int, *, act_
 
 
 _KV = ("kv_main", "kv_keys")
+
+
+def _id_count(cfg: ModelConfig, plan: Sequence[LayerSpec], name: str, layer: int | None, context_len: int) -> int:
+    """Ids per query of the Triton path's pool (P block ids) or of index source `layer`'s top-k (K ids, picked
+    among the visible entries or, in a pool-restricted source, among the pool's P * block slots)."""
+    c = cfg.csa2
+    pool_entries = context_len // plan[c.candidate_source_layer].ratio
+    pool = min(c.candidate_topk_blocks, -(-pool_entries // c.candidate_block_size))
+    if name == "pool":
+        return pool
+    entries = context_len // plan[layer].ratio
+    if entries == 0:
+        return 0
+    return min(c.index_topk, pool * c.candidate_block_size if plan[layer].uses_pool else entries)
 
 
 def boundary_bytes(cfg: ModelConfig, cut: int, batch: int, seq_len: int, **kwargs) -> int:
@@ -334,8 +359,11 @@ class PipelineStageModule(nn.Module):
         see boundary_slots (context parallelism)."""
         act = act_dtype or (self.embed if self.is_first else next(iter(self.layers.values())).attn_norm).weight.dtype
         self.act_dtype, self.autocast_dtype = act, autocast_dtype
+        # The Triton attention path keeps the top-k and the pool as int32 ids; they cross as such (model/kernels.py)
+        device = next(iter(self.parameters())).device
+        path = kern.attention_path(kern.resolve(self.cfg.kernels, device), context_parallel=context_len is not None)
         kw = dict(act_dtype=act, autocast_dtype=autocast_dtype, image_mask=self.uses_image_mask,
-                  context_len=context_len)
+                  context_len=context_len, ids=path == "triton")
         self._in = () if self.is_first else boundary_slots(self.cfg, self.start, batch, seq_len, **kw)
         self._out = () if self.is_last else boundary_slots(self.cfg, self.end, batch, seq_len, **kw)
         self.batch, self.seq_len = batch, seq_len
@@ -434,9 +462,9 @@ class PipelineStageModule(nn.Module):
             if name == "kv_main":
                 ctx.kv[layer] = (t, got[("kv_keys", layer)])
             elif name == "topk":
-                ctx.selection[layer] = unpack_bits(t, entries[(name, layer)])
+                ctx.selection[layer] = t if t.dtype == torch.int32 else unpack_bits(t, entries[(name, layer)])
             elif name == "pool":
-                ctx.pool = unpack_bits(t, entries[(name, layer)])
+                ctx.pool = t if t.dtype == torch.int32 else unpack_bits(t, entries[(name, layer)])
         engram_in = None
         if ("engram_dead", None) in got:  # rows of this stage's Engram layers and of later stages' (passed on)
             dead = got[("engram_dead", None)].bool()
@@ -461,9 +489,10 @@ class PipelineStageModule(nn.Module):
             elif s.name == "kv_dtypes":
                 t = torch.tensor(kv_codes, dtype=torch.uint8, device=S.device)
             elif s.name == "topk":
-                t = pack_bits(ctx.selection[s.layer])
+                t = ctx.selection[s.layer]
+                t = t if s.dtype == torch.int32 else pack_bits(t)
             elif s.name == "pool":
-                t = pack_bits(ctx.pool)
+                t = ctx.pool if s.dtype == torch.int32 else pack_bits(ctx.pool)
             elif s.name == "engram_rows":
                 t = engram_in[s.layer][0]
             elif s.name == "engram_dead":
