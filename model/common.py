@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import threading
 
 import torch
@@ -80,12 +79,17 @@ def recomputing() -> bool:
     return _RECOMPUTE.active
 
 
-@contextlib.contextmanager
-def recomputation():
-    """The context a recomputation runs in (`recomputing()` is True inside)."""
-    previous = _RECOMPUTE.active
-    _RECOMPUTE.active = True
-    try:
-        yield
-    finally:
-        _RECOMPUTE.active = previous
+class recomputation:  # noqa: N801 (used like a function: `with recomputation():`)
+    """The context a recomputation runs in (`recomputing()` is True inside). Re-enterable: checkpoint makes one per
+    block forward, and a zero-bubble schedule's weight pass (a second autograd call) recomputes the block again."""
+
+    def __init__(self):
+        self._previous: list[bool] = []
+
+    def __enter__(self):
+        self._previous.append(_RECOMPUTE.active)
+        _RECOMPUTE.active = True
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _RECOMPUTE.active = self._previous.pop()

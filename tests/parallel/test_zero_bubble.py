@@ -25,7 +25,8 @@ What the tests show:
   errors are in fact 0): pp 2 x pp_virtual 2 with ZBVZeroBubble on the balanced cuts [2, 6, 10] and on [2, 6, 9]
   (layer 6's main KV and indexer keys cross the last cut; at [2, 6, 9] its top-k and candidate pool too), and
   InterleavedZeroBubble on the balanced cuts; the backward did run split on every stage with received inputs;
-- validate_layout lets both schedules through, and refuses them with activation checkpointing (apply.py says why).
+- validate_layout lets both schedules through, with activation checkpointing too (then each block is recomputed for
+  the input pass and again for the weight pass, the layout pp2_v2_zbv_ac below).
 """
 
 from __future__ import annotations
@@ -48,6 +49,8 @@ LAYOUTS = {
     "pp2_v2_zbv": dict(pp=2, pp_virtual=2, pp_schedule="ZBVZeroBubble"),
     "pp2_v2_zbv_cuts_2_6_9": dict(pp=2, pp_virtual=2, pp_schedule="ZBVZeroBubble", pp_cuts=[2, 6, 9]),
     "pp2_v2_interleaved_zb": dict(pp=2, pp_virtual=2, pp_schedule="InterleavedZeroBubble"),
+    # activation checkpointing: every block recomputed for the input pass and again for the weight pass
+    "pp2_v2_zbv_ac": dict(pp=2, pp_virtual=2, pp_schedule="ZBVZeroBubble", activation_checkpoint="full"),
 }
 
 
@@ -152,11 +155,9 @@ def test_zero_bubble_layouts_pass_validation(schedule):
         2, 6, 9]
 
 
-def test_zero_bubble_with_activation_checkpointing_is_refused():
-    with pytest.raises(ValueError, match=r"parallel.pp_schedule=ZBVZeroBubble does not run with "
-                                         r"parallel.activation_checkpoint=full .*parallel.activation_checkpoint=none"):
-        validate_layout(ParallelConfig(pp=2, pp_virtual=2, pp_schedule="ZBVZeroBubble", activation_checkpoint="full"),
-                        _config(), seq_len=64, grad_accum=4)
+def test_zero_bubble_with_activation_checkpointing_passes_validation():
+    layout = ParallelConfig(pp=2, pp_virtual=2, pp_schedule="ZBVZeroBubble", activation_checkpoint="full")
+    assert validate_layout(layout, _config(), seq_len=64, grad_accum=4) == [2, 6, 10]
 
 
 # --- through the trainer, 2 ranks -----------------------------------------------------------------------------------

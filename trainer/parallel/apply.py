@@ -119,15 +119,9 @@ def _check_microbatches(parallel: ParallelConfig, pp: int, grad_accum: int) -> N
     """The schedules' own rules (torch.distributed.pipelining), stated in our keys. Every schedule, the zero-bubble
     ones included, trains exactly like the single process on the tiny model's splits where compressed KV and indexer
     keys cross a cut (tests/parallel/test_layouts.py, tests/parallel/test_zero_bubble.py); the zero-bubble split
-    backward needs the stage module's hooks for that (trainer/parallel/pipeline.py, "Zero bubble"). Refused: a
-    zero-bubble schedule with activation checkpointing. Its weight pass is a second autograd call, which makes
-    non-reentrant checkpointing recompute every block a second time, and that recomputation enters the context
-    `activation_checkpoint._contexts` made for the block's forward a second time, which a generator-made context
-    refuses (AttributeError in the weight pass)."""
-    if "ZeroBubble" in parallel.pp_schedule and parallel.activation_checkpoint != "none":
-        raise ValueError(f"parallel.pp_schedule={parallel.pp_schedule} does not run with "
-                         f"parallel.activation_checkpoint={parallel.activation_checkpoint} for now: use "
-                         "parallel.pp_schedule=Interleaved1F1B (or 1F1B), or parallel.activation_checkpoint=none")
+    backward needs the stage module's hooks for that (trainer/parallel/zero_bubble.py). With activation
+    checkpointing a zero-bubble schedule recomputes each block twice, once for the input pass and once for the
+    weight pass (two autograd calls), exactly (tests/parallel/test_zero_bubble.py)."""
     num_stages = pp * parallel.pp_virtual
     if parallel.pp_schedule == "1F1B" and grad_accum < num_stages:
         raise ValueError(f"parallel.pp_schedule={parallel.pp_schedule} needs at least as many micro-batches as "
@@ -226,7 +220,9 @@ def parallelize(model: nn.Module, meshes: Meshes | None, parallel: ParallelConfi
     if dims.tp > 1:
         from model.parallelize import apply_tp
 
-        # Pipeline stages exchange plain tensors and the pipeline's loss reads whole logits: no loss_parallel.
+        # Pipeline stages exchange plain tensors and the pipeline's loss reads whole logits: no loss_parallel (the
+        # head all-gathers the logits; under sequence parallelism also the sequence, so the last stage returns
+        # whole [B, T, V] logits while the streams cross cuts as sequence shards).
         apply_tp(model, meshes.tp, parallel.sequence_parallel, loss_parallel=dims.pp == 1)
     if dims.ep > 1:
         if dims.tp > 1:
@@ -361,7 +357,7 @@ def materialize(pm: ParallelModel, device: torch.device, seed: int, *, microbatc
         pm.pipeline = build_pipeline(
             pm.stages, pm.meshes.pp.get_group(), schedule=schedule, n_microbatches=grad_accum,
             microbatch_size=microbatch_size, seq_len=seq_len // cp, device=device, autocast_dtype=autocast_dtype,
-            context_len=seq_len if cp > 1 else None)
+            context_len=seq_len if cp > 1 else None, sequence_shards=pm.dims.tp if pm.sequence_parallel else 1)
 
 
 def describe(pm: ParallelModel) -> dict:
