@@ -91,7 +91,7 @@ class ParallelConfig:
     (Megatron --tensor-model-parallel-size)"""
     sequence_parallel: bool = False
     """with tp > 1, keep activations between sub-blocks split along the sequence (Megatron --sequence-parallel);
-    not with pp > 1 (the pipeline's static boundary layout carries whole sequences)"""
+    with pp > 1 the streams, `pre` and h_mid cross stage cuts as each tp rank's sequence shard"""
     pp: int = 1
     """pipeline ranks (Megatron --pipeline-model-parallel-size)"""
     pp_virtual: int = 1
@@ -148,10 +148,6 @@ class ParallelConfig:
         if self.engram_host_memory and not self.engram_shard:
             raise ValueError("parallel.engram_host_memory=true keeps a rank's block of Engram rows on the host and "
                              "needs parallel.engram_shard=true (whole replicated tables stay on the device)")
-        if self.sequence_parallel and self.pp > 1 and self.tp > 1:
-            raise ValueError(f"parallel.sequence_parallel=true with parallel.pp={self.pp} is not supported: the "
-                             "pipeline's static boundary layout carries whole sequences; set "
-                             "parallel.sequence_parallel=false")
 
     def resolve(self, world_size: int) -> ParallelDims:
         """Concrete sizes for `world_size` processes, checked to multiply to it."""

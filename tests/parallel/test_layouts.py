@@ -9,8 +9,8 @@ over the data ranks (dp_replicate x dp_shard x ep), each data rank accumulating 
 
 Layouts: dp_replicate 2; dp_shard 2 (FSDP2); tp 2 with and without sequence parallelism; pp 2 with 1F1B; pp 2 x
 pp_virtual 2 with Interleaved1F1B; ep 2; cp 2; tp 2 x pp 2; dp_shard 2 x ep 2 (FSDP2 over expert-parallel experts);
-tp 2 x pp 2 x ep 2 (8 ranks; experts split over ep and their width over tp); and dp_replicate 2 x dp_shard 2 (HSDP)
-and dp_shard 2 x cp 2.
+tp 2 x pp 2 x ep 2 (8 ranks; experts split over ep and their width over tp); and dp_replicate 2 x dp_shard 2 (HSDP),
+dp_shard 2 x cp 2, and tp 2 + sp x pp 2 (sequence shards of the streams cross the cut).
 
 What is compared, per layout:
 - initial weights: every parameter this layout holds (DTensors gathered, pipeline ranks merged) equals the single
@@ -69,6 +69,7 @@ LAYOUTS = {
     "ep2": dict(ep=2),
     "cp2": dict(cp=2),
     "tp2_pp2": dict(tp=2, pp=2),
+    "tp2_sp_pp2": dict(tp=2, sequence_parallel=True, pp=2),
     "dp_shard2_ep2": dict(dp_shard=2, ep=2),
     "tp2_pp2_ep2": dict(tp=2, pp=2, ep=2),
     # two more in the 4-rank spawn, for code paths the list above leaves out: HSDP's 2-D FSDP mesh, and what FSDP

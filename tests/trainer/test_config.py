@@ -90,9 +90,8 @@ def test_parallel_field_checks_say_what_to_change():
         ParallelConfig(pp_schedule="GPipe")
     with pytest.raises(ValueError, match=r"pp_cuts=\[3, 6\] must hold pp \* pp_virtual - 1 = 1 layer indices"):
         ParallelConfig(pp=2, pp_cuts=[3, 6])
-    with pytest.raises(ValueError, match=r"sequence_parallel=true with parallel.pp=2 is not supported.*"
-                                         r"set parallel.sequence_parallel=false"):
-        ParallelConfig(tp=2, pp=2, sequence_parallel=True)
+    # tp + sp + pp is a layout, not a refusal (tests/parallel/test_layouts.py tp2_sp_pp2)
+    assert ParallelConfig(tp=2, pp=2, sequence_parallel=True).resolve(4).world_size == 4
     with pytest.raises(ValueError, match=r"parallel.timeout_s must be > 0, got 0"):
         ParallelConfig(timeout_s=0)
     with pytest.raises(ValueError, match=r"parallel.activation_checkpoint must be one of \['none', 'full'\], got "

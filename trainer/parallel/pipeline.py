@@ -37,6 +37,13 @@ size back (the integer and bit entries have none):
 | image mask | batches carry one (MoE routes image tokens with its own bias) | [B, T] uint8 | B*T |
 | aux: indexer KL sum, KL count, MoE seq balance | always | [3] fp32 | 12 |
 
+Under sequence parallelism (tp > 1, model/parallelize.py) each stage holds the streams, `pre` and h_{L/2} as its
+tp rank's sequence shard, T / tp tokens, and they cross as such (`sequence_shards`: the pipeline links ranks of one
+tp coordinate, each ships its own shard); everything else crosses whole, as every tp rank holds it: the KV, keys,
+top-k and pool (attention and the indexer gather the whole sequence before they make them), the Engram row ids and
+dead mask (hashed from the whole token sequence), the image mask and aux. The first stage takes whole token ids
+(the embedding hands on its shard) and the last returns whole logits (the head gathers the sequence).
+
 On the Triton attention path (model/kernels.py; the default on CUDA without context parallelism) the top-k and the
 pool live in the context as int32 ids, and cross as such (`ids=True`), exactly: the top-k [B, T, K] entry ids
 (K = min(index_topk, E), or of the pool's slots in a pool-restricted source), 4*B*T*K bytes, and the pool [B, T, P]
@@ -238,18 +245,24 @@ def _boundary_items(plan: Sequence[LayerSpec], cut: int, phase: str, image_mask:
 
 def boundary_slots(cfg: ModelConfig, cut: int, batch: int, seq_len: int, *, act_dtype: torch.dtype = torch.float32,
                    autocast_dtype: torch.dtype | None = None, image_mask: bool = False,
-                   context_len: int | None = None, ids: bool = False) -> tuple[Slot, ...]:
+                   context_len: int | None = None, ids: bool = False,
+                   sequence_shards: int = 1) -> tuple[Slot, ...]:
     """The tuple a stage ending in front of layer `cut` sends (and the next stage receives), for micro-batches of
     `batch` rows x `seq_len` tokens. act_dtype: the streams' dtype (the embedding's). Under autocast the compressed
     KV and keys come out in act_dtype or the autocast dtype depending on the path that made them (the ratio-2
     compressor pools in fp32): they cross in act_dtype, with a `kv_dtypes` code each so the receiver restores the
     exact tensor. context_len: the whole sequence when this process holds a context-parallel chunk of seq_len
     tokens (compressed entries are gathered over the sequence); default seq_len. ids: the top-k and the pool cross
-    as the int32 ids the Triton attention path keeps (see the table at the top), not as bit-packed masks."""
+    as the int32 ids the Triton attention path keeps (see the table at the top), not as bit-packed masks.
+    sequence_shards: tp under sequence parallelism: the streams, `pre` and h_mid cross as this tp rank's
+    [B, T / tp, ...] sequence shard (the pipeline links ranks of one tp coordinate); the rest crosses whole."""
     plan = build_layer_plan(cfg)
     if not 0 < cut < len(plan):
         raise ValueError(f"pipeline: a cut must lie in [1, {len(plan) - 1}], got {cut}")
     B, T, n, dim = batch, seq_len, cfg.mhc.num_streams, cfg.dim
+    if seq_len % sequence_shards:
+        raise ValueError(f"pipeline: {seq_len} tokens do not split into {sequence_shards} sequence shards")
+    Ts = seq_len // sequence_shards  # the streams, pre and h_mid: this rank's sequence shard
     context_len = context_len or seq_len
     num_columns = (cfg.engram.max_ngram - 1) * cfg.engram.num_heads
     slots = []
@@ -262,9 +275,9 @@ def boundary_slots(cfg: ModelConfig, cut: int, batch: int, seq_len: int, *, act_
                               False))
             continue
         shape, dtype, grad = {
-            "streams": ((B, T, n, dim), act_dtype, True),
-            "pre": ((B, T, n), torch.float32, True),
-            "h_mid": ((B, T, dim), act_dtype, True),
+            "streams": ((B, Ts, n, dim), act_dtype, True),
+            "pre": ((B, Ts, n), torch.float32, True),
+            "h_mid": ((B, Ts, dim), act_dtype, True),
             "kv_main": ((B, entries, cfg.attention.head_dim), act_dtype, True),
             "kv_keys": ((B, entries, cfg.csa2.index_head_dim), act_dtype, True),
             "topk": ((B, T, -(-entries // 8)), torch.uint8, False),
@@ -352,18 +365,21 @@ class PipelineStageModule(nn.Module):
         self._out: tuple[Slot, ...] = ()
 
     def set_shapes(self, batch: int, seq_len: int, act_dtype: torch.dtype | None = None,
-                   autocast_dtype: torch.dtype | None = None, context_len: int | None = None) -> None:
+                   autocast_dtype: torch.dtype | None = None, context_len: int | None = None,
+                   sequence_shards: int = 1) -> None:
         """Fix the micro-batch shape (static pipeline metadata) and the wire layout of both boundaries.
         act_dtype: the streams' dtype (default the parameters'; the compute dtype under an FSDP mixed-precision
         policy); autocast_dtype: run forward under torch.autocast with it (the trainer's bf16 mode); context_len:
-        see boundary_slots (context parallelism)."""
+        see boundary_slots (context parallelism); sequence_shards: tp under sequence parallelism (boundary_slots).
+        batch and seq_len are the whole micro-batch (this process's chunk under cp): the first stage takes those
+        token ids, the last returns those logits, whatever crosses in between."""
         act = act_dtype or (self.embed if self.is_first else next(iter(self.layers.values())).attn_norm).weight.dtype
         self.act_dtype, self.autocast_dtype = act, autocast_dtype
         # The Triton attention path keeps the top-k and the pool as int32 ids; they cross as such (model/kernels.py)
         device = next(iter(self.parameters())).device
         path = kern.attention_path(kern.resolve(self.cfg.kernels, device), context_parallel=context_len is not None)
         kw = dict(act_dtype=act, autocast_dtype=autocast_dtype, image_mask=self.uses_image_mask,
-                  context_len=context_len, ids=path == "triton")
+                  context_len=context_len, ids=path == "triton", sequence_shards=sequence_shards)
         self._in = () if self.is_first else boundary_slots(self.cfg, self.start, batch, seq_len, **kw)
         self._out = () if self.is_last else boundary_slots(self.cfg, self.end, batch, seq_len, **kw)
         self.batch, self.seq_len = batch, seq_len
@@ -451,8 +467,10 @@ class PipelineStageModule(nn.Module):
         entries = {(s.name, s.layer): s.entries for s in self._in}
         S, pre, aux = got[("streams", None)], got[("pre", None)], got[("aux", None)]
         # Positions (and the context-parallel chunk) as the whole model has them: without a hasher, new_context
-        # reads only the token tensor's shape and device.
-        ctx, _ = new_context(cfg, S.new_empty(S.shape[:2], dtype=torch.int64), self.sequence_shard)
+        # reads only the token tensor's shape and device. The whole micro-batch's tokens, not S's: under sequence
+        # parallelism S is this tp rank's sequence shard, and attention reads positions of the gathered sequence.
+        ids = S.new_empty((S.shape[0], self.seq_len), dtype=torch.int64)
+        ctx, _ = new_context(cfg, ids, self.sequence_shard)
         ctx.h_mid = got.get(("h_mid", None))
         codes = got[("kv_dtypes", None)].tolist() if ("kv_dtypes", None) in got else None
         kv = [(key, t) for key, t in got.items() if key[0] in _KV]
@@ -622,11 +640,13 @@ class Pipeline:
 
 def build_pipeline(stages: list[PipelineStageModule], pp_group, *, schedule: str, n_microbatches: int,
                    microbatch_size: int, seq_len: int, device: torch.device, act_dtype: torch.dtype | None = None,
-                   autocast_dtype: torch.dtype | None = None, context_len: int | None = None) -> Pipeline:
+                   autocast_dtype: torch.dtype | None = None, context_len: int | None = None,
+                   sequence_shards: int = 1) -> Pipeline:
     """Wrap this rank's (materialised) stage modules in PipelineStages with static shapes and build `schedule`
     (a key of SCHEDULES) over `n_microbatches` micro-batches of `microbatch_size` rows x `seq_len` tokens.
     pp_group: the pipeline process group (Meshes.pp.get_group()). autocast_dtype: run every stage under
-    torch.autocast (the trainer's bf16 mode); act_dtype, context_len: see PipelineStageModule.set_shapes."""
+    torch.autocast (the trainer's bf16 mode); act_dtype, context_len, sequence_shards (tp under sequence
+    parallelism): see PipelineStageModule.set_shapes."""
     if schedule not in SCHEDULES:
         raise ValueError(f"pipeline schedule must be one of {sorted(SCHEDULES)}, got {schedule!r}")
     cls, _ = SCHEDULES[schedule]
@@ -638,7 +658,7 @@ def build_pipeline(stages: list[PipelineStageModule], pp_group, *, schedule: str
         if module.num_stages != num_stages:
             raise ValueError(f"pipeline: stage {module.stage_index} was cut into {module.num_stages} stages, but "
                              f"{len(stages)} stages on each of {pp} ranks make {num_stages}")
-        module.set_shapes(microbatch_size, seq_len, act_dtype, autocast_dtype, context_len)
+        module.set_shapes(microbatch_size, seq_len, act_dtype, autocast_dtype, context_len, sequence_shards)
         pipeline_stages.append(ZeroBubbleStage(
             module, module.stage_index, num_stages, device, input_args=module.example_inputs(),
             output_args=module.example_outputs(), group=pp_group))
