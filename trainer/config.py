@@ -59,6 +59,7 @@ class TrainerConfig:
         _choice("trainer.precision", self.precision, ("auto", "bf16", "fp32"))
 
 
+ENGRAM_SHARD_AXES = ("dp_replicate", "dp_shard", "ep", "cp")  # the axes of Meshes.dp_ep_cp, in mesh order
 PP_SCHEDULES = ("1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble")
 ACTIVATION_CHECKPOINT_MODES = ("none", "full")
 
@@ -115,6 +116,11 @@ class ParallelConfig:
     x cp: Meshes.dp_ep_cp), lookups and row gradients travelling by all-to-all (trainer/parallel/engram.py); false
     keeps whole tables on every rank, replicated like any dense weight. The flagship needs it (a 98B-row table holds
     1.6 TB of AdamW state). No effect in a single process. No Megatron-LM equivalent"""
+    engram_shard_over: list[str] = field(default_factory=lambda: list(ENGRAM_SHARD_AXES))
+    """with engram_shard: the axes whose ranks split the rows (a non-empty subset of dp_replicate, dp_shard, ep, cp);
+    the ranks of the other ones among these four hold the same rows and all-reduce their row gradients. Default: all
+    four, so each of a stage's dp x ep x cp ranks holds 1 / (dp x ep x cp) of the rows; e.g. [ep] keeps a replica of
+    the tables on every data-parallel replica and splits them over its expert-parallel ranks"""
     engram_host_memory: bool = False
     """with engram_shard: keep each rank's block of Engram rows and its AdamW state in (pinned) host memory, rows and
     row gradients crossing to the device per micro-batch (DeepSeek's Engram cpu_offload)"""
@@ -145,6 +151,10 @@ class ParallelConfig:
         if self.pp_cuts and len(self.pp_cuts) != self.pp * self.pp_virtual - 1:
             raise ValueError(f"parallel.pp_cuts={list(self.pp_cuts)} must hold pp * pp_virtual - 1 = "
                              f"{self.pp * self.pp_virtual - 1} layer indices (or be [] for the balanced split)")
+        wrong = [a for a in self.engram_shard_over if a not in ENGRAM_SHARD_AXES]
+        if wrong or not self.engram_shard_over or len(set(self.engram_shard_over)) != len(self.engram_shard_over):
+            raise ValueError(f"parallel.engram_shard_over={list(self.engram_shard_over)} must name distinct axes among "
+                             f"{list(ENGRAM_SHARD_AXES)}, at least one")
         if self.engram_host_memory and not self.engram_shard:
             raise ValueError("parallel.engram_host_memory=true keeps a rank's block of Engram rows on the host and "
                              "needs parallel.engram_shard=true (whole replicated tables stay on the device)")

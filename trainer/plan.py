@@ -124,6 +124,7 @@ class Layout:
     grad_accum: int = 1  # micro-batches per step
     activation_checkpoint: str = "none"  # none | full
     engram_shard: bool = False  # parallel.engram_shard: rows over dp x ep x cp (trainer/parallel/engram.py)
+    engram_shard_over: tuple[str, ...] = ("dp_replicate", "dp_shard", "ep", "cp")  # parallel.engram_shard_over
     device_bytes: float = 141e9
     notes: list[str] = field(default_factory=list)
 
@@ -138,7 +139,8 @@ class Layout:
 
     @property
     def engram_group(self) -> int:
-        return self.data_ranks if self.engram_shard else 1
+        """Ranks that split the Engram rows: the product of parallel.engram_shard_over's sizes."""
+        return math.prod(getattr(self, a) for a in self.engram_shard_over) if self.engram_shard else 1
 
 
 def layout_from_config(cfg) -> Layout:
@@ -152,7 +154,7 @@ def layout_from_config(cfg) -> Layout:
         pp_schedule=str(getattr(par, "pp_schedule", "1F1B")), pp_cuts=list(getattr(par, "pp_cuts", []) or []),
         batch_size=int(cfg.data.batch_size), seq_len=int(cfg.data.seq_len), grad_accum=int(cfg.trainer.grad_accum),
         activation_checkpoint=str(par.activation_checkpoint),
-        engram_shard=bool(par.engram_shard),
+        engram_shard=bool(par.engram_shard), engram_shard_over=tuple(par.engram_shard_over),
         device_bytes=float(getattr(par, "device_memory_gb", 141)) * _GB)
     if lay.dp_replicate == -1:
         lay.dp_replicate = 1
@@ -411,6 +413,9 @@ def rank_communication(model, lay: Layout, bounds: list[int], params: list[dict]
     replicated = sum(v for k, v in grad_bytes.items() if k not in ("routed_experts", "engram_tables")
                      or (k == "engram_tables" and not lay.engram_shard))
     dp = lay.dp_replicate * lay.dp_shard
+    engram_replicas = lay.data_ranks // lay.engram_group if lay.engram_shard else 1
+    if engram_replicas > 1:  # blocks held on several ranks (engram_shard_over leaves axes out): all-reduced
+        out["dp"] += 2 * _ring(engram_replicas) * grad_bytes["engram_tables"]
     if lay.dp_shard == 1:
         if lay.data_ranks > 1:
             out["dp"] += 2 * _ring(lay.data_ranks) * replicated

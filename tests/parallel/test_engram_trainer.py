@@ -54,6 +54,8 @@ LAYOUTS = {
     "dp_replicate2_recompute": dict(dp_replicate=2, engram_shard=True, activation_checkpoint="full"),
     "dp_shard2_ep2_host": dict(dp_shard=2, ep=2, engram_shard=True, engram_host_memory=True),
     "pp2_dp_replicate2": dict(pp=2, dp_replicate=2, pp_cuts=[2], engram_shard=True),
+    # rows split over ep only, a replica of the blocks on each dp replica (row gradients all-reduced over dp)
+    "dp_replicate2_ep2_over_ep": dict(dp_replicate=2, ep=2, engram_shard=True, engram_shard_over=["ep"]),
 }
 CKPT_LAYOUT = LAYOUTS["dp_replicate2"]
 # AdamW at a constant rate: the checkpoint runs compare one layout with itself, or losses only (test_layouts says why

@@ -97,6 +97,10 @@ def test_parallel_field_checks_say_what_to_change():
     with pytest.raises(ValueError, match=r"parallel.activation_checkpoint must be one of \['none', 'full'\], got "
                                          r"'sometimes'"):
         ParallelConfig(activation_checkpoint="sometimes")
+    for over in (["tp"], [], ["ep", "ep"]):
+        with pytest.raises(ValueError, match=r"parallel.engram_shard_over=.* must name distinct axes among "
+                                             r"\['dp_replicate', 'dp_shard', 'ep', 'cp'\], at least one"):
+            ParallelConfig(engram_shard=True, engram_shard_over=over)
     for name in ("dp_shard", "tp", "pp", "pp_virtual", "ep", "cp"):
         with pytest.raises(ValueError, match=f"parallel.{name} must be >= 1, got 0"):
             ParallelConfig(**{name: 0})

@@ -47,7 +47,7 @@ from torch import nn
 from model.common import init_normal
 from model.config import ModelConfig
 from model.layer_plan import build_layer_plan
-from trainer.config import ParallelConfig, ParallelDims
+from trainer.config import ENGRAM_SHARD_AXES, ParallelConfig, ParallelDims
 from trainer.parallel.activation_checkpoint import apply_activation_checkpointing
 
 if TYPE_CHECKING:  # importing the mesh machinery costs a single process a second or so
@@ -249,10 +249,21 @@ def parallelize(model: nn.Module, meshes: Meshes | None, parallel: ParallelConfi
     if parallel.engram_shard and model.cfg.engram.layers:
         from trainer.parallel.engram import apply_engram_sharding
 
-        # After the cut, so only this rank's Engram layers get a reader; over the ranks of its stage and tp rank.
-        # On meta: init_weights then draws each rank's rows with the single process's values.
-        pm.engram = apply_engram_sharding(pm.module, meshes.dp_ep_cp, host_memory=parallel.engram_host_memory)
+        # After the cut, so only this rank's Engram layers get a reader; over the ranks of its stage and tp rank on
+        # the axes parallel.engram_shard_over names, replicated over the rest of dp x ep x cp. On meta:
+        # init_weights then draws each rank's rows with the single process's values.
+        over = [a for a in ENGRAM_SHARD_AXES if a in parallel.engram_shard_over]
+        rest = [a for a in ENGRAM_SHARD_AXES if a not in over]
+        group = meshes.dp_ep_cp if not rest else _submesh(meshes.world, over, "engram_rows")
+        replicas = _submesh(meshes.world, rest, "engram_replicas").get_group() if rest else None
+        pm.engram = apply_engram_sharding(pm.module, group, host_memory=parallel.engram_host_memory)
+        pm.engram.replica_group = replicas
     return pm
+
+
+def _submesh(world: DeviceMesh, axes: list[str], name: str) -> DeviceMesh:
+    """The 1-D mesh over `axes` of the world mesh (flattened when there are several)."""
+    return world[axes[0]] if len(axes) == 1 else world[tuple(axes)]._flatten(name)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -52,7 +52,7 @@ def reduce_gradients(pm: ParallelModel) -> None:
 
     tables = engram_tables(pm.module) if pm.engram is not None else []
     if tables:
-        reduce_engram_gradients(pm.module, pm.meshes.dp_ep_cp.size())
+        reduce_engram_gradients(pm.module, pm.meshes.dp_ep_cp.size(), replica_group=pm.engram.replica_group)
     if not pm.fsdp:
         if pm.sequence_parallel:
             from model.parallelize import reduce_partial_grads

@@ -236,6 +236,7 @@ class EngramSharding:
     model: nn.Module
     readers: dict[int, ShardedRows]
     host_memory: bool
+    replica_group: Any = None  # ranks holding the same blocks (their row gradients are summed); None: none
 
     def _engram(self, layer: int) -> Engram:
         return next(m for m in _engrams(self.model) if m.layer_id == layer)
