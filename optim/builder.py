@@ -36,22 +36,43 @@ def param_groups(params: Iterable[torch.nn.Parameter], weight_decay: float) -> l
     return [g for g in groups if g["params"]]
 
 
-def _kind(p: torch.Tensor) -> tuple[bool, str]:
-    """(a DTensor?, the device type of what this process holds)."""
-    local = getattr(p, "to_local", None)
-    return local is not None, (local() if local is not None else p).device.type
+def _kind(p: torch.Tensor) -> tuple:
+    """What one multi-tensor call can take together: plain tensors by device type; DTensors by device type and mesh
+    (torch's foreach kernels refuse a list mixing DTensors with plain tensors, or DTensors of different meshes)."""
+    mesh = getattr(p, "device_mesh", None)
+    local = p.to_local() if mesh is not None else p
+    return local.device.type, mesh
+
+
+class AdamW(torch.optim.AdamW):
+    """torch's AdamW, its step run over each param group split by `_kind`: a layout mixes DTensors (tensor-, expert-
+    or Engram-sharded weights) with plain tensors and, with parallel.engram_host_memory, host tensors with device
+    ones, which one multi-tensor (foreach, CUDA's default) call refuses or would move. Each kind keeps the
+    multi-tensor step; the update of every parameter is the one torch's AdamW makes (element-wise, per parameter).
+    The split lives only for the step: param_groups, and so state dicts and checkpoints, stay as built."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        groups = self.param_groups
+        split = []
+        for group in groups:
+            kinds: dict = {}
+            for p in group["params"]:
+                kinds.setdefault(_kind(p), []).append(p)
+            split += [{**group, "params": ps} for ps in kinds.values()]
+        if len(split) == len(groups):
+            return super().step(closure)
+        self.param_groups = split
+        try:
+            return super().step(closure)
+        finally:
+            self.param_groups = groups
 
 
 def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: OptimConfig) -> torch.optim.Optimizer:
     groups = param_groups(params, cfg.weight_decay)
     if not groups:
         raise ValueError("optimizer: no trainable parameters")
-    # torch's multi-tensor (foreach) step refuses a list mixing DTensors with plain tensors (expert- or Engram-
-    # sharded weights beside replicated ones), and its default turns foreach off anyway for a group holding a
-    # host tensor (parallel.engram_host_memory): with such a mix, the per-tensor step, explicitly. The param groups
-    # stay as they are, so checkpoints load across layouts.
-    mixed = len({_kind(p) for g in groups for p in g["params"]}) > 1
     if cfg.name == "adamw":
-        return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
-                                 foreach=False if mixed else None)
+        return AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
     raise ValueError(f"optim.name={cfg.name!r} has no builder")

@@ -103,8 +103,8 @@ class TrainState:
 
     def load_state_dict(self, state: dict) -> None:
         set_model_state_dict(self.model, state["model"])
-        # `foreach` says how this layout runs the step (optim/builder.py turns it off where the parameters mix
-        # DTensors, plain tensors and devices), not training state: the saving layout's value must not replace it.
+        # `foreach` says how this process runs the step, not training state: a checkpoint written by an older build
+        # (which turned it off where parameters mixed DTensors, plain tensors and devices) must not replace it.
         foreach = [group.get("foreach") for group in self.optimizer.param_groups]
         set_optimizer_state_dict(self.model, self.optimizer, state["optim"])
         for group, value in zip(self.optimizer.param_groups, foreach):

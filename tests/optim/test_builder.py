@@ -44,3 +44,59 @@ def test_rejects_low_precision_parameters():
     p = torch.nn.Parameter(torch.zeros(3, 3, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="fp32"):
         build_optimizer([p], OptimConfig())
+
+
+def _mixed_step(rank: int, world: int) -> dict:
+    """Plain tensors beside DTensors of two meshes; three AdamW steps with the multi-tensor step forced on (CUDA's
+    default; CPU's is the per-tensor one), against torch's per-tensor AdamW on copies."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh_a = init_device_mesh("cpu", (world,), mesh_dim_names=("a",))
+    mesh_b = init_device_mesh("cpu", (1, world), mesh_dim_names=("x", "b"))["b"]
+    gen = torch.Generator().manual_seed(0)
+
+    def params():
+        g = torch.Generator().manual_seed(0)
+        return [torch.nn.Parameter(torch.randn(4, 3, generator=g)),
+                torch.nn.Parameter(distribute_tensor(torch.randn(6, 2, generator=g), mesh_a, [Shard(0)])),
+                torch.nn.Parameter(distribute_tensor(torch.randn(5, generator=g), mesh_b, [Replicate()])),
+                torch.nn.Parameter(torch.randn(7, generator=g))]
+
+    ours, ref = params(), params()
+    opt = build_optimizer(ours, OptimConfig(lr=1e-2, warmup_steps=0))
+    for group in opt.param_groups:
+        group["foreach"] = True
+    torch_opt = torch.optim.AdamW(param_groups(ref, 0.1), lr=1e-2, betas=(0.9, 0.95), eps=1e-8, foreach=False)
+    for _ in range(3):
+        grads = [torch.randn(p.shape, generator=gen) for p in ours]
+        for mine, theirs, g in zip(ours, ref, grads):
+            for p in (mine, theirs):
+                p.grad = distribute_tensor(g, p.device_mesh, p.placements) if hasattr(p, "device_mesh") else g.clone()
+        opt.step()
+        torch_opt.step()
+    raw = torch.optim.AdamW(params(), lr=1e-2, foreach=True)
+    for p in raw.param_groups[0]["params"]:
+        p.grad = torch.zeros_like(p)
+    try:
+        raw.step()
+        refused = ""
+    except RuntimeError as e:  # what torch's own multi-tensor step does with such a list
+        refused = str(e)
+    full = lambda p: p.full_tensor() if hasattr(p, "full_tensor") else p.detach()  # noqa: E731
+    return {"ours": [full(p) for p in ours], "ref": [full(p) for p in ref], "refused": refused,
+            "groups": [len(g["params"]) for g in opt.param_groups]}
+
+
+@pytest.mark.distributed
+def test_multi_tensor_step_over_mixed_parameters():
+    """The builder's AdamW runs the multi-tensor step per kind of parameter (plain, DTensors by mesh), so layouts
+    that mix them (tp, ep, Engram sharding) keep CUDA's default foreach step, which torch refuses for the mixed list;
+    the updates equal torch's per-tensor AdamW, and the param groups (what checkpoints hold) stay two."""
+    from tests.distributed import run_distributed
+
+    (out,) = run_distributed(_mixed_step, 1)
+    assert "mixed torch.Tensor and DTensor" in out["refused"]
+    assert out["groups"] == [2, 2]
+    for mine, ref in zip(out["ours"], out["ref"]):
+        torch.testing.assert_close(mine, ref, rtol=1e-6, atol=1e-7)
