@@ -10,7 +10,7 @@ over the data ranks (dp_replicate x dp_shard x ep), each data rank accumulating 
 Layouts: dp_replicate 2; dp_shard 2 (FSDP2); tp 2 with and without sequence parallelism; pp 2 with 1F1B; pp 2 x
 pp_virtual 2 with Interleaved1F1B; ep 2; cp 2; tp 2 x pp 2; dp_shard 2 x ep 2 (FSDP2 over expert-parallel experts);
 tp 2 x pp 2 x ep 2 (8 ranks; experts split over ep and their width over tp); and dp_replicate 2 x dp_shard 2 (HSDP),
-dp_shard 2 x cp 2, and tp 2 + sp x pp 2 (sequence shards of the streams cross the cut).
+dp_shard 2 x cp 2, tp 2 + sp x pp 2 (sequence shards of the streams cross the cut) and tp 2 x ep 2.
 
 What is compared, per layout:
 - initial weights: every parameter this layout holds (DTensors gathered, pipeline ranks merged) equals the single
@@ -76,6 +76,7 @@ LAYOUTS = {
     # leaves to reduce over cp
     "dp_replicate2_dp_shard2": dict(dp_replicate=2, dp_shard=2),
     "dp_shard2_cp2": dict(dp_shard=2, cp=2),
+    "tp2_ep2": dict(tp=2, ep=2),  # issue 6's 4-GPU layout
 }
 
 
