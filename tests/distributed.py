@@ -48,11 +48,15 @@ def _worker(rank: int, world_size: int, backend: str, store_file: str, out_dir: 
     dist.init_process_group(backend, init_method=f"file://{store_file}", rank=rank, world_size=world_size)
     try:
         result = fn(rank, world_size, *args)
-        # every rank's collectives (async ones included) finish before any rank tears its group down: a rank that
-        # destroys the group under a peer's pending gloo work can abort that peer ("terminate called without an
-        # active exception")
+        # Every rank's collectives finish before any rank tears its group down: a rank that closes its gloo
+        # connections while a peer is still reading the last message aborts that peer ("terminate called without
+        # an active exception"). The barrier completes the collectives; a rank leaves it possibly before its peers'
+        # last reads end, so each then says so through a store apart from gloo, and all wait for every rank's word.
         dist.barrier()
         torch.save(result, Path(out_dir) / f"rank{rank}.pt")
+        done = dist.FileStore(os.path.join(out_dir, "done"), world_size)
+        done.set(f"rank{rank}", "1")
+        done.wait([f"rank{r}" for r in range(world_size)])
     except BaseException:
         traceback.print_exc()
         raise
