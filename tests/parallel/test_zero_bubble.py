@@ -40,6 +40,7 @@ import torch.distributed.pipelining.stage as pipelining_stage
 import model as model_pkg
 from tests.distributed import run_distributed
 from tests.parallel.test_layouts import _check, _config, _train, single  # noqa: F401  (single: the reference)
+from tests.parallel.test_pp import _one_thread  # noqa: F401  (autouse: one thread, as each rank runs)
 from trainer.config import ParallelConfig
 from trainer.parallel import zero_bubble
 from trainer.parallel.apply import validate_layout
@@ -52,16 +53,6 @@ LAYOUTS = {
     # activation checkpointing: every block recomputed for the input pass and again for the weight pass
     "pp2_v2_zbv_ac": dict(pp=2, pp_virtual=2, pp_schedule="ZBVZeroBubble", activation_checkpoint="full"),
 }
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # one thread, as each spawned rank has (and as test_layouts' reference runs): on two shared cores the tiny
-    # model's small GEMMs run faster without threads competing
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 # --- one process: the split backward of each stage ------------------------------------------------------------------
