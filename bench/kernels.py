@@ -1,12 +1,13 @@
 """Kernel benchmark: every case of bench/kernel_cases/*.py against the ceilings measured in the same run.
 
-Usage (one H200): python bench/kernels.py [--only NAME_SUBSTRING] [--json OUT.json]
+Usage (one H200): python bench/kernels.py [--only SUBSTRING[,SUBSTRING...]] [--sweep] [--json OUT.jsonl]
 
 Ceilings, measured first: device-to-device copy bandwidth (a 4 GiB clone: bytes read + bytes written) and the dense
 bf16 matmul rate (8192^3). Short kernels are timed as back-to-back queued calls. Each case provides `fn_triton`, `fn_baseline` (the PyTorch path on the same inputs) and
 either `bytes` (ideal traffic of the kernel) or `flops` (useful FLOPs). The table gives median times over CUDA-event
 timed repetitions, the achieved TB/s or TFLOP/s, the percentage of the matching ceiling, and the speed-up over the
-baseline.
+baseline, and the share of a device-to-device copy moving the case's bytes at the same size (`% copy@size`: what
+a memory-bound kernel of that size could reach). `--sweep` times the tile-configuration cases instead, Triton only.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import math
 import pkgutil
 import statistics
 import sys
@@ -60,51 +62,76 @@ def ceilings() -> dict:
     return {"copy_TBps": copy_tbs, "bf16_matmul_TFLOPs": mm_tflops}
 
 
-def load_cases(only: str | None) -> list[dict]:
+def load_cases(only: str | None, sweep: bool = False):
+    """Yields the cases one kernel family at a time (a family's inputs are freed before the next is built); with
+    `sweep`, only the extra tile-configuration cases, else only the default ones."""
     import bench.kernel_cases as pkg
 
-    cases = []
     for info in pkgutil.iter_modules(pkg.__path__):
         mod = importlib.import_module(f"bench.kernel_cases.{info.name}")
-        if hasattr(mod, "cases"):
-            for case in mod.cases():
-                if only is None or only in case["name"]:
-                    cases.append(case)
-    return cases
+        if not hasattr(mod, "cases"):
+            continue
+        for case in mod.cases(sweep=sweep):
+            if bool(case.get("sweep")) == sweep and (only is None or any(o in case["name"] for o in only.split(","))):
+                yield case
+        torch.cuda.empty_cache()
+
+
+_COPY_MS: dict[int, float] = {}
+
+
+def copy_ms(num_bytes: int) -> float:
+    """Time of a device-to-device copy moving `num_bytes` in all (half read, half written): the bandwidth a kernel of
+    that traffic could reach at that size (a small one sits partly in the 50 MB L2 and pays the launch)."""
+    n = max(num_bytes // 2, 1)
+    if n not in _COPY_MS:
+        src = torch.empty(n, dtype=torch.uint8, device="cuda")
+        dst = torch.empty_like(src)
+        _COPY_MS[n] = time_ms(lambda: dst.copy_(src))
+        del src, dst
+    return _COPY_MS[n]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--only", default=None)
-    ap.add_argument("--json", default=None)
+    ap.add_argument("--only", default=None, help="comma-separated substrings of case names")
+    ap.add_argument("--sweep", action="store_true", help="time the tile-configuration sweep cases (Triton only)")
+    ap.add_argument("--json", default=None, help="append one JSON line per case (written as each is timed)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench/kernels.py needs a CUDA device")
     ceil = ceilings()
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  copy {ceil['copy_TBps']:.2f} TB/s  "
-          f"bf16 matmul {ceil['bf16_matmul_TFLOPs']:.0f} TFLOP/s")
-    print(f"{'case':48s} {'triton ms':>10s} {'base ms':>10s} {'achieved':>14s} {'% ceil':>7s} {'speed-up':>8s}")
-    rows = []
-    for case in load_cases(args.only):
+          f"bf16 matmul {ceil['bf16_matmul_TFLOPs']:.0f} TFLOP/s", flush=True)
+    print(f"{'case':56s} {'triton ms':>10s} {'base ms':>10s} {'achieved':>14s} {'% ceil':>7s} {'% copy@size':>11s} "
+          f"{'speed-up':>8s}", flush=True)
+
+    def emit(row: dict) -> None:
+        if args.json:
+            with open(args.json, "a") as f:
+                f.write(json.dumps({**row, "ceilings": ceil}) + "\n")
+
+    for case in load_cases(args.only, args.sweep):
         try:
             t = time_ms(case["fn_triton"])
-            b = time_ms(case["fn_baseline"])
+            b = math.nan if args.sweep else time_ms(case["fn_baseline"])
         except Exception as e:  # a failing case is reported, the others still run
-            print(f"{case['name']:48s} FAILED: {type(e).__name__}: {str(e)[:120]}")
-            rows.append({"name": case["name"], "error": str(e)})
+            print(f"{case['name']:56s} FAILED: {type(e).__name__}: {str(e)[:160]}", flush=True)
+            emit({"name": case["name"], "error": str(e)[:2000]})
             continue
+        size_pct = math.nan
         if "flops" in case:
             rate = case["flops"] / (t * 1e-3) / 1e12
             unit, pct = "TFLOP/s", 100 * rate / ceil["bf16_matmul_TFLOPs"]
         else:
             rate = case["bytes"] / (t * 1e-3) / 1e12
             unit, pct = "TB/s", 100 * rate / ceil["copy_TBps"]
-        print(f"{case['name']:48s} {t:10.3f} {b:10.3f} {rate:8.2f} {unit:7s} {pct:6.1f}% {b / t:7.1f}x")
-        rows.append({"name": case["name"], "triton_ms": t, "baseline_ms": b, "rate": rate, "unit": unit,
-                     "pct_of_ceiling": pct, "speedup": b / t})
+            size_pct = 100 * copy_ms(case["bytes"]) / t
+        print(f"{case['name']:56s} {t:10.3f} {b:10.3f} {rate:8.2f} {unit:7s} {pct:6.1f}% {size_pct:10.1f}% "
+              f"{b / t:7.1f}x", flush=True)
+        emit({"name": case["name"], "triton_ms": t, "baseline_ms": b, "rate": rate, "unit": unit,
+              "pct_of_ceiling": pct, "pct_of_copy_at_size": size_pct, "speedup": b / t})
         torch.cuda.empty_cache()
-    if args.json:
-        Path(args.json).write_text(json.dumps({"ceilings": ceil, "cases": rows}, indent=2))
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
     python bench/parallel_gpu.py [--model v41_small] [--layouts tp2,ep2,dp2] [--steps 60] [--seq-len 2048]
 
-Two parts, both on this machine's GPUs (NCCL for the model's collectives, gloo beside it for bookkeeping):
+Three parts, all on this machine's GPUs (NCCL for the model's collectives, gloo beside it for bookkeeping):
 
 1. Equality (`--check-steps`, default 3): the trainer's own code path (trainer.train.build_model ->
    compute_gradients, AdamW from optim/, router-bias updates) on fixed random global batches, one GPU against each
@@ -14,6 +14,13 @@ Two parts, both on this machine's GPUs (NCCL for the model's collectives, gloo b
    peak allocated. Scaling efficiency = tokens/s of the layout / (GPUs x tokens/s of one GPU at the same
    per-data-rank batch). tp keeps one data rank (the same global batch as one GPU); ep and dp read one batch per
    GPU, so their global batch doubles.
+
+3. Resume (`--parts resume`): each layout trains `--steps` steps saving at `--steps // 2`; one GPU resumes that
+   checkpoint (torch.distributed.checkpoint reshards it) and trains to `--steps`; with one data rank on both sides
+   (tp, cp) the resumed steps' losses are compared with the layout's own.
+
+Long sequences under context parallelism, e.g. 64K tokens: `--layouts cp2 --parts throughput --seq-len 65536
+--batch-size 1 parallel.activation_checkpoint=full` (one GPU runs the same sequence first, for the efficiency).
 
 Writes one JSON line per result to --out (default bench_parallel_gpu.jsonl) and a table to stdout.
 """
@@ -39,12 +46,13 @@ sys.path.insert(0, str(ROOT))
 
 LAYOUTS = {  # name -> (ParallelConfig fields, GPUs)
     "1gpu": ({}, 1),
-    "1gpu_ref": ({}, 1),  # throughput only: model.kernels=reference (what tp runs its attention on, model/kernels.py)
+    "1gpu_ref": ({}, 1),  # throughput only: one GPU with model.kernels=reference (the PyTorch path)
     "dp2": ({"dp_replicate": 2}, 2),
     "tp2": ({"tp": 2}, 2),
     "tp2_sp": ({"tp": 2, "sequence_parallel": True}, 2),
     "ep2": ({"ep": 2}, 2),
     "dp_shard2": ({"dp_shard": 2}, 2),
+    "cp2": ({"cp": 2}, 2),
 }
 
 
@@ -136,46 +144,97 @@ def _overrides(fields: dict) -> list[str]:
     return [f"parallel.{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in fields.items()]
 
 
-def throughput(names: list[str], args: argparse.Namespace) -> list[dict]:
+def _prepare_data(args: argparse.Namespace) -> Path:
     data_path = Path(args.data_path)
     if not (data_path / "tokenizer.json").exists():
         subprocess.run([sys.executable, "-m", "data.prepare", "--out", str(data_path), "--vocab-size",
                         str(args.vocab_size), "--no-progress"], cwd=ROOT, check=True)
+    return data_path
+
+
+def _train(name: str, args: argparse.Namespace, run_dir: Path, *overrides: str) -> list[dict] | str:
+    """One CLI training run of layout `name`; its metrics.jsonl records, or why there are none."""
+    fields, gpus = LAYOUTS[name]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}",
+           "-m", "trainer.main", f"model={args.model}", f"data.path={_prepare_data(args)}",
+           f"data.vocab_size={args.vocab_size}", f"data.seq_len={args.seq_len}",
+           f"data.batch_size={args.batch_size}", f"trainer.max_steps={args.steps}",
+           f"trainer.grad_accum={args.grad_accum}", "logger.wandb.mode=disabled", "logger.progress_bar=false",
+           "checkpoint.interval=0", "checkpoint.save_final=false", "checkpoint.resume=none",
+           f"trainer.device={args.device}", f"hydra.run.dir={run_dir}", *_overrides(fields), *args.extra,
+           *overrides]  # later overrides win
+    print(f"{name}: {' '.join(cmd[1:])}", flush=True)
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=args.run_timeout)
+    except subprocess.TimeoutExpired:
+        print(f"{name}: no result within --run-timeout {args.run_timeout} s", flush=True)
+        return "timeout"
+    if proc.returncode != 0:
+        print(f"{name}: failed ({proc.returncode})\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}", flush=True)
+        return f"exit {proc.returncode}"
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def throughput(names: list[str], args: argparse.Namespace) -> list[dict]:
     rows, base = [], None
     for name in ["1gpu", *names]:
         fields, gpus = LAYOUTS[name]
-        run_dir = Path(tempfile.mkdtemp(prefix=f"bench_{name}_"))
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}",
-               "-m", "trainer.main", f"model={args.model}", f"data.path={data_path}",
-               f"data.vocab_size={args.vocab_size}", f"data.seq_len={args.seq_len}",
-               f"data.batch_size={args.batch_size}", f"trainer.max_steps={args.steps}",
-               f"trainer.grad_accum={args.grad_accum}", "logger.wandb.mode=disabled", "logger.progress_bar=false",
-               "checkpoint.interval=0", "checkpoint.save_final=false", "checkpoint.resume=none",
-               f"trainer.device={args.device}", f"hydra.run.dir={run_dir}", *_overrides(fields), *args.extra]
         t0 = time.perf_counter()
-        try:
-            proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=args.run_timeout)
-        except subprocess.TimeoutExpired:
-            print(f"{name}: no result within --run-timeout {args.run_timeout} s", flush=True)
-            rows.append(dict(part="throughput", layout=name, failed="timeout"))
+        records = _train(name, args, Path(tempfile.mkdtemp(prefix=f"bench_{name}_")),
+                         *(["model.kernels=reference"] if name == "1gpu_ref" else []))
+        if isinstance(records, str):
+            rows.append(dict(part="throughput", layout=name, failed=records))
             continue
-        if proc.returncode != 0:
-            print(f"{name}: failed ({proc.returncode})\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}", flush=True)
-            rows.append(dict(part="throughput", layout=name, failed=proc.returncode))
-            continue
-        records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
         steady = [r for r in records if r["step"] > args.warmup]
         tps = statistics.median(r["tokens_per_s"] for r in steady)
         row = dict(part="throughput", layout=name, gpus=gpus, tokens_per_s=tps, tokens_per_s_per_gpu=tps / gpus,
                    mfu=statistics.median(r["mfu"] for r in steady), memory_gb=max(r["memory_mb"] for r in records) / 1e3,
                    first_loss=records[0]["loss"], last_loss=records[-1]["loss"], steps=len(records),
-                   seconds=time.perf_counter() - t0, command=" ".join(cmd[1:]))
+                   seconds=time.perf_counter() - t0, seq_len=args.seq_len, batch_size=args.batch_size,
+                   extra=args.extra)
         if name == "1gpu":
             base = tps
         elif base:
             row["scaling_efficiency"] = tps / (gpus * base)
-            if "tp" in fields and "ep" not in fields and "dp_replicate" not in fields:
+            if not ({"ep", "dp_replicate", "dp_shard"} & set(fields)):  # one data rank: the same global batch
                 row["speedup_same_batch"] = tps / base
+        print(json.dumps(row), flush=True)
+        _save(args.out, row)
+        rows.append(row)
+    return rows
+
+
+# -- part 3: save under a layout, resume on one GPU ------------------------------------------------------------------
+def resume(names: list[str], args: argparse.Namespace) -> list[dict]:
+    """Each layout trains `--steps` steps and saves at step `--steps // 2`; one GPU resumes that checkpoint and runs
+    to `--steps`. With one data rank on both sides (tp, cp) both read the same batches after the resume, so the
+    losses of the resumed steps are compared (bf16, nondeterministic atomics: expect bf16-sized differences); with
+    more data ranks (ep, dp) the loader resumes elastically and only the continuation is checked."""
+    rows = []
+    half = args.steps // 2
+    for name in names:
+        fields, gpus = LAYOUTS[name]
+        if gpus == 1:
+            continue
+        saved_dir = Path(tempfile.mkdtemp(prefix=f"resume_{name}_"))
+        t0 = time.perf_counter()
+        saved = _train(name, args, saved_dir, f"checkpoint.interval={half}")
+        ckpt = next((d for d in (saved_dir / "checkpoints").glob("step_*") if int(d.name[5:]) == half), None)
+        if isinstance(saved, str) or ckpt is None:
+            rows.append(dict(part="resume", layout=name, failed=saved if isinstance(saved, str) else "no checkpoint"))
+            continue
+        resumed = _train("1gpu", args, Path(tempfile.mkdtemp(prefix=f"resumed_{name}_")),
+                         f"checkpoint.resume={ckpt}")
+        if isinstance(resumed, str):
+            rows.append(dict(part="resume", layout=name, failed="1 GPU resume: " + resumed))
+            continue
+        after = {r["step"]: r["loss"] for r in saved if r["step"] > half}
+        cont = {r["step"]: r["loss"] for r in resumed}
+        row = dict(part="resume", layout=name, saved_at=half, resumed_steps=sorted(cont),
+                   layout_losses=[after.get(k) for k in sorted(cont)], one_gpu_losses=[cont[k] for k in sorted(cont)],
+                   seconds=time.perf_counter() - t0)
+        if not ({"ep", "dp_replicate", "dp_shard"} & set(fields)) and sorted(cont) == sorted(after):
+            row["max_loss_rel"] = max(abs(cont[k] - after[k]) / abs(after[k]) for k in cont)
         print(json.dumps(row), flush=True)
         _save(args.out, row)
         rows.append(row)
@@ -225,9 +284,16 @@ def main() -> None:
         rows += equality(names, args)
     if "throughput" in parts:
         rows += throughput(names, args)
+    if "resume" in parts:
+        rows += resume(names, args)
     print(f"\n{'part':<11}{'layout':<10}{'prec':<6}{'loss rel':>10}{'norm rel':>10}{'tok/s':>11}{'tok/s/GPU':>11}"
           f"{'MFU':>7}{'eff':>7}{'mem GB':>8}")
     for r in rows:
+        if r["part"] == "resume":
+            if not r.get("failed"):
+                print(f"{'resume':<11}{r['layout']:<10}{'bf16':<6}{r.get('max_loss_rel', math.nan):>10.2e}"
+                      f"  (saved at step {r['saved_at']} under {r['layout']}, resumed on 1 GPU)")
+                continue
         if r.get("failed"):
             print(f"{r['part']:<11}{r['layout']:<10}FAILED ({r['failed']})")
         elif r["part"] == "equality":

@@ -25,6 +25,11 @@ Why the kernels look the way they do:
   loads stay 16-byte vectors.
 - One program owns P whole blocks laid out as a [P, block / 2] tile of words, so a block's amax is a row
   reduction inside the program and the scales of the tile are a contiguous [P] store.
+- The quantisers are issue bound rather than memory bound on the H200 unless each element costs ~20
+  instructions: the first kernel ("base" in VARIANTS) compiled (sm_90, ptxas) to ~39 SASS instructions per
+  element for e4m3/16, "rn" to ~22 (E2M1 code by one rounding add, both nibble signs in one masked or, amax / 6
+  without a division). ptxas already stores a block's 8 code bytes as one 64-bit word (each thread owns whole
+  blocks), so the word-packed variants mainly add shuffles; VARIANTS keeps them for the GPU sweep.
 
 The shared helpers at the top (bf16 rounding, device checks) are also used by kernels.mhc_triton and
 kernels.engram_triton.
@@ -32,6 +37,7 @@ kernels.engram_triton.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -233,16 +239,119 @@ def _fp4_code(bits, q):
 
 
 @triton.jit
-def _fp4_quant_kernel(x_ptr, codes_ptr, scales_ptr, fake_ptr, num_blocks,
-                      BLOCK: tl.constexpr, KIND: tl.constexpr, UE8M0: tl.constexpr, FAKE: tl.constexpr,
-                      P: tl.constexpr):
-    """x words [NB * BLOCK / 2] -> codes uint8 [NB * BLOCK / 2] + scale bits uint8 [NB], or (FAKE) the
-    dequantised values as words of x's kind."""
-    HALF: tl.constexpr = BLOCK // 2
-    blk = tl.program_id(0).to(tl.int64) * P + tl.arange(0, P)  # [P]
+def _e2m1_mag_rn(q):
+    """Scaled magnitude q >= 0 -> 3-bit magnitude code (int32), equal to `_e2m1_mag` in fewer instructions.
+    q is clamped to 6 like the reference's v. The grid step is 0.5 below 2, 1 on [2, 4) and 2 on [4, 6];
+    adding M = 2^23 * step rounds q to a multiple of the step in one correctly rounded (ties-to-even) fp32
+    add, and the bits of q + M above M's count the steps; 2 * (binade - 127) adds the codes below the binade
+    (0, 4 = 2.0, 6 = 4.0)."""
+    q = tl.minimum(q, 6.0)
+    e = tl.maximum(q.to(tl.int32, bitcast=True) >> 23, 127)  # binade of q, 127 for all q < 2
+    m_bits = (e << 23) + (22 << 23)  # M = 2^(e - 105) = 2^23 * step
+    return (q + m_bits.to(tl.float32, bitcast=True)).to(tl.int32, bitcast=True) - m_bits + 2 * e - 254
+
+
+@triton.jit
+def _e4m3_mag_rn(a):
+    """fp32 0 <= a <= 448 -> float8_e4m3fn bits of its magnitude, equal to `_e4m3_mag` in fewer instructions:
+    the step is 2^(binade - 3), 2^-9 below 2^-6 (subnormals); adding M = 2^23 * step rounds a to a multiple of
+    the step (ties to even) in one fp32 add, and a mantissa carry lands in the next binade's code by itself."""
+    e = tl.maximum(a.to(tl.int32, bitcast=True) >> 23, 121)  # biased binade, 121 (2^-6) for all subnormals
+    m_bits = (e << 23) + (20 << 23)  # M = 2^(e - 107) = 2^23 * 2^(e - 130)
+    return (a + m_bits.to(tl.float32, bitcast=True)).to(tl.int32, bitcast=True) - m_bits + 8 * e - 968
+
+
+@triton.jit
+def _fp4_pair_byte(m_lo, m_hi, lo, hi):
+    """Magnitude codes of channels (2i, 2i+1) and their fp32 bits -> the code byte. Each nibble gets its sign
+    only where its magnitude is nonzero (m + 7 has bit 3 set exactly for m >= 1), so -0 and negatives that
+    round to 0 encode as +0, like the reference."""
+    mags = m_lo | (m_hi << 4)
+    signs = ((lo >> 28) & 0x8) | ((hi >> 24) & 0x80)
+    return mags | ((mags + 0x77) & signs)
+
+
+@triton.jit
+def fp4_e4m3_scale(amax):
+    """Block amax (fp32, >= 0) -> (scale code int32, scale fp32, RN(1/scale) fp32) of the e4m3-scaled FP4.
+
+    The reference divides: e4m3(min(max(amax, 6 * 2^-9) / 6, 448)); the e4m3 rounding may go down, past-6
+    quotients then saturate the code. 6 has the e4m3 significand 1.5, so the three-flop quotient with
+    RN(1/6) is the correctly rounded division (module docstring). The reciprocal of the scale feeds the same
+    quotient per element. kernels.norm_rope_fp4 computes the same scale with two div_rn and could use this."""
+    ratio = tl.minimum(_exact_quotient(tl.maximum(amax, _E4M3_RATIO_AMAX_FLOOR), 6.0, _INV_SIX), 448.0)
+    code = _e4m3_mag(ratio)
+    scale = _e4m3_value(code)
+    return code, scale, tl.math.div_rn(tl.zeros_like(scale) + 1.0, scale)
+
+
+@triton.jit
+def _exact_quotient(a, s, y):
+    """Correctly rounded a / s from y = RN(1/s) for an e4m3 s (Markstein: see the module docstring)."""
+    q = a * y
+    return tl.fma(tl.fma(-q, s, a), y, q)
+
+
+@triton.jit
+def _pack_bytes(b, N: tl.constexpr, WORD: tl.constexpr):
+    """int32 bytes (0..255) [P, N] -> little-endian words [P, N // WORD] (WORD = 4: int32, 8: int64).
+    The fields are disjoint, so their sum is their bitwise or (an int32 wraps into the sign bit harmlessly)."""
+    if WORD == 8:
+        b = tl.reshape(b.to(tl.int64), [b.shape[0], N // 8, 8])
+        return tl.sum(b << (tl.arange(0, 8) * 8).to(tl.int64)[None, None, :], axis=2)
+    else:
+        b = tl.reshape(b, [b.shape[0], N // 4, 4])
+        return tl.sum(b << (tl.arange(0, 4) * 8)[None, None, :], axis=2)
+
+
+@triton.jit
+def _store_bytes(ptr, tile, bytes_, num_blocks, P: tl.constexpr, N: tl.constexpr, WORD: tl.constexpr):
+    """Store the int32 bytes [P, N] of blocks tile * P ... (N per block) to the uint8 array at ptr, as WORD-byte
+    words (WORD 1: byte by byte). A word store needs N % WORD == 0 and a WORD-aligned ptr (the host checks)."""
+    blk = tile.to(tl.int64) * P + tl.arange(0, P)
     live = blk < num_blocks
-    offs = blk[:, None] * HALF + tl.arange(0, HALF)[None, :]  # [P, HALF] word index
-    lo, hi = _unpack_pair(tl.load(x_ptr + offs, mask=live[:, None], other=0), KIND)  # fp32 bits
+    if WORD == 1:
+        offs = blk[:, None] * N + tl.arange(0, N)[None, :]
+        tl.store(ptr + offs, bytes_.to(tl.uint8), mask=live[:, None])
+    else:
+        NW: tl.constexpr = N // WORD
+        words = _pack_bytes(bytes_, N, WORD)
+        wptr = ptr.to(tl.pointer_type(tl.int64 if WORD == 8 else tl.int32))
+        tl.store(wptr + blk[:, None] * NW + tl.arange(0, NW)[None, :], words, mask=live[:, None])
+
+
+@triton.jit
+def _store_scale_bytes(ptr, tile, code, num_blocks, P: tl.constexpr, WORD: tl.constexpr):
+    """Scale codes int32 [P] of blocks tile * P ... -> uint8 at ptr; packed into WORD-byte words when the whole
+    tile is live (P % WORD == 0 and a WORD-aligned ptr: the host checks), byte by byte in the last, partial tile."""
+    blk = tile.to(tl.int64) * P + tl.arange(0, P)
+    if WORD == 1:
+        tl.store(ptr + blk, code.to(tl.uint8), mask=blk < num_blocks)
+    else:
+        if (tile.to(tl.int64) + 1) * P <= num_blocks:
+            NW: tl.constexpr = P // WORD
+            words = _pack_bytes(tl.reshape(code, [NW, WORD]), WORD, WORD)  # [NW, 1]
+            wptr = ptr.to(tl.pointer_type(tl.int64 if WORD == 8 else tl.int32))
+            tl.store(wptr + (tile.to(tl.int64) * NW + tl.arange(0, NW))[:, None], words)
+        else:
+            tl.store(ptr + blk, code.to(tl.uint8), mask=blk < num_blocks)
+
+
+@triton.jit
+def _load_blocks(x_ptr, tile, num_blocks, N: tl.constexpr, P: tl.constexpr):
+    """The [P, N] tile of blocks tile * P ... from an array of N elements (or pair words) per block; 0 past the end."""
+    blk = tile.to(tl.int64) * P + tl.arange(0, P)
+    offs = blk[:, None] * N + tl.arange(0, N)[None, :]
+    return tl.load(x_ptr + offs, mask=(blk < num_blocks)[:, None], other=0)
+
+
+@triton.jit
+def _fp4_quant_tile(w, tile, codes_ptr, scales_ptr, fake_ptr, num_blocks,
+                    BLOCK: tl.constexpr, KIND: tl.constexpr, UE8M0: tl.constexpr, FAKE: tl.constexpr,
+                    P: tl.constexpr, ENCODE: tl.constexpr, CODE_WORD: tl.constexpr, SCALE_WORD: tl.constexpr):
+    """Quantise one loaded tile of pair words w [P, BLOCK / 2] (blocks tile * P ...) and store its outputs."""
+    HALF: tl.constexpr = BLOCK // 2
+    lo, hi = _unpack_pair(w, KIND)  # fp32 bits
     a_lo, a_hi = _magnitude(lo), _magnitude(hi)
     amax = tl.maximum(tl.max(a_lo, axis=1), tl.max(a_hi, axis=1))  # [P]
     if UE8M0:
@@ -250,26 +359,61 @@ def _fp4_quant_kernel(x_ptr, codes_ptr, scales_ptr, fake_ptr, num_blocks,
         scale, scale_code = _pow2_ceil(tl.maximum(amax, _UE8M0_AMAX_FLOOR) * _INV_SIX)
         inv = _pow2_reciprocal(scale_code)[:, None]
         q_lo, q_hi = a_lo * inv, a_hi * inv  # exact: the quotient by a power of two
-    else:
-        # A true division, then round to e4m3 (may round down: past-6 quotients then saturate the code).
+    elif ENCODE == 1:
+        scale_code, scale, inv = fp4_e4m3_scale(amax)
+        q_lo = _exact_quotient(a_lo, scale[:, None], inv[:, None])
+        q_hi = _exact_quotient(a_hi, scale[:, None], inv[:, None])
+    else:  # the first kernel's two divisions, kept for comparison
         ratio = tl.minimum(tl.math.div_rn(tl.maximum(amax, _E4M3_RATIO_AMAX_FLOOR), tl.zeros_like(amax) + 6.0), 448.0)
         scale_code = _e4m3_mag(ratio)
         scale = _e4m3_value(scale_code)
-        s = scale[:, None]
-        inv = tl.math.div_rn(tl.zeros_like(scale) + 1.0, scale)[:, None]  # RN(1/s): see the module docstring
-        q_lo, q_hi = a_lo * inv, a_hi * inv
-        q_lo = tl.fma(tl.fma(-q_lo, s, a_lo), inv, q_lo)
-        q_hi = tl.fma(tl.fma(-q_hi, s, a_hi), inv, q_hi)
-    c_lo, m_lo = _fp4_code(lo, q_lo)
-    c_hi, m_hi = _fp4_code(hi, q_hi)
+        inv = tl.math.div_rn(tl.zeros_like(scale) + 1.0, scale)
+        q_lo = _exact_quotient(a_lo, scale[:, None], inv[:, None])
+        q_hi = _exact_quotient(a_hi, scale[:, None], inv[:, None])
+    if ENCODE == 1:
+        m_lo, m_hi = _e2m1_mag_rn(q_lo), _e2m1_mag_rn(q_hi)
+    else:
+        m_lo, m_hi = _e2m1_mag(q_lo), _e2m1_mag(q_hi)
     if FAKE:
         s = scale[:, None]
         out = _pack_pair(_with_sign(_e2m1_grid(m_lo) * s, lo, m_lo > 0),
                          _with_sign(_e2m1_grid(m_hi) * s, hi, m_hi > 0), KIND)
-        tl.store(fake_ptr + offs, out, mask=live[:, None])
+        blk = tile.to(tl.int64) * P + tl.arange(0, P)
+        offs = blk[:, None] * HALF + tl.arange(0, HALF)[None, :]
+        tl.store(fake_ptr + offs, out, mask=(blk < num_blocks)[:, None])
     else:
-        tl.store(codes_ptr + offs, (c_lo | (c_hi << 4)).to(tl.uint8), mask=live[:, None])
-        tl.store(scales_ptr + blk, scale_code.to(tl.uint8), mask=live)
+        if ENCODE == 1:
+            byte = _fp4_pair_byte(m_lo, m_hi, lo, hi)
+        else:
+            # The sign only on nonzero codes: -0 and negatives rounding to 0 encode as +0.
+            c_lo = m_lo | tl.where(m_lo > 0, (lo >> 28) & 8, 0)
+            byte = c_lo | ((m_hi | tl.where(m_hi > 0, (hi >> 28) & 8, 0)) << 4)
+        _store_bytes(codes_ptr, tile, byte, num_blocks, P, HALF, CODE_WORD)
+        _store_scale_bytes(scales_ptr, tile, scale_code, num_blocks, P, SCALE_WORD)
+
+
+@triton.jit
+def _fp4_quant_kernel(x_ptr, codes_ptr, scales_ptr, fake_ptr, num_blocks,
+                      BLOCK: tl.constexpr, KIND: tl.constexpr, UE8M0: tl.constexpr, FAKE: tl.constexpr,
+                      P: tl.constexpr, ENCODE: tl.constexpr, CODE_WORD: tl.constexpr, SCALE_WORD: tl.constexpr,
+                      PERSISTENT: tl.constexpr):
+    """x words [NB * BLOCK / 2] -> codes uint8 [NB * BLOCK / 2] + scale bits uint8 [NB], or (FAKE) the
+    dequantised values as words of x's kind. One tile of P blocks per program, or (PERSISTENT) a grid-stride
+    loop over tiles that loads the next tile before working on the current one (two tiles in flight)."""
+    HALF: tl.constexpr = BLOCK // 2
+    if PERSISTENT:
+        pid, step = tl.program_id(0), tl.num_programs(0)
+        w = _load_blocks(x_ptr, pid, num_blocks, HALF, P)
+        for i in range(0, tl.cdiv(tl.cdiv(num_blocks, P) - pid, step)):  # the grid is no larger than the tiles
+            tile = pid + i * step
+            w_next = _load_blocks(x_ptr, tile + step, num_blocks, HALF, P)  # all masked past the end
+            _fp4_quant_tile(w, tile, codes_ptr, scales_ptr, fake_ptr, num_blocks, BLOCK, KIND, UE8M0, FAKE, P,
+                            ENCODE, CODE_WORD, SCALE_WORD)
+            w = w_next
+    else:
+        tile = tl.program_id(0)
+        _fp4_quant_tile(_load_blocks(x_ptr, tile, num_blocks, HALF, P), tile, codes_ptr, scales_ptr, fake_ptr,
+                        num_blocks, BLOCK, KIND, UE8M0, FAKE, P, ENCODE, CODE_WORD, SCALE_WORD)
 
 
 @triton.jit
@@ -296,6 +440,56 @@ def _blocks_per_prog(block: int, blocks_per_prog: int | None) -> int:
     return blocks_per_prog or max(1, 2048 // block)
 
 
+VARIANTS = {
+    # The first kernel: threshold-count encoding, codes and scales stored byte by byte, one tile per program.
+    "base": dict(ENCODE=0, CODE_WORD=1, SCALE_WORD=1, PERSISTENT=False),
+    # Fewer instructions: the E2M1 code from one rounding add (_e2m1_mag_rn) instead of seven compares, the signs
+    # of a code byte's two nibbles in one masked or (_fp4_pair_byte), amax / 6 as a three-flop exact quotient.
+    "rn": dict(ENCODE=1, CODE_WORD=1, SCALE_WORD=1, PERSISTENT=False),
+    # rn, and the codes and the scale bytes of 4 blocks stored as whole 32-bit words.
+    "packed": dict(ENCODE=1, CODE_WORD=4, SCALE_WORD=4, PERSISTENT=False),
+    # rn, and 64-bit words (a block's 8 code bytes, the scales of 8 blocks).
+    "packed64": dict(ENCODE=1, CODE_WORD=8, SCALE_WORD=8, PERSISTENT=False),
+    # rn, with a grid of a few programs per SM looping over the tiles, each loading its next tile first.
+    "persistent": dict(ENCODE=1, CODE_WORD=1, SCALE_WORD=1, PERSISTENT=True),
+}
+"""Kernel variants the quantisers take as `variant=`, all bit-identical (tests/kernels/test_fp4_triton.py);
+bench/kernel_cases/fp4.py sweeps them. In the FP8 kernel ENCODE=1 rounds to E4M3 by one add (_e4m3_mag_rn)."""
+
+DEFAULT_VARIANT = "rn"
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 2  # the interpreter: a grid smaller than the tiles, so the tests walk the loop
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _variant_launch(variant: str, fn_name: str, x: torch.Tensor, num_tiles: int, num_warps: int, block_bytes: int,
+                    p: int, codes: torch.Tensor | None = None, scales: torch.Tensor | None = None
+                    ) -> tuple[tuple[int], dict]:
+    """(grid, constexprs) of a quantising launch. Word stores fall back to narrower words, then bytes, where a
+    block's output bytes, the tile's blocks or the buffers' alignment do not fit the word (small blocks, `out=`
+    buffers at odd offsets); fake quantisation (no codes or scales) stores none."""
+    if variant not in VARIANTS:
+        raise ValueError(f"{fn_name}: variant must be one of {list(VARIANTS)}, got {variant!r}")
+    opts = dict(VARIANTS[variant])
+
+    def fit(word: int, count: int, t: torch.Tensor | None) -> int:
+        while word > 1 and (t is None or count % word or t.data_ptr() % word):
+            word //= 2
+        return word
+
+    opts["CODE_WORD"] = fit(opts["CODE_WORD"], block_bytes, codes)
+    opts["SCALE_WORD"] = fit(opts["SCALE_WORD"], p, scales)
+    grid = num_tiles
+    if opts["PERSISTENT"]:
+        # Enough programs to fill every SM at full occupancy (2048 threads), no more: the loop does the rest.
+        grid = min(num_tiles, _num_sms(x.device) * max(1, 2048 // (32 * num_warps)))
+    return (grid,), opts
+
+
 def _fp4_prepare(x: torch.Tensor, block: int, scale_fmt: str, fn_name: str) -> tuple[torch.Tensor, int, int]:
     """Checks shared by quantize and fake_quant; returns (x in a supported kind, kind, number of blocks)."""
     if scale_fmt not in ("e4m3", "ue8m0"):
@@ -310,11 +504,12 @@ def _fp4_prepare(x: torch.Tensor, block: int, scale_fmt: str, fn_name: str) -> t
 
 
 def quantize(x: torch.Tensor, block: int = 16, scale_fmt: str = "e4m3", *, blocks_per_prog: int | None = None,
-             num_warps: int = 4, out: tuple[torch.Tensor, torch.Tensor] | None = None
-             ) -> tuple[torch.Tensor, torch.Tensor]:
+             num_warps: int = 4, variant: str = DEFAULT_VARIANT,
+             out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Block FP4 of x [..., D] -> (codes uint8 [..., D // 2], scales e4m3fn or e8m0fnu [..., D // block]).
 
     Same contract as kernels.fp4.quantize. `out`, if given, is (codes, scales) to write into (tests poison it).
+    `blocks_per_prog`, `num_warps` and `variant` (a key of VARIANTS) tune the kernel, not its result.
     """
     x, kind, num_blocks = _fp4_prepare(x, block, scale_fmt, "quantize")
     ue8m0 = scale_fmt == "ue8m0"
@@ -334,14 +529,17 @@ def quantize(x: torch.Tensor, block: int = 16, scale_fmt: str = "e4m3", *, block
         check_device("x and out", "quantize", x, codes, scales)
     p = _blocks_per_prog(block, blocks_per_prog)
     if num_blocks:
-        _fp4_quant_kernel[(triton.cdiv(num_blocks, p),)](
+        grid, opts = _variant_launch(variant, "quantize", x, triton.cdiv(num_blocks, p), num_warps, block // 2, p,
+                                     codes, scales)
+        _fp4_quant_kernel[grid](
             word_view(x, _PAIR_WORD[kind], "quantize"), codes, scales.view(torch.uint8), codes, num_blocks,
-            BLOCK=block, KIND=kind, UE8M0=ue8m0, FAKE=False, P=p, num_warps=num_warps)
+            BLOCK=block, KIND=kind, UE8M0=ue8m0, FAKE=False, P=p, num_warps=num_warps, **opts)
     return codes, scales
 
 
 def fake_quant(x: torch.Tensor, block: int = 16, scale_fmt: str = "e4m3", *,
-               blocks_per_prog: int | None = None, num_warps: int = 4) -> torch.Tensor:
+               blocks_per_prog: int | None = None, num_warps: int = 4, variant: str = DEFAULT_VARIANT
+               ) -> torch.Tensor:
     """dequantize(quantize(x)) in x's dtype in one pass (no codes in memory). No autograd: the caller
     (kernels.fp4.fake_quant) adds the straight-through gradient."""
     orig_dtype = x.dtype
@@ -350,9 +548,10 @@ def fake_quant(x: torch.Tensor, block: int = 16, scale_fmt: str = "e4m3", *,
     p = _blocks_per_prog(block, blocks_per_prog)
     if num_blocks:
         words = word_view(out, _PAIR_WORD[kind], "fake_quant")
-        _fp4_quant_kernel[(triton.cdiv(num_blocks, p),)](
+        grid, opts = _variant_launch(variant, "fake_quant", x, triton.cdiv(num_blocks, p), num_warps, block // 2, p)
+        _fp4_quant_kernel[grid](
             word_view(x, _PAIR_WORD[kind], "fake_quant"), words, words, words, num_blocks,
-            BLOCK=block, KIND=kind, UE8M0=scale_fmt == "ue8m0", FAKE=True, P=p, num_warps=num_warps)
+            BLOCK=block, KIND=kind, UE8M0=scale_fmt == "ue8m0", FAKE=True, P=p, num_warps=num_warps, **opts)
     return out.to(orig_dtype)
 
 
@@ -391,29 +590,55 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, block: int = 16, *,
 
 
 @triton.jit
-def _fp8_quant_kernel(x_ptr, values_ptr, scales_ptr, fake_ptr, num_blocks,
-                      BLOCK: tl.constexpr, KIND: tl.constexpr, FAKE: tl.constexpr, P: tl.constexpr):
-    """x [NB * BLOCK] (bf16/fp16/fp32) -> e4m3 bits uint8 [NB * BLOCK] + e8m0 bits uint8 [NB], or (FAKE) the
-    dequantised values (bf16 written as int16 bits, else x's dtype)."""
-    blk = tl.program_id(0).to(tl.int64) * P + tl.arange(0, P)
-    live = blk < num_blocks
-    offs = blk[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
-    bits = tl.load(x_ptr + offs, mask=live[:, None], other=0.0).to(tl.float32).to(tl.int32, bitcast=True)
+def _fp8_quant_tile(x, tile, values_ptr, scales_ptr, fake_ptr, num_blocks,
+                    BLOCK: tl.constexpr, KIND: tl.constexpr, FAKE: tl.constexpr, P: tl.constexpr,
+                    ENCODE: tl.constexpr, CODE_WORD: tl.constexpr, SCALE_WORD: tl.constexpr):
+    """Quantise one loaded tile x [P, BLOCK] (blocks tile * P ...) and store its outputs."""
+    bits = x.to(tl.float32).to(tl.int32, bitcast=True)
     a = _magnitude(bits)
     amax = tl.max(a, axis=1)
     # Reference: multiply by fp32(1/448), not divide; the power-of-two ceiling is read from the bits.
     scale, scale_code = _pow2_ceil(tl.maximum(amax, _FP8_AMAX_FLOOR) * _FP8_INV_MAX)
-    mag = _e4m3_mag(tl.minimum(a * _pow2_reciprocal(scale_code)[:, None], _FP8_MAX))  # exact quotient
-    code = mag | ((bits >> 24) & 0x80)  # the cast keeps the sign, also of values that round to 0
+    q = tl.minimum(a * _pow2_reciprocal(scale_code)[:, None], _FP8_MAX)  # exact quotient
+    if ENCODE == 1:
+        mag = _e4m3_mag_rn(q)
+    else:
+        mag = _e4m3_mag(q)
     if FAKE:
         deq = _with_sign(_e4m3_value(mag) * scale[:, None], bits, True)
+        blk = tile.to(tl.int64) * P + tl.arange(0, P)
+        offs = blk[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+        live = (blk < num_blocks)[:, None]
         if KIND == 0:
-            tl.store(fake_ptr + offs, bf16_bits(deq).to(tl.int16), mask=live[:, None])
+            tl.store(fake_ptr + offs, bf16_bits(deq).to(tl.int16), mask=live)
         else:
-            tl.store(fake_ptr + offs, deq.to(fake_ptr.dtype.element_ty), mask=live[:, None])
+            tl.store(fake_ptr + offs, deq.to(fake_ptr.dtype.element_ty), mask=live)
     else:
-        tl.store(values_ptr + offs, code.to(tl.uint8), mask=live[:, None])
-        tl.store(scales_ptr + blk, scale_code.to(tl.uint8), mask=live)
+        code = mag | ((bits >> 24) & 0x80)  # the cast keeps the sign, also of values that round to 0
+        _store_bytes(values_ptr, tile, code, num_blocks, P, BLOCK, CODE_WORD)
+        _store_scale_bytes(scales_ptr, tile, scale_code, num_blocks, P, SCALE_WORD)
+
+
+@triton.jit
+def _fp8_quant_kernel(x_ptr, values_ptr, scales_ptr, fake_ptr, num_blocks,
+                      BLOCK: tl.constexpr, KIND: tl.constexpr, FAKE: tl.constexpr, P: tl.constexpr,
+                      ENCODE: tl.constexpr, CODE_WORD: tl.constexpr, SCALE_WORD: tl.constexpr,
+                      PERSISTENT: tl.constexpr):
+    """x [NB * BLOCK] (bf16/fp16/fp32) -> e4m3 bits uint8 [NB * BLOCK] + e8m0 bits uint8 [NB], or (FAKE) the
+    dequantised values (bf16 written as int16 bits, else x's dtype). Tiles and PERSISTENT as _fp4_quant_kernel."""
+    if PERSISTENT:
+        pid, step = tl.program_id(0), tl.num_programs(0)
+        x = _load_blocks(x_ptr, pid, num_blocks, BLOCK, P)
+        for i in range(0, tl.cdiv(tl.cdiv(num_blocks, P) - pid, step)):  # the grid is no larger than the tiles
+            tile = pid + i * step
+            x_next = _load_blocks(x_ptr, tile + step, num_blocks, BLOCK, P)
+            _fp8_quant_tile(x, tile, values_ptr, scales_ptr, fake_ptr, num_blocks, BLOCK, KIND, FAKE, P,
+                            ENCODE, CODE_WORD, SCALE_WORD)
+            x = x_next
+    else:
+        tile = tl.program_id(0)
+        _fp8_quant_tile(_load_blocks(x_ptr, tile, num_blocks, BLOCK, P), tile, values_ptr, scales_ptr, fake_ptr,
+                        num_blocks, BLOCK, KIND, FAKE, P, ENCODE, CODE_WORD, SCALE_WORD)
 
 
 @triton.jit
@@ -437,7 +662,8 @@ def _fp8_prepare(x: torch.Tensor, block: int, fn_name: str) -> tuple[torch.Tenso
 
 
 def quantize_fp8(x: torch.Tensor, block: int = 32, *, blocks_per_prog: int | None = None, num_warps: int = 4,
-                 out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 variant: str = DEFAULT_VARIANT, out: tuple[torch.Tensor, torch.Tensor] | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Block FP8 of x [..., D] -> (values float8_e4m3fn [..., D], scales float8_e8m0fnu [..., D // block])."""
     x, num_blocks = _fp8_prepare(x, block, "quantize_fp8")
     lead = x.shape[:-1]
@@ -454,13 +680,16 @@ def quantize_fp8(x: torch.Tensor, block: int = 32, *, blocks_per_prog: int | Non
         check_device("x and out", "quantize_fp8", x, values, scales)
     p = _blocks_per_prog(block, blocks_per_prog)
     if num_blocks:
-        _fp8_quant_kernel[(triton.cdiv(num_blocks, p),)](
+        grid, opts = _variant_launch(variant, "quantize_fp8", x, triton.cdiv(num_blocks, p), num_warps, block, p,
+                                     values, scales)
+        _fp8_quant_kernel[grid](
             x, values.view(torch.uint8), scales.view(torch.uint8), x, num_blocks,
-            BLOCK=block, KIND=_KIND[x.dtype], FAKE=False, P=p, num_warps=num_warps)
+            BLOCK=block, KIND=_KIND[x.dtype], FAKE=False, P=p, num_warps=num_warps, **opts)
     return values, scales
 
 
-def fake_quant_fp8(x: torch.Tensor, block: int = 32, *, blocks_per_prog: int | None = None) -> torch.Tensor:
+def fake_quant_fp8(x: torch.Tensor, block: int = 32, *, blocks_per_prog: int | None = None, num_warps: int = 4,
+                   variant: str = DEFAULT_VARIANT) -> torch.Tensor:
     """dequantize_fp8(quantize_fp8(x)) in x's dtype in one pass. No autograd (the caller adds the STE)."""
     orig_dtype = x.dtype
     x, num_blocks = _fp8_prepare(x, block, "fake_quant_fp8")
@@ -468,8 +697,10 @@ def fake_quant_fp8(x: torch.Tensor, block: int = 32, *, blocks_per_prog: int | N
     p = _blocks_per_prog(block, blocks_per_prog)
     if num_blocks:
         target = out.view(torch.int16) if x.dtype == torch.bfloat16 else out
-        _fp8_quant_kernel[(triton.cdiv(num_blocks, p),)](
-            x, target, target, target, num_blocks, BLOCK=block, KIND=_KIND[x.dtype], FAKE=True, P=p)
+        grid, opts = _variant_launch(variant, "fake_quant_fp8", x, triton.cdiv(num_blocks, p), num_warps, block, p)
+        _fp8_quant_kernel[grid](
+            x, target, target, target, num_blocks, BLOCK=block, KIND=_KIND[x.dtype], FAKE=True, P=p,
+            num_warps=num_warps, **opts)
     return out.to(orig_dtype)
 
 

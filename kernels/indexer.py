@@ -20,7 +20,8 @@ Kernels:
 - `_block_max`: block scores of the candidate pool (max over BS entries, the newest visible block forced to +inf).
 - `_pool_fwd` / `_pool_bwd`: Reindex scoring restricted to the pool: one program per query gathers the entries of
   its pool blocks, so the cost per query is bounded by S whatever the context; dk is scattered with atomics.
-Top-k uses torch.topk on the kernels' scores (`select_topk`).
+Top-k (`select_topk`, the pool's blocks) is `kernels.topk`: the radix-select kernel with impl="triton", torch.topk
+with impl="reference".
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import triton
 import triton.language as tl
 
 from kernels.sparse_attention import _dot, _prec  # the dot helper that keeps the CPU interpreter exact
+from kernels.topk import topk
 
 __all__ = [
     "index_scores",
@@ -386,11 +388,11 @@ def candidate_pool(scores, ratio: int, block_size: int, topk_blocks: int, *, q_o
     BLOCK_T, BLOCK_B = 32, max(1, 256 // block_size)
     grid = (triton.cdiv(NB, BLOCK_B), triton.cdiv(T, BLOCK_T), B)
     _block_max[grid](scores, blocks, T, E, NB, q_offset, ratio, BS=block_size, BLOCK_T=BLOCK_T, BLOCK_B=BLOCK_B)
-    return _top_blocks(blocks, topk_blocks)
+    return _top_blocks(blocks, topk_blocks, impl="triton")
 
 
-def _top_blocks(blocks: torch.Tensor, topk_blocks: int) -> torch.Tensor:
-    vals, ids = blocks.topk(min(topk_blocks, blocks.shape[-1]), dim=-1, sorted=False)
+def _top_blocks(blocks: torch.Tensor, topk_blocks: int, impl: str = "reference") -> torch.Tensor:
+    vals, ids = topk(blocks, min(topk_blocks, blocks.shape[-1]), impl=impl)
     return torch.where(vals > float("-inf"), ids, -1).to(torch.int32)
 
 
@@ -482,13 +484,15 @@ def index_scores_pool_reference(q, w, k, pool, ratio: int, block_size: int, *, q
 
 
 def select_topk(scores: torch.Tensor, k: int, *, pool: torch.Tensor | None = None,
-                block_size: int = 8) -> torch.Tensor:
+                block_size: int = 8, impl: str = "reference") -> torch.Tensor:
     """Top-k entry ids [B, T, min(k, S)] int32 (-1 where the pick is -inf, i.e. fewer allowed entries than k).
 
     `scores` are dense [B, T, E] or, with `pool`, the slot scores of `index_scores_pool` (ids map back through the
-    pool). torch.topk on the kernels' scores, unsorted; ties break as torch.topk breaks them (REFERENCE A4)."""
+    pool). Unsorted. impl="reference" is torch.topk, whose tie-breaking is unspecified (REFERENCE A4); "triton" is
+    `kernels.topk`, which keeps the lowest positions among scores tied at the k-th value."""
     kk = min(k, scores.shape[-1])
-    vals, pos = scores.topk(kk, dim=-1, sorted=False)
+    vals, pos = topk(scores.contiguous() if impl == "triton" else scores, kk, impl=impl)
+    pos = pos.long()
     if pool is not None:
         ent = pool.gather(-1, pos // block_size).long() * block_size + pos % block_size
     else:

@@ -12,8 +12,11 @@ Shape legend:
 The forward reads y [N, D] and S [N, n, D] once and writes S' [N, n, D], x [N, D], and the next site's
 statistics: sum_sq [N] = |flatten(S')|^2 and raw [N, M] = fn . flatten(S') (both from the rounded, stored S',
 as the reference does). Per token, all outputs are one small matrix W [NW, NW] (`model.mhc.mix_matrix`, built
-in PyTorch) applied to the inputs, so the traffic is (n + 1) reads + (n + 1) writes of D-wide rows.
-The sigmoids and the n x n Sinkhorn run in PyTorch afterwards on [N, M] numbers.
+in PyTorch) applied to the inputs, so the traffic is (n + 1) reads + (n + 1) writes of D-wide rows (bf16, n = 4:
+20 KB per token at D = 5120), plus ~0.6 KB of mix matrix and statistics. The grid is token blocks x D chunks
+(`FWD_CONFIGS`); with several chunks each writes partial statistics that the host sums ([chunks, N, 65] fp32).
+The rms factor, sigmoids and the n x n Sinkhorn then run in one Triton launch on [N, M] numbers (`next_coeffs`,
+with its own backward), instead of ~100 small PyTorch kernels.
 
 Numerics. Mixing is fp32 FMAs. The projection runs on the tensor cores in bf16 with fp32 accumulation: fn is
 split as fn_hi + fn_lo (two bf16 parts, ~2^-16 relative error left; laid side by side so one MMA gives both
@@ -40,7 +43,7 @@ from kernels.fp4_triton import bf16_bits, bf16_round, check_device, interpreting
 from model import mhc
 from model.mhc import Coeffs, HCSite, mix_matrix
 
-__all__ = ["single_pass", "mhc_step", "mhc_step_fwd", "mhc_step_bwd"]
+__all__ = ["single_pass", "mhc_step", "mhc_step_fwd", "mhc_step_bwd", "next_coeffs", "FWD_CONFIGS"]
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -96,7 +99,7 @@ def _round_bf16(x, GPU: tl.constexpr):
 
 
 @triton.jit
-def _store_rounded(ptr, val, mask, BF16: tl.constexpr, GPU: tl.constexpr):
+def _store_rounded(ptr, val, mask, BF16: tl.constexpr, GPU: tl.constexpr, policy: tl.constexpr = ""):
     """Store fp32 `val` into a bf16 or fp32 tensor; return the value as stored (fp32).
 
     bf16 tensors arrive as bf16 pointers on the GPU (hardware round to nearest even) and as their int16 bits in
@@ -105,14 +108,14 @@ def _store_rounded(ptr, val, mask, BF16: tl.constexpr, GPU: tl.constexpr):
     if BF16:
         if GPU:
             rounded = val.to(tl.bfloat16)
-            tl.store(ptr, rounded, mask=mask)
+            tl.store(ptr, rounded, mask=mask, eviction_policy=policy)
             return rounded.to(tl.float32)
         else:
             bits = bf16_bits(val)
-            tl.store(ptr, bits.to(tl.int16), mask=mask)
+            tl.store(ptr, bits.to(tl.int16), mask=mask, eviction_policy=policy)
             return (bits << 16).to(tl.float32, bitcast=True)
     else:
-        tl.store(ptr, val, mask=mask)
+        tl.store(ptr, val, mask=mask, eviction_policy=policy)
         return val
 
 
@@ -126,12 +129,15 @@ def _load_mix(w_ptr, tok, t_ok, NW: tl.constexpr):
 
 
 @triton.jit
-def _load_inputs(y_ptr, s_ptr, tok, d, m2, dim, N: tl.constexpr):
+def _load_inputs(y_ptr, s_ptr, tok, d, m2, dim, N: tl.constexpr, STREAM: tl.constexpr = False):
     """(y, S_0, .., S_{n-1}) tiles [BLOCK_T, BLOCK_D] in their storage dtype (half the registers of fp32;
-    `_mix` widens them at each use, which costs one shift for bf16)."""
-    ins = (tl.load(y_ptr + tok[:, None] * dim + d[None, :], mask=m2, other=0.0),)
+    `_mix` widens them at each use, which costs one shift for bf16). STREAM: read-once data, evicted first
+    from L2 so that fn^T (re-read by every token block) stays resident."""
+    policy: tl.constexpr = "evict_first" if STREAM else ""
+    ins = (tl.load(y_ptr + tok[:, None] * dim + d[None, :], mask=m2, other=0.0, eviction_policy=policy),)
     for j in tl.static_range(N):
-        ins = ins + (tl.load(s_ptr + (tok[:, None] * N + j) * dim + d[None, :], mask=m2, other=0.0),)
+        ins = ins + (tl.load(s_ptr + (tok[:, None] * N + j) * dim + d[None, :], mask=m2, other=0.0,
+                             eviction_policy=policy),)
     return ins
 
 
@@ -151,29 +157,46 @@ def _mix(w, ins, i: tl.constexpr, NW: tl.constexpr):
 @triton.jit
 def _fwd_kernel(y_ptr, s_ptr, w_ptr, fnt_ptr,
                 s_out_ptr, x_out_ptr, sumsq_ptr, raw_ptr,
-                num_tokens, dim,
+                num_tokens, dim, chunk,
                 N: tl.constexpr, STATS: tl.constexpr, S_BF16: tl.constexpr, GPU: tl.constexpr,
-                BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
+                BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                STREAM: tl.constexpr, SQ_TILE: tl.constexpr):
+    """Program (token block, D chunk): channels [split * chunk, (split + 1) * chunk) of BLOCK_T tokens.
+
+    With one chunk (the whole D) the statistics are complete here; with several, each program writes its
+    chunk's partial sum_sq / raw to row `split` of [splits, N] / [splits, N, BLOCK_M] and the host sums them.
+    SQ_TILE: sum of squares kept per element and reduced once after the loop (no cross-lane reduction per tile).
+    """
     NW: tl.constexpr = N + 1
     tok = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BLOCK_T]
+    split = tl.program_id(1)
+    d_begin = split * chunk
+    d_end = tl.minimum(d_begin + chunk, dim)
     t_ok = tok < num_tokens
     w = _load_mix(w_ptr, tok, t_ok, NW)
     cols = tl.arange(0, BLOCK_M)
     sumsq = tl.zeros([BLOCK_T], dtype=tl.float32)
+    sq_tile = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)
     raw = tl.zeros([BLOCK_T, BLOCK_M], dtype=tl.float32)
-    for d0 in range(0, dim, BLOCK_D):
+    policy: tl.constexpr = "evict_first" if STREAM else ""
+    fn_policy: tl.constexpr = "evict_last" if STREAM else ""
+    for d0 in range(d_begin, d_end, BLOCK_D):
         d = d0 + tl.arange(0, BLOCK_D)  # [BLOCK_D]
-        m2 = t_ok[:, None] & (d < dim)[None, :]
-        ins = _load_inputs(y_ptr, s_ptr, tok, d, m2, dim, N)
+        d_ok = d < d_end
+        m2 = t_ok[:, None] & d_ok[None, :]
+        ins = _load_inputs(y_ptr, s_ptr, tok, d, m2, dim, N, STREAM)
         for i in tl.static_range(N):
             dst = s_out_ptr + (tok[:, None] * N + i) * dim + d[None, :]
-            stored = _store_rounded(dst, _mix(w, ins, i, NW), m2, S_BF16, GPU)  # [BLOCK_T, BLOCK_D]
+            stored = _store_rounded(dst, _mix(w, ins, i, NW), m2, S_BF16, GPU, policy)  # [BLOCK_T, BLOCK_D]
             if STATS:
                 # The next site sees the stored (rounded) stream, still in registers: no second read.
-                sumsq += tl.sum(stored * stored, axis=1)
+                if SQ_TILE:
+                    sq_tile += stored * stored
+                else:
+                    sumsq += tl.sum(stored * stored, axis=1)
                 # fn^T rows of this stream and tile, [fn_hi | fn_lo] side by side: [BLOCK_D, BLOCK_M]
                 f_offs = (i * dim + d)[:, None] * BLOCK_M + cols[None, :]
-                fn_t = tl.load(fnt_ptr + f_offs, mask=(d < dim)[:, None], other=0.0)
+                fn_t = tl.load(fnt_ptr + f_offs, mask=d_ok[:, None], other=0.0, eviction_policy=fn_policy)
                 stored = _layout_fence(stored, GPU)
                 if S_BF16:  # exact in one bf16 operand
                     raw = _mma(stored, fn_t, raw, GPU)
@@ -181,10 +204,13 @@ def _fwd_kernel(y_ptr, s_ptr, w_ptr, fnt_ptr,
                     s_hi = _round_bf16(stored, GPU)
                     raw = _mma(stored - s_hi, fn_t, _mma(s_hi, fn_t, raw, GPU), GPU)
         # x = collapse of S' with the lagged pre, folded into W's last row (mix_matrix).
-        _store_rounded(x_out_ptr + tok[:, None] * dim + d[None, :], _mix(w, ins, N, NW), m2, S_BF16, GPU)
+        _store_rounded(x_out_ptr + tok[:, None] * dim + d[None, :], _mix(w, ins, N, NW), m2, S_BF16, GPU, policy)
     if STATS:
-        tl.store(sumsq_ptr + tok, sumsq, mask=t_ok)
-        tl.store(raw_ptr + tok[:, None] * BLOCK_M + cols[None, :], raw, mask=t_ok[:, None])
+        if SQ_TILE:
+            sumsq = tl.sum(sq_tile, axis=1)
+        part = split.to(tl.int64) * num_tokens
+        tl.store(sumsq_ptr + part + tok, sumsq, mask=t_ok)
+        tl.store(raw_ptr + (part + tok[:, None]) * BLOCK_M + cols[None, :], raw, mask=t_ok[:, None])
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -273,6 +299,126 @@ def _fn_grad_kernel(g_raw_hi_ptr, g_raw_lo_ptr, s_new_ptr, part_ptr,
 
 
 # ------------------------------------------------------------------------------------------------------------
+# Coefficients of the next site from the kernel's statistics (A6 steps 2-8), one launch each way.
+# Per token: m = raw / rms, pre = sigmoid(m_pre * s0 + b) + eps, post = 2 sigmoid(m_post * s1 + b), comb =
+# Sinkhorn(m_comb * s2 + b). comb is an [NP, NP] tile (NP = next power of two >= n; padding held at 0). The
+# Sinkhorn backward recomputes its forward up to each step (K = 2 iters - 1 steps of 16 numbers per token: the
+# O(K^2) recomputation is a few us of arithmetic and keeps no intermediate in memory).
+
+
+@triton.jit
+def _sinkhorn_step(c, t, valid, eps):
+    """Normalisation t >= 1 of the Sinkhorn sequence: columns (sum over j, axis 1) when t is odd, else rows.
+    Returns (c / (s + eps), s + eps) with s broadcast to c's shape; padding stays 0."""
+    col = tl.sum(c, axis=1)[:, None, :]
+    row = tl.sum(c, axis=2)[:, :, None]
+    den = tl.where(t % 2 == 1, col, row) + eps
+    return tl.where(valid, c / den, 0.0), den
+
+
+@triton.jit
+def _coeff_prologue(raw_ptr, sumsq_ptr, scale_ptr, base_ptr, tok, t_ok, inv_width, norm_eps,
+                    N: tl.constexpr, NP: tl.constexpr):
+    """Per-token rms factor r [BLOCK_T], the raw logits of the three groups, their scaled pre-activations."""
+    M: tl.constexpr = 2 * N + N * N
+    k = tl.arange(0, NP)
+    k_ok = k < N
+    r = tl.math.rsqrt(tl.load(sumsq_ptr + tok, mask=t_ok, other=1.0) * inv_width + norm_eps)  # [BLOCK_T]
+    m2 = t_ok[:, None] & k_ok[None, :]
+    raw_pre = tl.load(raw_ptr + tok[:, None] * M + k[None, :], mask=m2, other=0.0)  # [BLOCK_T, NP]
+    raw_post = tl.load(raw_ptr + tok[:, None] * M + N + k[None, :], mask=m2, other=0.0)
+    jk = k[:, None] * N + k[None, :]  # [NP, NP]
+    valid2 = k_ok[:, None] & k_ok[None, :]  # [NP, NP]
+    valid = valid2[None, :, :]
+    m3 = t_ok[:, None, None] & valid
+    raw_comb = tl.load(raw_ptr + tok[:, None, None] * M + 2 * N + jk[None, :, :], mask=m3, other=0.0)
+    s0 = tl.load(scale_ptr)
+    s1 = tl.load(scale_ptr + 1)
+    s2 = tl.load(scale_ptr + 2)
+    z_pre = raw_pre * r[:, None] * s0 + tl.load(base_ptr + k, mask=k_ok, other=0.0)[None, :]
+    z_post = raw_post * r[:, None] * s1 + tl.load(base_ptr + N + k, mask=k_ok, other=0.0)[None, :]
+    z_comb = raw_comb * r[:, None, None] * s2 + tl.load(base_ptr + 2 * N + jk, mask=valid2, other=0.0)[None, :, :]
+    return r, raw_pre, raw_post, raw_comb, z_pre, z_post, z_comb, valid, s0, s1, s2
+
+
+@triton.jit
+def _softmax_eps(z, valid, eps):
+    """softmax over k (axis 2) + eps on the valid entries: (c0, p)."""
+    z = tl.where(valid, z, float("-inf"))
+    e = tl.exp(z - tl.max(z, axis=2)[:, :, None])
+    e = tl.where(valid, e, 0.0)
+    p = e / tl.sum(e, axis=2)[:, :, None]
+    p = tl.where(valid, p, 0.0)
+    return tl.where(valid, p + eps, 0.0), p
+
+
+@triton.jit
+def _coeff_fwd_kernel(raw_ptr, sumsq_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr,
+                      num_tokens, inv_width, norm_eps, eps, iters,
+                      N: tl.constexpr, NP: tl.constexpr, BLOCK_T: tl.constexpr):
+    tok = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_ok = tok < num_tokens
+    _, _, _, _, z_pre, z_post, z_comb, valid, _, _, _ = _coeff_prologue(
+        raw_ptr, sumsq_ptr, scale_ptr, base_ptr, tok, t_ok, inv_width, norm_eps, N, NP)
+    k = tl.arange(0, NP)
+    m2 = t_ok[:, None] & (k < N)[None, :]
+    tl.store(pre_ptr + tok[:, None] * N + k[None, :], tl.sigmoid(z_pre) + eps, mask=m2)
+    tl.store(post_ptr + tok[:, None] * N + k[None, :], 2.0 * tl.sigmoid(z_post), mask=m2)
+    c, _ = _softmax_eps(z_comb, valid, eps)
+    for t in range(1, 2 * iters):
+        c, _ = _sinkhorn_step(c, t, valid, eps)
+    jk = k[:, None] * N + k[None, :]
+    tl.store(comb_ptr + tok[:, None, None] * (N * N) + jk[None, :, :], c, mask=t_ok[:, None, None] & valid)
+
+
+@triton.jit
+def _coeff_bwd_kernel(raw_ptr, sumsq_ptr, scale_ptr, base_ptr, g_pre_ptr, g_post_ptr, g_comb_ptr,
+                      g_raw_ptr, g_sumsq_ptr, g_scale_ptr, g_base_ptr,
+                      num_tokens, inv_width, norm_eps, eps, iters,
+                      N: tl.constexpr, NP: tl.constexpr, BLOCK_T: tl.constexpr):
+    """Per token: g_raw [M], g_sumsq; and the token's terms of g_scale [3] and g_base [M] (summed on the host)."""
+    M: tl.constexpr = 2 * N + N * N
+    tok = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_ok = tok < num_tokens
+    r, raw_pre, raw_post, raw_comb, z_pre, z_post, z_comb, valid, s0, s1, s2 = _coeff_prologue(
+        raw_ptr, sumsq_ptr, scale_ptr, base_ptr, tok, t_ok, inv_width, norm_eps, N, NP)
+    k = tl.arange(0, NP)
+    m2 = t_ok[:, None] & (k < N)[None, :]
+    jk = k[:, None] * N + k[None, :]
+    m3 = t_ok[:, None, None] & valid
+    sg = tl.sigmoid(z_pre)
+    gz_pre = tl.load(g_pre_ptr + tok[:, None] * N + k[None, :], mask=m2, other=0.0) * sg * (1.0 - sg)
+    sg = tl.sigmoid(z_post)
+    gz_post = tl.load(g_post_ptr + tok[:, None] * N + k[None, :], mask=m2, other=0.0) * 2.0 * sg * (1.0 - sg)
+    # Sinkhorn backward, last step first: c_t = c_{t-1} / den  =>  g_{t-1} = (g_t - sum_axis(g_t c_t)) / den.
+    c0, p = _softmax_eps(z_comb, valid, eps)
+    g = tl.load(g_comb_ptr + tok[:, None, None] * (N * N) + jk[None, :, :], mask=m3, other=0.0)
+    for i in range(0, 2 * iters - 1):
+        t = 2 * iters - 1 - i
+        c = c0
+        for u in range(1, t):
+            c, _ = _sinkhorn_step(c, u, valid, eps)
+        c, den = _sinkhorn_step(c, t, valid, eps)
+        gc = g * c
+        g_sum = tl.where(t % 2 == 1, tl.sum(gc, axis=1)[:, None, :], tl.sum(gc, axis=2)[:, :, None])
+        g = tl.where(valid, (g - g_sum) / den, 0.0)
+    gz_comb = p * (g - tl.sum(g * p, axis=2)[:, :, None])  # softmax backward (the + eps is constant)
+    # z = raw * r * scale + base
+    g_r = (tl.sum(gz_pre * raw_pre, axis=1) * s0 + tl.sum(gz_post * raw_post, axis=1) * s1
+           + tl.sum(tl.sum(gz_comb * raw_comb, axis=2), axis=1) * s2)  # dL/dr [BLOCK_T]
+    tl.store(g_raw_ptr + tok[:, None] * M + k[None, :], gz_pre * (r * s0)[:, None], mask=m2)
+    tl.store(g_raw_ptr + tok[:, None] * M + N + k[None, :], gz_post * (r * s1)[:, None], mask=m2)
+    tl.store(g_raw_ptr + tok[:, None, None] * M + 2 * N + jk[None, :, :], gz_comb * (r * s2)[:, None, None], mask=m3)
+    tl.store(g_sumsq_ptr + tok, g_r * (-0.5 * inv_width) * r * r * r, mask=t_ok)
+    tl.store(g_base_ptr + tok[:, None] * M + k[None, :], gz_pre, mask=m2)
+    tl.store(g_base_ptr + tok[:, None] * M + N + k[None, :], gz_post, mask=m2)
+    tl.store(g_base_ptr + tok[:, None, None] * M + 2 * N + jk[None, :, :], gz_comb, mask=m3)
+    tl.store(g_scale_ptr + tok * 3, tl.sum(gz_pre * raw_pre, axis=1) * r, mask=t_ok)
+    tl.store(g_scale_ptr + tok * 3 + 1, tl.sum(gz_post * raw_post, axis=1) * r, mask=t_ok)
+    tl.store(g_scale_ptr + tok * 3 + 2, tl.sum(tl.sum(gz_comb * raw_comb, axis=2), axis=1) * r, mask=t_ok)
+
+
+# ------------------------------------------------------------------------------------------------------------
 # Host wrappers
 
 
@@ -318,18 +464,64 @@ def _check_step(y: torch.Tensor, S: torch.Tensor, mix: torch.Tensor, fn: torch.T
     return N, n, D
 
 
+# Forward tile configurations, by name (the bench sweeps them; `mhc_step_fwd(..., config=name)` or keywords).
+#   block_t x block_d  tokens x channels per tile; each program walks its D chunk tile by tile
+#   split_d            D chunks per token block (grid axis 1): more, shorter programs; partial statistics
+#   stream             L2 hints: activations evict_first, fn^T evict_last
+#   sq_tile            sum of squares accumulated per element, reduced once at the end
+# Offline sm_90 compiles with Triton 3.6 (ptxas -v): 64-token tiles use wgmma and sit at 255 registers (2 programs
+# per SM); 32-token tiles use mma.sync at ~170 registers (3 per SM by registers); 4 stages of 64 x 32 spill.
+def _cfg(t, d, w, s, **extra):
+    return dict(block_t=t, block_d=d, num_warps=w, num_stages=s, **extra)
+
+
+FWD_CONFIGS: dict[str, dict] = {
+    "t64_d32_w4_s2": _cfg(64, 32, 4, 2),  # the first default: 0.78-1.10 ms on the H200
+    "t64_d32_w4_s3": _cfg(64, 32, 4, 3),  # 0.72 ms in the first sweep
+    "t64_d32_w4_s3_stream": _cfg(64, 32, 4, 3, stream=True),
+    "t64_d32_w4_s3_sq": _cfg(64, 32, 4, 3, sq_tile=True),
+    "t64_d32_w4_s3_split2": _cfg(64, 32, 4, 3, split_d=2),
+    "t64_d32_w4_s3_split4": _cfg(64, 32, 4, 3, split_d=4),
+    "t64_d16_w4_s4": _cfg(64, 16, 4, 4),
+    "t64_d16_w4_s4_stream": _cfg(64, 16, 4, 4, stream=True),
+    "t64_d16_w4_s4_split2": _cfg(64, 16, 4, 4, split_d=2),
+    "t64_d32_w8_s3": _cfg(64, 32, 8, 3),
+    "t128_d32_w8_s3": _cfg(128, 32, 8, 3),
+    "t32_d32_w4_s3": _cfg(32, 32, 4, 3),
+    "t32_d32_w4_s4": _cfg(32, 32, 4, 4),
+    "t32_d32_w4_s4_stream": _cfg(32, 32, 4, 4, stream=True),
+    "t32_d32_w4_s4_split2": _cfg(32, 32, 4, 4, split_d=2),
+    "t32_d64_w8_s4": _cfg(32, 64, 8, 4),
+    "t32_d16_w2_s4": _cfg(32, 16, 2, 4),
+    "t16_d32_w2_s4": _cfg(16, 32, 2, 4),
+}
+FWD_DEFAULT = "t64_d32_w4_s3"  # 0.72 ms in the first H200 sweep (2 stages: 0.78 ms); re-pick from the new sweep
+
+
 def mhc_step_fwd(y: torch.Tensor, S: torch.Tensor, mix: torch.Tensor, fn: torch.Tensor | None, *,
-                 block_t: int = 64, block_d: int = 32, num_warps: int = 4, num_stages: int = 2,
+                 config: str | None = None, block_t: int | None = None, block_d: int | None = None,
+                 num_warps: int | None = None, num_stages: int | None = None, split_d: int | None = None,
+                 stream: bool | None = None, sq_tile: bool | None = None,
                  out: tuple[torch.Tensor, ...] | None = None):
     """y [N, D], S [N, n, D], mix [N, n+1, n+1] fp32, fn [M, n*D] fp32 or None ->
     (S' [N, n, D], x [N, D], sum_sq [N] fp32, raw [N, M] fp32); the last two are None when fn is None.
 
-    Tiles: 64 tokens x 32 channels, 4 warps, two pipeline stages: the fastest spill-free configuration of the
-    H200 sweep (0.78 ms at N=16384, n=4, D=5120; num_stages=3 measured 0.72 ms but was not in the GPU test run).
+    Tiles: `FWD_CONFIGS[config]` (default `FWD_DEFAULT`), any keyword given overriding it. The grid is
+    (token blocks) x split_d; each program streams its D chunk once (n + 1 tile reads, n + 1 tile writes).
 
     `out` = (S', x, sum_sq, raw) buffers to write into (tests poison them). No autograd: see `mhc_step`.
     """
     N, n, D = _check_step(y, S, mix, fn, "mhc_step_fwd")
+    if config is not None and config not in FWD_CONFIGS:
+        raise ValueError(f"mhc_step_fwd: config must be one of {sorted(FWD_CONFIGS)}, got {config!r}")
+    cfg = {"split_d": 1, "stream": False, "sq_tile": False, **FWD_CONFIGS[config or FWD_DEFAULT]}
+    given = dict(block_t=block_t, block_d=block_d, num_warps=num_warps, num_stages=num_stages, split_d=split_d,
+                 stream=stream, sq_tile=sq_tile)
+    cfg.update({k: v for k, v in given.items() if v is not None})
+    block_d = cfg["block_d"]
+    # D chunks are whole tiles; a split that would start past D is dropped (small D in tests).
+    chunk = triton.cdiv(triton.cdiv(D, cfg["split_d"]), block_d) * block_d
+    splits = max(1, triton.cdiv(D, chunk))
     stats = fn is not None
     M = 2 * n + n * n
     if out is None:
@@ -352,16 +544,22 @@ def mhc_step_fwd(y: torch.Tensor, S: torch.Tensor, mix: torch.Tensor, fn: torch.
         fnt[:, 0, :M] = fn.t()
         fnt[:, 1] = fnt[:, 0] - fnt[:, 0].to(torch.bfloat16).float()
         fnt = fnt.flatten(1).to(torch.bfloat16) if gpu else fnt.flatten(1).to(torch.bfloat16).float()
-        raw2 = torch.empty(N, 2 * half, dtype=torch.float32, device=S.device)
+        raw2 = torch.empty(splits, N, 2 * half, dtype=torch.float32, device=S.device)
+        sumsq_part = sumsq if splits == 1 else torch.empty(splits, N, dtype=torch.float32, device=S.device)
     else:
-        fnt = raw2 = mix  # unused
+        fnt = raw2 = sumsq_part = mix  # unused
     if N:
-        _fwd_kernel[(triton.cdiv(N, block_t),)](
-            y, S, mix, fnt, _out(s_new, gpu), _out(x, gpu), sumsq if stats else mix, raw2, N, D,
+        _fwd_kernel[(triton.cdiv(N, cfg["block_t"]), splits)](
+            y, S, mix, fnt, _out(s_new, gpu), _out(x, gpu), sumsq_part, raw2, N, D, chunk,
             N=n, STATS=stats, S_BF16=S.dtype == torch.bfloat16, GPU=gpu,
-            BLOCK_T=block_t, BLOCK_D=block_d, BLOCK_M=2 * half, num_warps=num_warps, num_stages=num_stages)
+            BLOCK_T=cfg["block_t"], BLOCK_D=block_d, BLOCK_M=2 * half, STREAM=cfg["stream"],
+            SQ_TILE=cfg["sq_tile"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if stats:
-        torch.add(raw2[:, :M], raw2[:, half:half + M], out=raw)
+        if splits == 1:
+            torch.add(raw2[0, :, :M], raw2[0, :, half:half + M], out=raw)
+        else:  # the chunks' partials, hi and lo halves: one deterministic reduction of [splits, N, 2, M]
+            torch.sum(raw2.view(splits, N, 2, half)[..., :M], dim=(0, 2), out=raw)
+            torch.sum(sumsq_part, dim=0, out=sumsq)
     return s_new, x, sumsq, raw
 
 
@@ -441,12 +639,70 @@ def mhc_step(y: torch.Tensor, S: torch.Tensor, mix: torch.Tensor, fn: torch.Tens
     return _MHCStep.apply(y.contiguous(), S.contiguous(), mix.contiguous(), fn, fwd_kwargs)
 
 
+_COEFF_BLOCK_T = 64
+
+
+class _Coeffs(torch.autograd.Function):
+    """(raw [N, M], sum_sq [N], scale [3], base [M]) -> (pre [N, n], post [N, n], comb [N, n, n]), fp32."""
+
+    @staticmethod
+    def forward(ctx, raw, sumsq, scale, base, n, width, norm_eps, eps, iters):
+        N = raw.shape[0]
+        pre = torch.empty(N, n, dtype=torch.float32, device=raw.device)
+        post = torch.empty_like(pre)
+        comb = torch.empty(N, n, n, dtype=torch.float32, device=raw.device)
+        if N:
+            _coeff_fwd_kernel[(triton.cdiv(N, _COEFF_BLOCK_T),)](
+                raw, sumsq, scale, base, pre, post, comb, N, 1.0 / width, norm_eps, eps, iters,
+                N=n, NP=triton.next_power_of_2(n), BLOCK_T=_COEFF_BLOCK_T, num_warps=4)
+        ctx.save_for_backward(raw, sumsq, scale, base)
+        ctx.consts = (n, width, norm_eps, eps, iters)
+        return pre, post, comb
+
+    @staticmethod
+    def backward(ctx, g_pre, g_post, g_comb):
+        raw, sumsq, scale, base = ctx.saved_tensors
+        n, width, norm_eps, eps, iters = ctx.consts
+        N, M = raw.shape
+        z = raw.new_zeros(())
+        g_pre = z.expand(N, n) if g_pre is None else g_pre
+        g_post = z.expand(N, n) if g_post is None else g_post
+        g_comb = z.expand(N, n, n) if g_comb is None else g_comb
+        g_pre, g_post, g_comb = (g.float().contiguous() for g in (g_pre, g_post, g_comb))
+        g_raw = torch.empty_like(raw)
+        g_sumsq = torch.empty_like(sumsq)
+        g_scale = torch.empty(N, 3, dtype=torch.float32, device=raw.device)
+        g_base = torch.empty(N, M, dtype=torch.float32, device=raw.device)
+        if N:
+            _coeff_bwd_kernel[(triton.cdiv(N, _COEFF_BLOCK_T),)](
+                raw, sumsq, scale, base, g_pre, g_post, g_comb, g_raw, g_sumsq, g_scale, g_base,
+                N, 1.0 / width, norm_eps, eps, iters,
+                N=n, NP=triton.next_power_of_2(n), BLOCK_T=_COEFF_BLOCK_T, num_warps=4)
+        return g_raw, g_sumsq, g_scale.sum(0), g_base.sum(0), None, None, None, None, None
+
+
+def next_coeffs(raw: torch.Tensor, sumsq: torch.Tensor, site: HCSite) -> Coeffs:
+    """The site's coefficients from the fused step's statistics, raw [N, M] and sum_sq [N] fp32, in one kernel
+    each way: the same function as `site.coeffs_from_logits(raw * rsqrt(sum_sq / (n D) + norm_eps))`."""
+    n = site.num_streams
+    M = 2 * n + n * n
+    if raw.shape != (raw.shape[0], M) or sumsq.shape != raw.shape[:1]:
+        raise ValueError(f"next_coeffs: raw must be [N, {M}] and sum_sq [N], got {tuple(raw.shape)}, "
+                         f"{tuple(sumsq.shape)}")
+    scale, base = site.scale.float().contiguous(), site.base.float().contiguous()
+    check_device("raw, sum_sq and the site's parameters", "next_coeffs", raw, sumsq, scale, base)
+    return Coeffs(*_Coeffs.apply(raw.float().contiguous(), sumsq.float().contiguous(), scale, base, n,
+                                 n * site.dim, site.norm_eps, site.eps, site.sinkhorn_iters))
+
+
 def single_pass(y: torch.Tensor, S: torch.Tensor, coeffs: Coeffs, pre_lag: torch.Tensor,
-                next_site: HCSite | None, *, impl: str = "triton"
+                next_site: HCSite | None, *, impl: str = "triton", coeff_kernel: bool = True
                 ) -> tuple[torch.Tensor, torch.Tensor, Coeffs | None]:
     """model.mhc.single_pass with the Triton kernels: (S' [B, T, n, D], x [B, T, D], next coeffs or None).
 
     impl="reference" runs model.mhc.single_pass itself. y [B, T, D], S [B, T, n, D] (any leading dims).
+    coeff_kernel: the next site's coefficients in one Triton launch each way (`next_coeffs`); False keeps
+    them in PyTorch (site.coeffs_from_logits: some 100 small kernels, most of them the Sinkhorn iterations).
     """
     if impl == "reference":
         return mhc.single_pass(y, S, coeffs, pre_lag, next_site)
@@ -461,6 +717,9 @@ def single_pass(y: torch.Tensor, S: torch.Tensor, coeffs: Coeffs, pre_lag: torch
         s_new, x = s_new.view(*lead, n, D), x.view(*lead, D)
         if next_site is None:
             return s_new, x, None
+        if coeff_kernel:
+            pre, post, comb = next_coeffs(raw, sumsq, next_site)
+            return s_new, x, Coeffs(pre.view(*lead, n), post.view(*lead, n), comb.view(*lead, n, n))
         # The 1/rms factor is linear, so it is applied once to the accumulated projection (as the reference).
         m = raw * torch.rsqrt(sumsq[:, None] / (n * D) + next_site.norm_eps)
         return s_new, x, next_site.coeffs_from_logits(m.view(*lead, -1))

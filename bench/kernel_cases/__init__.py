@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import importlib
 
-FAMILIES = ("fp4", "mhc", "engram", "norm_rope_fp4")
+FAMILIES = ("fp4", "mhc", "engram", "norm_rope_fp4", "topk")
 
 
 def copy_bandwidth(num_bytes: int = 2 << 30) -> float:

@@ -1,6 +1,9 @@
 """Benchmark cases: the single-pass mHC step (kernels/mhc_triton.py) vs model.mhc.single_pass.
 
 Size: N = 16384 tokens, n = 4 streams, D = 5120, bf16 streams (target: >= 70% of copy bandwidth).
+Sweep (sweep=True): every forward tile configuration of kernels.mhc_triton.FWD_CONFIGS, the coefficient kernel
+alone forward and backward (mhc/coeffs_*, against the PyTorch coefficient ops), and two backward tiles.
+CPU dry run: set DEVICE = "cpu" and small N / DIM here, TRITON_INTERPRET=1, then call every case's functions.
 Ideal bytes, forward: (n + 1) reads + (n + 1) writes of D-wide bf16 rows per token (the per-token mix matrix,
 sum_sq and raw logits are < 0.2% on top). Backward: y, S, dL/dS', dL/dx read and dL/dy, dL/dS written,
 (3n + 3) rows (the kernels also read S' once more for dL/dfn: not counted, so the figure shows that overhead).
@@ -68,12 +71,27 @@ def cases(sweep: bool = False) -> list[dict]:
     out.append({"name": "mhc/single_pass_bwd", "fn_triton": backward("triton"),
                 "fn_baseline": backward("reference"), "bytes": bwd_bytes})
     if sweep:
-        for bt, bd, warps, stages in [(64, 32, 8, 2), (64, 32, 4, 3), (128, 32, 8, 2), (64, 64, 8, 2),
-                                      (16, 128, 8, 2), (128, 16, 8, 2)]:
-            out.append({"name": f"mhc/step_fwd_kernel/t{bt}_d{bd}_w{warps}_s{stages}",
-                        "fn_triton": lambda a=(bt, bd, warps, stages): mhc_triton.mhc_step_fwd(
-                            y2, S3, mix, fn, block_t=a[0], block_d=a[1], num_warps=a[2], num_stages=a[3]),
+        # Every named forward configuration (kernels.mhc_triton.FWD_CONFIGS; pick FWD_DEFAULT from these).
+        for name in mhc_triton.FWD_CONFIGS:
+            out.append({"name": f"mhc/step_fwd_kernel/{name}",
+                        "fn_triton": lambda c=name: mhc_triton.mhc_step_fwd(y2, S3, mix, fn, config=c),
                         "fn_baseline": lambda: None, "sweep": True, "bytes": fwd_bytes})
+        # The next site's coefficients from the statistics: one Triton launch each way vs the PyTorch ops.
+        _, _, sumsq, raw = mhc_triton.mhc_step_fwd(y2, S3, mix, fn)
+        with torch.no_grad():  # forward only, no graph: the cases below time the backward
+            c_fwd = (lambda: mhc_triton.next_coeffs(raw, sumsq, site),
+                     lambda: site.coeffs_from_logits(raw * torch.rsqrt(sumsq[:, None] / (n * DIM) + site.norm_eps)))
+        out.append({"name": "mhc/coeffs_fwd", "fn_triton": torch.no_grad()(c_fwd[0]),
+                    "fn_baseline": torch.no_grad()(c_fwd[1]), "sweep": True, "bytes": N * (M + 1 + M) * 4})
+        raw, sumsq = raw.requires_grad_(), sumsq.requires_grad_()
+        c_tri = mhc_triton.next_coeffs(raw, sumsq, site)
+        c_ref = site.coeffs_from_logits(raw * torch.rsqrt(sumsq[:, None] / (n * DIM) + site.norm_eps))
+        g_c = [torch.randn_like(t) for t in c_ref]
+        leaves_c = [raw, sumsq, site.scale, site.base]
+        out.append({"name": "mhc/coeffs_bwd",
+                    "fn_triton": lambda: torch.autograd.grad(c_tri, leaves_c, g_c, retain_graph=True),
+                    "fn_baseline": lambda: torch.autograd.grad(c_ref, leaves_c, g_c, retain_graph=True),
+                    "sweep": True, "bytes": N * (M + 1 + 2 * M + 1) * 4})
         s_new = mhc_triton.mhc_step_fwd(y2, S3, mix, fn)[0]
         g_s, g_x = torch.randn_like(S3), torch.randn_like(y2)
         g_sumsq, g_raw = torch.randn(N, device=DEVICE), torch.randn(N, M, device=DEVICE)

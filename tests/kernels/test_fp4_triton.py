@@ -12,6 +12,11 @@ references in kernels/fp4.py and kernels/fp8.py:
   neighbours (ties to even), the values just beside each midpoint, and the subnormal range; FP8 dequantize and
   fake_quant_fp8 likewise;
 - kernels.fp4 / kernels.fp8 route impl="triton" here and keep the straight-through gradient;
+- every kernel variant (fp4_triton.VARIANTS: encoding, word-packed stores, persistent grid) gives the same bits as the
+  reference for FP4 e4m3/16, FP4 ue8m0/32 and FP8/32, quantize and fake_quant, at awkward sizes with partial last
+  tiles, grids smaller than the tile count, edge values, and out= buffers too misaligned for word stores;
+- the e4m3 scale (amax / 6 as a reciprocal and fma correction) rounds like the reference's division next to every
+  e4m3 rounding boundary;
 - every output element is written: allocations are poisoned (NaN / never-produced bytes) before the kernels run;
 - bad inputs (non-contiguous, bad block, bad dtype) raise errors naming the problem.
 Runs in the Triton CPU interpreter when there is no GPU, on the GPU otherwise.
@@ -220,3 +225,85 @@ def test_empty_input_and_bad_inputs_raise():
         ft.dequantize_fp8(x.to(torch.float8_e4m3fn), torch.ones(4, 2, device=DEVICE).to(torch.float8_e4m3fn))
     with pytest.raises(ValueError, match="out codes"):
         ft.quantize(x, 16, out=(torch.empty(4, 31, dtype=torch.uint8, device=DEVICE), torch.empty(4, 4)))
+
+
+def _edge_input(rows: int, dim: int, block: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """_hard_input plus blocks of edge values: subnormal-ish magnitudes, huge ones, mixed signed zeros, a lone
+    nonzero among zeros, and negatives that round to zero beside a large amax."""
+    x = _hard_input((rows, dim), block, dtype, seed).double()
+    flat = x.view(-1, block)
+    big = 60000.0 if dtype == torch.float16 else 1e30
+    tiny = 2.0**-24 if dtype == torch.float16 else 2.0**-130
+    flat[7] = torch.tensor([0.0, -0.0] * (block // 2), dtype=torch.float64)
+    flat[8] = tiny * torch.arange(-(block // 2), block // 2, dtype=torch.float64)
+    flat[9] = big * torch.linspace(-1, 1, block, dtype=torch.float64)
+    flat[10] = 0.0
+    flat[10, block // 3] = -3.0
+    flat[11] = -1e-3
+    flat[11, 0] = 6.0
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("variant", list(ft.VARIANTS))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("scale_fmt,block", FMTS)
+def test_fp4_every_variant_bit_exact(poisoned, variant, dtype, scale_fmt, block):
+    # 13 rows of 5 blocks = 65 blocks: tiles of 4 or 8 leave a partial last tile, and the interpreter's persistent
+    # grid (2 SMs) loops over several tiles per program.
+    x = _edge_input(13, 5 * block, block, dtype, seed=11).to(DEVICE)
+    ref_codes, ref_scales = fp4.quantize(x, block, scale_fmt)
+    ref_fake = fp4.fake_quant(x, block, scale_fmt)
+    for bpp, warps in ((4, 1), (8, 2)):
+        codes, scales = ft.quantize(x, block, scale_fmt, variant=variant, blocks_per_prog=bpp, num_warps=warps)
+        _assert_same_bits(codes, ref_codes)
+        _assert_same_bits(scales, ref_scales)
+        _assert_same_bits(ft.fake_quant(x, block, scale_fmt, variant=variant, blocks_per_prog=bpp, num_warps=warps),
+                          ref_fake)
+
+
+@pytest.mark.parametrize("variant", list(ft.VARIANTS))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_fp8_every_variant_bit_exact(poisoned, variant, dtype):
+    x = _edge_input(9, 3 * 32, 32, dtype, seed=5).to(DEVICE)
+    ref_values, ref_scales = fp8.quantize_fp8(x)
+    for bpp in (4, 8):
+        values, scales = ft.quantize_fp8(x, variant=variant, blocks_per_prog=bpp)
+        _assert_same_bits(values, ref_values)
+        _assert_same_bits(scales, ref_scales)
+        _assert_same_bits(ft.fake_quant_fp8(x, variant=variant, blocks_per_prog=bpp), fp8.fake_quant_fp8(x))
+
+
+@pytest.mark.parametrize("variant", ["packed", "packed64"])
+def test_word_stores_fall_back_on_misaligned_out_buffers(variant):
+    """Codes and scales written into views at odd byte offsets: word stores would be misaligned, so the launch
+    falls back to narrower words or bytes; the bytes around the views stay untouched."""
+    x = _edge_input(6, 64, 16, torch.bfloat16, seed=2).to(DEVICE)
+    code_buf = torch.full((6 * 32 + 2,), 0x88, dtype=torch.uint8, device=DEVICE)
+    scale_buf = torch.full((6 * 4 + 2,), 0x7F, dtype=torch.uint8, device=DEVICE)
+    codes, scales = code_buf[1:-1].view(6, 32), scale_buf[1:-1].view(6, 4).view(torch.float8_e4m3fn)
+    ft.quantize(x, 16, "e4m3", variant=variant, blocks_per_prog=8, out=(codes, scales))
+    ref_codes, ref_scales = fp4.quantize(x, 16, "e4m3")
+    _assert_same_bits(codes, ref_codes)
+    _assert_same_bits(scales, ref_scales)
+    assert code_buf[0] == code_buf[-1] == 0x88 and scale_buf[0] == scale_buf[-1] == 0x7F
+
+
+@pytest.mark.parametrize("variant", list(ft.VARIANTS))
+def test_fp4_e4m3_scale_rounds_like_the_division_at_every_boundary(poisoned, variant):
+    """amax / 6 decides the e4m3 scale only near e4m3 rounding boundaries: blocks whose amax is 6 x (every
+    midpoint between neighbouring e4m3 values, and every e4m3 value) and 16 fp32 neighbours on either side."""
+    pos = torch.arange(1, 0x7F, dtype=torch.uint8).view(torch.float8_e4m3fn).double()
+    points = torch.cat([pos, (pos[1:] + pos[:-1]) / 2])
+    amax = (6.0 * points).float().view(torch.int32)[:, None] + torch.arange(-16, 17, dtype=torch.int32)
+    amax = amax.view(torch.float32).flatten()
+    x = torch.linspace(-1, 1, 16)[None, :] * amax[:, None]  # amax at both ends of every block
+    x = x.to(DEVICE)
+    codes, scales = ft.quantize(x, 16, "e4m3", variant=variant)
+    ref_codes, ref_scales = fp4.quantize(x, 16, "e4m3")
+    _assert_same_bits(scales, ref_scales)
+    _assert_same_bits(codes, ref_codes)
+
+
+def test_unknown_variant_raises():
+    with pytest.raises(ValueError, match="variant"):
+        ft.quantize(torch.randn(2, 32, device=DEVICE), variant="fastest")

@@ -8,6 +8,10 @@
 - gradients w.r.t. y, S, post, comb, the lagged pre and the next site's fn / base / scale match the reference's
   autograd (fp32: ~1e-5 relative; bf16: a few bf16 roundings), also when only some outputs carry gradient;
 - every output and gradient element is written (allocations are NaN-poisoned), explicit out= buffers are honoured;
+- every forward tile configuration (`FWD_CONFIGS`: D split across programs with partial statistics, L2 hints,
+  per-element sum of squares, other tiles) writes the same S', x and statistics as the default one;
+- the one-launch coefficient kernel (`next_coeffs`: rms factor, sigmoids, Sinkhorn, and its backward through the
+  Sinkhorn iterations) equals `HCSite.coeffs_from_logits` and its autograd, for n = 4 and n = 3 (padded tile);
 - shape / dtype mismatches raise errors naming the argument.
 Runs in the Triton CPU interpreter when there is no GPU, on the GPU otherwise.
 """
@@ -182,3 +186,57 @@ def test_impl_switch_and_bad_inputs():
         mhc_triton.mhc_step_fwd(y3.half(), S3, mix, None)
     with pytest.raises(ValueError, match="contiguous"):
         mhc_triton.mhc_step_fwd(y3, S3.transpose(0, 1).contiguous().transpose(0, 1), mix, None)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_forward_config_matches_default(poisoned, dtype):
+    """Each named tile configuration, at sizes that leave partial tiles and D chunks (D = 72 split 2, 4 ways)."""
+    N, n, D = 37, 4, 72
+    g = torch.Generator().manual_seed(7)
+    S = torch.randn(N, n, D, generator=g).to(dtype).to(DEVICE)
+    y = torch.randn(N, D, generator=g).to(dtype).to(DEVICE)
+    mix = torch.randn(N, n + 1, n + 1, generator=g).to(DEVICE)
+    fn = torch.randn(2 * n + n * n, n * D, generator=g).to(DEVICE)
+    ref = mhc_triton.mhc_step_fwd(y, S, mix, fn, config="t64_d32_w4_s2")
+    for name in mhc_triton.FWD_CONFIGS:
+        got = mhc_triton.mhc_step_fwd(y, S, mix, fn, config=name)
+        assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1]), name  # same fp32 arithmetic per element
+        _assert_close_rel(got[2], ref[2], 1e-6, f"{name} sum_sq")
+        _assert_close_rel(got[3], ref[3], 1e-6, f"{name} raw")
+    got = mhc_triton.mhc_step_fwd(y, S, mix, fn, block_t=16, block_d=16, split_d=3, stream=True, sq_tile=True)
+    _assert_close_rel(got[3], ref[3], 1e-6, "keywords raw")
+    with pytest.raises(ValueError, match="config"):
+        mhc_triton.mhc_step_fwd(y, S, mix, fn, config="t1_d1")
+
+
+@pytest.mark.parametrize("n", [4, 3])
+def test_coefficient_kernel_matches_site(poisoned, n):
+    D, N = 24, 70  # N: one full and one partial token block
+    site = _site(D, n, seed=n)
+    g = torch.Generator().manual_seed(9)
+    raw = (torch.randn(N, 2 * n + n * n, generator=g) * 3).to(DEVICE).requires_grad_()
+    sumsq = (torch.rand(N, generator=g) * n * D + 1).to(DEVICE).requires_grad_()
+    got = mhc_triton.next_coeffs(raw, sumsq, site)
+    ref = site.coeffs_from_logits(raw * torch.rsqrt(sumsq[:, None] / (n * D) + site.norm_eps))
+    for name, a, b in zip(("pre", "post", "comb"), got, ref):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+    g_out = [torch.randn(t.shape, generator=g).to(DEVICE) for t in ref]
+    leaves = (raw, sumsq, site.scale, site.base)
+    got_g = torch.autograd.grad(got, leaves, g_out, retain_graph=True)
+    ref_g = torch.autograd.grad(ref, leaves, g_out, retain_graph=True)
+    for name, a, b in zip(("raw", "sum_sq", "scale", "base"), got_g, ref_g):
+        _assert_close_rel(a, b, 1e-5, f"grad {name}")
+    # Only comb carries gradient: the others arrive as None.
+    got_g = torch.autograd.grad(got[2], leaves, g_out[2])
+    ref_g = torch.autograd.grad(ref[2], leaves, g_out[2])
+    for name, a, b in zip(("raw", "sum_sq", "scale", "base"), got_g, ref_g):
+        _assert_close_rel(a, b, 1e-5, f"comb-only grad {name}")
+
+
+def test_pytorch_coefficient_path_still_matches():
+    y, S, post, comb, pre_lag = _inputs(1, 5, 4, 24, torch.float32, seed=6)
+    coeffs, nxt = mhc.Coeffs(None, post, comb), _site(24, 4, seed=3)
+    a = mhc_triton.single_pass(y, S, coeffs, pre_lag, nxt, coeff_kernel=False)[2]
+    b = mhc_triton.single_pass(y, S, coeffs, pre_lag, nxt)[2]
+    for name, u, v in zip(("pre", "post", "comb"), a, b):
+        torch.testing.assert_close(u, v, rtol=1e-5, atol=1e-6, msg=name)
