@@ -74,7 +74,8 @@ def _block_scales(amax: torch.Tensor, scale_fmt: str) -> tuple[torch.Tensor, tor
     if scale_fmt == "e4m3":
         # A true division here, as the reference does; the clamp at 448 only matters for amax > 2688,
         # where the e4m3 cast would otherwise saturate anyway (B2 clamps the same range).
-        ratio = amax.clamp_min(FP4_MAX * _E4M3_RATIO_FLOOR) / FP4_MAX
+        # (a 0-dim tensor divisor: with a Python scalar, CUDA torch multiplies by its reciprocal instead)
+        ratio = amax.clamp_min(FP4_MAX * _E4M3_RATIO_FLOOR) / amax.new_tensor(FP4_MAX)
         scale_e4m3 = ratio.clamp_max(FP8_MAX).to(torch.float8_e4m3fn)
         return scale_e4m3.float(), scale_e4m3
     # ue8m0: multiply by the fp32 reciprocal of 6, then the exact power-of-two ceiling.

@@ -99,7 +99,7 @@ def _round_bf16(x, GPU: tl.constexpr):
 
 
 @triton.jit
-def _store_rounded(ptr, val, mask, BF16: tl.constexpr, GPU: tl.constexpr, policy: tl.constexpr = ""):
+def _store_rounded(ptr, val, mask, BF16: tl.constexpr, GPU: tl.constexpr, policy: tl.constexpr):
     """Store fp32 `val` into a bf16 or fp32 tensor; return the value as stored (fp32).
 
     bf16 tensors arrive as bf16 pointers on the GPU (hardware round to nearest even) and as their int16 bits in
@@ -240,7 +240,7 @@ def _bwd_kernel(y_ptr, s_ptr, w_ptr, fn_hi_ptr, fn_lo_ptr,
     for d0 in range(0, dim, BLOCK_D):
         d = d0 + tl.arange(0, BLOCK_D)
         m2 = t_ok[:, None] & (d < dim)[None, :]
-        ins = _load_inputs(y_ptr, s_ptr, tok, d, m2, dim, N)
+        ins = _load_inputs(y_ptr, s_ptr, tok, d, m2, dim, N, False)
         g_outs = ()
         for i in tl.static_range(N):
             g = _load_f32(g_snew_ptr + (tok[:, None] * N + i) * dim + d[None, :], m2)
@@ -262,9 +262,9 @@ def _bwd_kernel(y_ptr, s_ptr, w_ptr, fn_hi_ptr, fn_lo_ptr,
             for i in tl.static_range(1, NW):
                 g_in += w[i * NW + j] * g_outs[i]
             if j == 0:
-                _store_rounded(g_y_ptr + tok[:, None] * dim + d[None, :], g_in, m2, Y_BF16, GPU)
+                _store_rounded(g_y_ptr + tok[:, None] * dim + d[None, :], g_in, m2, Y_BF16, GPU, "")
             else:
-                _store_rounded(g_s_ptr + (tok[:, None] * N + (j - 1)) * dim + d[None, :], g_in, m2, S_BF16, GPU)
+                _store_rounded(g_s_ptr + (tok[:, None] * N + (j - 1)) * dim + d[None, :], g_in, m2, S_BF16, GPU, "")
         # Mixing-weight gradients, reduced over this D tile into their column of g_w.
         for i in tl.static_range(NW):
             for j in tl.static_range(NW):

@@ -18,7 +18,14 @@ Forward (`_sparse_attn_fwd`): online softmax in the log2 domain, the running max
 no -inf - -inf NaN); saves lse for the backward. Triton puts all warps of a chained dot (QK^T feeding PV) on the M
 axis, and M = 64 heads is one warpgroup's worth, so with the 8 warps that the [64, 512] fp32 accumulator needs,
 QK^T is computed by both warpgroups: a 2/3 ceiling on tensor-core efficiency that a hand-written warp-specialised
-kernel (FlashMLA) avoids.
+kernel (FlashMLA) avoids. Variants (FWD_CONFIG, plain keys only): SPLIT_D splits the output channels over programs
+(acc [64, D / SPLIT_D], the logits recomputed by each); PIPE computes the logits one key block ahead, carried through
+the loop, which is not a chain for Triton's layout choice: QK^T splits its key columns across the warpgroups (no
+duplicate; checked in the sm_90 TTGIR) and its wgmma can overlap the previous block's softmax, for a second load of
+each key block. Two query tokens per program (M = 128) would give each warpgroup its own rows, but their [128, 512]
+fp32 accumulator is the whole register file, so it needs SPLIT_D = 2, which duplicates QK^T again across programs,
+and the top-k keys (80% of the work) differ per token; not pursued. In the sm_90 TTGIR no variant's key tiles become
+async copies (only the top-k index loads are pipelined): each key load's latency is exposed once per block.
 
 Backward, three launches per chunk of queries, none with a chained dot (so no duplicated tiles):
 - `_bwd_probs`: P = exp2(logits - lse) and dS * scale = P * (dO.V - rowsum(dO * O)) * scale for every (head, slot),
@@ -30,6 +37,11 @@ Backward, three launches per chunk of queries, none with a chained dot (so no du
   public sparse-MLA backward kernels make too); the summation order, and so the last bits of dkv, vary run to run.
   Measured on the H200 this launch is bound by writing an fp32 [BN, D] block per query and slot block (a reduction
   over only 64 heads stands behind each), not by the atomics: plain stores are 6% faster.
+Variants (BWD_CONFIG): window_dkv="keys" gives the window keys' gradient to `_bwd_dkv_window`, key-centric (key j
+receives from queries j .. j + W - 1: summed in registers, one plain read-add-store per key and chunk,
+deterministic) and leaves only the top-k slots to the atomic launch; dkv_unchained makes the atomic launch one
+K = 2H dot per channel half ([dS | P]^T [q; dO]) instead of two chained dots, whose first gets all warps on M and so
+is computed by both warpgroups at BN = 64.
 Slots: [0, NW) are the window keys j = t - W + 1 + n and [NW, NW + K) the top-k entries, NW = W rounded up to the
 key block; the backward stacks kv_win and kv_cmp into one [B*T + B*E, D] tensor so one loop walks both.
 
@@ -84,9 +96,14 @@ _QUANT_FORMATS = {
 # Launch parameters, measured for H=64, D=512 on an H200 (bench/kernel_cases/sparse_attention.py): the [64, 512]
 # fp32 accumulator is 128 registers a thread at 8 warps, and q (and dO) take 64 KB of shared memory each, so key
 # blocks stay at 64 rows. Per kernel (num_warps, num_stages); BLOCK_N is shared by the three backward kernels (it
-# sets the scratch layout); the scratch for P and dS is bounded by processing the queries in chunks.
-FWD_CONFIG = {"BLOCK_N": 64, "fwd": (8, 2)}
-BWD_CONFIG = {"BLOCK_N": 64, "probs": (8, 1), "dq": (8, 2), "dkv": (8, 2), "scratch_bytes": 1 << 30}
+# sets the scratch layout); the scratch for P and dS is bounded by processing the queries in chunks. The variants
+# (module docstring): FWD_CONFIG SPLIT_D (1 or 2) and PIPE; BWD_CONFIG dkv_unchained, window_dkv ("atomic" or
+# "keys") with the key-centric launch's BLOCK_J (>= 64 for wgmma), channel slices and (num_warps, num_stages).
+# Defaults are the measured ones until the sweep (bench/kernel_cases/sparse_attention.py, sweep=True) says otherwise.
+FWD_CONFIG = {"BLOCK_N": 64, "fwd": (8, 2), "SPLIT_D": 1, "PIPE": False}
+BWD_CONFIG = {"BLOCK_N": 64, "probs": (8, 1), "dq": (8, 2), "dkv": (8, 2), "scratch_bytes": 1 << 30,
+              "dkv_unchained": False, "window_dkv": "atomic", "dkv_window": (8, 2), "BLOCK_J": 64,
+              "dkv_window_SPLIT_D": 2}
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -193,17 +210,82 @@ def _slot_rows(idx_ptr, row, b, t, B, T, E, K, window, NW, n0, offs_n):
 
 
 @triton.jit
-def _online_softmax_step(q, k, valid, m, l, acc, qk_scale, PREC: tl.constexpr):
-    """One block of N keys for all heads: q [BH, BD], k [BN, BD], valid [BN] -> updated (m, l, acc), log2 domain."""
-    s = _dot(q, tl.trans(k), None, PREC) * qk_scale  # [BH, BN]
+def _softmax_pv(s, valid, v, m, l, acc, PREC: tl.constexpr):
+    """Logits s [BH, BN] (log2 units) of one key block, valid [BN], values v [BN, BC] -> updated (m, l, acc)."""
     s = tl.where(valid[None, :], s, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, 1))  # finite: m starts at the sink
     alpha = tl.exp2(m - m_new)
     p = tl.exp2(s - m_new[:, None])
     l = l * alpha + tl.sum(p, 1)
     # probabilities are cast to V's dtype before P @ V, as the reference does
-    acc = _dot(p.to(k.dtype), k, acc * alpha[:, None], PREC)
-    return m_new, l, acc
+    return m_new, l, _dot(p.to(v.dtype), v, acc * alpha[:, None], PREC)
+
+
+@triton.jit
+def _online_softmax_step(q, k, valid, m, l, acc, qk_scale, PREC: tl.constexpr):
+    """One block of N keys for all heads: q [BH, BD], k [BN, BD], valid [BN] -> updated (m, l, acc), log2 domain."""
+    s = _dot(q, tl.trans(k), None, PREC) * qk_scale  # [BH, BN]
+    return _softmax_pv(s, valid, k, m, l, acc, PREC)
+
+
+@triton.jit
+def _key_cols(kv_ptr, rows, valid, col0, D: tl.constexpr, BLOCK_C: tl.constexpr, FULL: tl.constexpr):
+    """Channels [col0, col0 + BC) of plain key rows [BN] (valid [BN]) -> [BN, BC], 0 in invalid rows / channels."""
+    offs = col0 + tl.arange(0, BLOCK_C)
+    return tl.load(kv_ptr + rows[:, None] * D + offs[None, :], mask=_rows_mask(valid, offs, D, FULL), other=0.0)
+
+
+@triton.jit
+def _part_rows(idx_ptr, row, b, t, T, E, K, start, offs_n, WIN: tl.constexpr):
+    """Key block at `start` of one part of query t's keys -> (rows [BN] of kv_win (WIN) or kv_cmp, valid [BN])."""
+    if WIN:
+        j = start + offs_n  # window keys j in (t - window, t], a contiguous slice of kv_win
+        return b * T + j, j <= t
+    else:
+        slot = start + offs_n  # selected compressed entries, gathered through the query's top-k row
+        idx = tl.load(idx_ptr + row * K + slot, mask=slot < K, other=-1)
+        return b * E + idx, (idx >= 0) & (idx < E)
+
+
+@triton.jit
+def _fwd_part(q, m, l, acc, kv_ptr, idx_ptr, row, b, t, T, E, K, lo, hi, col0, qk_scale,
+              D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_N: tl.constexpr,
+              PREC: tl.constexpr, WIN: tl.constexpr, PIPE: tl.constexpr):
+    """Key blocks [lo, hi) of one part (window or top-k) of a plain-key forward, the output channels [col0,
+    col0 + BC) only (SPLIT_D > 1 recomputes the logits per channel slice).
+
+    PIPE computes the logits one block ahead and carries them into the next iteration: Triton lays a dot whose
+    result reaches another dot in the same iteration (QK^T -> PV) out with all warps on M, so with M = 64 heads and
+    8 warps both warpgroups compute the whole QK^T; carried, QK^T is no longer chained and splits its key columns
+    across the warpgroups, and its wgmma can run under the previous block's softmax. The price: the previous
+    block's keys are loaded again (an L2 hit) as the PV operand."""
+    FULL: tl.constexpr = D == BLOCK_D
+    offs_n = tl.arange(0, BLOCK_N)
+    if PIPE:
+        rows, valid = _part_rows(idx_ptr, row, b, t, T, E, K, lo, offs_n, WIN)
+        s = _dot(q, tl.trans(_key_cols(kv_ptr, rows, valid, 0, D, BLOCK_D, FULL)), None, PREC) * qk_scale
+        # One step past the end (a masked block, no memory traffic) instead of a P @ V after the loop: that dot would
+        # be chained to the next part's through the loop results, and laid out with all warps on M.
+        # The previous block's rows are recomputed from the loop index, not carried: Triton pipelines (async copies)
+        # only loads whose addresses derive from the induction variable.
+        for start in range(lo + BLOCK_N, hi + BLOCK_N, BLOCK_N):
+            rows_n, valid_n = _part_rows(idx_ptr, row, b, t, T, E, K, start, offs_n, WIN)
+            s_n = _dot(q, tl.trans(_key_cols(kv_ptr, rows_n, valid_n, 0, D, BLOCK_D, FULL)), None, PREC) * qk_scale
+            rows, valid = _part_rows(idx_ptr, row, b, t, T, E, K, start - BLOCK_N, offs_n, WIN)
+            v = _key_cols(kv_ptr, rows, valid, col0, D, BLOCK_C, FULL)
+            m, l, acc = _softmax_pv(s, valid, v, m, l, acc, PREC)
+            s = s_n
+    else:
+        for start in range(lo, hi, BLOCK_N):
+            rows, valid = _part_rows(idx_ptr, row, b, t, T, E, K, start, offs_n, WIN)
+            k = _key_cols(kv_ptr, rows, valid, 0, D, BLOCK_D, FULL)
+            s = _dot(q, tl.trans(k), None, PREC) * qk_scale
+            if BLOCK_C == BLOCK_D:
+                m, l, acc = _softmax_pv(s, valid, k, m, l, acc, PREC)
+            else:
+                v = _key_cols(kv_ptr, rows, valid, col0, D, BLOCK_C, FULL)
+                m, l, acc = _softmax_pv(s, valid, v, m, l, acc, PREC)
+    return m, l, acc
 
 
 @triton.jit
@@ -212,14 +294,19 @@ def _sparse_attn_fwd(
     T, E, K, window, qk_scale,
     H: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     PREC: tl.constexpr, TOPK_PROBS: tl.constexpr, WIN_FMT: tl.constexpr, CMP_FMT: tl.constexpr,
+    SPLIT_D: tl.constexpr, PIPE: tl.constexpr,
 ):
-    """One query token, all heads. WIN_FMT / CMP_FMT: the key formats of kv_win / kv_cmp (`_load_keys`); a
-    quantised tile is decoded to q's dtype, so the dots and the P @ V cast see what a dequantised input gives."""
+    """One query token, all heads, output channels [pid2 * BD / SPLIT_D, ...). WIN_FMT / CMP_FMT: the key formats
+    of kv_win / kv_cmp (`_load_keys`); a quantised tile is decoded to q's dtype, so the dots and the P @ V cast see
+    what a dequantised input gives. SPLIT_D > 1 and PIPE (`_fwd_part`) take plain keys only."""
     FULL: tl.constexpr = D == BLOCK_D
+    BLOCK_C: tl.constexpr = BLOCK_D // SPLIT_D
     t = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
+    pid_d = tl.program_id(2)
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
+    offs_c = pid_d * BLOCK_C + tl.arange(0, BLOCK_C)
     offs_n = tl.arange(0, BLOCK_N)
     h_ok = offs_h < H
     hd_ok = _rows_mask(h_ok, offs_d, D, FULL)
@@ -229,30 +316,39 @@ def _sparse_attn_fwd(
     q = tl.load(q_ptr + hd_offs, mask=hd_ok, other=0.0)  # [BH, BD]
     m = tl.load(sink_ptr + offs_h, mask=h_ok, other=0.0) * 1.4426950408889634  # sink in log2 units
     l = tl.full([BLOCK_H], 1.0, tl.float32)  # exp2(sink - m) with m = sink
-    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_C], tl.float32)
 
     # Two loops, window then top-k. (Measured on the H200: 12% faster than one loop over both kinds of slot, as
     # the backward kernels walk them; each loop keeps a single base pointer.)
-    for start in range(tl.maximum(t - window + 1, 0), t + 1, BLOCK_N):
-        j = start + offs_n  # window keys j in (t - window, t], a contiguous slice of kv_win
-        valid = j <= t
-        k = _load_keys(kvw_ptr, kvw_scale_ptr, b * T + j, valid, D, BLOCK_D, BLOCK_N, WIN_FMT).to(q.dtype)
-        m, l, acc = _online_softmax_step(q, k, valid, m, l, acc, qk_scale, PREC)
-    for k0 in range(0, K, BLOCK_N):
-        slot = k0 + offs_n  # selected compressed entries, gathered through the query's top-k row
-        idx = tl.load(idx_ptr + row * K + slot, mask=slot < K, other=-1)
-        valid = (idx >= 0) & (idx < E)
-        k = _load_keys(kvc_ptr, kvc_scale_ptr, b * E + idx, valid, D, BLOCK_D, BLOCK_N, CMP_FMT).to(q.dtype)
-        m, l, acc = _online_softmax_step(q, k, valid, m, l, acc, qk_scale, PREC)
+    if SPLIT_D == 1 and not PIPE:
+        for start in range(tl.maximum(t - window + 1, 0), t + 1, BLOCK_N):
+            j = start + offs_n  # window keys j in (t - window, t], a contiguous slice of kv_win
+            valid = j <= t
+            k = _load_keys(kvw_ptr, kvw_scale_ptr, b * T + j, valid, D, BLOCK_D, BLOCK_N, WIN_FMT).to(q.dtype)
+            m, l, acc = _online_softmax_step(q, k, valid, m, l, acc, qk_scale, PREC)
+        for k0 in range(0, K, BLOCK_N):
+            slot = k0 + offs_n  # selected compressed entries, gathered through the query's top-k row
+            idx = tl.load(idx_ptr + row * K + slot, mask=slot < K, other=-1)
+            valid = (idx >= 0) & (idx < E)
+            k = _load_keys(kvc_ptr, kvc_scale_ptr, b * E + idx, valid, D, BLOCK_D, BLOCK_N, CMP_FMT).to(q.dtype)
+            m, l, acc = _online_softmax_step(q, k, valid, m, l, acc, qk_scale, PREC)
+    else:
+        m, l, acc = _fwd_part(q, m, l, acc, kvw_ptr, idx_ptr, row, b, t, T, E, K, tl.maximum(t - window + 1, 0),
+                              t + 1, pid_d * BLOCK_C, qk_scale, D, BLOCK_D, BLOCK_C, BLOCK_N, PREC, True, PIPE)
+        if K > 0:
+            m, l, acc = _fwd_part(q, m, l, acc, kvc_ptr, idx_ptr, row, b, t, T, E, K, 0, K, pid_d * BLOCK_C,
+                                  qk_scale, D, BLOCK_D, BLOCK_C, BLOCK_N, PREC, False, PIPE)
 
     out = acc / l[:, None]
-    lse = m + tl.log2(l)
-    tl.store(out_ptr + hd_offs, out.to(out_ptr.dtype.element_ty), mask=hd_ok)
-    tl.store(lse_ptr + row * H + offs_h, lse, mask=h_ok)
+    lse = m + tl.log2(l)  # the same in every channel slice (same logits, same order)
+    tl.store(out_ptr + row * H * D + offs_h[:, None] * D + offs_c[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=_rows_mask(h_ok, offs_c, D, FULL))
+    tl.store(lse_ptr + row * H + offs_h, lse, mask=offs_h < tl.where(pid_d == 0, H, 0))  # once
     if TOPK_PROBS:
         # The indexer's KL target: each top-k slot's final probability summed over heads. Needs the final lse, so
-        # it is a second pass over the selected keys (QK^T only, +40% of the forward's FLOPs when asked for).
-        for k0 in range(0, K, BLOCK_N):
+        # it is a second pass over the selected keys (QK^T only, +40% of the forward's FLOPs when asked for); the
+        # first channel slice does it.
+        for k0 in range(0, tl.where(pid_d == 0, K, 0), BLOCK_N):
             slot = k0 + offs_n
             idx = tl.load(idx_ptr + row * K + slot, mask=slot < K, other=-1)
             valid = (idx >= 0) & (idx < E)
@@ -352,11 +448,12 @@ def _dkv_half(ds, p, q_c, do_c, dkv_ptrs, mask, PREC: tl.constexpr):
 @triton.jit
 def _bwd_dkv(
     q_ptr, dout_ptr, idx_ptr, p_ptr, ds_ptr, dkv_ptr,
-    B, T, E, K, window, NW, t0,
+    B, T, E, K, window, NW, t0, slot_lo,
     H: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    PREC: tl.constexpr,
+    PREC: tl.constexpr, UNCHAINED: tl.constexpr,
 ):
-    """Per query and slot block: dkv[key] += (dS * scale)^T q + P^T dO, added atomically into fp32 rows.
+    """Per query and slot block from slot_lo on: dkv[key] += (dS * scale)^T q + P^T dO, added atomically into fp32
+    rows (slot_lo = NW: the top-k slots only, the window's going to `_bwd_dkv_window`).
     K = V, so the key gradient and the value gradient land on the same row. The columns go in two halves: a
     [BN, D] fp32 tile (and the layout change before its atomics) would not fit on chip."""
     FULL: tl.constexpr = D == BLOCK_D
@@ -368,26 +465,89 @@ def _bwd_dkv(
     offs_n = tl.arange(0, BLOCK_N)
     h_ok = offs_h < H
     row = b * T + t
-    lo_offs = row * H * D + offs_h[:, None] * D + offs_c[None, :]
-    lo_ok = _rows_mask(h_ok, offs_c, D, FULL)
-    hi_ok = _rows_mask(h_ok, offs_c + HALF, D, FULL)
-    q_lo = tl.load(q_ptr + lo_offs, mask=lo_ok, other=0.0)
-    q_hi = tl.load(q_ptr + lo_offs + HALF, mask=hi_ok, other=0.0)
-    do_lo = tl.load(dout_ptr + lo_offs, mask=lo_ok, other=0.0)
-    do_hi = tl.load(dout_ptr + lo_offs + HALF, mask=hi_ok, other=0.0)
     NS = NW + K
     srow = (t - t0 + b * tl.num_programs(0)) * H
-    n_lo = (tl.maximum(window - 1 - t, 0) // BLOCK_N) * BLOCK_N
-    for n0 in range(n_lo, NS, BLOCK_N):
-        rows, valid = _slot_rows(idx_ptr, row, b, t, B, T, E, K, window, NW, n0, offs_n)
-        s_offs = (srow + offs_h)[:, None] * NS + (n0 + offs_n)[None, :]
-        s_ok = h_ok[:, None] & (n0 + offs_n < NS)[None, :]
-        ds = tl.load(ds_ptr + s_offs, mask=s_ok, other=0.0)
-        p = tl.load(p_ptr + s_offs, mask=s_ok, other=0.0)
-        lo = dkv_ptr + rows[:, None] * D + offs_c[None, :]
-        _dkv_half(ds, p, q_lo, do_lo, lo, _rows_mask(valid, offs_c, D, FULL), PREC)
-        _dkv_half(ds, p, q_hi, do_hi, lo + HALF, _rows_mask(valid, offs_c + HALF, D, FULL), PREC)
+    n_lo = tl.maximum((tl.maximum(window - 1 - t, 0) // BLOCK_N) * BLOCK_N, slot_lo)
+    if UNCHAINED:
+        # One dot with K = 2H per half: [dS | P]^T [q; dO], the rows paired through one pointer select (rows < BH:
+        # dS with q; the rest: P with dO). Two dots into one accumulator would count as chained, and the first
+        # would get all warps on M: with BN = 64 both warpgroups would compute it (TTGIR for sm_90).
+        offs_r = tl.arange(0, 2 * BLOCK_H)
+        first = offs_r < BLOCK_H
+        h2 = tl.where(first, offs_r, offs_r - BLOCK_H)
+        r_ok = h2 < H
+        qd_base = tl.where(first, q_ptr, dout_ptr) + row * H * D + h2 * D  # [2BH] row pointers
+        qd_lo = tl.load(qd_base[:, None] + offs_c[None, :], mask=_rows_mask(r_ok, offs_c, D, FULL), other=0.0)
+        qd_hi = tl.load(qd_base[:, None] + (offs_c + HALF)[None, :], mask=_rows_mask(r_ok, offs_c + HALF, D, FULL),
+                        other=0.0)
+        pd_base = tl.where(first, ds_ptr, p_ptr) + (srow + h2) * NS  # [2BH]
+        for n0 in range(n_lo, NS, BLOCK_N):
+            rows, valid = _slot_rows(idx_ptr, row, b, t, B, T, E, K, window, NW, n0, offs_n)
+            pd = tl.load(pd_base[:, None] + (n0 + offs_n)[None, :], mask=r_ok[:, None] & (n0 + offs_n < NS)[None, :],
+                         other=0.0)  # [2BH, BN]
+            lo = dkv_ptr + rows[:, None] * D + offs_c[None, :]
+            tl.atomic_add(lo, _dot(tl.trans(pd), qd_lo, None, PREC), mask=_rows_mask(valid, offs_c, D, FULL),
+                          sem="relaxed")
+            tl.atomic_add(lo + HALF, _dot(tl.trans(pd), qd_hi, None, PREC),
+                          mask=_rows_mask(valid, offs_c + HALF, D, FULL), sem="relaxed")
+    else:
+        lo_offs = row * H * D + offs_h[:, None] * D + offs_c[None, :]
+        lo_ok = _rows_mask(h_ok, offs_c, D, FULL)
+        hi_ok = _rows_mask(h_ok, offs_c + HALF, D, FULL)
+        q_lo = tl.load(q_ptr + lo_offs, mask=lo_ok, other=0.0)
+        q_hi = tl.load(q_ptr + lo_offs + HALF, mask=hi_ok, other=0.0)
+        do_lo = tl.load(dout_ptr + lo_offs, mask=lo_ok, other=0.0)
+        do_hi = tl.load(dout_ptr + lo_offs + HALF, mask=hi_ok, other=0.0)
+        for n0 in range(n_lo, NS, BLOCK_N):
+            rows, valid = _slot_rows(idx_ptr, row, b, t, B, T, E, K, window, NW, n0, offs_n)
+            s_offs = (srow + offs_h)[:, None] * NS + (n0 + offs_n)[None, :]
+            s_ok = h_ok[:, None] & (n0 + offs_n < NS)[None, :]
+            ds = tl.load(ds_ptr + s_offs, mask=s_ok, other=0.0)
+            p = tl.load(p_ptr + s_offs, mask=s_ok, other=0.0)
+            lo = dkv_ptr + rows[:, None] * D + offs_c[None, :]
+            _dkv_half(ds, p, q_lo, do_lo, lo, _rows_mask(valid, offs_c, D, FULL), PREC)
+            _dkv_half(ds, p, q_hi, do_hi, lo + HALF, _rows_mask(valid, offs_c + HALF, D, FULL), PREC)
 
+
+
+@triton.jit
+def _bwd_dkv_window(
+    q_ptr, dout_ptr, p_ptr, ds_ptr, dkv_ptr,
+    T, window, NS, t0, nq, j_lo,
+    H: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_J: tl.constexpr,
+    SPLIT_D: tl.constexpr, PREC: tl.constexpr,
+):
+    """Key-centric window gradient of the chunk's queries [t0, t0 + nq): for the window keys j0 .. j0 + BJ - 1
+    (j0 = j_lo + pid0 * BJ) and the channels of slice pid1, dkv[j] += sum over the queries t in [j, j + W) of
+    (dS * scale)[t, :, slot]^T q[t] + P[t, :, slot]^T dO[t], slot = j - t + W - 1. Each key row has one owner
+    program per launch: the sum stays in registers and lands with one read-add-store (no atomics, deterministic);
+    launches (chunks) are ordered by the stream. Each query step is a band of the [BJ, W] window: the dots cover
+    (BJ + W - 1) * BJ (key, query) pairs for BJ * W useful ones."""
+    FULL: tl.constexpr = D == BLOCK_D
+    BLOCK_C: tl.constexpr = BLOCK_D // SPLIT_D
+    j0 = j_lo + tl.program_id(0) * BLOCK_J
+    b = tl.program_id(2).to(tl.int64)
+    offs_j = j0 + tl.arange(0, BLOCK_J)
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    h_ok = offs_h < H
+    hc_ok = _rows_mask(h_ok, offs_c, D, FULL)
+    acc = tl.zeros([BLOCK_J, BLOCK_C], tl.float32)  # dS^T q
+    acc_o = tl.zeros([BLOCK_J, BLOCK_C], tl.float32)  # P^T dO
+    for t in range(tl.maximum(j0, t0), tl.minimum(j0 + BLOCK_J - 1 + window, t0 + nq)):
+        n = offs_j - t + window - 1  # the keys' slots in query t's window; n < W <=> j <= t
+        s_offs = ((t - t0 + b * nq) * H + offs_h)[:, None] * NS + n[None, :]
+        s_ok = h_ok[:, None] & ((n >= 0) & (n < window))[None, :]
+        ds = tl.load(ds_ptr + s_offs, mask=s_ok, other=0.0)  # [BH, BJ]
+        p = tl.load(p_ptr + s_offs, mask=s_ok, other=0.0)
+        hc_offs = ((b * T + t) * H + offs_h)[:, None] * D + offs_c[None, :]
+        # two accumulators: a dot whose result is another dot's accumulator counts as chained, and gets the
+        # all-warps-on-M layout (with BJ = 64, both warpgroups would compute it)
+        acc = _dot(tl.trans(ds), tl.load(q_ptr + hc_offs, mask=hc_ok, other=0.0), acc, PREC)
+        acc_o = _dot(tl.trans(p), tl.load(dout_ptr + hc_offs, mask=hc_ok, other=0.0), acc_o, PREC)
+    ptrs = dkv_ptr + (b * T + offs_j)[:, None] * D + offs_c[None, :]
+    ok = _rows_mask(offs_j < t0 + nq, offs_c, D, FULL)  # later keys are seen by later chunks only
+    tl.store(ptrs, tl.load(ptrs, mask=ok, other=0.0) + (acc + acc_o), mask=ok)
 
 # ------------------------------------------------------------------------------------------------------------------
 # Host wrappers
@@ -526,11 +686,14 @@ def _forward_triton(q, kv_win, kv_cmp, topk_idx, sink, window, topk_probs: bool 
     lse = torch.empty(B, T, H, device=q.device, dtype=torch.float32)
     probs = torch.empty(B, T, K, device=q.device, dtype=torch.float32) if topk_probs else lse
     placeholder_idx = torch.empty(1, device=q.device, dtype=torch.int32)
-    _sparse_attn_fwd[(T, B)](
+    # the channel-split and pipelined variants read plain keys only; quantised inputs take the default loops
+    plain = win_fmt == _PLAIN and cmp_fmt == _PLAIN
+    split_d, pipe = (cfg.get("SPLIT_D", 1), cfg.get("PIPE", False)) if plain else (1, False)
+    _sparse_attn_fwd[(T, B, split_d)](
         q, win, win_scales, cmp, cmp_scales, topk_idx if has_cmp else placeholder_idx, sink, out, lse, probs,
         T, E, K, window, D ** -0.5 * _LOG2E,
         H=H, D=D, BLOCK_H=BLOCK_H, BLOCK_D=BLOCK_D, BLOCK_N=cfg["BLOCK_N"], PREC=_prec(q.dtype),
-        TOPK_PROBS=topk_probs, WIN_FMT=win_fmt, CMP_FMT=cmp_fmt, **_launch(cfg, "fwd"),
+        TOPK_PROBS=topk_probs, WIN_FMT=win_fmt, CMP_FMT=cmp_fmt, SPLIT_D=split_d, PIPE=pipe, **_launch(cfg, "fwd"),
     )
     if topk_probs and not has_cmp:
         probs = torch.zeros(B, T, 0 if topk_idx is None else topk_idx.shape[2], device=q.device)
@@ -545,7 +708,9 @@ def _backward_triton(q, kv_win, kv_cmp, topk_idx, sink, window, out, lse, dout):
     NS = NW + K
     dout = dout.contiguous()
     dq = torch.empty_like(q)
-    # key gradients in the stacked layout, accumulated by atomics in fp32
+    # key gradients in the stacked layout, fp32: the top-k rows accumulated by atomics, the window rows too unless
+    # cfg["window_dkv"] == "keys" gives them to the key-centric `_bwd_dkv_window`
+    by_keys = cfg.get("window_dkv", "atomic") == "keys"
     dkv = torch.zeros(B * T + (B * E if K else 0), D, device=q.device, dtype=torch.float32)
     dsink_rows = torch.empty(B, T, H, device=q.device, dtype=torch.float32)
     # P and dS of one chunk of queries at a time, so the scratch stays near cfg["scratch_bytes"]
@@ -559,8 +724,16 @@ def _backward_triton(q, kv_win, kv_cmp, topk_idx, sink, window, out, lse, dout):
         _bwd_probs[grid](q, keys, idx, sink, out, dout, lse, p_buf, ds_buf, dsink_rows,
                          B, T, E, K, window, NW, t0, scale, scale * _LOG2E, **consts, **_launch(cfg, "probs"))
         _bwd_dq[grid](keys, idx, ds_buf, dq, B, T, E, K, window, NW, t0, **consts, **_launch(cfg, "dq"))
-        _bwd_dkv[grid](q, dout, idx, p_buf, ds_buf, dkv, B, T, E, K, window, NW, t0, **consts,
-                       **_launch(cfg, "dkv"))
+        if by_keys:
+            j_lo = max(t0 - window + 1, 0)  # the chunk's queries see the window keys [j_lo, t0 + nq)
+            win_grid = (triton.cdiv(t0 + grid[0] - j_lo, cfg["BLOCK_J"]), cfg["dkv_window_SPLIT_D"], B)
+            _bwd_dkv_window[win_grid](q, dout, p_buf, ds_buf, dkv, T, window, NS, t0, grid[0], j_lo, H=H, D=D,
+                                      BLOCK_H=BLOCK_H, BLOCK_D=BLOCK_D, BLOCK_J=cfg["BLOCK_J"],
+                                      SPLIT_D=cfg["dkv_window_SPLIT_D"], PREC=consts["PREC"],
+                                      **_launch(cfg, "dkv_window"))
+        if K or not by_keys:
+            _bwd_dkv[grid](q, dout, idx, p_buf, ds_buf, dkv, B, T, E, K, window, NW, t0, NW if by_keys else 0,
+                           **consts, UNCHAINED=cfg.get("dkv_unchained", False), **_launch(cfg, "dkv"))
     dkv_win = dkv[: B * T].view(B, T, D).to(kv_win.dtype)
     if kv_cmp is None:
         return dq, dkv_win, None, dsink_rows.sum((0, 1))

@@ -1,5 +1,5 @@
-"""Row-wise top-k selection (unsorted) by radix select: the indexer's top-512 and the candidate pool's top-2048 blocks
-(SPEC 1.2-1.3, REFERENCE A4 and B4). `impl="reference"` is torch.topk.
+"""Row-wise top-k selection (unsorted): the indexer's top-512 and the candidate pool's top-2048 blocks (SPEC 1.2-1.3,
+REFERENCE A4 and B4). `impl="reference"` is torch.topk; `impl="triton"` has two kernels, picked by `variant`.
 
 Shape legend: R rows (all leading dims flattened, B * T for the indexer), N entries per row, K picks per row.
 
@@ -10,9 +10,28 @@ own choice among ties is unspecified). -0.0 and +0.0 are equal (a tie), and -inf
 fewer than K finite entries returns its finite ones plus -inf ones by the same rule. NaN is out of contract (a
 positive-signed NaN ranks above +inf, as in torch.topk; a negative-signed one below -inf).
 
-Kernel (`_topk_kernel`, one program per row, looping over the row in chunks of BLOCK_N):
-- Keys: the fp32 bits as uint32 with the sign bit flipped for non-negative values and every bit flipped for negative
-  ones, so that unsigned key order is float order (-0.0 is first made +0.0 so the two tie, as they compare).
+Both kernels run one program per row and share the keys: the fp32 bits as uint32 with the sign bit flipped for
+non-negative values and every bit flipped for negative ones, so that unsigned key order is float order (-0.0 is first
+made +0.0 so the two tie, as they compare).
+
+`variant="resident"` (`_topk_resident_kernel`, rows of up to RESIDENT_MAX_N entries; the default when the row fits):
+- The row is loaded once into registers as one [COLS, ROWS] tile (COLS = the threads, ROWS = N rounded up to a power
+  of two / COLS in each thread's registers; 32768 keys over 16 warps are 64 a thread), padding keys 0 (below every
+  in-contract key). Sums and scans along ROWS stay within a thread.
+- The K-th largest key is found by a bitwise search from the MSB: `thr` is the largest key value with at least K keys
+  >= it, built one bit at a time with one compare-and-count (tl.sum, no histogram) over the resident row per bit.
+  The search stops once exactly K keys are >= `thr` (after about 20 of the 32 steps on normal rows at the indexer's
+  sizes): those K are then the answer and `thr` need not be a key.
+- The keys > thr are taken, and of the keys equal to thr the `K - #above` lowest-index ones: when there are more
+  ties than that, a second bitwise search (over the index, up to log2(N) steps, none on tie-free rows) finds the
+  index below which exactly that many ties lie.
+- Output slots are numbered thread by thread (a scan within each thread plus one scan of the thread totals; the
+  contract leaves the order free), not by index: one scan over the whole row in index order is several times the
+  instructions. Values are re-read from x for the K taken entries only (bitwise copies, so -0.0 stays -0.0).
+The row is read from memory once; the cost is the compare-and-count steps (about 3.5 instructions per key per step
+on sm_90).
+
+`variant="radix"` (`_topk_kernel`, any N, looping over the row in chunks of BLOCK_N):
 - Radix select of the K-th largest key, RADIX_BITS bits per pass from the top (8 bits: 4 passes; 11 or 12: 3; 6: 6;
   5 to 12 allowed, wider histograms spill): each pass histograms the next digit of the keys that still match the
   prefix found so far (tl.histogram, 2^RADIX_BITS bins), and the bin where the count from the top reaches the
@@ -37,8 +56,13 @@ import triton.language as tl
 __all__ = ["topk", "topk_reference", "TOPK_CONFIG"]
 
 _IMPLS = ("reference", "triton")
-# Default launch parameters, not yet tuned on an H200: bench/kernel_cases/topk.py sweeps them (sweep=True).
+_VARIANTS = ("auto", "resident", "radix")
+# variant="radix" launch parameters; bench/kernel_cases/topk.py sweeps them (sweep=True).
 TOPK_CONFIG = {"BLOCK_N": 2048, "RADIX_BITS": 8, "num_warps": 8}
+# variant="resident": the longest row held in registers, and the keys per thread the default warp count aims at
+# (RESIDENT_MAX_N / (32 * 16 warps) = 64 registers of keys).
+RESIDENT_MAX_N = 32768
+_RESIDENT_KEYS_PER_THREAD = 64
 
 
 @triton.jit
@@ -102,14 +126,80 @@ def _topk_kernel(x_ptr, val_ptr, idx_ptr, N, K, BLOCK_N: tl.constexpr, RADIX_BIT
         ties_seen += tl.sum(tie_i)
 
 
-def topk(x: torch.Tensor, k: int, *, impl: str = "reference", block_n: int | None = None,
+@triton.jit
+def _count(mask):
+    """Number of true entries of a [COLS, ROWS] mask: axis 1 first (within each thread), then across threads."""
+    return tl.sum(tl.sum(mask.to(tl.int32), 1), 0)
+
+
+# N is not specialised on divisibility: a 16-divisible N would let the first load vectorise (4 entries a thread) while
+# the scattered stores cannot, and the layout conversion between the two goes through shared memory (more than an
+# H200 has at N = 32768). Unvectorised, every op keeps the load's layout.
+@triton.jit(do_not_specialize=["N"])
+def _topk_resident_kernel(x_ptr, val_ptr, idx_ptr, N, K, COLS: tl.constexpr, ROWS: tl.constexpr):
+    # The row as one [COLS, ROWS] tile, entry c + r * COLS: COLS (= the threads) along axis 0 and ROWS in each
+    # thread's registers, so sums and the scan along axis 1 need no communication.
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * N
+    offs = tl.arange(0, COLS)[:, None] + tl.arange(0, ROWS)[None, :] * COLS  # [COLS, ROWS] entry index
+    ok = offs < N
+    # padding keys are 0, below every in-contract key (0 is a negative-signed NaN's), so no search step counts them
+    key = tl.where(ok, _keys(tl.load(x_row + offs, mask=ok, other=0.0)), 0)  # [COLS, ROWS] uint32, resident
+
+    # Bitwise search from the MSB for the largest `thr` with at least K keys >= thr (the K-th largest key), stopping
+    # once exactly K keys are >= thr. Invariant: num_ge = #keys >= thr >= K.
+    thr = tl.full((), 0, tl.uint32)
+    num_ge = N
+    step = tl.full((), 0x80000000, tl.uint32)
+    while (step != 0) & (num_ge != K):
+        cand = thr | step
+        cnt = _count(key >= cand)
+        thr = tl.where(cnt >= K, cand, thr)
+        num_ge = tl.where(cnt >= K, cnt, num_ge)
+        step = step >> 1
+
+    # Take every key > thr (fewer than K unless the search stopped early) and the `rank` lowest-index keys equal to
+    # thr: those at an index below `cut`, found by a second bitwise search (over the index) only when there are more
+    # ties than `rank`. Invariant: num_below = #ties at an index < cut <= rank.
+    above = key > thr
+    tie_at = tl.where(ok & (key == thr), offs, ROWS * COLS)  # index of each tie, past the end otherwise
+    rank = K - _count(above)
+    all_ties = _count(tie_at < ROWS * COLS) == rank
+    cut = tl.where(all_ties, ROWS * COLS, 0)
+    num_below = tl.where(all_ties, rank, 0)
+    step = (ROWS * COLS) // 2
+    while (step != 0) & (num_below != rank):
+        cnt = _count(tie_at < (cut | step))
+        cut = tl.where(cnt <= rank, cut | step, cut)
+        num_below = tl.where(cnt <= rank, cnt, num_below)
+        step = step >> 1
+    take = above | (tie_at < cut)
+
+    # Output slots thread by thread (the contract leaves the order free): a scan along axis 1 within each thread plus
+    # an exclusive scan of the thread totals, rather than one scan over the whole row in index order.
+    take_i = take.to(tl.int32)
+    col_total = tl.sum(take_i, 1)  # [COLS]
+    slot = (tl.cumsum(col_total, 0) - col_total)[:, None] + tl.cumsum(take_i, 1) - 1  # [COLS, ROWS]
+    tl.store(idx_ptr + row * K + slot, offs, mask=take)
+    # The values are re-read (K of them, from L2) rather than kept resident (twice the registers). The offsets are
+    # rebuilt from `take` so that the compiler cannot reuse the first load's 64-bit addresses, which it would keep
+    # alive (spilled) through the search.
+    vals = tl.load(x_row + tl.where(take, offs, 0), mask=take)
+    tl.store(val_ptr + row * K + slot, vals, mask=take)
+
+
+def topk(x: torch.Tensor, k: int, *, impl: str = "reference", variant: str = "auto", block_n: int | None = None,
          radix_bits: int | None = None, num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., N] fp32 -> (values [..., k] fp32, indices [..., k] int32) of each row's k largest, unsorted.
 
-    See the module docstring for the tie rule (Triton: lowest indices among ties at the k-th value). `block_n`,
-    `radix_bits` and `num_warps` override TOPK_CONFIG (the benchmark's sweep)."""
+    See the module docstring for the tie rule (Triton: lowest indices among ties at the k-th value). `variant` picks
+    the Triton kernel: "resident" (rows of N <= RESIDENT_MAX_N), "radix" (any N), or "auto" (resident when the row
+    fits). `block_n` and `radix_bits` (radix only) and `num_warps` override TOPK_CONFIG / the resident default of
+    one warp per 2048 padded entries, 4 to 16 (the benchmark's sweep)."""
     if impl not in _IMPLS:
         raise ValueError(f"topk: impl must be one of {list(_IMPLS)}, got {impl!r}")
+    if variant not in _VARIANTS:
+        raise ValueError(f"topk: variant must be one of {list(_VARIANTS)}, got {variant!r}")
     if x.dtype != torch.float32 or x.dim() < 1:
         raise ValueError(f"topk: x must be fp32 [..., N], got {x.dtype} {tuple(x.shape)}")
     N = x.shape[-1]
@@ -124,17 +214,33 @@ def topk(x: torch.Tensor, k: int, *, impl: str = "reference", block_n: int | Non
                            "(or TRITON_INTERPRET=1 for the CPU interpreter)")
     if N >= 2 ** 31:
         raise ValueError(f"topk(impl='triton'): rows of {N} entries overflow the int32 indices")
-    cfg = dict(TOPK_CONFIG)
-    for name, v in (("BLOCK_N", block_n), ("RADIX_BITS", radix_bits), ("num_warps", num_warps)):
-        if v is not None:
-            cfg[name] = v
-    if cfg["BLOCK_N"] & (cfg["BLOCK_N"] - 1) or not 5 <= cfg["RADIX_BITS"] <= 12:
-        raise ValueError(f"topk(impl='triton'): BLOCK_N must be a power of two and RADIX_BITS in [5, 12], got {cfg}")
+    block = max(triton.next_power_of_2(N), 16)
+    if variant == "auto":
+        variant = "resident" if block <= RESIDENT_MAX_N else "radix"
+    if variant == "resident":
+        if block > RESIDENT_MAX_N:
+            raise ValueError(f"topk(variant='resident'): rows of N={N} entries exceed RESIDENT_MAX_N={RESIDENT_MAX_N}; "
+                             "use variant='radix'")
+        if block_n is not None or radix_bits is not None:
+            raise ValueError("topk(variant='resident'): block_n and radix_bits are variant='radix' settings")
+        if num_warps is None:
+            num_warps = min(max(block // (32 * _RESIDENT_KEYS_PER_THREAD), 4), 16)
+        cols = min(block, 32 * num_warps)  # one entry a thread: each thread holds a whole "column" of the tile
+        cfg = {"COLS": cols, "ROWS": block // cols, "num_warps": num_warps}
+    else:
+        cfg = dict(TOPK_CONFIG)
+        for name, v in (("BLOCK_N", block_n), ("RADIX_BITS", radix_bits), ("num_warps", num_warps)):
+            if v is not None:
+                cfg[name] = v
+        if cfg["BLOCK_N"] & (cfg["BLOCK_N"] - 1) or not 5 <= cfg["RADIX_BITS"] <= 12:
+            raise ValueError(f"topk(variant='radix'): BLOCK_N must be a power of two and RADIX_BITS in [5, 12], "
+                             f"got {cfg}")
     values = torch.empty(*x.shape[:-1], k, device=x.device, dtype=torch.float32)
     indices = torch.empty(*x.shape[:-1], k, device=x.device, dtype=torch.int32)
     rows = x.numel() // N if N else 0
     if k and rows:
-        _topk_kernel[(rows,)](x, values, indices, N, k, **cfg)
+        kernel = _topk_resident_kernel if variant == "resident" else _topk_kernel
+        kernel[(rows,)](x, values, indices, N, k, **cfg)
     return values, indices
 
 

@@ -20,7 +20,9 @@ are detached so the loss never reaches the backbone.
 Kernels (ModelConfig.kernels, resolved in model/kernels.py, which also says when the reference path stays): on the
 Triton path the indexer scores, pools and picks with `kernels.indexer` and publishes int32 top-k ids, and the
 attention runs `kernels.sparse_attention` over them, which also returns the KL target (top-k probabilities summed
-over heads); `attend` and the [B, T, E] masks are the reference path.
+over heads); `attend` and the [B, T, E] masks are the reference path. Each norm -> RoPE -> fake-quant chain (SWA
+KV, main KV, indexer keys; RoPE -> fake-quant for the indexer queries) is one `kern.norm_rope_quant` call, a single
+fused kernel pass on the Triton path.
 """
 
 from __future__ import annotations
@@ -96,14 +98,6 @@ class ForwardContext:
         if key not in self._rope:
             self._rope[key] = rope_tables(cfg, kind, positions, dtype)
         return self._rope[key]
-
-
-def _fake_quant_fp4(x: torch.Tensor, block: int, fmt: str, path: str = "reference") -> torch.Tensor:
-    return kern.fake_quant_fp4(x, block, fmt, path)
-
-
-def _fake_quant_fp8(x: torch.Tensor, path: str = "reference") -> torch.Tensor:
-    return kern.fake_quant_fp8(x, 32, path)
 
 
 def attend(q, kv_win, kv_cmp, win_mask, cmp_mask, sink):
@@ -204,36 +198,35 @@ class CSA2Attention(nn.Module):
         """Full layer: compress, rotate at each group's first token, fake-quantise, publish (main, index keys)."""
         a, q = self.cfg.attention, self.cfg.quant
         m = self.spec.ratio
-        latent = self.compressor(kv_in)  # [B, E, D] pre-RoPE (this chunk's groups under context parallelism)
+        # The fused kernel applies the compressor's norm where it may read its weight (model/kernels.py); the
+        # compressor then hands over the pre-norm latent, and the kernel returns the normed one next to the main KV.
+        norm = self.compressor.norm if kern.fuses_norm(self.compressor.norm, path) else None
+        latent = self.compressor(kv_in, norm=norm is None)  # [B, E, D] (this chunk's groups under context parallelism)
         E = latent.shape[1]
         pos = (torch.arange(E, device=latent.device) + ctx.offset // m) * m  # each group's first token
         cos, sin = ctx.rope(a, "compress", pos, latent.dtype, key=("entries", m))
-        main = apply_rope(latent, cos, sin)
-        if q.main_kv == "fp4":
-            main = _fake_quant_fp4(main, 16, "e4m3", path)
-        keys = self.indexer.keys(latent.detach())
-        keys = apply_rope(keys, cos, sin)
-        if q.index == "fp4":
-            keys = _fake_quant_fp4(keys, 32, "ue8m0", path)
+        main, latent = kern.norm_rope_quant(latent, norm, cos, sin, "fp4" if q.main_kv == "fp4" else None, path,
+                                            return_normed=True)  # latent: normed, pre-RoPE, detached
+        # k_norm is a module of its own (a tensor-parallel plan hooks it): the composed path calls it
+        keys = kern.norm_rope_quant(self.indexer.keys(latent, norm=False), self.indexer.k_norm, cos, sin,
+                                    "fp4_ue8m0" if q.index == "fp4" else None, path)
         # Context parallelism: chunks align with groups, so each compresses its own and all exchange the entries.
         entries = ctx.shard.gather_entries(main, keys)
         if not recomputing():  # a recomputation reads back the entries the forward published (model.common)
             ctx.kv[self.spec.index] = entries
 
-    def _select(self, x, q_res, keys, E, ctx: ForwardContext, path: str, attn_path: str):
+    def _select(self, x, q_res, keys, E, ctx: ForwardContext, path: str):
         """Index source: score visible entries (in the pool, if restricted), publish top-k; return (scores, domain).
-        path: the kernel switch (fake-quant); attn_path: the indexer's (see `_select_triton` for its returns)."""
+        path: the kernel switch (on "triton", `_select_triton` says what it returns)."""
         a, c, q = self.cfg.attention, self.cfg.csa2, self.cfg.quant
         T = x.shape[1]
         qi = self.indexer.queries(q_res.detach())
         cos, sin = ctx.rope(a, "compress", ctx.positions, qi.dtype)
-        qi = apply_rope(qi, cos, sin)
-        if q.index == "fp4":
-            qi = _fake_quant_fp4(qi, 32, "ue8m0", path)
+        qi = kern.norm_rope_quant(qi, None, cos, sin, "fp4_ue8m0" if q.index == "fp4" else None, path)
         w = self.indexer.head_weights(x.detach())
         if self.spec.uses_pool and ctx.pool is None:
             raise RuntimeError(f"layer {self.spec.index}: Reindex layer found no candidate pool in the context")
-        if attn_path == "triton":
+        if path == "triton":
             return self._select_triton(qi, w, keys, E, ctx)
         domain = visible_mask(T, E, self.spec.ratio, x.device, ctx.offset).expand(x.shape[0], T, E)
         if self.spec.uses_pool:
@@ -263,11 +256,11 @@ class CSA2Attention(nn.Module):
                 ctx.selection[spec.index] = pos
             return w.new_zeros(*qi.shape[:2], 0), pos
         if spec.uses_pool:
-            scores = kern.index_scores_pool(qi, w, keys, ctx.pool, spec.ratio, bs)
+            scores = kern.index_scores_pool(qi, w, keys, ctx.pool, spec.ratio, bs, ctx.offset)
         else:
-            scores = kern.index_scores(qi, w, keys, spec.ratio)
+            scores = kern.index_scores(qi, w, keys, spec.ratio, ctx.offset)
             if spec.builds_pool and publish:
-                ctx.pool = kern.candidate_pool(scores.detach(), spec.ratio, bs, c.candidate_topk_blocks)
+                ctx.pool = kern.candidate_pool(scores.detach(), spec.ratio, bs, c.candidate_topk_blocks, ctx.offset)
         # pos is recomputed: the KL gathers the scores at it (a saved index)
         pos = kern.select_topk(scores.detach(), c.index_topk)
         if publish:
@@ -287,14 +280,10 @@ class CSA2Attention(nn.Module):
 
         q_res = self.q_norm(self.wq_a(x))
         q = apply_rope(self.wq_b(q_res).unflatten(-1, (-1, self.head_dim)), cos, sin)  # [B, T, H, D] (H/tp under tp)
-        kv = apply_rope(self.kv_norm(self.wkv(x)), cos, sin)
-        if qc.swa_kv == "fp8":
-            kv = _fake_quant_fp8(kv, path)
+        kv = kern.norm_rope_quant(self.wkv(x), self.kv_norm, cos, sin, "fp8" if qc.swa_kv == "fp8" else None, path)
         # Window keys: under context parallelism the previous chunk's last rows come first (a halo of h rows).
         kv_keys = ctx.shard.window_halo(kv)  # [B, h + T, D]
         h = kv_keys.shape[1] - T
-        # the attention and indexer kernels take one whole sequence of plain tensors (model/kernels.py says why)
-        attn_path = kern.attention_path(path, context_parallel=h > 0 or ctx.offset > 0 or ctx.shard != _WHOLE)
 
         kv_cmp = cmp_mask = scores = domain = None
         if spec.ratio > 0:
@@ -303,7 +292,7 @@ class CSA2Attention(nn.Module):
             kv_cmp, keys = ctx.kv[spec.kv_source]
             E = kv_cmp.shape[1]
             if spec.owns_indexer:
-                scores, domain = self._select(x, q_res, keys, E, ctx, path, attn_path)
+                scores, domain = self._select(x, q_res, keys, E, ctx, path)
             if ctx.phase == "dense_warmup":
                 cmp_mask = visible_mask(T, E, spec.ratio, x.device, ctx.offset).expand(B, T, E)
             else:
@@ -312,11 +301,13 @@ class CSA2Attention(nn.Module):
                 kv_cmp = None
 
         sink = local(self.attn_sink)
-        if attn_path == "triton" and (ctx.phase == "sparse" or kv_cmp is None):
+        if path == "triton" and (ctx.phase == "sparse" or kv_cmp is None):
             # Window + top-k ids (cmp_mask is [B, T, K] int32 here). For an index source the kernel also returns
             # the KL target on the sparse phase's domain, the top-k itself: each slot's probability summed over heads.
-            out, p_top = kern.sparse_attention(q, kv_keys, kv_cmp, cmp_mask, sink, a.window,
-                                               topk_probs=scores is not None)
+            # Under context parallelism the halo rows that hold tokens (none before token 0) lead the window keys.
+            lead = min(h, ctx.offset)
+            out, p_top = kern.sparse_attention(q, kv_keys[:, h - lead:], kv_cmp, cmp_mask, sink, a.window,
+                                               topk_probs=scores is not None, lead=lead)
             if p_top is not None:
                 # `domain` holds the top-k's positions in scores; HeadSum sums a unit head axis (the kernel summed
                 # the heads) and stays the hook a tensor-parallel plan completes the sum at
@@ -331,7 +322,7 @@ class CSA2Attention(nn.Module):
             out, p_cmp = attend(q, kv_keys, kv_cmp, win_mask, cmp_mask, sink)
             if scores is not None and p_cmp is not None:
                 mass = self.head_sum(p_cmp.detach())  # [B, T, E]
-                if attn_path == "triton":
+                if path == "triton":
                     # dense warm-up on the indexer kernels' scores: -inf marks the domain (visible, in the pool)
                     if spec.uses_pool:
                         slots = kern.pool_entries(ctx.pool, self.cfg.csa2.candidate_block_size)

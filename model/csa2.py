@@ -42,18 +42,21 @@ class Compressor(nn.Module):
             init_linear(self.wgate, std)
         self.norm.init_weights()
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, norm: bool = True) -> torch.Tensor:
+        """h [B, T, dim] -> [B, E, D]. norm=False: the latent before `self.norm`, for a caller that applies the norm
+        in its next pass (model.kernels.norm_rope_quant's fused kernel)."""
         B, T, _ = h.shape
         m = self.ratio
         E = T // m
         if m == 1:
-            return self.norm(self.wkv(h))
-        h = h[:, : E * m]
-        # the reference pools in fp32 (weights upcast): the gate softmax over 2 tokens is precision-sensitive
-        kv = nn.functional.linear(h.float(), self.wkv.weight.float()).view(B, E, m, -1)
-        gate = nn.functional.linear(h.float(), self.wgate.weight.float()).view(B, E, m, -1)
-        latent = (gate.softmax(dim=2) * kv).sum(dim=2)  # [B, E, D]
-        return self.norm(latent.to(h.dtype))
+            latent = self.wkv(h)
+        else:
+            h = h[:, : E * m]
+            # the reference pools in fp32 (weights upcast): the gate softmax over 2 tokens is precision-sensitive
+            kv = nn.functional.linear(h.float(), self.wkv.weight.float()).view(B, E, m, -1)
+            gate = nn.functional.linear(h.float(), self.wgate.weight.float()).view(B, E, m, -1)
+            latent = (gate.softmax(dim=2) * kv).sum(dim=2).to(h.dtype)  # [B, E, D]
+        return self.norm(latent) if norm else latent
 
 
 class Indexer(nn.Module):
@@ -80,9 +83,10 @@ class Indexer(nn.Module):
             init_linear(self.wk, std)
             self.k_norm.init_weights()
 
-    def keys(self, latent: torch.Tensor) -> torch.Tensor:
-        """[B, E, D] pre-RoPE latent -> [B, E, Di] pre-RoPE keys."""
-        return self.k_norm(self.wk(latent))
+    def keys(self, latent: torch.Tensor, norm: bool = True) -> torch.Tensor:
+        """[B, E, D] pre-RoPE latent -> [B, E, Di] pre-RoPE keys; norm=False: before `k_norm` (as the compressor)."""
+        k = self.wk(latent)
+        return self.k_norm(k) if norm else k
 
     def queries(self, q_res: torch.Tensor) -> torch.Tensor:
         """[B, T, q_lora] -> [B, T, Hi, Di] pre-RoPE queries."""

@@ -11,16 +11,28 @@ from its config string and the device of its activations (`resolve`), so one for
 Where the Triton path does not apply yet, the site keeps the reference path (correct, only slower); the reasons:
 | site | Triton kernel | stays on the reference when |
 | --- | --- | --- |
-| QAT fake-quant: main KV, indexer q/k (FP4), SWA KV (FP8) | kernels.fp4 / kernels.fp8 (impl=) | DTensor input |
-| sparse attention over window + top-k | kernels.sparse_attention | dense-warmup phase, context parallelism |
-| indexer scores, candidate pool, pool scores, top-k | kernels.indexer | context parallelism |
+| norm + RoPE + fake-quant: SWA KV (FP8), main KV, index keys (FP4) | kernels.norm_rope_fp4 | DTensor input or weight |
+| RoPE + fake-quant: indexer queries (FP4) | kernels.norm_rope_fp4, no norm | DTensor input; QAT off |
+| QAT fake-quant where the fused kernel does not run | kernels.fp4 / kernels.fp8 (impl=) | DTensor input |
+| sparse attention over window + top-k | kernels.sparse_attention | dense-warmup phase |
+| indexer scores, candidate pool, pool scores, top-k | kernels.indexer | (always on the kernels) |
 | single-pass mHC step | kernels.mhc_triton.single_pass | mhc.impl="unfused"; DTensor parameters or inputs |
 | Engram gather + gate | kernels.engram_triton.engram_forward | DTensor parameters or inputs; a sharded table |
+- Norm + RoPE + quantiser: the fused kernel reads a norm's weight outside the norm's own call, so it runs only where
+  that weight is a plain tensor. Under tensor parallelism the plan makes kv_norm, the compressor and the indexer's
+  k_norm replicated DTensor modules whose hooks all-reduce their outputs' gradients (parallelize.py); there the
+  site composes the norm module, `apply_rope` and the fake-quant as the reference does (the fake-quant still on its
+  kernel). The fused norm sums its squares in another order than torch, so its output can differ from the
+  reference's by an ulp of x's dtype (kernels/norm_rope_fp4.py "Numerics").
 - Dense warm-up: the attention reads every visible entry, a [B, T, E] mask that an int32 top-k list would only
   spell out entry by entry (K = E per query, no saving), so it stays on `model.attention.attend`; the indexer still
   scores, pools and picks with the kernels, and its KL target comes from attend's probabilities.
-- Context parallelism: a chunk's window keys arrive with the previous chunk's halo rows in front ([B, h + T, D])
-  and its queries start at an offset; the attention kernel takes window keys [B, T, D] at positions 0..T-1 only.
+- Context parallelism takes the kernels: a chunk's window keys arrive with the previous chunk's `lead` halo rows in
+  front ([B, lead + T, D]); `sparse_attention` puts as many empty query rows (zero queries, no top-k) in front of
+  the chunk's queries, so that row r's window is rows r - W + 1 .. r as the kernel reads it, and drops them from
+  the outputs (their output gradient is zero, so they add nothing to any gradient). The indexer kernels score,
+  pool and pick at the chunk's position offset (`q_offset`): the visibility rule and the pool's newest block
+  depend on the absolute position (tests/parallel/test_cp.py, Triton under cp 2).
 - Tensor parallelism takes the kernels: the plan hands the attention plain local tensors (this rank's heads of q
   and the sink, the replicated latent, compressor and indexer outputs), the indexer runs whole on every rank (the
   same top-k everywhere), and the kernel's head-summed top-k probabilities, a sum over this rank's heads, pass
@@ -48,9 +60,10 @@ __all__ = [
     "CHOICES",
     "resolve",
     "plain",
-    "attention_path",
     "fake_quant_fp4",
     "fake_quant_fp8",
+    "fuses_norm",
+    "norm_rope_quant",
     "sparse_attention",
     "index_scores",
     "index_scores_pool",
@@ -93,12 +106,6 @@ def plain(*tensors: torch.Tensor | None) -> bool:
     return not any(isinstance(t, DTensor) for t in tensors)
 
 
-def attention_path(path: str, *, context_parallel: bool) -> str:
-    """The path of the attention and its indexer: `path`, or the reference under context parallelism (see the
-    module docstring for why)."""
-    return "reference" if context_parallel else path
-
-
 # -- QAT fake quantisation ------------------------------------------------------------------------------------------
 def fake_quant_fp4(x: torch.Tensor, block: int, scale_fmt: str, path: str) -> torch.Tensor:
     """FP4 E2M1 fake-quant with a straight-through gradient (kernels.fp4.fake_quant), bit-identical both ways."""
@@ -116,6 +123,45 @@ def fake_quant_fp8(x: torch.Tensor, block: int, path: str) -> torch.Tensor:
     return fp8.fake_quant_fp8(x.contiguous() if impl == "triton" else x, block=block, impl=impl)
 
 
+# quant name of a site -> (block, scale format) of its fake-quant (kernels.norm_rope_fp4.QUANTS)
+_QUANTS = {"fp4": (16, "e4m3"), "fp4_ue8m0": (32, "ue8m0"), "fp8": (32, "ue8m0")}
+
+
+def fuses_norm(norm, path: str) -> bool:
+    """True when `norm_rope_quant` on this path applies `norm` inside its kernel, reading the weight directly: a
+    module whose forward ends in `norm` then hands over its pre-norm output (Compressor(norm=False)). False under a
+    tensor-parallel plan (a DTensor weight), where only the module's own call may apply it."""
+    return path == "triton" and plain(norm.weight)
+
+
+def norm_rope_quant(x: torch.Tensor, norm, cos: torch.Tensor, sin: torch.Tensor, quant: str | None, path: str, *,
+                    return_normed: bool = False):
+    """fake_quant(apply_rope(norm(x), cos, sin)): the rows of a quantised attention tensor, in x's dtype.
+
+    x [B, T, D] or [B, T, H, D]; norm: a model.common.RMSNorm module, or None for no norm; cos, sin [T, R / 2]
+    (the last R channels rotate); quant: "fp4" (e4m3 scale per 16: main KV), "fp4_ue8m0" (ue8m0 per 32: indexer
+    q/k), "fp8" (SWA KV) or None (QAT off). Returns q, or (q, y) with return_normed: y = norm(x), pre-RoPE and
+    detached (the latent the indexer keys are made of).
+    Triton path: one pass, kernels.norm_rope_fp4 (its backward is the quantiser's straight-through gradient, RoPE's
+    transpose and the norm's backward), wherever x and the norm's weight are plain tensors and there is a norm or a
+    quantiser to fuse. Otherwise the model's three steps: the norm module, `apply_rope`, the fake-quant."""
+    from model.rope import apply_rope
+
+    weight = None if norm is None else norm.weight
+    if path == "triton" and (norm is not None or quant is not None) and plain(x, weight, cos, sin):
+        from kernels import norm_rope_fp4
+
+        return norm_rope_fp4.norm_rope_fake_quant(x.contiguous(), norm, cos, sin, quant=quant,
+                                                  return_normed=return_normed, impl="triton")
+    y = x if norm is None else norm(x)
+    q = apply_rope(y, cos, sin)
+    if quant == "fp8":
+        q = fake_quant_fp8(q, _QUANTS[quant][0], path)
+    elif quant is not None:
+        q = fake_quant_fp4(q, *_QUANTS[quant], path)
+    return (q, y.detach()) if return_normed else q
+
+
 # -- attention ----------------------------------------------------------------------------------------------------
 def _matmul_dtype(t: torch.Tensor) -> torch.dtype:
     """The dtype the reference's einsums compute in: the autocast dtype inside an autocast region, else t's."""
@@ -126,10 +172,11 @@ def _matmul_dtype(t: torch.Tensor) -> torch.dtype:
 
 
 def sparse_attention(q: torch.Tensor, kv_win: torch.Tensor, kv_cmp: torch.Tensor | None,
-                     topk_idx: torch.Tensor | None, sink: torch.Tensor, window: int, *, topk_probs: bool = False
-                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """kernels.sparse_attention: q [B, T, H, D] over the window of kv_win [B, T, D] and the entries of kv_cmp
-    [B, E, D] (None: window only) picked by topk_idx [B, T, K] int32 (-1 = empty); sink [H] fp32.
+                     topk_idx: torch.Tensor | None, sink: torch.Tensor, window: int, *, topk_probs: bool = False,
+                     lead: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """kernels.sparse_attention: q [B, T, H, D] over the window of kv_win [B, lead + T, D] and the entries of kv_cmp
+    [B, E, D] (None: window only) picked by topk_idx [B, T, K] int32 (-1 = empty); sink [H] fp32. `lead`: rows of
+    earlier tokens in front of kv_win (a context-parallel halo), whose queries live on another rank.
     Returns (out [B, T, H, D], probs [B, T, K] fp32 head-summed and detached, or None): `attend`'s output and its
     p_cmp summed over heads at the picked entries.
 
@@ -143,11 +190,16 @@ def sparse_attention(q: torch.Tensor, kv_win: torch.Tensor, kv_cmp: torch.Tensor
         topk_idx = None
     else:
         kv_cmp, topk_idx = kv_cmp.to(dtype).contiguous(), topk_idx.contiguous()
+    if lead:  # empty query rows for the halo's tokens: zero queries (no output gradient reaches them), no top-k
+        q = torch.cat((q.new_zeros(q.shape[0], lead, *q.shape[2:]), q), dim=1)
+        if topk_idx is not None:
+            topk_idx = torch.cat((topk_idx.new_full((topk_idx.shape[0], lead, topk_idx.shape[2]), -1), topk_idx), 1)
     out = sa.sparse_attention(q, kv_win, kv_cmp, topk_idx, sink.contiguous(), window,
                               return_topk_probs=topk_probs and kv_cmp is not None, impl="triton")
-    if isinstance(out, tuple):
-        return out
-    return out, None
+    out, probs = out if isinstance(out, tuple) else (out, None)
+    if lead:
+        out, probs = out[:, lead:], None if probs is None else probs[:, lead:]
+    return out, probs
 
 
 # -- indexer ------------------------------------------------------------------------------------------------------
@@ -160,30 +212,34 @@ def _same_dtype(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.T
     return q.contiguous(), k.contiguous()
 
 
-def index_scores(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor, ratio: int) -> torch.Tensor:
+def index_scores(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor, ratio: int, q_offset: int = 0
+                 ) -> torch.Tensor:
     """Indexer scores q [B, T, Hi, Di], w [B, T, Hi] fp32, k [B, E, Di] -> [B, T, E] fp32, -inf where an entry
-    is not visible. Differentiable in q, w, k."""
+    is not visible to the query at absolute position q_offset + t. Differentiable in q, w, k."""
     from kernels import indexer
 
     q, k = _same_dtype(q, k)
-    return indexer.index_scores(q, w.contiguous(), k, ratio, impl="triton")
+    return indexer.index_scores(q, w.contiguous(), k, ratio, q_offset=q_offset, impl="triton")
 
 
 def index_scores_pool(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor, pool: torch.Tensor, ratio: int,
-                      block_size: int) -> torch.Tensor:
+                      block_size: int, q_offset: int = 0) -> torch.Tensor:
     """Reindex scores over the candidate pool [B, T, P] int32 block ids -> slot scores [B, T, S] fp32, slot
     i * BS + j scoring entry pool[..., i] * BS + j (-inf: empty, not visible or past E). Differentiable in q, w, k."""
     from kernels import indexer
 
     q, k = _same_dtype(q, k)
-    return indexer.index_scores_pool(q, w.contiguous(), k, pool, ratio, block_size, impl="triton")
+    return indexer.index_scores_pool(q, w.contiguous(), k, pool, ratio, block_size, q_offset=q_offset,
+                                     impl="triton")
 
 
-def candidate_pool(scores: torch.Tensor, ratio: int, block_size: int, topk_blocks: int) -> torch.Tensor:
+def candidate_pool(scores: torch.Tensor, ratio: int, block_size: int, topk_blocks: int, q_offset: int = 0
+                   ) -> torch.Tensor:
     """Masked scores [B, T, E] -> the hierarchical candidate pool, [B, T, P] int32 block ids (-1 = empty)."""
     from kernels import indexer
 
-    return indexer.candidate_pool(scores.contiguous(), ratio, block_size, topk_blocks, impl="triton")
+    return indexer.candidate_pool(scores.contiguous(), ratio, block_size, topk_blocks, q_offset=q_offset,
+                                  impl="triton")
 
 
 def select_topk(scores: torch.Tensor, k: int) -> torch.Tensor:

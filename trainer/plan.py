@@ -41,7 +41,7 @@ Communication, bytes each rank sends per optimiser step (received volumes are th
   bf16 results back, the backward the same again (trainer/parallel/expert.py), (ep - 1) / ep of it off-rank;
 - pp: per micro-batch the forward state across the stage's output cut and the gradient across its input cut
   (trainer/parallel/pipeline.boundary_slots; top-k and pool as the Triton path's int32 ids unless model.kernels is
-  reference or cp > 1);
+  reference);
 - cp: per Full layer the entry all-gather and its reduce-scatter, per layer the SWA halo both ways, the token ids
   once per forward (trainer/parallel/context.py's table);
 - dp: without FSDP, once per step the ring all-reduce of the fp32 gradients of replicated weights over dp x ep x cp
@@ -361,8 +361,8 @@ def rank_communication(model, lay: Layout, bounds: list[int], params: list[dict]
     cfg = model.cfg
     M, B = lay.grad_accum, lay.batch_size
     N = B * lay.seq_len // lay.cp
-    # a GPU run on the Triton attention path (model.kernels auto or triton, no cp) ships top-k and pool as int32 ids
-    ids = cfg.kernels != "reference" and lay.cp == 1
+    # a GPU run on the Triton attention path (model.kernels auto or triton) ships top-k and pool as int32 ids
+    ids = cfg.kernels != "reference"
     s, c, dim = 4, 2, cfg.dim
     fwd_passes = 2 if lay.activation_checkpoint == "full" else 1  # recomputation repeats forward collectives
     layers = [i for st in stages for i in range(bounds[st], bounds[st + 1])]

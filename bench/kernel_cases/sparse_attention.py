@@ -15,7 +15,13 @@ The inference-cache case (`fwd_fp8win_fp4cmp`) is the same forward with kv_win i
 kv_cmp in FP4 (E2M1 + e4m3 per 16), dequantised by the kernel as it loads each tile; its baseline dequantises both
 with kernels.fp8 / kernels.fp4 and then runs the gather-based reference. Same useful FLOPs as the bf16 forward, so
 the two rows compare directly: the key bytes read fall to about 1/2 (window) and 9/32 (top-k), the decode adds ALU
-work per key element. Not yet measured.
+work per key element. Measured 123 TFLOP/s with bf16 q; it now runs with fp32 queries (see kernels/sparse_attention.py).
+
+sweep=True adds the launch variants of kernels/sparse_attention.py (FWD_CONFIG: BLOCK_N, (num_warps, num_stages),
+SPLIT_D, PIPE; BWD_CONFIG: the key-centric window gradient window_dkv="keys" with BLOCK_J, dkv_window_SPLIT_D and
+its launch, dkv_unchained, and the dq / dkv launches), named by their overrides, e.g.
+"sparse_attention/fwd/PIPE=True,BLOCK_N=64,fwd=8x1". The backward sweep cases reuse the one retained graph of "bwd"
+(the config is read at backward time).
 """
 
 from __future__ import annotations
@@ -93,16 +99,59 @@ def _backward(impl: str):
     return run
 
 
-def _with_config(config: dict, key: str, value, fn):
+def _with_config(config: dict, overrides: dict, fn):
+    """fn run with `overrides` set in a launch-config dict (FWD_CONFIG / BWD_CONFIG), restored afterwards."""
+
     def run():
-        old = config[key]
-        config[key] = value
+        old = dict(config)
+        config.update(overrides)
         try:
             return fn()
         finally:
-            config[key] = old
+            config.clear()
+            config.update(old)
 
     return run
+
+
+def _name(overrides: dict) -> str:
+    return ",".join(f"{k}={'x'.join(map(str, v)) if isinstance(v, tuple) else v}" for k, v in overrides.items())
+
+
+# Sweep configurations (about 3 minutes of GPU time in all, plus compilation). Shared memory, since the key tiles
+# are not pipelined into async copies (TTGIR for sm_90): q 64 KB plus one buffer per key-tile load, so BLOCK_N=128
+# fits only the default loop, and PIPE (two key loads an iteration) stops at BLOCK_N=64.
+_FWD_SWEEP = [
+    {"BLOCK_N": 32},  # the pre-existing sweep case
+    {"BLOCK_N": 64, "fwd": (8, 1)},
+    {"BLOCK_N": 128, "fwd": (8, 1)},
+    {"BLOCK_N": 32, "fwd": (8, 3)},
+    # output channels over 2 programs: [64, 256] accumulators, the logits recomputed by each
+    {"SPLIT_D": 2, "BLOCK_N": 64, "fwd": (8, 1)},
+    {"SPLIT_D": 2, "BLOCK_N": 64, "fwd": (4, 1)},
+    {"SPLIT_D": 2, "BLOCK_N": 32, "fwd": (4, 2)},
+    {"SPLIT_D": 2, "BLOCK_N": 128, "fwd": (8, 1)},
+    # logits one block ahead: QK^T split across the warpgroups instead of duplicated
+    {"PIPE": True, "BLOCK_N": 64, "fwd": (8, 1)},
+    {"PIPE": True, "BLOCK_N": 64, "fwd": (8, 2)},
+    {"PIPE": True, "BLOCK_N": 32, "fwd": (8, 2)},
+    {"PIPE": True, "BLOCK_N": 32, "fwd": (8, 1)},
+    {"PIPE": True, "SPLIT_D": 2, "BLOCK_N": 64, "fwd": (8, 1)},
+    {"PIPE": True, "SPLIT_D": 2, "BLOCK_N": 64, "fwd": (4, 1)},
+]
+# the quantised forward always takes the default loops (SPLIT_D / PIPE read plain keys only)
+_QUANT_SWEEP = [{"BLOCK_N": 32}, {"BLOCK_N": 64, "fwd": (8, 1)}, {"BLOCK_N": 32, "fwd": (8, 1)}]
+_BWD_SWEEP = [
+    {"window_dkv": "keys"},  # BLOCK_J 64, channels in 2 slices, (8, 2)
+    {"window_dkv": "keys", "dkv_unchained": True},
+    {"window_dkv": "keys", "BLOCK_J": 128, "dkv_window": (8, 1)},
+    {"window_dkv": "keys", "dkv_window_SPLIT_D": 1, "dkv_window": (8, 1)},
+    {"window_dkv": "keys", "dkv_window": (4, 2)},
+    {"dkv_unchained": True},  # the atomic launch as one K = 2H dot per half (no duplicated dS^T q)
+    {"dkv_unchained": True, "dkv": (8, 1)},
+    {"dkv": (8, 1)},
+    {"dq": (8, 1)},
+]
 
 
 def cases(sweep: bool = False) -> list[dict]:
@@ -115,12 +164,13 @@ def cases(sweep: bool = False) -> list[dict]:
         {"name": "sparse_attention/bwd", "fn_triton": _backward("triton"), "fn_baseline": _backward("reference"),
          "flops": int(2.5 * FWD_FLOPS)},
     ]
-    if sweep:  # other key-block sizes of the forward (the backward's are fixed by shared memory)
-        for bn in (32,):
-            out.append({"name": f"sparse_attention/fwd/BLOCK_N={bn}", "sweep": True, "flops": FWD_FLOPS,
-                        "fn_triton": _with_config(sa.FWD_CONFIG, "BLOCK_N", bn, lambda: _forward("triton")),
-                        "fn_baseline": lambda: None})
-            out.append({"name": f"sparse_attention/fwd_fp8win_fp4cmp/BLOCK_N={bn}", "sweep": True,
-                        "flops": FWD_FLOPS, "fn_baseline": lambda: None,
-                        "fn_triton": _with_config(sa.FWD_CONFIG, "BLOCK_N", bn, lambda: _forward_quantised("triton"))})
+    if sweep:
+        noop = lambda: None  # noqa: E731
+        runs = [("fwd", sa.FWD_CONFIG, _FWD_SWEEP, lambda: _forward("triton"), FWD_FLOPS),
+                ("fwd_fp8win_fp4cmp", sa.FWD_CONFIG, _QUANT_SWEEP, lambda: _forward_quantised("triton"), FWD_FLOPS),
+                ("bwd", sa.BWD_CONFIG, _BWD_SWEEP, _backward("triton"), int(2.5 * FWD_FLOPS))]
+        for what, config, sweep_list, fn, flops in runs:
+            for overrides in sweep_list:
+                out.append({"name": f"sparse_attention/{what}/{_name(overrides)}", "sweep": True, "flops": flops,
+                            "fn_triton": _with_config(config, overrides, fn), "fn_baseline": noop})
     return out

@@ -229,8 +229,11 @@ def test_coefficient_kernel_matches_site(poisoned, n):
     # Only comb carries gradient: the others arrive as None.
     got_g = torch.autograd.grad(got[2], leaves, g_out[2])
     ref_g = torch.autograd.grad(ref[2], leaves, g_out[2])
+    # On a GPU the kernel's exp (ex2.approx) and summation order differ from torch's; through 20 Sinkhorn steps the
+    # comb-only gradient of `scale`, a sum over tokens that cancels, then differs by up to ~7e-5 of its size.
+    rel = 1e-5 if DEVICE == "cpu" else 2e-4
     for name, a, b in zip(("raw", "sum_sq", "scale", "base"), got_g, ref_g):
-        _assert_close_rel(a, b, 1e-5, f"comb-only grad {name}")
+        _assert_close_rel(a, b, rel, f"comb-only grad {name}")
 
 
 def test_pytorch_coefficient_path_still_matches():

@@ -6,6 +6,10 @@
   window starts before token 0, rows whose top-k slots are all empty);
 - backward: dq, dkv_win, dkv_cmp (scatter-added over selected entries) and dsink equal autograd through the
   reference, also when the backward's scratch is split into many chunks of queries;
+- the launch variants: the forward with its output channels split over programs and/or its logits computed one
+  block ahead (FWD_CONFIG SPLIT_D / PIPE), and the backward with the window keys' gradient summed key-centrically
+  (BWD_CONFIG window_dkv="keys", chunked too) and/or the atomic key-gradient launch as one dot per half
+  (dkv_unchained), equal the reference;
 - window-only use (kv_cmp None, or K = 0) works both ways;
 - the optional head-summed top-k probabilities (the indexer's KL target) equal `attend`'s p_cmp summed over heads
   at the selected entries;
@@ -56,9 +60,10 @@ CASES = [
 @pytest.fixture(autouse=True)
 def small_tiles(monkeypatch):
     """16-key blocks keep the interpreter fast and make every case span several blocks."""
-    monkeypatch.setattr(sa, "FWD_CONFIG", {"BLOCK_N": 16, "fwd": (4, 1)})
+    monkeypatch.setattr(sa, "FWD_CONFIG", {"BLOCK_N": 16, "fwd": (4, 1), "SPLIT_D": 1, "PIPE": False})
     monkeypatch.setattr(sa, "BWD_CONFIG", {"BLOCK_N": 16, "probs": (4, 1), "dq": (4, 1), "dkv": (4, 1),
-                                           "scratch_bytes": 1 << 30})
+                                           "scratch_bytes": 1 << 30, "window_dkv": "atomic", "dkv_window": (4, 1),
+                                           "BLOCK_J": 16, "dkv_window_SPLIT_D": 2})
 
 
 @pytest.fixture
@@ -165,6 +170,81 @@ def test_window_only(variant, poison):
     torch.testing.assert_close(out, model_out, atol=2e-5, rtol=1e-5)
     g = torch.randn_like(out)
     for a, b in zip(grads(out, inputs, g), grads(model_out, inputs, g)):
+        torch.testing.assert_close(a, b, atol=5e-5, rtol=1e-4)
+
+
+# forward variants (FWD_CONFIG): output channels split over programs (SPLIT_D), logits one block ahead (PIPE)
+FWD_VARIANTS = [{"SPLIT_D": 2}, {"PIPE": True}, {"SPLIT_D": 2, "PIPE": True, "BLOCK_N": 32}]
+
+
+@pytest.mark.parametrize("variant", FWD_VARIANTS, ids=lambda v: ",".join(f"{k}={x}" for k, x in v.items()))
+@pytest.mark.parametrize("case", CASES[:2])
+def test_forward_variants_match_reference(case, variant, poison, monkeypatch):
+    """Every forward variant gives the reference's output, lse-dependent top-k probabilities and gradients (the
+    backward reads the forward's lse, so a wrong lse from a channel slice shows up there)."""
+    B, T, H, D, E, K, W = case
+    for key, value in variant.items():
+        monkeypatch.setitem(sa.FWD_CONFIG, key, value)
+    q, kv_win, kv_cmp, idx, sink = make_inputs(*case, seed=12)
+    inputs = [t.requires_grad_() for t in (q, kv_win, kv_cmp, sink)]
+    out, probs = sa.sparse_attention(q, kv_win, kv_cmp, idx, sink, W, return_topk_probs=True, impl="triton")
+    ref, ref_probs = sa.sparse_attention_reference(q, kv_win, kv_cmp, idx, sink, W, return_topk_probs=True)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(probs, ref_probs, atol=1e-6, rtol=1e-5)
+    g = torch.randn_like(out)
+    for name, a, b in zip(("dq", "dkv_win", "dkv_cmp", "dsink"), grads(out, inputs, g), grads(ref, inputs, g)):
+        torch.testing.assert_close(a, b, atol=5e-5, rtol=1e-4, msg=name)
+    # window only: the top-k part is skipped
+    out = sa.sparse_attention(q.detach(), kv_win.detach(), None, None, sink.detach(), W, impl="triton")
+    torch.testing.assert_close(out, sa.sparse_attention_reference(q, kv_win, None, None, sink, W).detach(),
+                               atol=2e-5, rtol=1e-5)
+
+
+# backward key-gradient variants (BWD_CONFIG): the window part key-centric (by key block and channel slices), the
+# atomic launch as one K = 2H dot per half
+BWD_VARIANTS = [{"window_dkv": "keys", "BLOCK_J": 16, "dkv_window_SPLIT_D": 2},
+                {"window_dkv": "keys", "BLOCK_J": 32, "dkv_window_SPLIT_D": 1},
+                {"dkv_unchained": True}, {"dkv_unchained": True, "window_dkv": "keys"}]
+
+
+@pytest.mark.parametrize("variant", BWD_VARIANTS, ids=lambda v: ",".join(f"{k}={x}" for k, x in v.items()))
+@pytest.mark.parametrize("case", CASES + [(1, 40, 2, 16, 6, 3, 20)])
+def test_key_gradient_variants(case, variant, poison, monkeypatch):
+    """Each variant's gradients equal the reference, and the default path's within fp32 summation order; and again
+    with the queries in chunks whose windows straddle the chunk boundaries (window_dkv="keys": each key then gets
+    one read-add-store per chunk that sees it)."""
+    B, T, H, D, E, K, W = case
+    q, kv_win, kv_cmp, idx, sink = make_inputs(*case, seed=13)
+    inputs = [t.requires_grad_() for t in (q, kv_win, kv_cmp, sink)]
+    g = torch.randn(B, T, H, D, device=DEVICE)
+    atomic = grads(sa.sparse_attention(q, kv_win, kv_cmp, idx, sink, W, impl="triton"), inputs, g)
+    want = grads(sa.sparse_attention_reference(q, kv_win, kv_cmp, idx, sink, W), inputs, g)
+    for key, value in variant.items():
+        monkeypatch.setitem(sa.BWD_CONFIG, key, value)
+    got = grads(sa.sparse_attention(q, kv_win, kv_cmp, idx, sink, W, impl="triton"), inputs, g)
+    for name, a, b, c in zip(("dq", "dkv_win", "dkv_cmp", "dsink"), got, want, atomic):
+        assert not a.isnan().any(), name
+        torch.testing.assert_close(a, b, atol=5e-5, rtol=1e-4, msg=name)
+        torch.testing.assert_close(a, c, atol=2e-6, rtol=1e-5, msg=name)
+    NS = triton.cdiv(W, 16) * 16 + K
+    monkeypatch.setitem(sa.BWD_CONFIG, "scratch_bytes", 7 * 2 * B * H * NS * 4)  # 7 queries a chunk
+    chunked = grads(sa.sparse_attention(q, kv_win, kv_cmp, idx, sink, W, impl="triton"), inputs, g)
+    for name, a, b in zip(("dq", "dkv_win", "dkv_cmp", "dsink"), chunked, got):
+        torch.testing.assert_close(a, b, atol=2e-6, rtol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("variant", ["no_kv_cmp", "k_zero"])
+def test_key_centric_window_gradient_window_only(variant, monkeypatch):
+    B, T, H, D, W = 1, 21, 3, 24, 9
+    monkeypatch.setitem(sa.BWD_CONFIG, "window_dkv", "keys")
+    q, kv_win, kv_cmp, idx, sink = make_inputs(B, T, H, D, 5, 3, W, seed=14)
+    kv_cmp, idx = (None, None) if variant == "no_kv_cmp" else (kv_cmp, idx[..., :0].contiguous())
+    inputs = [t.requires_grad_() for t in (q, kv_win, sink)]
+    g = torch.randn(B, T, H, D, device=DEVICE)
+    got = grads(sa.sparse_attention(q, kv_win, kv_cmp, idx, sink, W, impl="triton"), inputs, g)
+    want = grads(sa.sparse_attention_reference(q, kv_win, None, None, sink, W), inputs, g)
+    for a, b in zip(got, want):
         torch.testing.assert_close(a, b, atol=5e-5, rtol=1e-4)
 
 

@@ -1,12 +1,15 @@
-"""Proves the Triton top-k (`kernels.topk`, run by the Triton CPU interpreter) selects what torch.topk selects:
+"""Proves both Triton top-k kernels (`kernels.topk`, variant="resident" and variant="radix", run by the Triton CPU
+interpreter) select what torch.topk selects:
 
 - on random rows (no tie at the k-th value) the selected index SET equals torch.topk's and the values are the
-  gathered inputs, at awkward sizes (N not a multiple of the chunk, k = 1, k = N, one entry) and at every radix
-  width the kernel takes (5, 8, 11 and 12 bits, so passes that do not divide 32 evenly);
+  gathered inputs, at awkward sizes (N not a multiple of the chunk or of a power of two, k = 1, k = N, one entry),
+  at every radix width the radix kernel takes (5, 8, 11 and 12 bits, so passes that do not divide 32 evenly) and at
+  the resident kernel's largest row (N = RESIDENT_MAX_N, where its packed prefix counts are fullest);
 - with ties at the k-th value it takes the lowest indices among the tied entries (the first k of a stable
   descending sort), also for all -inf rows, rows with fewer finite entries than k, negative values and a mix of
   -0.0 and +0.0 (equal, so tied);
 - every output is written (NaN / sentinel-poisoned allocations) and empty cases (k = 0, no rows) work;
+- variant="auto" takes the resident kernel when the row fits and the radix one otherwise;
 - the indexer's callers: `select_topk(impl="triton")` (dense and pool slots) and `candidate_pool(impl="triton")`
   equal their torch.topk paths and the model's functions on tie-free scores;
 - bad inputs raise errors that name the problem.
@@ -29,6 +32,9 @@ from model import csa2  # noqa: E402
 DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET", "0") == "1" else "cuda"
 NEG_INF = float("-inf")
 SMALL = dict(block_n=64)  # several chunks per row even at small N
+# each variant's settings for the shared checks: the radix kernel with several chunks per row even at small N
+VARIANTS = {"resident": dict(variant="resident"), "radix": dict(variant="radix", **SMALL)}
+variants = pytest.mark.parametrize("cfg", list(VARIANTS.values()), ids=list(VARIANTS))
 
 
 @pytest.fixture
@@ -69,9 +75,10 @@ def assert_same_set_as_torch(x: torch.Tensor, k: int, idx: torch.Tensor) -> None
 
 @pytest.mark.parametrize("rows,n,k", [(3, 1, 1), (4, 37, 1), (5, 37, 37), (3, 200, 17), (2, 333, 100),
                                       (2, 129, 128)])
-def test_random_rows_match_torch(poison, rows, n, k):
-    x = torch.randn(rows, n, generator=torch.Generator().manual_seed(n + k), device=DEVICE)
-    _, idx = check(x, k, **SMALL)
+@variants
+def test_random_rows_match_torch(poison, cfg, rows, n, k):
+    x = torch.randn(rows, n, generator=torch.Generator().manual_seed(n + k)).to(DEVICE)
+    _, idx = check(x, k, **cfg)
     assert_same_set_as_torch(x, k, idx)
 
 
@@ -79,60 +86,96 @@ def test_random_rows_match_torch(poison, rows, n, k):
 def test_every_radix_width(poison, radix_bits):
     g = torch.Generator().manual_seed(radix_bits)
     x = torch.randn(3, 300, generator=g) * torch.logspace(-20, 20, 300)  # many exponents, both signs
-    _, idx = check(x.to(DEVICE), 41, block_n=128, radix_bits=radix_bits)
+    _, idx = check(x.to(DEVICE), 41, variant="radix", block_n=128, radix_bits=radix_bits)
+    assert_same_set_as_torch(x.to(DEVICE), 41, idx)
+    _, idx = check(x.to(DEVICE), 41, variant="resident")  # the same exponent spread through the bitwise search
     assert_same_set_as_torch(x.to(DEVICE), 41, idx)
 
 
-def test_default_config_and_leading_dims(poison):
-    """[B, T, N] input at the default TOPK_CONFIG (one chunk of 2048 covers N)."""
-    x = torch.randn(2, 3, 1500, generator=torch.Generator().manual_seed(1), device=DEVICE)
-    _, idx = check(x, 64)
+@pytest.mark.parametrize("variant", ["auto", "radix"])
+def test_default_config_and_leading_dims(poison, variant):
+    """[B, T, N] input at the default settings (radix: TOPK_CONFIG, one chunk of 2048 covers N)."""
+    x = torch.randn(2, 3, 1500, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    _, idx = check(x, 64, variant=variant)
     assert_same_set_as_torch(x, 64, idx)
 
 
-def test_ties_take_the_lowest_indices(poison):
+def test_resident_full_row(poison):
+    """N = RESIDENT_MAX_N (no padding): the indexer's k = 512, k = N (all 2^15 keys above the threshold 0, the
+    packed prefix count's largest high half) and all-tied rows (2^15 ties, its largest low half)."""
+    n = tk.RESIDENT_MAX_N
+    x = torch.randn(2, n, generator=torch.Generator().manual_seed(9)).to(DEVICE)
+    for k in (512, n):
+        _, idx = check(x, k, variant="resident")
+        assert_same_set_as_torch(x, k, idx)
+    x[1] = NEG_INF
+    x[0] = torch.randint(-1, 2, (n,), generator=torch.Generator().manual_seed(10)).float()
+    for k in (1, n // 3, n - 1, n):
+        check(x, k, variant="resident")
+
+
+def test_auto_picks_resident_when_the_row_fits(monkeypatch):
+    x = torch.randn(2, 100, generator=torch.Generator().manual_seed(11)).to(DEVICE)
+    want = tie_rule(x, 9).sort(-1).values
+    monkeypatch.setattr(tk, "RESIDENT_MAX_N", 64)  # 100 entries pad to 128: too long for the resident kernel
+    with pytest.raises(ValueError, match="RESIDENT_MAX_N"):
+        tk.topk(x, 9, impl="triton", variant="resident")
+    _, idx = tk.topk(x, 9, impl="triton", block_n=32)  # auto: the radix kernel, so block_n is accepted
+    assert torch.equal(idx.long().sort(-1).values, want)
+    monkeypatch.setattr(tk, "RESIDENT_MAX_N", 128)
+    with pytest.raises(ValueError, match="radix"):  # auto: now resident, which has no chunk
+        tk.topk(x, 9, impl="triton", block_n=32)
+    _, idx = tk.topk(x, 9, impl="triton")
+    assert torch.equal(idx.long().sort(-1).values, want)
+
+
+@variants
+def test_ties_take_the_lowest_indices(poison, cfg):
     g = torch.Generator().manual_seed(2)
     x = torch.randint(-3, 4, (4, 150), generator=g).float().to(DEVICE)  # about 21 copies of each value
     for k in (1, 10, 21, 22, 75, 149, 150):
-        check(x, k, **SMALL)
+        check(x, k, **cfg)
 
 
-def test_negative_values_and_signed_zeros(poison):
+@variants
+def test_negative_values_and_signed_zeros(poison, cfg):
     g = torch.Generator().manual_seed(3)
     neg = -torch.rand(2, 90, generator=g) - 0.5  # all negative
     zeros = torch.where(torch.rand(2, 90, generator=g) < 0.5, -0.0, 0.0)  # -0.0 and +0.0 mixed: equal values
     x = torch.cat([neg, zeros, -neg], dim=-1).to(DEVICE)
     x[0, 100:110] = torch.tensor([-1e-30, 1e-30, -1e-45, 1e-45, -0.0, 0.0, -0.0, -3e38, 3e38, 0.0])
     for k in (1, 60, 90, 135, 180, 200, 270):
-        check(x, k, **SMALL)
+        check(x, k, **cfg)
     # k = 91: the 90 positives, then the lowest-index zero (a -0.0 or +0.0 alike)
-    _, idx = check(x, 91, **SMALL)
+    _, idx = check(x, 91, **cfg)
     first_zero = (x[1, 90:180] == 0).nonzero()[0, 0].item() + 90
     assert first_zero in idx[1].tolist()
 
 
-def test_infinite_rows(poison):
+@variants
+def test_infinite_rows(poison, cfg):
     x = torch.full((4, 70), NEG_INF, device=DEVICE)
     x[1, [5, 66, 13]] = torch.tensor([1.0, -2.0, 0.0])  # fewer finite entries than k
     x[2] = torch.randn(70, generator=torch.Generator().manual_seed(4))
     x[2, 3] = float("inf")
     x[3, ::2] = float("inf")  # 35 ties at +inf
     for k in (1, 3, 4, 20, 35, 36, 70):
-        vals, idx = check(x, k, **SMALL)
-    vals, idx = check(x, 10, **SMALL)
+        vals, idx = check(x, k, **cfg)
+    vals, idx = check(x, 10, **cfg)
     assert torch.equal(idx[0].sort().values.long(), torch.arange(10))  # all -inf: the first k
     assert sorted(idx[1].tolist())[:3] == [0, 1, 2] and {5, 13, 66} <= set(idx[1].tolist())
     assert (vals[1] > NEG_INF).sum() == 3
 
 
-def test_reference_impl_and_empty_cases():
-    x = torch.randn(3, 50, generator=torch.Generator().manual_seed(5), device=DEVICE)
+@variants
+def test_reference_impl_and_empty_cases(cfg):
+    x = torch.randn(3, 50, generator=torch.Generator().manual_seed(5)).to(DEVICE)
     vals, idx = tk.topk(x, 7)  # impl="reference" is the default
     assert idx.dtype == torch.int32 and torch.equal(vals, x.gather(-1, idx.long()))
     assert_same_set_as_torch(x, 7, idx)
-    vals, idx = tk.topk(x, 0, impl="triton")
+    vals, idx = tk.topk(x, 0, impl="triton", **cfg)
     assert vals.shape == idx.shape == (3, 0)
-    vals, idx = tk.topk(x[:0], 5, impl="triton")
+    vals, idx = tk.topk(x[:0], 5, impl="triton", **cfg)
     assert vals.shape == idx.shape == (0, 5)
 
 
@@ -150,10 +193,14 @@ def test_bad_inputs_raise():
         tk.topk(x, -1, impl="triton")
     with pytest.raises(ValueError, match="contiguous"):
         tk.topk(x.t(), 1, impl="triton")
+    with pytest.raises(ValueError, match="variant"):
+        tk.topk(x, 3, impl="triton", variant="bitonic")
     with pytest.raises(ValueError, match="RADIX_BITS"):
-        tk.topk(x, 3, impl="triton", radix_bits=16)
+        tk.topk(x, 3, impl="triton", variant="radix", radix_bits=16)
     with pytest.raises(ValueError, match="BLOCK_N"):
-        tk.topk(x, 3, impl="triton", block_n=96)
+        tk.topk(x, 3, impl="triton", variant="radix", block_n=96)
+    with pytest.raises(ValueError, match="radix_bits"):
+        tk.topk(x, 3, impl="triton", variant="resident", radix_bits=8)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -4,9 +4,11 @@
   Engram, decoder Full m=1 fed from h_{L/2} that builds the candidate pool, pool-restricted Reindex, Reuse) with
   kernels="triton" equals kernels="reference" in fp32: logits, the indexer KL loss and the gradient of every
   parameter within tight fp32 tolerance, in both indexer phases, with QAT (FP4 main KV and indexer q/k, FP8 SWA KV)
-  on. The triton run goes through every Triton entry point (FP4/FP8 fake-quant, sparse attention, indexer scores,
-  candidate pool, pool scores, top-k, single-pass mHC, Engram) the expected number of times; the reference run
-  through none of them;
+  on, and in the sparse phase with FP4 main KV alone (the SWA KV and the indexer keys then fuse norm + RoPE only,
+  the indexer queries take plain RoPE). The triton run goes through every Triton entry point (fused norm + RoPE +
+  fake-quant, sparse attention, indexer scores, candidate pool, pool scores, top-k, single-pass mHC, Engram) the
+  expected number of times and, the fused kernel covering every QAT site, never through the stand-alone FP4/FP8
+  fake-quant; the reference run through none of them;
 - under bf16 autocast the Triton run is as close to the fp32 reference as the bf16 reference run is (logits,
   indexer KL, all gradients together); bf16 noise flips top-k, FP4 codes and expert routing, so per-tensor
   agreement is not expected there, only equal accuracy;
@@ -49,6 +51,7 @@ FP32_TOL = 1e-4 if DEVICE == "cpu" else 2e-4
 ENTRIES = {
     "fp4": ("kernels.fp4", "fake_quant"),
     "fp8": ("kernels.fp8", "fake_quant_fp8"),
+    "norm_rope": ("kernels.norm_rope_fp4", "norm_rope_fake_quant"),
     "sparse_attention": ("kernels.sparse_attention", "sparse_attention"),
     "index_scores": ("kernels.indexer", "index_scores"),
     "candidate_pool": ("kernels.indexer", "candidate_pool"),
@@ -59,9 +62,16 @@ ENTRIES = {
 }
 
 
-def _overrides(phase: str = "sparse", qat: bool = True, **extra) -> dict:
+# QAT settings by name: all three on, all off, and FP4 main KV alone (the others then run unquantised)
+QUANT = {
+    "qat": dict(main_kv="fp4", index="fp4", swa_kv="fp8"),
+    "none": dict(main_kv="none", index="none", swa_kv="none"),
+    "main_kv": dict(main_kv="fp4", index="none", swa_kv="none"),
+}
+
+
+def _overrides(phase: str = "sparse", qat: str = "qat", **extra) -> dict:
     base = load_config("v41_tiny")
-    quant = dict(main_kv="fp4", index="fp4", swa_kv="fp8") if qat else dict(main_kv="none", index="none", swa_kv="none")
     return dict(
         num_layers=6,
         num_encoder_layers=3,
@@ -73,12 +83,12 @@ def _overrides(phase: str = "sparse", qat: bool = True, **extra) -> dict:
             index_num_heads=8),
         indexer=dataclasses.replace(base.indexer, phase=phase),
         engram=dataclasses.replace(base.engram, layers=[2]),
-        quant=dataclasses.replace(base.quant, **quant),
+        quant=dataclasses.replace(base.quant, **QUANT[qat]),
         **extra,
     )
 
 
-def _pair(phase: str, qat: bool = True):
+def _pair(phase: str, qat: str = "qat"):
     """The same weights twice: kernels="reference" and kernels="triton", on DEVICE."""
     ref = build_tiny(seed=0, **_overrides(phase, qat, kernels="reference")).to(DEVICE)
     tri = build_tiny(seed=0, **_overrides(phase, qat, kernels="triton")).to(DEVICE)
@@ -106,7 +116,8 @@ def _step(m, ids, autocast: bool = False) -> dict[str, torch.Tensor]:
 
 class Launches:
     """Spies on every Triton entry point: calls counted by (entry, impl) (impl None: select_topk, which has none),
-    and the fake-quant outputs of either path in call order."""
+    and the fake-quant outputs of either path in call order (the stand-alone fake-quants' and the fused norm +
+    RoPE + fake-quant's, whose site order is the same)."""
 
     def __init__(self, monkeypatch):
         self.calls: collections.Counter = collections.Counter()
@@ -119,8 +130,8 @@ class Launches:
         def spy(*args, **kwargs):
             self.calls[(entry, kwargs.get("impl"))] += 1
             out = real(*args, **kwargs)
-            if entry in ("fp4", "fp8"):
-                self.quantised.append(out.detach().clone())
+            if entry in ("fp4", "fp8") or (entry == "norm_rope" and kwargs["quant"] is not None):
+                self.quantised.append((out[0] if isinstance(out, tuple) else out).detach().clone())
             return out
 
         return spy
@@ -138,14 +149,15 @@ def launches(monkeypatch):
     return Launches(monkeypatch)
 
 
-def _expected_launches(plan, phase: str) -> collections.Counter:
+def _expected_launches(plan, phase: str, quant: dict) -> collections.Counter:
     """One call per site of the plan, all with impl="triton"."""
     full = [s for s in plan if s.role == "full"]
     sources = [s for s in plan if s.owns_indexer]
     compressed = [s for s in plan if s.ratio > 0]
     n = collections.Counter({
-        "fp4": 2 * len(full) + len(sources),  # main KV and index keys per Full layer, index queries per source
-        "fp8": len(plan),  # SWA KV, every layer
+        # fused: SWA KV (every layer), main KV and index keys (Full layers): norm + RoPE (+ fake-quant with QAT);
+        # index queries (sources): RoPE + FP4, or plain RoPE without QAT (nothing to fuse)
+        "norm_rope": len(plan) + 2 * len(full) + (len(sources) if quant["index"] == "fp4" else 0),
         "sparse_attention": len(plan) - (len(compressed) if phase == "dense_warmup" else 0),
         "index_scores": sum(not s.uses_pool for s in sources),
         "candidate_pool": sum(s.builds_pool for s in plan),
@@ -154,7 +166,7 @@ def _expected_launches(plan, phase: str) -> collections.Counter:
         "mhc": len(plan),  # one single-pass step per block (attention expand + FFN site)
         "engram": sum(s.engram for s in plan),
     })
-    return collections.Counter({(k, None if k == "select_topk" else "triton"): v for k, v in n.items()})
+    return +collections.Counter({(k, None if k == "select_topk" else "triton"): v for k, v in n.items()})
 
 
 class Edges:
@@ -212,16 +224,18 @@ def test_shrunk_plan_keeps_every_role():
     assert plan[3].builds_pool and plan[4].uses_pool
 
 
-# (phase, QAT). On a GPU (minutes, not the interpreter's) also without QAT: its rounding edges move with the GPU's
-# summation order, so that case stays conclusive if a QAT case meets one there.
-CASES = [("sparse", True), ("dense_warmup", True)] + ([("sparse", False)] if DEVICE == "cuda" else [])
+# (phase, QAT settings, ids seed: ids whose reference run sits on no edge, see `Edges`). On a GPU (minutes, not the
+# interpreter's) also without QAT: its rounding edges move with the GPU's summation order, so that case stays
+# conclusive if a QAT case meets one there.
+CASES = [("sparse", "qat", 4), ("dense_warmup", "qat", 4), ("sparse", "main_kv", 5)] + (
+    [("sparse", "none", 4)] if DEVICE == "cuda" else [])
 
 
-@pytest.mark.parametrize("phase, qat", CASES)
-def test_triton_equals_reference_fp32(phase, qat, launches, monkeypatch):
+@pytest.mark.parametrize("phase, qat, seed", CASES)
+def test_triton_equals_reference_fp32(phase, qat, seed, launches, monkeypatch):
     B, T = 2, 17  # T: a partial m=2 group, a partial pool block (17 = 4 * 4 + 1), and T > window
     ref, tri = _pair(phase, qat)
-    ids = _ids(B, T)
+    ids = _ids(B, T, seed)
     edges = Edges(ref, monkeypatch)
     want = _step(ref, ids)
     edges.check()
@@ -229,10 +243,7 @@ def test_triton_equals_reference_fp32(phase, qat, launches, monkeypatch):
     ref_quantised = launches.quantised
     launches.clear()
     got = _step(tri, ids)
-    expected = _expected_launches(tri.plan, phase)
-    if not qat:
-        expected = +collections.Counter({k: v for k, v in expected.items() if k[0] not in ("fp4", "fp8")})
-    assert launches.calls == expected
+    assert launches.calls == _expected_launches(tri.plan, phase, QUANT[qat])
     # QAT rounds: same values on both paths unless an input sat on a rounding edge (then fp32 noise flips a code)
     assert len(launches.quantised) == len(ref_quantised)
     flips = [i for i, (a, b) in enumerate(zip(launches.quantised, ref_quantised)) if not torch.equal(a, b)]
@@ -265,17 +276,18 @@ def test_bf16_autocast_is_as_accurate_as_the_reference():
     print("\n".join(report))
 
 
-def test_context_parallelism_falls_back_to_the_reference_attention(launches):
-    ref, tri = _pair("sparse", qat=False)
-    # any installed shard means context parallelism to the attention (here one chunk with identity hooks)
+def test_context_parallelism_takes_the_kernels(launches):
+    ref, tri = _pair("sparse", qat="none")
+    # any installed shard means context parallelism to the attention (here one chunk with identity hooks); the
+    # exchanges themselves are proven in tests/parallel/test_cp.py (Triton under cp 2)
     tri.sequence_shard = SequenceShard(chunk_mean=lambda t: t)
     ids = _ids(1, 12)
     with torch.no_grad():
         want = ref(ids)
         launches.clear()
         got = tri(ids)
-    attention_entries = {"sparse_attention", "index_scores", "candidate_pool", "index_scores_pool", "select_topk"}
-    assert not [k for k in launches.calls if k[0] in attention_entries], launches.calls
+    for entry in ("sparse_attention", "index_scores", "candidate_pool", "index_scores_pool"):
+        assert launches.calls[(entry, "triton")], (entry, launches.calls)
     assert launches.calls[("mhc", "triton")] and launches.calls[("engram", "triton")]
     _assert_close(got, want, FP32_TOL, "logits")
 

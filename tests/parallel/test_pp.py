@@ -214,8 +214,8 @@ def test_stage_modules_chained_equal_the_whole_model(autocast, image_mask, split
 
 def test_stage_modules_on_the_triton_path_carry_ids():
     """model.kernels=triton (the CUDA default; the CPU interpreter here): the top-k and the pool live in the context
-    as int32 ids and cross the cuts as such; chained stages give the whole model's logits, aux and gradients bit
-    for bit (cut at 7: h_{L/2}, KV, a top-k and the pool cross). One row, one split: the interpreter is slow."""
+    as int32 ids and cross the cuts as such; chained stages give the whole model's logits and gradients bit for bit
+    and its indexer KL to the rounding of its last division (cut at 7: h_{L/2}, KV, a top-k and the pool cross). One row, one split: the interpreter is slow."""
     gen = torch.Generator().manual_seed(1)
     input_ids = torch.randint(0, 4096, (1, SEQ_LEN), generator=gen)
     model = _build("triton")
@@ -232,7 +232,8 @@ def test_stage_modules_on_the_triton_path_carry_ids():
         logits, (kl_sum, kl_count, seq) = _chain(stages, input_ids)
         assert torch.equal(logits, ref), cuts
         kl = model.cfg.indexer.loss_coef * kl_sum / kl_count
-        assert torch.equal(kl, aux["indexer_kl"]), cuts
+        # the same per-layer sums; the coefficient and the division apply in another order than the model's
+        torch.testing.assert_close(kl, aux["indexer_kl"], rtol=1e-6, atol=0)
         (logits.square().mean() + kl).backward()
         grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
         assert grads.keys() == ref_grads.keys(), cuts

@@ -377,7 +377,7 @@ class PipelineStageModule(nn.Module):
         self.act_dtype, self.autocast_dtype = act, autocast_dtype
         # The Triton attention path keeps the top-k and the pool as int32 ids; they cross as such (model/kernels.py)
         device = next(iter(self.parameters())).device
-        path = kern.attention_path(kern.resolve(self.cfg.kernels, device), context_parallel=context_len is not None)
+        path = kern.resolve(self.cfg.kernels, device)
         kw = dict(act_dtype=act, autocast_dtype=autocast_dtype, image_mask=self.uses_image_mask,
                   context_len=context_len, ids=path == "triton", sequence_shards=sequence_shards)
         self._in = () if self.is_first else boundary_slots(self.cfg, self.start, batch, seq_len, **kw)
