@@ -176,8 +176,8 @@ def _train(name: str, args: argparse.Namespace, run_dir: Path, *overrides: str) 
 
 
 def throughput(names: list[str], args: argparse.Namespace) -> list[dict]:
-    rows, base = [], None
-    for name in ["1gpu", *names]:
+    rows, base = [], args.baseline_tps
+    for name in dict.fromkeys(([] if base else ["1gpu"]) + names):
         fields, gpus = LAYOUTS[name]
         t0 = time.perf_counter()
         records = _train(name, args, Path(tempfile.mkdtemp(prefix=f"bench_{name}_")),
@@ -269,6 +269,8 @@ def main() -> None:
     p.add_argument("--vocab-size", type=int, default=32768)
     p.add_argument("--data-path", default=".data/stdlib32k")
     p.add_argument("--out", default="bench_parallel_gpu.jsonl")
+    p.add_argument("--baseline-tps", type=float, default=None,
+                   help="one GPU's tokens/s at the same settings, measured before: the throughput part skips its run")
     p.add_argument("extra", nargs="*", help="more Hydra overrides for the throughput runs")
     args = p.parse_args()
     names = [n for n in args.layouts.split(",") if n]

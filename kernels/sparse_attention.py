@@ -100,9 +100,15 @@ _QUANT_FORMATS = {
 # (module docstring): FWD_CONFIG SPLIT_D (1 or 2) and PIPE; BWD_CONFIG dkv_unchained, window_dkv ("atomic" or
 # "keys") with the key-centric launch's BLOCK_J (>= 64 for wgmma), channel slices and (num_warps, num_stages).
 # Defaults are the measured ones until the sweep (bench/kernel_cases/sparse_attention.py, sweep=True) says otherwise.
+# H200 sweep 2026-11-30 (BENCHMARKS.md): no forward variant beat the default loop (PIPE 15.8 ms, SPLIT_D 18.6+ ms
+# against 11.5 ms); the unchained key-gradient launch took the backward from 43.0 to 38.2 ms, the key-centric window
+# launch made it slower (44.3 ms), so both variants stay selectable but only dkv_unchained is on.
 FWD_CONFIG = {"BLOCK_N": 64, "fwd": (8, 2), "SPLIT_D": 1, "PIPE": False}
+# Quantised KV with 16-bit queries runs on fp32 operands (see `sparse_attention`): [64, 512] fp32 queries take
+# 128 KB of shared memory, so the key tiles shrink to fit the H200's 227 KB.
+QUANT_FWD_CONFIG = {"BLOCK_N": 32, "fwd": (8, 1)}
 BWD_CONFIG = {"BLOCK_N": 64, "probs": (8, 1), "dq": (8, 2), "dkv": (8, 2), "scratch_bytes": 1 << 30,
-              "dkv_unchained": False, "window_dkv": "atomic", "dkv_window": (8, 2), "BLOCK_J": 64,
+              "dkv_unchained": True, "window_dkv": "atomic", "dkv_window": (8, 2), "BLOCK_J": 64,
               "dkv_window_SPLIT_D": 2}
 
 
@@ -671,11 +677,12 @@ def _kernel_args(kv) -> tuple[torch.Tensor, torch.Tensor, int]:
     return values.view(torch.uint8), scales.view(torch.uint8), fmt
 
 
-def _forward_triton(q, kv_win, kv_cmp, topk_idx, sink, window, topk_probs: bool = False):
+def _forward_triton(q, kv_win, kv_cmp, topk_idx, sink, window, topk_probs: bool = False, prec: str | None = None):
+    """prec: the dots' PREC, default `_prec(q.dtype)`; "tf32" for fp32 queries that hold 16-bit values."""
     B, T, H, D, E, K = _check_inputs(q, kv_win, kv_cmp, topk_idx, sink, window)
     _check_triton({"q": q, **_kv_tensors("kv_win", kv_win), **_kv_tensors("kv_cmp", kv_cmp), "topk_idx": topk_idx,
                    "sink": sink})
-    cfg = FWD_CONFIG
+    cfg = QUANT_FWD_CONFIG if prec == "tf32" else FWD_CONFIG
     BLOCK_H, BLOCK_D = _tiles(H, D)
     has_cmp = kv_cmp is not None and E > 0 and K > 0
     E, K = (E, K) if has_cmp else (0, 0)
@@ -688,11 +695,11 @@ def _forward_triton(q, kv_win, kv_cmp, topk_idx, sink, window, topk_probs: bool 
     placeholder_idx = torch.empty(1, device=q.device, dtype=torch.int32)
     # the channel-split and pipelined variants read plain keys only; quantised inputs take the default loops
     plain = win_fmt == _PLAIN and cmp_fmt == _PLAIN
-    split_d, pipe = (cfg.get("SPLIT_D", 1), cfg.get("PIPE", False)) if plain else (1, False)
+    split_d, pipe = (cfg.get("SPLIT_D", 1), cfg.get("PIPE", False)) if plain and prec is None else (1, False)
     _sparse_attn_fwd[(T, B, split_d)](
         q, win, win_scales, cmp, cmp_scales, topk_idx if has_cmp else placeholder_idx, sink, out, lse, probs,
         T, E, K, window, D ** -0.5 * _LOG2E,
-        H=H, D=D, BLOCK_H=BLOCK_H, BLOCK_D=BLOCK_D, BLOCK_N=cfg["BLOCK_N"], PREC=_prec(q.dtype),
+        H=H, D=D, BLOCK_H=BLOCK_H, BLOCK_D=BLOCK_D, BLOCK_N=cfg["BLOCK_N"], PREC=prec or _prec(q.dtype),
         TOPK_PROBS=topk_probs, WIN_FMT=win_fmt, CMP_FMT=cmp_fmt, SPLIT_D=split_d, PIPE=pipe, **_launch(cfg, "fwd"),
     )
     if topk_probs and not has_cmp:
@@ -772,9 +779,9 @@ class _QuantisedSparseAttention(torch.autograd.Function):
     zero or a gradient that skips the keys)."""
 
     @staticmethod
-    def forward(ctx, q, kv_win, kv_cmp, topk_idx, sink, window, topk_probs, impl):
+    def forward(ctx, q, kv_win, kv_cmp, topk_idx, sink, window, topk_probs, impl, prec=None):
         if impl == "triton":
-            out, _, probs = _forward_triton(q, kv_win, kv_cmp, topk_idx, sink, window, topk_probs)
+            out, _, probs = _forward_triton(q, kv_win, kv_cmp, topk_idx, sink, window, topk_probs, prec)
         else:
             res = sparse_attention_reference(q, _dequantize(kv_win, q.dtype), _dequantize(kv_cmp, q.dtype), topk_idx,
                                              sink, window, return_topk_probs=topk_probs)
@@ -833,12 +840,14 @@ def sparse_attention(
             # autograd cannot see inside the tuples, so a quantised tensor asking for a gradient is caught here
             if torch.is_grad_enabled() and any(t.requires_grad for t in kv):
                 raise RuntimeError(f"{_NO_QUANT_GRAD} (the quantised {n} requires grad)")
-        if impl == "triton" and q.is_cuda and q.dtype != torch.float32:
+        if impl == "triton" and q.dtype != torch.float32:  # (the CPU interpreter takes the same path)
             # On the H200 (Triton 3.6) the 16-bit MMA fed by tiles decoded in registers returned wrong values
-            # (test_quantised_bf16_matches_reference_on_dequantised); the fp32-operand path is exact there. Until
-            # that is understood, quantised inputs run with fp32 queries and the output is cast back.
+            # (test_quantised_bf16_matches_reference_on_dequantised). Until that is understood, quantised inputs
+            # run with fp32 queries on TF32 tensor cores, and the output is cast back. That is exact: a bf16 or
+            # fp16 query and a decoded key (at most 6 significant bits) are TF32 numbers, so every product is the
+            # 16-bit MMA's, accumulated in fp32 as there (exact fp32 "ieee" dots ran at 0.6 TFLOP/s).
             res = _QuantisedSparseAttention.apply(q.float(), kv_win, kv_cmp, topk_idx, sink, window,
-                                                  return_topk_probs, impl)
+                                                  return_topk_probs, impl, "tf32")
             return (res[0].to(q.dtype), res[1]) if return_topk_probs else res.to(q.dtype)
         return _QuantisedSparseAttention.apply(q, kv_win, kv_cmp, topk_idx, sink, window, return_topk_probs, impl)
     if impl == "reference":

@@ -224,7 +224,9 @@ def topk(x: torch.Tensor, k: int, *, impl: str = "reference", variant: str = "au
         if block_n is not None or radix_bits is not None:
             raise ValueError("topk(variant='resident'): block_n and radix_bits are variant='radix' settings")
         if num_warps is None:
-            num_warps = min(max(block // (32 * _RESIDENT_KEYS_PER_THREAD), 4), 16)
+            # one warp per 2048 entries, at least 16 from 16K up: on the H200 16 warps took the 16K-entry pool
+            # selection from 1.19 to 0.87 ms (bench/kernel_cases/topk.py sweep)
+            num_warps = 16 if block >= 16384 else min(max(block // (32 * _RESIDENT_KEYS_PER_THREAD), 4), 16)
         cols = min(block, 32 * num_warps)  # one entry a thread: each thread holds a whole "column" of the tile
         cfg = {"COLS": cols, "ROWS": block // cols, "num_warps": num_warps}
     else:

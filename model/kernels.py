@@ -44,9 +44,10 @@ Where the Triton path does not apply yet, the site keeps the reference path (cor
 The Triton attention path keeps the selection as int32 top-k ids [B, T, K] (-1 = empty) and the pool as int32
 block ids [B, T, P] in the ForwardContext; the reference path keeps [B, T, E] bool masks. Pipeline stages ship
 whichever form their path keeps (trainer/parallel/pipeline.py `boundary_slots`: bit-packed masks or the int32 ids).
-Exact ties in the indexer scores (0 where every head's ReLU is 0) are broken by torch.topk on both paths, over the
-entry layout or, in a pool-restricted layer, the pool's slot layout: both pick a valid top-k, not always the same
-one. With 32 indexer heads (flagship) such a zero is about 2^-32 rare; the 4-head tiny config has one in ~16.
+Exact ties in the indexer scores (0 where every head's ReLU is 0) are broken by torch.topk on the reference path
+(unspecified which) and by the Triton top-k (kernels.topk: the lowest positions) on the Triton path, over the entry
+layout or, in a pool-restricted layer, the pool's slot layout: both pick a valid top-k, not always the same one.
+With 32 indexer heads (flagship) such a zero is about 2^-32 rare; the 4-head tiny config has one in ~16.
 """
 
 from __future__ import annotations
@@ -248,7 +249,7 @@ def select_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
     through them (slot scores of a pool map to entries with `slot_entries`)."""
     from kernels import indexer
 
-    return indexer.select_topk(scores, k)
+    return indexer.select_topk(scores, k, impl="triton")
 
 
 def slot_entries(pos: torch.Tensor, pool: torch.Tensor, block_size: int) -> torch.Tensor:

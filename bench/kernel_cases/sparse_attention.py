@@ -139,8 +139,10 @@ _FWD_SWEEP = [
     {"PIPE": True, "SPLIT_D": 2, "BLOCK_N": 64, "fwd": (8, 1)},
     {"PIPE": True, "SPLIT_D": 2, "BLOCK_N": 64, "fwd": (4, 1)},
 ]
-# the quantised forward always takes the default loops (SPLIT_D / PIPE read plain keys only)
-_QUANT_SWEEP = [{"BLOCK_N": 32}, {"BLOCK_N": 64, "fwd": (8, 1)}, {"BLOCK_N": 32, "fwd": (8, 1)}]
+# the quantised forward (fp32 queries on TF32, QUANT_FWD_CONFIG) takes the default loops: 128 KB of fp32 queries
+# leave room for one 64-row or two 32-row fp32 key buffers
+_QUANT_SWEEP = [{"BLOCK_N": 16, "fwd": (8, 2)}, {"BLOCK_N": 32, "fwd": (4, 1)}, {"BLOCK_N": 64, "fwd": (8, 1)},
+                {"BLOCK_N": 16, "fwd": (4, 2)}]
 _BWD_SWEEP = [
     {"window_dkv": "keys"},  # BLOCK_J 64, channels in 2 slices, (8, 2)
     {"window_dkv": "keys", "dkv_unchained": True},
@@ -167,7 +169,7 @@ def cases(sweep: bool = False) -> list[dict]:
     if sweep:
         noop = lambda: None  # noqa: E731
         runs = [("fwd", sa.FWD_CONFIG, _FWD_SWEEP, lambda: _forward("triton"), FWD_FLOPS),
-                ("fwd_fp8win_fp4cmp", sa.FWD_CONFIG, _QUANT_SWEEP, lambda: _forward_quantised("triton"), FWD_FLOPS),
+                ("fwd_fp8win_fp4cmp", sa.QUANT_FWD_CONFIG, _QUANT_SWEEP, lambda: _forward_quantised("triton"), FWD_FLOPS),
                 ("bwd", sa.BWD_CONFIG, _BWD_SWEEP, _backward("triton"), int(2.5 * FWD_FLOPS))]
         for what, config, sweep_list, fn, flops in runs:
             for overrides in sweep_list:

@@ -386,11 +386,10 @@ def test_quantised_bf16_matches_reference_on_dequantised(poison):
     out = sa.sparse_attention(q, win, cmp, idx, sink, W, impl="triton")
     assert out.dtype == torch.bfloat16 and not out.isnan().any()
     plain = sa.sparse_attention(q, win_deq, cmp_deq, idx, sink, W, impl="triton")
-    # The interpreter runs the same arithmetic on the same tiles. On the GPU the quantised path runs with fp32
-    # queries (see sparse_attention: the 16-bit MMA on decoded tiles was wrong on the H200), so it differs from the
-    # bf16 plain path by at most one bf16 rounding of the output (measured on the H200: 2.4e-3 at |out| ~ 0.6).
-    tol = {"atol": 0.0, "rtol": 0.0} if INTERPRET else {"atol": 4e-3, "rtol": 1.6e-2}
-    torch.testing.assert_close(out, plain, **tol)
+    # The quantised path runs with fp32 queries on TF32 dots (see sparse_attention: the 16-bit MMA on decoded tiles
+    # was wrong on the H200): its probabilities enter the PV dot as TF32 where the bf16 plain path rounds them to
+    # bf16, so both sit within bf16 rounding of the fp32 reference but not of each other's last bit.
+    torch.testing.assert_close(out, plain, atol=2e-2, rtol=2e-2)
     ref = sa.sparse_attention_reference(q.float(), win_deq.float(), cmp_deq.float(), idx, sink, W)
     torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
 

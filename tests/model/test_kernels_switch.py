@@ -115,7 +115,7 @@ def _step(m, ids, autocast: bool = False) -> dict[str, torch.Tensor]:
 
 
 class Launches:
-    """Spies on every Triton entry point: calls counted by (entry, impl) (impl None: select_topk, which has none),
+    """Spies on every Triton entry point: calls counted by (entry, impl),
     and the fake-quant outputs of either path in call order (the stand-alone fake-quants' and the fused norm +
     RoPE + fake-quant's, whose site order is the same)."""
 
@@ -166,7 +166,7 @@ def _expected_launches(plan, phase: str, quant: dict) -> collections.Counter:
         "mhc": len(plan),  # one single-pass step per block (attention expand + FFN site)
         "engram": sum(s.engram for s in plan),
     })
-    return +collections.Counter({(k, None if k == "select_topk" else "triton"): v for k, v in n.items()})
+    return +collections.Counter({(k, "triton"): v for k, v in n.items()})
 
 
 class Edges:

@@ -351,7 +351,8 @@ def test_cp2_triton_attention_equals_single_process():
     """model.kernels=triton under cp 2: each rank's queries run the sparse-attention kernel over the previous chunk's
     window halo and the gathered entries, and the indexer kernels score, pool and pick at the chunk's position
     offset. One forward/backward equals the single process on the same kernels: every loss within 1e-5 relative,
-    every gradient within 1e-5 of the whole gradient's RMS. One row: the CPU interpreter runs the kernels."""
+    every gradient within 1e-4 of its scale (at least the whole gradient's RMS). One row: the CPU interpreter runs
+    the kernels."""
     runs = run_distributed(_cp_triton_worker, CP)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -371,4 +372,8 @@ def test_cp2_triton_attention_equals_single_process():
         flat = torch.cat([g.flatten() for g in grads.values()])
         rms = (flat.norm() / flat.numel() ** 0.5).item()
         for name, g in grads.items():
-            _assert_rel(run["grads"][name], g, f"rank {rank} grad {name}", rms)
+            # 1e-4: the Engram gate's slope near its floor (the cp 2 test above) turns the kernels' other summation
+            # order over a chunk into up to ~4e-5 of the table gradient's scale; a missing halo row, offset or
+            # entry moves the losses by far more than 1e-5 (the cp 2 test's ablations)
+            torch.testing.assert_close(run["grads"][name], g, rtol=1e-4, atol=1e-4 * max(g.abs().max().item(), rms),
+                                       msg=lambda m, name=name: f"rank {rank} grad {name}: {m}")
