@@ -106,6 +106,11 @@ def shard_sequence(t: torch.Tensor, cp_mesh: DeviceMesh, dim: int = 1) -> torch.
 
 # --- the exchanges --------------------------------------------------------------------------------------------------
 
+# torch 2.13 names the flat collectives all_gather_single / reduce_scatter_single; 2.11 (the GPU machine) has only
+# their older names, which 2.13 keeps as aliases.
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 class _GatherChunks(torch.autograd.Function):
     """[B, n, C] on each rank -> [B, cp * n, C], chunks in rank order; the backward reduce-scatters (sums) the
     gradient back to the chunk's owner."""
@@ -115,7 +120,7 @@ class _GatherChunks(torch.autograd.Function):
         ctx.group = group
         cp = dist.get_world_size(group)
         out = x.new_empty((cp * x.shape[0], *x.shape[1:]))  # [cp * B, n, C]: gloo wants the concatenated form
-        dist.all_gather_single(out, x.contiguous(), group=group)
+        _all_gather_flat(out, x.contiguous(), group=group)
         return out.unflatten(0, (cp, -1)).transpose(0, 1).flatten(1, 2)
 
     @staticmethod
@@ -123,7 +128,7 @@ class _GatherChunks(torch.autograd.Function):
         cp = dist.get_world_size(ctx.group)
         parts = grad.unflatten(1, (cp, -1)).transpose(0, 1)  # [cp, B, n, C]
         out = parts.new_empty(parts.shape[1:])
-        dist.reduce_scatter_single(out, parts.flatten(0, 1).contiguous(), group=ctx.group)
+        _reduce_scatter_flat(out, parts.flatten(0, 1).contiguous(), group=ctx.group)
         return out, None
 
 
@@ -183,7 +188,7 @@ def _gather_tokens(group: dist.ProcessGroup, t: torch.Tensor) -> torch.Tensor:
     send = t.to(torch.uint8) if t.dtype == torch.bool else t  # gloo has no bool collectives
     cp = dist.get_world_size(group)
     out = send.new_empty((cp * send.shape[0], *send.shape[1:]))
-    dist.all_gather_single(out, send.contiguous(), group=group)
+    _all_gather_flat(out, send.contiguous(), group=group)
     out = out.unflatten(0, (cp, -1)).transpose(0, 1).flatten(1, 2)
     return out.bool() if t.dtype == torch.bool else out
 
