@@ -107,6 +107,10 @@ FWD_CONFIG = {"BLOCK_N": 64, "fwd": (8, 2), "SPLIT_D": 1, "PIPE": False}
 # Quantised KV with 16-bit queries runs on fp32 operands (see `sparse_attention`): [64, 512] fp32 queries take
 # 128 KB of shared memory, so the key tiles shrink to fit the H200's 227 KB (32-row tiles asked for 256 KB).
 QUANT_FWD_CONFIG = {"BLOCK_N": 16, "fwd": (8, 1)}
+# True: quantised KV with 16-bit queries runs on fp32 queries and TF32 dots (QUANT_FWD_CONFIG), the work-around for
+# the wrong 16-bit MMA on tiles decoded with a reshape / interleave; False: 16-bit queries and decoded tiles in their
+# dtype on FWD_CONFIG (the decode is elementwise now).
+QUANT_FP32_QUERIES = False
 BWD_CONFIG = {"BLOCK_N": 64, "probs": (8, 1), "dq": (8, 2), "dkv": (8, 2), "scratch_bytes": 1 << 30,
               "dkv_unchained": True, "window_dkv": "atomic", "dkv_window": (8, 2), "BLOCK_J": 64,
               "dkv_window_SPLIT_D": 2}
@@ -152,13 +156,6 @@ def _e2m1_over_2p14(nib):
 
 
 @triton.jit
-def _scale_blocks(v, scale, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr):
-    """v [BN, BD] fp32 times scale [BN, BD / BLOCK] fp32, one scale per BLOCK consecutive channels."""
-    v = tl.reshape(v, [BLOCK_N, BLOCK_D // BLOCK, BLOCK]) * scale[:, :, None]
-    return tl.reshape(v, [BLOCK_N, BLOCK_D])
-
-
-@triton.jit
 def _load_keys(kv_ptr, scale_ptr, rows, valid, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                FMT: tl.constexpr):
     """Key rows [BN] (valid [BN]) of a [rows, D] key tensor -> [BN, BD] tile, 0 in invalid rows and padded channels.
@@ -172,28 +169,28 @@ def _load_keys(kv_ptr, scale_ptr, rows, valid, D: tl.constexpr, BLOCK_D: tl.cons
         return tl.load(kv_ptr + rows[:, None] * D + offs_d[None, :], mask=_rows_mask(valid, offs_d, D, FULL),
                        other=0.0)
     elif FMT == 1:
-        NUM_BLOCKS: tl.constexpr = D // 32
+        # Every channel's scale byte is loaded beside it (the 32 channels of a block read the same byte), so the
+        # decode stays elementwise in the tile's own layout: a reshape or interleave here fed the tensor cores wrong
+        # values on the H200 (Triton 3.6).
         offs_d = tl.arange(0, BLOCK_D)
-        offs_s = tl.arange(0, BLOCK_D // 32)
-        bits = tl.load(kv_ptr + rows[:, None] * D + offs_d[None, :], mask=_rows_mask(valid, offs_d, D, FULL),
+        mask = _rows_mask(valid, offs_d, D, FULL)
+        bits = tl.load(kv_ptr + rows[:, None] * D + offs_d[None, :], mask=mask, other=0).to(tl.int32)
+        code = tl.load(scale_ptr + rows[:, None] * (D // 32) + (offs_d // 32)[None, :], mask=mask,
                        other=0).to(tl.int32)
-        code = tl.load(scale_ptr + rows[:, None] * NUM_BLOCKS + offs_s[None, :],
-                       mask=_rows_mask(valid, offs_s, NUM_BLOCKS, FULL), other=0).to(tl.int32)
         # e8m0 code c is 2^(c - 127), the fp32 exponent field c. The decode's missing 2^8 is a separate multiply:
         # folded into the scale it would overflow for c > 246, which quantize_fp8 writes for fp32 amax near 2^127.
         scale = (code << 23).to(tl.float32, bitcast=True)
-        return _scale_blocks(_e4m3_over_2p8(bits) * 256.0, scale, BLOCK_N, BLOCK_D, 32)
+        return _e4m3_over_2p8(bits) * 256.0 * scale
     else:
-        NUM_BLOCKS: tl.constexpr = D // 16
-        offs_c = tl.arange(0, BLOCK_D // 2)
-        offs_s = tl.arange(0, BLOCK_D // 16)
-        codes = tl.load(kv_ptr + rows[:, None] * (D // 2) + offs_c[None, :],
-                        mask=_rows_mask(valid, offs_c, D // 2, FULL), other=0).to(tl.int32)
-        code = tl.load(scale_ptr + rows[:, None] * NUM_BLOCKS + offs_s[None, :],
-                       mask=_rows_mask(valid, offs_s, NUM_BLOCKS, FULL), other=0).to(tl.int32)
+        # channel d: the low (even d) or high (odd d) nibble of byte d // 2, and scale byte d // 16
+        offs_d = tl.arange(0, BLOCK_D)
+        mask = _rows_mask(valid, offs_d, D, FULL)
+        byte = tl.load(kv_ptr + rows[:, None] * (D // 2) + (offs_d // 2)[None, :], mask=mask, other=0).to(tl.int32)
+        nib = (byte >> ((offs_d % 2) * 4)[None, :]) & 0xF
+        code = tl.load(scale_ptr + rows[:, None] * (D // 16) + (offs_d // 16)[None, :], mask=mask,
+                       other=0).to(tl.int32)
         scale = _e4m3_over_2p8(code) * 4194304.0  # e4m3 scale, times the 2^14 the E2M1 decode leaves out: 2^(8 + 14)
-        nib = tl.interleave(codes & 0xF, codes >> 4)  # [BN, BD] channel 2i from the low nibble, 2i + 1 the high
-        return _scale_blocks(_e2m1_over_2p14(nib), scale, BLOCK_N, BLOCK_D, 16)
+        return _e2m1_over_2p14(nib) * scale
 
 
 @triton.jit
@@ -840,7 +837,7 @@ def sparse_attention(
             # autograd cannot see inside the tuples, so a quantised tensor asking for a gradient is caught here
             if torch.is_grad_enabled() and any(t.requires_grad for t in kv):
                 raise RuntimeError(f"{_NO_QUANT_GRAD} (the quantised {n} requires grad)")
-        if impl == "triton" and q.dtype != torch.float32:  # (the CPU interpreter takes the same path)
+        if impl == "triton" and q.dtype != torch.float32 and QUANT_FP32_QUERIES:  # (the interpreter too)
             # On the H200 (Triton 3.6) the 16-bit MMA fed by tiles decoded in registers returned wrong values
             # (test_quantised_bf16_matches_reference_on_dequantised). Until that is understood, quantised inputs
             # run with fp32 queries on TF32 tensor cores, and the output is cast back. That is exact: a bf16 or

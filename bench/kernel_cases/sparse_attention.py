@@ -171,6 +171,15 @@ def cases(sweep: bool = False) -> list[dict]:
         runs = [("fwd", sa.FWD_CONFIG, _FWD_SWEEP, lambda: _forward("triton"), FWD_FLOPS),
                 ("fwd_fp8win_fp4cmp", sa.QUANT_FWD_CONFIG, _QUANT_SWEEP, lambda: _forward_quantised("triton"), FWD_FLOPS),
                 ("bwd", sa.BWD_CONFIG, _BWD_SWEEP, _backward("triton"), int(2.5 * FWD_FLOPS))]
+        def fp32_queries():
+            sa.QUANT_FP32_QUERIES = True
+            try:
+                return _forward_quantised("triton")
+            finally:
+                sa.QUANT_FP32_QUERIES = False
+
+        out.append({"name": "sparse_attention/fwd_fp8win_fp4cmp/fp32_queries_tf32", "sweep": True, "flops": FWD_FLOPS,
+                    "fn_triton": fp32_queries, "fn_baseline": noop})
         for what, config, sweep_list, fn, flops in runs:
             for overrides in sweep_list:
                 out.append({"name": f"sparse_attention/{what}/{_name(overrides)}", "sweep": True, "flops": flops,

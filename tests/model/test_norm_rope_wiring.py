@@ -156,7 +156,7 @@ def _dtensor_norm_worker(rank: int, world_size: int) -> dict:
     x, norm, cos, sin = _site((2, 13, 64), with_norm=True)
     want = _composed(x, norm, cos, sin, "fp8")[0]
     # the plan's style for kv_norm: a replicated DTensor weight, hooks that hand back a local output
-    parallelize_module(norm, init_device_mesh("cpu", (world_size,)), ReplicateParallel(partial_output_grad=True))
+    parallelize_module(norm, init_device_mesh(DEVICE, (world_size,)), ReplicateParallel(partial_output_grad=True))
     got = kern.norm_rope_quant(x, norm, cos, sin, "fp8", "triton")
     got.sum().backward()
     return {"fuses": kern.fuses_norm(norm, "triton"), "calls": len(calls), "equal": torch.equal(got, want),
@@ -164,5 +164,5 @@ def _dtensor_norm_worker(rank: int, world_size: int) -> dict:
 
 
 def test_dtensor_norm_is_not_fused():
-    (result,) = run_distributed(_dtensor_norm_worker, 1)
+    (result,) = run_distributed(_dtensor_norm_worker, 1, backend="cuda:nccl,cpu:gloo" if DEVICE == "cuda" else "gloo")
     assert result == {"fuses": False, "calls": 0, "equal": True, "local": True, "grad": True}
