@@ -107,9 +107,15 @@ FWD_CONFIG = {"BLOCK_N": 64, "fwd": (8, 2), "SPLIT_D": 1, "PIPE": False}
 # Quantised KV with 16-bit queries runs on fp32 operands (see `sparse_attention`): [64, 512] fp32 queries take
 # 128 KB of shared memory, so the key tiles shrink to fit the H200's 227 KB (32-row tiles asked for 256 KB).
 QUANT_FWD_CONFIG = {"BLOCK_N": 16, "fwd": (8, 1)}
-# True: quantised KV with 16-bit queries runs on fp32 queries and TF32 dots (QUANT_FWD_CONFIG), the work-around for
-# the wrong 16-bit MMA on tiles decoded with a reshape / interleave; False: 16-bit queries and decoded tiles in their
-# dtype on FWD_CONFIG (the decode is elementwise now).
+# How the Triton path reads quantised KV. "separate": one dequantisation pass (the Triton kernels of kernels/fp4_triton,
+# bit-exact on the H200) into q's dtype, then the plain kernel; "on_load": the kernel decodes each key tile in
+# registers right after loading its bytes. On the H200 (Triton 3.6) the first on-load decode (a reshape for the
+# block scales, an interleave for the FP4 nibbles) fed the tensor cores wrong values, with 16-bit queries and with
+# fp32 queries on TF32 alike (fp32 "ieee" dots were right, at 0.6 TFLOP/s). The decode is now elementwise in the
+# tile's own layout and exact in the CPU interpreter, but has not run on a GPU, so "separate" is the default there.
+QUANT_DECODE = "separate"
+# With QUANT_DECODE = "on_load": True runs 16-bit queries as fp32 on TF32 dots (QUANT_FWD_CONFIG; every product is
+# still exact), False keeps them 16-bit (FWD_CONFIG).
 QUANT_FP32_QUERIES = False
 BWD_CONFIG = {"BLOCK_N": 64, "probs": (8, 1), "dq": (8, 2), "dkv": (8, 2), "scratch_bytes": 1 << 30,
               "dkv_unchained": True, "window_dkv": "atomic", "dkv_window": (8, 2), "BLOCK_J": 64,
@@ -777,7 +783,13 @@ class _QuantisedSparseAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, kv_win, kv_cmp, topk_idx, sink, window, topk_probs, impl, prec=None):
-        if impl == "triton":
+        if impl == "triton" and QUANT_DECODE == "separate":
+            # the quantised inputs' own checks first, so an error names them rather than the dequantisation's
+            _check_triton({"q": q, **_kv_tensors("kv_win", kv_win), **_kv_tensors("kv_cmp", kv_cmp),
+                           "topk_idx": topk_idx, "sink": sink})
+            out, _, probs = _forward_triton(q, _dequantize(kv_win, q.dtype, "triton"),
+                                            _dequantize(kv_cmp, q.dtype, "triton"), topk_idx, sink, window, topk_probs)
+        elif impl == "triton":
             out, _, probs = _forward_triton(q, kv_win, kv_cmp, topk_idx, sink, window, topk_probs, prec)
         else:
             res = sparse_attention_reference(q, _dequantize(kv_win, q.dtype), _dequantize(kv_cmp, q.dtype), topk_idx,
@@ -793,14 +805,14 @@ class _QuantisedSparseAttention(torch.autograd.Function):
         raise RuntimeError(_NO_QUANT_GRAD)
 
 
-def _dequantize(kv, dtype: torch.dtype):
-    """The reference path's separate dequantisation pass: a kv argument -> a plain tensor in dtype (or None)."""
+def _dequantize(kv, dtype: torch.dtype, impl: str = "reference"):
+    """A separate dequantisation pass: a kv argument -> a plain contiguous tensor in dtype (or None)."""
     if kv is None or isinstance(kv, torch.Tensor):
         return kv
     values, scales = kv
     if values.dtype == torch.uint8:
-        return fp4.dequantize(values, scales, FP4_BLOCK).to(dtype)
-    return fp8.dequantize_fp8(values, scales, FP8_BLOCK).to(dtype)
+        return fp4.dequantize(values, scales, FP4_BLOCK, impl=impl).to(dtype).contiguous()
+    return fp8.dequantize_fp8(values, scales, FP8_BLOCK, impl=impl).to(dtype).contiguous()
 
 
 def sparse_attention(
@@ -837,7 +849,7 @@ def sparse_attention(
             # autograd cannot see inside the tuples, so a quantised tensor asking for a gradient is caught here
             if torch.is_grad_enabled() and any(t.requires_grad for t in kv):
                 raise RuntimeError(f"{_NO_QUANT_GRAD} (the quantised {n} requires grad)")
-        if impl == "triton" and q.dtype != torch.float32 and QUANT_FP32_QUERIES:  # (the interpreter too)
+        if impl == "triton" and q.dtype != torch.float32 and QUANT_DECODE == "on_load" and QUANT_FP32_QUERIES:
             # On the H200 (Triton 3.6) the 16-bit MMA fed by tiles decoded in registers returned wrong values
             # (test_quantised_bf16_matches_reference_on_dequantised). Until that is understood, quantised inputs
             # run with fp32 queries on TF32 tensor cores, and the output is cast back. That is exact: a bf16 or

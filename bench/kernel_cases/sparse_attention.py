@@ -168,18 +168,25 @@ def cases(sweep: bool = False) -> list[dict]:
     ]
     if sweep:
         noop = lambda: None  # noqa: E731
-        runs = [("fwd", sa.FWD_CONFIG, _FWD_SWEEP, lambda: _forward("triton"), FWD_FLOPS),
-                ("fwd_fp8win_fp4cmp", sa.QUANT_FWD_CONFIG, _QUANT_SWEEP, lambda: _forward_quantised("triton"), FWD_FLOPS),
-                ("bwd", sa.BWD_CONFIG, _BWD_SWEEP, _backward("triton"), int(2.5 * FWD_FLOPS))]
-        def fp32_queries():
-            sa.QUANT_FP32_QUERIES = True
-            try:
-                return _forward_quantised("triton")
-            finally:
-                sa.QUANT_FP32_QUERIES = False
 
-        out.append({"name": "sparse_attention/fwd_fp8win_fp4cmp/fp32_queries_tf32", "sweep": True, "flops": FWD_FLOPS,
-                    "fn_triton": fp32_queries, "fn_baseline": noop})
+        def on_load(fp32_queries: bool):
+            """The quantised forward with the kernel decoding key tiles as it loads them (sa.QUANT_DECODE)."""
+            def run():
+                saved = sa.QUANT_DECODE, sa.QUANT_FP32_QUERIES
+                sa.QUANT_DECODE, sa.QUANT_FP32_QUERIES = "on_load", fp32_queries
+                try:
+                    return _forward_quantised("triton")
+                finally:
+                    sa.QUANT_DECODE, sa.QUANT_FP32_QUERIES = saved
+            return run
+
+        for label, flag in (("on_load_bf16", False), ("on_load_fp32_queries_tf32", True)):
+            out.append({"name": f"sparse_attention/fwd_fp8win_fp4cmp/{label}", "sweep": True, "flops": FWD_FLOPS,
+                        "fn_triton": on_load(flag), "fn_baseline": noop})
+        runs = [("fwd", sa.FWD_CONFIG, _FWD_SWEEP, lambda: _forward("triton"), FWD_FLOPS),
+                # QUANT_FWD_CONFIG: the on-load decode with fp32 queries
+                ("fwd_fp8win_fp4cmp", sa.QUANT_FWD_CONFIG, _QUANT_SWEEP, on_load(True), FWD_FLOPS),
+                ("bwd", sa.BWD_CONFIG, _BWD_SWEEP, _backward("triton"), int(2.5 * FWD_FLOPS))]
         for what, config, sweep_list, fn, flops in runs:
             for overrides in sweep_list:
                 out.append({"name": f"sparse_attention/{what}/{_name(overrides)}", "sweep": True, "flops": flops,

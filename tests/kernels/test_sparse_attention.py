@@ -311,6 +311,13 @@ QCASES = [
 COMBOS = ["fp4_cmp", "fp8_win", "both"]
 
 
+@pytest.fixture(params=["on_load", "separate"])
+def quant_decode(request, monkeypatch):
+    """Both ways the Triton path reads quantised KV (sparse_attention.QUANT_DECODE)."""
+    monkeypatch.setattr(sa, "QUANT_DECODE", request.param)
+    return request.param
+
+
 def quantised_inputs(case, combo, seed, dtype=torch.float32):
     """make_inputs with rows of magnitudes 1e-3 .. 10 (small rows get subnormal e4m3 scales), some rows all zero, and
     the chosen KV quantised; also returns the dequantised KV in q's dtype, what the reference should see."""
@@ -366,7 +373,7 @@ def test_tile_decode_is_exact_for_every_code_and_scale(fmt, poison):
 
 @pytest.mark.parametrize("combo", COMBOS)
 @pytest.mark.parametrize("case", QCASES)
-def test_quantised_forward_matches_reference_on_dequantised(case, combo, poison):
+def test_quantised_forward_matches_reference_on_dequantised(case, combo, poison, quant_decode):
     B, T, H, D, E, K, W = case
     q, win, cmp, idx, sink, win_deq, cmp_deq = quantised_inputs(case, combo, seed=7)
     out = sa.sparse_attention(q, win, cmp, idx, sink, W, impl="triton")
@@ -378,7 +385,7 @@ def test_quantised_forward_matches_reference_on_dequantised(case, combo, poison)
 
 
 @pytest.mark.parametrize("fp32_queries", [False, True])
-def test_quantised_bf16_matches_reference_on_dequantised(poison, monkeypatch, fp32_queries):
+def test_quantised_bf16_matches_reference_on_dequantised(poison, monkeypatch, fp32_queries, quant_decode):
     """bf16 q, both KV quantised (the serving case): the decoded tiles are exact in bf16, so the kernel agrees with
     its own plain path on the dequantised bf16 KV, and with the reference within bf16 rounding; on 16-bit queries
     and, switched, on fp32 queries with TF32 dots."""
@@ -396,7 +403,7 @@ def test_quantised_bf16_matches_reference_on_dequantised(poison, monkeypatch, fp
     torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
 
 
-def test_quantised_topk_probs_and_window_only(poison):
+def test_quantised_topk_probs_and_window_only(poison, quant_decode):
     case = QCASES[1]
     B, T, H, D, E, K, W = case
     q, win, cmp, idx, sink, win_deq, cmp_deq = quantised_inputs(case, "both", seed=9)
