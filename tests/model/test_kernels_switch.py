@@ -12,8 +12,8 @@
 - under bf16 autocast the Triton run is as close to the fp32 reference as the bf16 reference run is (logits,
   indexer KL, all gradients together); bf16 noise flips top-k, FP4 codes and expert routing, so per-tensor
   agreement is not expected there, only equal accuracy;
-- context parallelism falls back to the reference attention and indexer (the other kernels stay on), and the
-  result still equals the reference;
+- context parallelism keeps every kernel on (the attention and indexer kernels on the chunk, with its halo and
+  offset), and the result still equals the reference;
 - "auto" resolves to the reference on CPU (and a forward on CPU launches no kernel), to triton on CUDA; an unknown
   value is rejected by the config and by `resolve`; "triton" on CPU without the interpreter fails by name.
 
