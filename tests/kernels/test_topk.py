@@ -154,11 +154,14 @@ def test_negative_values_and_signed_zeros(poison, cfg):
 
 @variants
 def test_infinite_rows(poison, cfg):
-    x = torch.full((4, 70), NEG_INF, device=DEVICE)
+    # built on the CPU and moved at the end, like the other tests' inputs: on CUDA, `x[1, [5, 66, 13]] = <CPU
+    # tensor>` is an index_put_ whose 1-D CPU values torch does not move to the GPU (only 0-dim ones), so it raises
+    x = torch.full((4, 70), NEG_INF)
     x[1, [5, 66, 13]] = torch.tensor([1.0, -2.0, 0.0])  # fewer finite entries than k
     x[2] = torch.randn(70, generator=torch.Generator().manual_seed(4))
     x[2, 3] = float("inf")
     x[3, ::2] = float("inf")  # 35 ties at +inf
+    x = x.to(DEVICE)
     for k in (1, 3, 4, 20, 35, 36, 70):
         vals, idx = check(x, k, **cfg)
     vals, idx = check(x, 10, **cfg)
