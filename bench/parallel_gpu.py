@@ -53,6 +53,7 @@ LAYOUTS = {  # name -> (ParallelConfig fields, GPUs)
     "ep2": ({"ep": 2}, 2),
     "dp_shard2": ({"dp_shard": 2}, 2),
     "cp2": ({"cp": 2}, 2),
+    "pp2": ({"pp": 2}, 2),
 }
 
 
