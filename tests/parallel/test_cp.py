@@ -132,9 +132,9 @@ def _build(cp_mesh=None, kernels: str = "reference"):
     return model
 
 
-def _batch(step: int):
+def _batch(step: int, seq_len: int = SEQ_LEN):
     gen = torch.Generator().manual_seed(100 + step)
-    ids = torch.randint(0, 4096, (ROWS_GLOBAL, SEQ_LEN + 1), generator=gen)
+    ids = torch.randint(0, 4096, (ROWS_GLOBAL, seq_len + 1), generator=gen)
     return ids[:, :-1], ids[:, 1:]
 
 
@@ -329,6 +329,10 @@ def test_cp2_matches_single_process():
 
 # --- the Triton attention and indexer under cp ----------------------------------------------------------------------
 
+# chunks of 32 tokens: each rank's window (32) still reaches into the other chunk, as do the decoder's entries
+TRITON_SEQ_LEN = 64
+
+
 def _cp_triton_worker(rank: int, world: int) -> dict:
     from kernels import indexer, sparse_attention
 
@@ -339,7 +343,7 @@ def _cp_triton_worker(rank: int, world: int) -> dict:
         setattr(module, name, lambda *a, _inner=inner, _name=name, **k: calls.append(_name) or _inner(*a, **k))
     meshes = build_mesh(ParallelDims(dp_replicate=1, dp_shard=1, tp=1, pp=1, ep=1, cp=world), "cpu")
     model = _build(meshes.cp, kernels="triton")
-    batch = tuple(shard_sequence(t, meshes.cp)[:1] for t in _batch(0))  # one row: the interpreter is slow
+    batch = tuple(shard_sequence(t, meshes.cp)[:1] for t in _batch(0, TRITON_SEQ_LEN))  # one short row: the interpreter
     losses = _losses(model, *batch)
     sum(losses.values()).backward()
     reduce_gradients(model, meshes)
@@ -351,14 +355,14 @@ def test_cp2_triton_attention_equals_single_process():
     """model.kernels=triton under cp 2: each rank's queries run the sparse-attention kernel over the previous chunk's
     window halo and the gathered entries, and the indexer kernels score, pool and pick at the chunk's position
     offset. One forward/backward equals the single process on the same kernels: every loss within 1e-5 relative,
-    every gradient within 1e-4 of its scale (at least the whole gradient's RMS). One row: the CPU interpreter runs
-    the kernels."""
+    every gradient within 1e-4 of its scale (at least the whole gradient's RMS). One row of 64 tokens: the CPU
+    interpreter runs the kernels."""
     runs = run_distributed(_cp_triton_worker, CP)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         model = _build(kernels="triton")
-        losses = _losses(model, *(t[:1] for t in _batch(0)))
+        losses = _losses(model, *(t[:1] for t in _batch(0, TRITON_SEQ_LEN)))
         sum(losses.values()).backward()
         ref = {"losses": {k: float(v.detach()) for k, v in losses.items()}, "grads": _grads(model)}
     finally:
