@@ -3,6 +3,7 @@ a resume drops records past the resumed step; W&B offline files stay inside the 
 with wandb's own record schema; the MFU peak and memory readings are positive numbers on this machine."""
 
 import json
+import time
 
 import torch
 
@@ -40,7 +41,11 @@ def test_wandb_offline_run_inside_run_dir(tmp_path, monkeypatch):
     logger.close()
     assert wandb_dir is not None and wandb_dir.parent == tmp_path / "wandb"
     (wandb_file,) = wandb_dir.glob("run-*.wandb")
-    history = wandb_history(wandb_file)
+    # W&B's service process may still be writing the transaction log when finish() returns (one fresh-clone CI run
+    # read no history rows): wait up to 20 s for the rows to land
+    deadline = time.monotonic() + 20
+    while len(history := wandb_history(wandb_file)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.5)
     assert [(h["_step"], h["loss"], h["aux/indexer_kl"]) for h in history] == [(1, 2.0, 0.5), (2, 1.0, 0.5)]
 
 
