@@ -495,7 +495,7 @@ FWD_CONFIGS: dict[str, dict] = {
     "t32_d16_w2_s4": _cfg(32, 16, 2, 4),
     "t16_d32_w2_s4": _cfg(16, 32, 2, 4),
 }
-FWD_DEFAULT = "t64_d32_w4_s3"  # 0.72 ms in the first H200 sweep (2 stages: 0.78 ms); re-pick from the new sweep
+FWD_DEFAULT = "t32_d64_w8_s4"  # 0.787 ms in the session-3 H200 sweep (t64_d32_w4_s3: 0.85 ms); BENCHMARKS.md
 
 
 def mhc_step_fwd(y: torch.Tensor, S: torch.Tensor, mix: torch.Tensor, fn: torch.Tensor | None, *,

@@ -14,7 +14,11 @@ Both kernels run one program per row and share the keys: the fp32 bits as uint32
 non-negative values and every bit flipped for negative ones, so that unsigned key order is float order (-0.0 is first
 made +0.0 so the two tie, as they compare).
 
-`variant="resident"` (`_topk_resident_kernel`, rows of up to RESIDENT_MAX_N entries; the default when the row fits):
+`variant="auto"` (the default) runs the resident kernel when the row fits and torch.topk otherwise: on the H200 the
+radix kernel ran at about half of torch.topk's speed on rows past RESIDENT_MAX_N (BENCHMARKS.md, session 3), so
+longer rows keep torch.topk's unspecified choice among ties at the K-th value.
+
+`variant="resident"` (`_topk_resident_kernel`, rows of up to RESIDENT_MAX_N entries):
 - The row is loaded once into registers as one [COLS, ROWS] tile (COLS = the threads, ROWS = N rounded up to a power
   of two / COLS in each thread's registers; 32768 keys over 16 warps are 64 a thread), padding keys 0 (below every
   in-contract key). Sums and scans along ROWS stay within a thread.
@@ -31,7 +35,7 @@ made +0.0 so the two tie, as they compare).
 The row is read from memory once; the cost is the compare-and-count steps (about 3.5 instructions per key per step
 on sm_90).
 
-`variant="radix"` (`_topk_kernel`, any N, looping over the row in chunks of BLOCK_N):
+`variant="radix"` (`_topk_kernel`, any N, looping over the row in chunks of BLOCK_N; only when asked for by name):
 - Radix select of the K-th largest key, RADIX_BITS bits per pass from the top (8 bits: 4 passes; 11 or 12: 3; 6: 6;
   5 to 12 allowed, wider histograms spill): each pass histograms the next digit of the keys that still match the
   prefix found so far (tl.histogram, 2^RADIX_BITS bins), and the bin where the count from the top reaches the
@@ -194,7 +198,7 @@ def topk(x: torch.Tensor, k: int, *, impl: str = "reference", variant: str = "au
 
     See the module docstring for the tie rule (Triton: lowest indices among ties at the k-th value). `variant` picks
     the Triton kernel: "resident" (rows of N <= RESIDENT_MAX_N), "radix" (any N), or "auto" (resident when the row
-    fits). `block_n` and `radix_bits` (radix only) and `num_warps` override TOPK_CONFIG / the resident default of
+    fits, torch.topk otherwise: the radix kernel is the slower of the two there). `block_n` and `radix_bits` (radix only) and `num_warps` override TOPK_CONFIG / the resident default of
     one warp per 2048 padded entries, 4 to 16 (the benchmark's sweep)."""
     if impl not in _IMPLS:
         raise ValueError(f"topk: impl must be one of {list(_IMPLS)}, got {impl!r}")
@@ -216,7 +220,12 @@ def topk(x: torch.Tensor, k: int, *, impl: str = "reference", variant: str = "au
         raise ValueError(f"topk(impl='triton'): rows of {N} entries overflow the int32 indices")
     block = max(triton.next_power_of_2(N), 16)
     if variant == "auto":
-        variant = "resident" if block <= RESIDENT_MAX_N else "radix"
+        if block > RESIDENT_MAX_N:
+            if block_n is not None or radix_bits is not None or num_warps is not None:
+                raise ValueError(f"topk(variant='auto'): rows of N={N} entries go to torch.topk, which takes no "
+                                 "block_n, radix_bits or num_warps; pass variant='radix' to tune the radix kernel")
+            return topk_reference(x, k)
+        variant = "resident"
     if variant == "resident":
         if block > RESIDENT_MAX_N:
             raise ValueError(f"topk(variant='resident'): rows of N={N} entries exceed RESIDENT_MAX_N={RESIDENT_MAX_N}; "

@@ -9,7 +9,7 @@ interpreter) select what torch.topk selects:
   descending sort), also for all -inf rows, rows with fewer finite entries than k, negative values and a mix of
   -0.0 and +0.0 (equal, so tied);
 - every output is written (NaN / sentinel-poisoned allocations) and empty cases (k = 0, no rows) work;
-- variant="auto" takes the resident kernel when the row fits and the radix one otherwise;
+- variant="auto" takes the resident kernel when the row fits and torch.topk otherwise;
 - the indexer's callers: `select_topk(impl="triton")` (dense and pool slots) and `candidate_pool(impl="triton")`
   equal their torch.topk paths and the model's functions on tie-free scores;
 - bad inputs raise errors that name the problem.
@@ -114,19 +114,23 @@ def test_resident_full_row(poison):
         check(x, k, variant="resident")
 
 
-def test_auto_picks_resident_when_the_row_fits(monkeypatch):
+def test_auto_picks_resident_when_the_row_fits_and_torch_topk_otherwise(monkeypatch):
     x = torch.randn(2, 100, generator=torch.Generator().manual_seed(11)).to(DEVICE)
     want = tie_rule(x, 9).sort(-1).values
+    launched = []
+    monkeypatch.setattr(tk, "topk_reference", lambda *a: launched.append("torch") or torch.topk(*a, sorted=False))
     monkeypatch.setattr(tk, "RESIDENT_MAX_N", 64)  # 100 entries pad to 128: too long for the resident kernel
     with pytest.raises(ValueError, match="RESIDENT_MAX_N"):
         tk.topk(x, 9, impl="triton", variant="resident")
-    _, idx = tk.topk(x, 9, impl="triton", block_n=32)  # auto: the radix kernel, so block_n is accepted
-    assert torch.equal(idx.long().sort(-1).values, want)
+    with pytest.raises(ValueError, match="variant='radix'"):  # auto goes to torch.topk, which has no chunk
+        tk.topk(x, 9, impl="triton", block_n=32)
+    _, idx = tk.topk(x, 9, impl="triton")
+    assert launched == ["torch"] and torch.equal(idx.long().sort(-1).values, want)
     monkeypatch.setattr(tk, "RESIDENT_MAX_N", 128)
     with pytest.raises(ValueError, match="radix"):  # auto: now resident, which has no chunk
         tk.topk(x, 9, impl="triton", block_n=32)
     _, idx = tk.topk(x, 9, impl="triton")
-    assert torch.equal(idx.long().sort(-1).values, want)
+    assert launched == ["torch"] and torch.equal(idx.long().sort(-1).values, want)
 
 
 @variants
