@@ -169,7 +169,7 @@ def test_infinite_rows(poison, cfg):
     for k in (1, 3, 4, 20, 35, 36, 70):
         vals, idx = check(x, k, **cfg)
     vals, idx = check(x, 10, **cfg)
-    assert torch.equal(idx[0].sort().values.long(), torch.arange(10))  # all -inf: the first k
+    assert idx[0].sort().values.tolist() == list(range(10))  # all -inf: the first k
     assert sorted(idx[1].tolist())[:3] == [0, 1, 2] and {5, 13, 66} <= set(idx[1].tolist())
     assert (vals[1] > NEG_INF).sum() == 3
 
