@@ -1,9 +1,10 @@
-"""Triton kernels for FP4 E2M1 and FP8 E4M3 block quantisation, bit-exact with `kernels.fp4` / `kernels.fp8`.
+"""Triton kernels for FP4 E2M1 block quantisation, bit-exact with `kernels.fp4`, and the helpers they share with the
+FP8 E4M3 kernels of kernels.fp8_triton.
 
 The PyTorch references (`impl="reference"`) sit in kernels/fp4.py and kernels/fp8.py and define the contract
-(formats, rounding, scale rules); every kernel here reproduces them bit for bit for finite inputs (NaN/inf
-inputs are out of contract: their codes may differ). `kernels.fp4.quantize(..., impl="triton")` and friends
-route here.
+(formats, rounding, scale rules); every kernel here and in kernels.fp8_triton reproduces them bit for bit for finite
+inputs (NaN/inf inputs are out of contract: their codes may differ). `kernels.fp4.quantize(..., impl="triton")` and
+friends route here, `kernels.fp8.quantize_fp8(..., impl="triton")` and friends to kernels.fp8_triton.
 
 Shape legend:
     R    rows: all leading dims flattened (tokens x heads); blocks never straddle rows since D % block == 0
@@ -22,17 +23,18 @@ Why the kernels look the way they do:
   significands against all eight e4m3 significands), three flops instead of a full division.
 - FP4 packs two codes per byte, element 2i in the low nibble. The kernels read and write the channel *pairs*
   as one machine word (two bf16 in an int32, two fp32 in an int64), so the pairing costs no shuffles and the
-  loads stay 16-byte vectors.
+  loads stay 16-byte vectors. Codes and scales are stored byte by byte: ptxas already stores a block's 8 code
+  bytes as one 64-bit word (each thread owns whole blocks), and explicitly word-packed stores (removed) were
+  slower on the H200 (BENCHMARKS.md).
 - One program owns P whole blocks laid out as a [P, block / 2] tile of words, so a block's amax is a row
   reduction inside the program and the scales of the tile are a contiguous [P] store.
 - The quantisers are issue bound rather than memory bound on the H200 unless each element costs ~20
   instructions: the first kernel ("base" in VARIANTS) compiled (sm_90, ptxas) to ~39 SASS instructions per
   element for e4m3/16, "rn" to ~22 (E2M1 code by one rounding add, both nibble signs in one masked or, amax / 6
-  without a division). ptxas already stores a block's 8 code bytes as one 64-bit word (each thread owns whole
-  blocks), so the word-packed variants mainly add shuffles; VARIANTS keeps them for the GPU sweep.
+  without a division).
 
-The shared helpers at the top (bf16 rounding, device checks) are also used by kernels.mhc_triton and
-kernels.engram_triton.
+The shared helpers (bf16 rounding, device checks, e4m3/e8m0 codes, tile loads and stores, the launch variants) are
+also used by kernels.fp8_triton, kernels.norm_rope_fp4, kernels.mhc_triton and kernels.engram_triton.
 """
 
 from __future__ import annotations
@@ -44,16 +46,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fp8 import FP8_AMAX_FLOOR, FP8_MAX, check_blocked, check_scales
+from kernels.fp8 import check_blocked, check_scales
 
-__all__ = [
-    "quantize",
-    "dequantize",
-    "fake_quant",
-    "quantize_fp8",
-    "dequantize_fp8",
-    "fake_quant_fp8",
-]
+__all__ = ["quantize", "dequantize", "fake_quant"]
 
 # Element kinds a kernel reads or writes, by the word it uses for a channel pair.
 _BF16, _FP16, _FP32 = 0, 1, 2
@@ -61,9 +56,6 @@ _KIND = {torch.bfloat16: _BF16, torch.float16: _FP16, torch.float32: _FP32}
 _PAIR_WORD = {_BF16: torch.int32, _FP16: torch.int32, _FP32: torch.int64}
 
 # Constants the kernels read (Triton only lets jitted code see globals wrapped as constexpr).
-_FP8_MAX = tl.constexpr(FP8_MAX)
-_FP8_INV_MAX = tl.constexpr(1.0 / FP8_MAX)  # rounded to fp32 where used, like the reference's fp32 reciprocal
-_FP8_AMAX_FLOOR = tl.constexpr(FP8_AMAX_FLOOR)
 _E4M3_RATIO_AMAX_FLOOR = tl.constexpr(6.0 * 2.0**-9)  # amax floor of the e4m3-scaled FP4: ratio >= 2^-9
 _UE8M0_AMAX_FLOOR = tl.constexpr(6.0 * 2.0**-126)  # keeps amax / 6 a normal fp32
 _INV_SIX = tl.constexpr(1.0 / 6.0)
@@ -234,6 +226,77 @@ def _fp4_code(bits, q):
     return m | tl.where(m > 0, (bits >> 28) & 8, 0), m
 
 
+@triton.jit
+def _load_blocks(x_ptr, tile, num_blocks, N: tl.constexpr, P: tl.constexpr):
+    """The [P, N] tile of blocks tile * P ... from an array of N elements (or pair words) per block; 0 past the end."""
+    blk = tile.to(tl.int64) * P + tl.arange(0, P)
+    offs = blk[:, None] * N + tl.arange(0, N)[None, :]
+    return tl.load(x_ptr + offs, mask=(blk < num_blocks)[:, None], other=0)
+
+
+@triton.jit
+def _store_bytes(ptr, tile, bytes_, num_blocks, P: tl.constexpr, N: tl.constexpr):
+    """Store the int32 bytes [P, N] of blocks tile * P ... (N per block) to the uint8 array at ptr, byte by byte."""
+    blk = tile.to(tl.int64) * P + tl.arange(0, P)
+    live = blk < num_blocks
+    offs = blk[:, None] * N + tl.arange(0, N)[None, :]
+    tl.store(ptr + offs, bytes_.to(tl.uint8), mask=live[:, None])
+
+
+@triton.jit
+def _store_scale_bytes(ptr, tile, code, num_blocks, P: tl.constexpr):
+    """Scale codes int32 [P] of blocks tile * P ... -> uint8 at ptr."""
+    blk = tile.to(tl.int64) * P + tl.arange(0, P)
+    tl.store(ptr + blk, code.to(tl.uint8), mask=blk < num_blocks)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Shared launch settings (host)
+
+
+def _blocks_per_prog(block: int, blocks_per_prog: int | None) -> int:
+    # ~2048 channels per program. On the H200 the [32768, 512] e4m3 case took 31-37 us for 1024 to 4096
+    # channels per program with 4 warps (bench/kernel_cases/fp4.py sweep), so the choice is not critical.
+    return blocks_per_prog or max(1, 2048 // block)
+
+
+VARIANTS = {
+    # The first kernel: threshold-count encoding, one tile per program.
+    "base": dict(ENCODE=0, PERSISTENT=False),
+    # Fewer instructions: the E2M1 code from one rounding add (_e2m1_mag_rn) instead of seven compares, the signs
+    # of a code byte's two nibbles in one masked or (_fp4_pair_byte), amax / 6 as a three-flop exact quotient.
+    "rn": dict(ENCODE=1, PERSISTENT=False),
+    # rn, with a grid of a few programs per SM looping over the tiles, each loading its next tile first.
+    "persistent": dict(ENCODE=1, PERSISTENT=True),
+}
+"""Kernel variants the FP4 and FP8 quantisers take as `variant=`, all bit-identical (tests/kernels/test_fp4_triton.py);
+bench/kernel_cases/fp4.py sweeps them. In the FP8 kernel (kernels.fp8_triton) ENCODE=1 rounds to E4M3 by one add
+(_e4m3_mag_rn). Word-packed code and scale stores ("packed", "packed64") were slower than "rn" on the H200 and are
+gone."""
+
+DEFAULT_VARIANT = "rn"
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 2  # the interpreter: a grid smaller than the tiles, so the tests walk the loop
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _variant_launch(variant: str, fn_name: str, x: torch.Tensor, num_tiles: int, num_warps: int
+                    ) -> tuple[tuple[int], dict]:
+    """(grid, constexprs) of a quantising launch (FP4 or FP8) of `num_tiles` tiles."""
+    if variant not in VARIANTS:
+        raise ValueError(f"{fn_name}: variant must be one of {list(VARIANTS)}, got {variant!r}")
+    opts = dict(VARIANTS[variant])
+    grid = num_tiles
+    if opts["PERSISTENT"]:
+        # Enough programs to fill every SM at full occupancy (2048 threads), no more: the loop does the rest.
+        grid = min(num_tiles, _num_sms(x.device) * max(1, 2048 // (32 * num_warps)))
+    return (grid,), opts
+
+
 # ------------------------------------------------------------------------------------------------------------
 # FP4 E2M1
 
@@ -249,16 +312,6 @@ def _e2m1_mag_rn(q):
     e = tl.maximum(q.to(tl.int32, bitcast=True) >> 23, 127)  # binade of q, 127 for all q < 2
     m_bits = (e << 23) + (22 << 23)  # M = 2^(e - 105) = 2^23 * step
     return (q + m_bits.to(tl.float32, bitcast=True)).to(tl.int32, bitcast=True) - m_bits + 2 * e - 254
-
-
-@triton.jit
-def _e4m3_mag_rn(a):
-    """fp32 0 <= a <= 448 -> float8_e4m3fn bits of its magnitude, equal to `_e4m3_mag` in fewer instructions:
-    the step is 2^(binade - 3), 2^-9 below 2^-6 (subnormals); adding M = 2^23 * step rounds a to a multiple of
-    the step (ties to even) in one fp32 add, and a mantissa carry lands in the next binade's code by itself."""
-    e = tl.maximum(a.to(tl.int32, bitcast=True) >> 23, 121)  # biased binade, 121 (2^-6) for all subnormals
-    m_bits = (e << 23) + (20 << 23)  # M = 2^(e - 107) = 2^23 * 2^(e - 130)
-    return (a + m_bits.to(tl.float32, bitcast=True)).to(tl.int32, bitcast=True) - m_bits + 8 * e - 968
 
 
 @triton.jit
@@ -278,7 +331,8 @@ def fp4_e4m3_scale(amax):
     The reference divides: e4m3(min(max(amax, 6 * 2^-9) / 6, 448)); the e4m3 rounding may go down, past-6
     quotients then saturate the code. 6 has the e4m3 significand 1.5, so the three-flop quotient with
     RN(1/6) is the correctly rounded division (module docstring). The reciprocal of the scale feeds the same
-    quotient per element. kernels.norm_rope_fp4 computes the same scale with two div_rn and could use this."""
+    quotient per element. kernels.norm_rope_fp4 keeps its own scale code, two div_rn as in the "base" variant: the
+    same result by the argument above, but not the same operations (a division against a reciprocal and two fmas)."""
     ratio = tl.minimum(_exact_quotient(tl.maximum(amax, _E4M3_RATIO_AMAX_FLOOR), 6.0, _INV_SIX), 448.0)
     code = _e4m3_mag(ratio)
     scale = _e4m3_value(code)
@@ -293,62 +347,9 @@ def _exact_quotient(a, s, y):
 
 
 @triton.jit
-def _pack_bytes(b, N: tl.constexpr, WORD: tl.constexpr):
-    """int32 bytes (0..255) [P, N] -> little-endian words [P, N // WORD] (WORD = 4: int32, 8: int64).
-    The fields are disjoint, so their sum is their bitwise or (an int32 wraps into the sign bit harmlessly)."""
-    if WORD == 8:
-        b = tl.reshape(b.to(tl.int64), [b.shape[0], N // 8, 8])
-        return tl.sum(b << (tl.arange(0, 8) * 8).to(tl.int64)[None, None, :], axis=2)
-    else:
-        b = tl.reshape(b, [b.shape[0], N // 4, 4])
-        return tl.sum(b << (tl.arange(0, 4) * 8)[None, None, :], axis=2)
-
-
-@triton.jit
-def _store_bytes(ptr, tile, bytes_, num_blocks, P: tl.constexpr, N: tl.constexpr, WORD: tl.constexpr):
-    """Store the int32 bytes [P, N] of blocks tile * P ... (N per block) to the uint8 array at ptr, as WORD-byte
-    words (WORD 1: byte by byte). A word store needs N % WORD == 0 and a WORD-aligned ptr (the host checks)."""
-    blk = tile.to(tl.int64) * P + tl.arange(0, P)
-    live = blk < num_blocks
-    if WORD == 1:
-        offs = blk[:, None] * N + tl.arange(0, N)[None, :]
-        tl.store(ptr + offs, bytes_.to(tl.uint8), mask=live[:, None])
-    else:
-        NW: tl.constexpr = N // WORD
-        words = _pack_bytes(bytes_, N, WORD)
-        wptr = ptr.to(tl.pointer_type(tl.int64 if WORD == 8 else tl.int32))
-        tl.store(wptr + blk[:, None] * NW + tl.arange(0, NW)[None, :], words, mask=live[:, None])
-
-
-@triton.jit
-def _store_scale_bytes(ptr, tile, code, num_blocks, P: tl.constexpr, WORD: tl.constexpr):
-    """Scale codes int32 [P] of blocks tile * P ... -> uint8 at ptr; packed into WORD-byte words when the whole
-    tile is live (P % WORD == 0 and a WORD-aligned ptr: the host checks), byte by byte in the last, partial tile."""
-    blk = tile.to(tl.int64) * P + tl.arange(0, P)
-    if WORD == 1:
-        tl.store(ptr + blk, code.to(tl.uint8), mask=blk < num_blocks)
-    else:
-        if (tile.to(tl.int64) + 1) * P <= num_blocks:
-            NW: tl.constexpr = P // WORD
-            words = _pack_bytes(tl.reshape(code, [NW, WORD]), WORD, WORD)  # [NW, 1]
-            wptr = ptr.to(tl.pointer_type(tl.int64 if WORD == 8 else tl.int32))
-            tl.store(wptr + (tile.to(tl.int64) * NW + tl.arange(0, NW))[:, None], words)
-        else:
-            tl.store(ptr + blk, code.to(tl.uint8), mask=blk < num_blocks)
-
-
-@triton.jit
-def _load_blocks(x_ptr, tile, num_blocks, N: tl.constexpr, P: tl.constexpr):
-    """The [P, N] tile of blocks tile * P ... from an array of N elements (or pair words) per block; 0 past the end."""
-    blk = tile.to(tl.int64) * P + tl.arange(0, P)
-    offs = blk[:, None] * N + tl.arange(0, N)[None, :]
-    return tl.load(x_ptr + offs, mask=(blk < num_blocks)[:, None], other=0)
-
-
-@triton.jit
 def _fp4_quant_tile(w, tile, codes_ptr, scales_ptr, fake_ptr, num_blocks,
                     BLOCK: tl.constexpr, KIND: tl.constexpr, UE8M0: tl.constexpr, FAKE: tl.constexpr,
-                    P: tl.constexpr, ENCODE: tl.constexpr, CODE_WORD: tl.constexpr, SCALE_WORD: tl.constexpr):
+                    P: tl.constexpr, ENCODE: tl.constexpr):
     """Quantise one loaded tile of pair words w [P, BLOCK / 2] (blocks tile * P ...) and store its outputs."""
     HALF: tl.constexpr = BLOCK // 2
     lo, hi = _unpack_pair(w, KIND)  # fp32 bits
@@ -388,15 +389,14 @@ def _fp4_quant_tile(w, tile, codes_ptr, scales_ptr, fake_ptr, num_blocks,
             # The sign only on nonzero codes: -0 and negatives rounding to 0 encode as +0.
             c_lo = m_lo | tl.where(m_lo > 0, (lo >> 28) & 8, 0)
             byte = c_lo | ((m_hi | tl.where(m_hi > 0, (hi >> 28) & 8, 0)) << 4)
-        _store_bytes(codes_ptr, tile, byte, num_blocks, P, HALF, CODE_WORD)
-        _store_scale_bytes(scales_ptr, tile, scale_code, num_blocks, P, SCALE_WORD)
+        _store_bytes(codes_ptr, tile, byte, num_blocks, P, HALF)
+        _store_scale_bytes(scales_ptr, tile, scale_code, num_blocks, P)
 
 
 @triton.jit
 def _fp4_quant_kernel(x_ptr, codes_ptr, scales_ptr, fake_ptr, num_blocks,
                       BLOCK: tl.constexpr, KIND: tl.constexpr, UE8M0: tl.constexpr, FAKE: tl.constexpr,
-                      P: tl.constexpr, ENCODE: tl.constexpr, CODE_WORD: tl.constexpr, SCALE_WORD: tl.constexpr,
-                      PERSISTENT: tl.constexpr):
+                      P: tl.constexpr, ENCODE: tl.constexpr, PERSISTENT: tl.constexpr):
     """x words [NB * BLOCK / 2] -> codes uint8 [NB * BLOCK / 2] + scale bits uint8 [NB], or (FAKE) the
     dequantised values as words of x's kind. One tile of P blocks per program, or (PERSISTENT) a grid-stride
     loop over tiles that loads the next tile before working on the current one (two tiles in flight)."""
@@ -407,13 +407,12 @@ def _fp4_quant_kernel(x_ptr, codes_ptr, scales_ptr, fake_ptr, num_blocks,
         for i in range(0, tl.cdiv(tl.cdiv(num_blocks, P) - pid, step)):  # the grid is no larger than the tiles
             tile = pid + i * step
             w_next = _load_blocks(x_ptr, tile + step, num_blocks, HALF, P)  # all masked past the end
-            _fp4_quant_tile(w, tile, codes_ptr, scales_ptr, fake_ptr, num_blocks, BLOCK, KIND, UE8M0, FAKE, P,
-                            ENCODE, CODE_WORD, SCALE_WORD)
+            _fp4_quant_tile(w, tile, codes_ptr, scales_ptr, fake_ptr, num_blocks, BLOCK, KIND, UE8M0, FAKE, P, ENCODE)
             w = w_next
     else:
         tile = tl.program_id(0)
         _fp4_quant_tile(_load_blocks(x_ptr, tile, num_blocks, HALF, P), tile, codes_ptr, scales_ptr, fake_ptr,
-                        num_blocks, BLOCK, KIND, UE8M0, FAKE, P, ENCODE, CODE_WORD, SCALE_WORD)
+                        num_blocks, BLOCK, KIND, UE8M0, FAKE, P, ENCODE)
 
 
 @triton.jit
@@ -432,62 +431,6 @@ def _fp4_dequant_kernel(codes_ptr, scales_ptr, out_ptr, num_blocks,
         scale = _e4m3_value(code)[:, None]
     out = _pack_pair(_e2m1_value(byte & 0xF) * scale, _e2m1_value(byte >> 4) * scale, 2)
     tl.store(out_ptr + offs, out, mask=live[:, None])
-
-
-def _blocks_per_prog(block: int, blocks_per_prog: int | None) -> int:
-    # ~2048 channels per program. On the H200 the [32768, 512] e4m3 case took 31-37 us for 1024 to 4096
-    # channels per program with 4 warps (bench/kernel_cases/fp4.py sweep), so the choice is not critical.
-    return blocks_per_prog or max(1, 2048 // block)
-
-
-VARIANTS = {
-    # The first kernel: threshold-count encoding, codes and scales stored byte by byte, one tile per program.
-    "base": dict(ENCODE=0, CODE_WORD=1, SCALE_WORD=1, PERSISTENT=False),
-    # Fewer instructions: the E2M1 code from one rounding add (_e2m1_mag_rn) instead of seven compares, the signs
-    # of a code byte's two nibbles in one masked or (_fp4_pair_byte), amax / 6 as a three-flop exact quotient.
-    "rn": dict(ENCODE=1, CODE_WORD=1, SCALE_WORD=1, PERSISTENT=False),
-    # rn, and the codes and the scale bytes of 4 blocks stored as whole 32-bit words.
-    "packed": dict(ENCODE=1, CODE_WORD=4, SCALE_WORD=4, PERSISTENT=False),
-    # rn, and 64-bit words (a block's 8 code bytes, the scales of 8 blocks).
-    "packed64": dict(ENCODE=1, CODE_WORD=8, SCALE_WORD=8, PERSISTENT=False),
-    # rn, with a grid of a few programs per SM looping over the tiles, each loading its next tile first.
-    "persistent": dict(ENCODE=1, CODE_WORD=1, SCALE_WORD=1, PERSISTENT=True),
-}
-"""Kernel variants the quantisers take as `variant=`, all bit-identical (tests/kernels/test_fp4_triton.py);
-bench/kernel_cases/fp4.py sweeps them. In the FP8 kernel ENCODE=1 rounds to E4M3 by one add (_e4m3_mag_rn)."""
-
-DEFAULT_VARIANT = "rn"
-
-
-@functools.lru_cache(maxsize=None)
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 2  # the interpreter: a grid smaller than the tiles, so the tests walk the loop
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def _variant_launch(variant: str, fn_name: str, x: torch.Tensor, num_tiles: int, num_warps: int, block_bytes: int,
-                    p: int, codes: torch.Tensor | None = None, scales: torch.Tensor | None = None
-                    ) -> tuple[tuple[int], dict]:
-    """(grid, constexprs) of a quantising launch. Word stores fall back to narrower words, then bytes, where a
-    block's output bytes, the tile's blocks or the buffers' alignment do not fit the word (small blocks, `out=`
-    buffers at odd offsets); fake quantisation (no codes or scales) stores none."""
-    if variant not in VARIANTS:
-        raise ValueError(f"{fn_name}: variant must be one of {list(VARIANTS)}, got {variant!r}")
-    opts = dict(VARIANTS[variant])
-
-    def fit(word: int, count: int, t: torch.Tensor | None) -> int:
-        while word > 1 and (t is None or count % word or t.data_ptr() % word):
-            word //= 2
-        return word
-
-    opts["CODE_WORD"] = fit(opts["CODE_WORD"], block_bytes, codes)
-    opts["SCALE_WORD"] = fit(opts["SCALE_WORD"], p, scales)
-    grid = num_tiles
-    if opts["PERSISTENT"]:
-        # Enough programs to fill every SM at full occupancy (2048 threads), no more: the loop does the rest.
-        grid = min(num_tiles, _num_sms(x.device) * max(1, 2048 // (32 * num_warps)))
-    return (grid,), opts
 
 
 def _fp4_prepare(x: torch.Tensor, block: int, scale_fmt: str, fn_name: str) -> tuple[torch.Tensor, int, int]:
@@ -529,8 +472,7 @@ def quantize(x: torch.Tensor, block: int = 16, scale_fmt: str = "e4m3", *, block
         check_device("x and out", "quantize", x, codes, scales)
     p = _blocks_per_prog(block, blocks_per_prog)
     if num_blocks:
-        grid, opts = _variant_launch(variant, "quantize", x, triton.cdiv(num_blocks, p), num_warps, block // 2, p,
-                                     codes, scales)
+        grid, opts = _variant_launch(variant, "quantize", x, triton.cdiv(num_blocks, p), num_warps)
         _fp4_quant_kernel[grid](
             word_view(x, _PAIR_WORD[kind], "quantize"), codes, scales.view(torch.uint8), codes, num_blocks,
             BLOCK=block, KIND=kind, UE8M0=ue8m0, FAKE=False, P=p, num_warps=num_warps, **opts)
@@ -548,7 +490,7 @@ def fake_quant(x: torch.Tensor, block: int = 16, scale_fmt: str = "e4m3", *,
     p = _blocks_per_prog(block, blocks_per_prog)
     if num_blocks:
         words = word_view(out, _PAIR_WORD[kind], "fake_quant")
-        grid, opts = _variant_launch(variant, "fake_quant", x, triton.cdiv(num_blocks, p), num_warps, block // 2, p)
+        grid, opts = _variant_launch(variant, "fake_quant", x, triton.cdiv(num_blocks, p), num_warps)
         _fp4_quant_kernel[grid](
             word_view(x, _PAIR_WORD[kind], "fake_quant"), words, words, words, num_blocks,
             BLOCK=block, KIND=kind, UE8M0=scale_fmt == "ue8m0", FAKE=True, P=p, num_warps=num_warps, **opts)
@@ -582,148 +524,4 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, block: int = 16, *,
         _fp4_dequant_kernel[(triton.cdiv(num_blocks, p),)](
             codes, scales.view(torch.uint8), word_view(out, torch.int64, "dequantize"), num_blocks,
             BLOCK=block, UE8M0=scales.dtype == torch.float8_e8m0fnu, P=p)
-    return out
-
-
-# ------------------------------------------------------------------------------------------------------------
-# FP8 E4M3 (SWA KV): one byte per channel, so plain [P, block] tiles and no pair words.
-
-
-@triton.jit
-def _fp8_quant_tile(x, tile, values_ptr, scales_ptr, fake_ptr, num_blocks,
-                    BLOCK: tl.constexpr, KIND: tl.constexpr, FAKE: tl.constexpr, P: tl.constexpr,
-                    ENCODE: tl.constexpr, CODE_WORD: tl.constexpr, SCALE_WORD: tl.constexpr):
-    """Quantise one loaded tile x [P, BLOCK] (blocks tile * P ...) and store its outputs."""
-    bits = x.to(tl.float32).to(tl.int32, bitcast=True)
-    a = _magnitude(bits)
-    amax = tl.max(a, axis=1)
-    # Reference: multiply by fp32(1/448), not divide; the power-of-two ceiling is read from the bits.
-    scale, scale_code = _pow2_ceil(tl.maximum(amax, _FP8_AMAX_FLOOR) * _FP8_INV_MAX)
-    q = tl.minimum(a * _pow2_reciprocal(scale_code)[:, None], _FP8_MAX)  # exact quotient
-    if ENCODE == 1:
-        mag = _e4m3_mag_rn(q)
-    else:
-        mag = _e4m3_mag(q)
-    if FAKE:
-        deq = _with_sign(_e4m3_value(mag) * scale[:, None], bits, True)
-        blk = tile.to(tl.int64) * P + tl.arange(0, P)
-        offs = blk[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
-        live = (blk < num_blocks)[:, None]
-        if KIND == 0:
-            tl.store(fake_ptr + offs, bf16_bits(deq).to(tl.int16), mask=live)
-        else:
-            tl.store(fake_ptr + offs, deq.to(fake_ptr.dtype.element_ty), mask=live)
-    else:
-        code = mag | ((bits >> 24) & 0x80)  # the cast keeps the sign, also of values that round to 0
-        _store_bytes(values_ptr, tile, code, num_blocks, P, BLOCK, CODE_WORD)
-        _store_scale_bytes(scales_ptr, tile, scale_code, num_blocks, P, SCALE_WORD)
-
-
-@triton.jit
-def _fp8_quant_kernel(x_ptr, values_ptr, scales_ptr, fake_ptr, num_blocks,
-                      BLOCK: tl.constexpr, KIND: tl.constexpr, FAKE: tl.constexpr, P: tl.constexpr,
-                      ENCODE: tl.constexpr, CODE_WORD: tl.constexpr, SCALE_WORD: tl.constexpr,
-                      PERSISTENT: tl.constexpr):
-    """x [NB * BLOCK] (bf16/fp16/fp32) -> e4m3 bits uint8 [NB * BLOCK] + e8m0 bits uint8 [NB], or (FAKE) the
-    dequantised values (bf16 written as int16 bits, else x's dtype). Tiles and PERSISTENT as _fp4_quant_kernel."""
-    if PERSISTENT:
-        pid, step = tl.program_id(0), tl.num_programs(0)
-        x = _load_blocks(x_ptr, pid, num_blocks, BLOCK, P)
-        for i in range(0, tl.cdiv(tl.cdiv(num_blocks, P) - pid, step)):  # the grid is no larger than the tiles
-            tile = pid + i * step
-            x_next = _load_blocks(x_ptr, tile + step, num_blocks, BLOCK, P)
-            _fp8_quant_tile(x, tile, values_ptr, scales_ptr, fake_ptr, num_blocks, BLOCK, KIND, FAKE, P,
-                            ENCODE, CODE_WORD, SCALE_WORD)
-            x = x_next
-    else:
-        tile = tl.program_id(0)
-        _fp8_quant_tile(_load_blocks(x_ptr, tile, num_blocks, BLOCK, P), tile, values_ptr, scales_ptr, fake_ptr,
-                        num_blocks, BLOCK, KIND, FAKE, P, ENCODE, CODE_WORD, SCALE_WORD)
-
-
-@triton.jit
-def _fp8_dequant_kernel(values_ptr, scales_ptr, out_ptr, num_blocks, BLOCK: tl.constexpr, P: tl.constexpr):
-    """e4m3 bits uint8 [NB * BLOCK] + e8m0 bits uint8 [NB] -> fp32 [NB * BLOCK]."""
-    blk = tl.program_id(0).to(tl.int64) * P + tl.arange(0, P)
-    live = blk < num_blocks
-    offs = blk[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
-    code = tl.load(values_ptr + offs, mask=live[:, None], other=0).to(tl.int32)
-    scale = _e8m0_value(tl.load(scales_ptr + blk, mask=live, other=127).to(tl.int32))
-    tl.store(out_ptr + offs, _e4m3_value(code) * scale[:, None], mask=live[:, None])
-
-
-def _fp8_prepare(x: torch.Tensor, block: int, fn_name: str) -> tuple[torch.Tensor, int]:
-    check_blocked(x, block, fn_name)
-    if block & (block - 1):
-        raise ValueError(f"{fn_name}: the Triton kernel needs a power-of-two block, got {block}")
-    check_device("x", fn_name, x)
-    x = x.detach() if x.dtype in _KIND else x.detach().float()
-    return x, x.numel() // block
-
-
-def quantize_fp8(x: torch.Tensor, block: int = 32, *, blocks_per_prog: int | None = None, num_warps: int = 4,
-                 variant: str = DEFAULT_VARIANT, out: tuple[torch.Tensor, torch.Tensor] | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Block FP8 of x [..., D] -> (values float8_e4m3fn [..., D], scales float8_e8m0fnu [..., D // block])."""
-    x, num_blocks = _fp8_prepare(x, block, "quantize_fp8")
-    lead = x.shape[:-1]
-    if out is None:
-        values = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
-        scales = torch.empty(*lead, x.shape[-1] // block, dtype=torch.float8_e8m0fnu, device=x.device)
-    else:
-        values, scales = out
-        if values.shape != x.shape or values.dtype != torch.float8_e4m3fn:
-            raise ValueError(f"quantize_fp8: out values must be float8_e4m3fn {tuple(x.shape)}")
-        check_scales(scales, lead, x.shape[-1] // block, "quantize_fp8")
-        if scales.dtype != torch.float8_e8m0fnu:
-            raise ValueError(f"quantize_fp8: out scales must be float8_e8m0fnu, got {scales.dtype}")
-        check_device("x and out", "quantize_fp8", x, values, scales)
-    p = _blocks_per_prog(block, blocks_per_prog)
-    if num_blocks:
-        grid, opts = _variant_launch(variant, "quantize_fp8", x, triton.cdiv(num_blocks, p), num_warps, block, p,
-                                     values, scales)
-        _fp8_quant_kernel[grid](
-            x, values.view(torch.uint8), scales.view(torch.uint8), x, num_blocks,
-            BLOCK=block, KIND=_KIND[x.dtype], FAKE=False, P=p, num_warps=num_warps, **opts)
-    return values, scales
-
-
-def fake_quant_fp8(x: torch.Tensor, block: int = 32, *, blocks_per_prog: int | None = None, num_warps: int = 4,
-                   variant: str = DEFAULT_VARIANT) -> torch.Tensor:
-    """dequantize_fp8(quantize_fp8(x)) in x's dtype in one pass. No autograd (the caller adds the STE)."""
-    orig_dtype = x.dtype
-    x, num_blocks = _fp8_prepare(x, block, "fake_quant_fp8")
-    out = torch.empty_like(x)
-    p = _blocks_per_prog(block, blocks_per_prog)
-    if num_blocks:
-        target = out.view(torch.int16) if x.dtype == torch.bfloat16 else out
-        grid, opts = _variant_launch(variant, "fake_quant_fp8", x, triton.cdiv(num_blocks, p), num_warps, block, p)
-        _fp8_quant_kernel[grid](
-            x, target, target, target, num_blocks, BLOCK=block, KIND=_KIND[x.dtype], FAKE=True, P=p,
-            num_warps=num_warps, **opts)
-    return out.to(orig_dtype)
-
-
-def dequantize_fp8(values: torch.Tensor, scales: torch.Tensor, block: int = 32, *,
-                   blocks_per_prog: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """values float8_e4m3fn [..., D], scales float8_e8m0fnu [..., D // block] -> float32 [..., D]."""
-    if not isinstance(values, torch.Tensor) or values.dtype != torch.float8_e4m3fn:
-        raise TypeError(f"dequantize_fp8: values must be torch.float8_e4m3fn, got "
-                        f"{getattr(values, 'dtype', type(values))}")
-    check_blocked(values, block, "dequantize_fp8")
-    if block & (block - 1):
-        raise ValueError(f"dequantize_fp8: the Triton kernel needs a power-of-two block, got {block}")
-    check_scales(scales, values.shape[:-1], values.shape[-1] // block, "dequantize_fp8")
-    if scales.dtype != torch.float8_e8m0fnu:
-        raise TypeError(f"dequantize_fp8: the Triton kernel takes float8_e8m0fnu scales, got {scales.dtype}")
-    if out is None:
-        out = torch.empty(values.shape, dtype=torch.float32, device=values.device)
-    elif out.shape != values.shape or out.dtype != torch.float32:
-        raise ValueError(f"dequantize_fp8: out must be float32 {tuple(values.shape)}")
-    check_device("values, scales and out", "dequantize_fp8", values, scales, out)
-    num_blocks = values.numel() // block
-    p = _blocks_per_prog(block, blocks_per_prog)
-    if num_blocks:
-        _fp8_dequant_kernel[(triton.cdiv(num_blocks, p),)](
-            values.view(torch.uint8), scales.view(torch.uint8), out, num_blocks, BLOCK=block, P=p)
     return out

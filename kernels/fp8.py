@@ -1,7 +1,7 @@
 """FP8 E4M3 block quantisation (SWA window KV) and the helpers it shares with `kernels.fp4`.
 
 Plain-PyTorch references for REFERENCE A9 ("FP8 window KV") and B2 (the 528 B SWA record). Every public
-function takes `impl`: "reference" is the code below, "triton" the bit-identical kernels in kernels.fp4_triton.
+function takes `impl`: "reference" is the code below, "triton" the bit-identical kernels in kernels.fp8_triton.
 
 Shape legend:
     ...  any leading dims (batch, tokens, heads); they pass through untouched
@@ -31,7 +31,8 @@ _IMPLS = ("reference", "triton")
 
 
 def check_impl(impl: str, fn_name: str) -> None:
-    """Reject unknown implementations. `triton` routes to kernels.fp4_triton (CUDA, or the CPU interpreter)."""
+    """Reject unknown implementations. `triton` routes to kernels.fp4_triton / kernels.fp8_triton (CUDA, or the CPU
+    interpreter)."""
     if impl not in _IMPLS:
         raise ValueError(f"{fn_name}: impl must be one of {list(_IMPLS)}, got {impl!r}")
 
@@ -112,9 +113,9 @@ def quantize_fp8(
     """Block FP8: x [..., D] any float dtype -> (values e4m3fn [..., D], scales e8m0fnu [..., NB])."""
     check_impl(impl, "quantize_fp8")
     if impl == "triton":
-        from kernels import fp4_triton
+        from kernels import fp8_triton
 
-        return fp4_triton.quantize_fp8(x, block)
+        return fp8_triton.quantize_fp8(x, block)
     num_blocks = check_blocked(x, block, "quantize_fp8")
     x_blk = x.detach().float().unflatten(-1, (num_blocks, block))  # [..., NB, block]
     amax = x_blk.abs().amax(dim=-1, keepdim=True)  # [..., NB, 1]
@@ -132,9 +133,9 @@ def dequantize_fp8(
     """values e4m3fn [..., D], scales [..., NB] -> float32 [..., D]."""
     check_impl(impl, "dequantize_fp8")
     if impl == "triton":
-        from kernels import fp4_triton
+        from kernels import fp8_triton
 
-        return fp4_triton.dequantize_fp8(values, scales, block)
+        return fp8_triton.dequantize_fp8(values, scales, block)
     if not isinstance(values, torch.Tensor) or values.dtype != torch.float8_e4m3fn:
         got = values.dtype if isinstance(values, torch.Tensor) else type(values).__name__
         raise TypeError(f"dequantize_fp8: values must be torch.float8_e4m3fn, got {got}")
@@ -152,8 +153,8 @@ def fake_quant_fp8(x: torch.Tensor, block: int = 32, *, impl: str = "reference")
     """
     check_impl(impl, "fake_quant_fp8")
     if impl == "triton":
-        from kernels import fp4_triton
+        from kernels import fp8_triton
 
-        return straight_through(x, fp4_triton.fake_quant_fp8(x, block))
+        return straight_through(x, fp8_triton.fake_quant_fp8(x, block))
     values, scales = quantize_fp8(x, block, impl=impl)
     return straight_through(x, dequantize_fp8(values, scales, block, impl=impl).to(x.dtype))

@@ -16,7 +16,7 @@ in PyTorch) applied to the inputs, so the traffic is (n + 1) reads + (n + 1) wri
 20 KB per token at D = 5120), plus ~0.6 KB of mix matrix and statistics. The grid is token blocks x D chunks
 (`FWD_CONFIGS`); with several chunks each writes partial statistics that the host sums ([chunks, N, 65] fp32).
 The rms factor, sigmoids and the n x n Sinkhorn then run in one Triton launch on [N, M] numbers (`next_coeffs`,
-with its own backward), instead of ~100 small PyTorch kernels.
+with its own backward, in kernels.mhc_coeffs_triton), instead of ~100 small PyTorch kernels.
 
 Numerics. Mixing is fp32 FMAs. The projection runs on the tensor cores in bf16 with fp32 accumulation: fn is
 split as fn_hi + fn_lo (two bf16 parts, ~2^-16 relative error left; laid side by side so one MMA gives both
@@ -40,6 +40,7 @@ import triton
 import triton.language as tl
 
 from kernels.fp4_triton import bf16_bits, bf16_round, check_device, interpreting
+from kernels.mhc_coeffs_triton import next_coeffs  # re-exported: kernels.mhc_triton.next_coeffs
 from model import mhc
 from model.mhc import Coeffs, HCSite, mix_matrix
 
@@ -299,126 +300,6 @@ def _fn_grad_kernel(g_raw_hi_ptr, g_raw_lo_ptr, s_new_ptr, part_ptr,
 
 
 # ------------------------------------------------------------------------------------------------------------
-# Coefficients of the next site from the kernel's statistics (A6 steps 2-8), one launch each way.
-# Per token: m = raw / rms, pre = sigmoid(m_pre * s0 + b) + eps, post = 2 sigmoid(m_post * s1 + b), comb =
-# Sinkhorn(m_comb * s2 + b). comb is an [NP, NP] tile (NP = next power of two >= n; padding held at 0). The
-# Sinkhorn backward recomputes its forward up to each step (K = 2 iters - 1 steps of 16 numbers per token: the
-# O(K^2) recomputation is a few us of arithmetic and keeps no intermediate in memory).
-
-
-@triton.jit
-def _sinkhorn_step(c, t, valid, eps):
-    """Normalisation t >= 1 of the Sinkhorn sequence: columns (sum over j, axis 1) when t is odd, else rows.
-    Returns (c / (s + eps), s + eps) with s broadcast to c's shape; padding stays 0."""
-    col = tl.sum(c, axis=1)[:, None, :]
-    row = tl.sum(c, axis=2)[:, :, None]
-    den = tl.where(t % 2 == 1, col, row) + eps
-    return tl.where(valid, c / den, 0.0), den
-
-
-@triton.jit
-def _coeff_prologue(raw_ptr, sumsq_ptr, scale_ptr, base_ptr, tok, t_ok, inv_width, norm_eps,
-                    N: tl.constexpr, NP: tl.constexpr):
-    """Per-token rms factor r [BLOCK_T], the raw logits of the three groups, their scaled pre-activations."""
-    M: tl.constexpr = 2 * N + N * N
-    k = tl.arange(0, NP)
-    k_ok = k < N
-    r = tl.math.rsqrt(tl.load(sumsq_ptr + tok, mask=t_ok, other=1.0) * inv_width + norm_eps)  # [BLOCK_T]
-    m2 = t_ok[:, None] & k_ok[None, :]
-    raw_pre = tl.load(raw_ptr + tok[:, None] * M + k[None, :], mask=m2, other=0.0)  # [BLOCK_T, NP]
-    raw_post = tl.load(raw_ptr + tok[:, None] * M + N + k[None, :], mask=m2, other=0.0)
-    jk = k[:, None] * N + k[None, :]  # [NP, NP]
-    valid2 = k_ok[:, None] & k_ok[None, :]  # [NP, NP]
-    valid = valid2[None, :, :]
-    m3 = t_ok[:, None, None] & valid
-    raw_comb = tl.load(raw_ptr + tok[:, None, None] * M + 2 * N + jk[None, :, :], mask=m3, other=0.0)
-    s0 = tl.load(scale_ptr)
-    s1 = tl.load(scale_ptr + 1)
-    s2 = tl.load(scale_ptr + 2)
-    z_pre = raw_pre * r[:, None] * s0 + tl.load(base_ptr + k, mask=k_ok, other=0.0)[None, :]
-    z_post = raw_post * r[:, None] * s1 + tl.load(base_ptr + N + k, mask=k_ok, other=0.0)[None, :]
-    z_comb = raw_comb * r[:, None, None] * s2 + tl.load(base_ptr + 2 * N + jk, mask=valid2, other=0.0)[None, :, :]
-    return r, raw_pre, raw_post, raw_comb, z_pre, z_post, z_comb, valid, s0, s1, s2
-
-
-@triton.jit
-def _softmax_eps(z, valid, eps):
-    """softmax over k (axis 2) + eps on the valid entries: (c0, p)."""
-    z = tl.where(valid, z, float("-inf"))
-    e = tl.exp(z - tl.max(z, axis=2)[:, :, None])
-    e = tl.where(valid, e, 0.0)
-    p = e / tl.sum(e, axis=2)[:, :, None]
-    p = tl.where(valid, p, 0.0)
-    return tl.where(valid, p + eps, 0.0), p
-
-
-@triton.jit
-def _coeff_fwd_kernel(raw_ptr, sumsq_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr,
-                      num_tokens, inv_width, norm_eps, eps, iters,
-                      N: tl.constexpr, NP: tl.constexpr, BLOCK_T: tl.constexpr):
-    tok = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
-    t_ok = tok < num_tokens
-    _, _, _, _, z_pre, z_post, z_comb, valid, _, _, _ = _coeff_prologue(
-        raw_ptr, sumsq_ptr, scale_ptr, base_ptr, tok, t_ok, inv_width, norm_eps, N, NP)
-    k = tl.arange(0, NP)
-    m2 = t_ok[:, None] & (k < N)[None, :]
-    tl.store(pre_ptr + tok[:, None] * N + k[None, :], tl.sigmoid(z_pre) + eps, mask=m2)
-    tl.store(post_ptr + tok[:, None] * N + k[None, :], 2.0 * tl.sigmoid(z_post), mask=m2)
-    c, _ = _softmax_eps(z_comb, valid, eps)
-    for t in range(1, 2 * iters):
-        c, _ = _sinkhorn_step(c, t, valid, eps)
-    jk = k[:, None] * N + k[None, :]
-    tl.store(comb_ptr + tok[:, None, None] * (N * N) + jk[None, :, :], c, mask=t_ok[:, None, None] & valid)
-
-
-@triton.jit
-def _coeff_bwd_kernel(raw_ptr, sumsq_ptr, scale_ptr, base_ptr, g_pre_ptr, g_post_ptr, g_comb_ptr,
-                      g_raw_ptr, g_sumsq_ptr, g_scale_ptr, g_base_ptr,
-                      num_tokens, inv_width, norm_eps, eps, iters,
-                      N: tl.constexpr, NP: tl.constexpr, BLOCK_T: tl.constexpr):
-    """Per token: g_raw [M], g_sumsq; and the token's terms of g_scale [3] and g_base [M] (summed on the host)."""
-    M: tl.constexpr = 2 * N + N * N
-    tok = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
-    t_ok = tok < num_tokens
-    r, raw_pre, raw_post, raw_comb, z_pre, z_post, z_comb, valid, s0, s1, s2 = _coeff_prologue(
-        raw_ptr, sumsq_ptr, scale_ptr, base_ptr, tok, t_ok, inv_width, norm_eps, N, NP)
-    k = tl.arange(0, NP)
-    m2 = t_ok[:, None] & (k < N)[None, :]
-    jk = k[:, None] * N + k[None, :]
-    m3 = t_ok[:, None, None] & valid
-    sg = tl.sigmoid(z_pre)
-    gz_pre = tl.load(g_pre_ptr + tok[:, None] * N + k[None, :], mask=m2, other=0.0) * sg * (1.0 - sg)
-    sg = tl.sigmoid(z_post)
-    gz_post = tl.load(g_post_ptr + tok[:, None] * N + k[None, :], mask=m2, other=0.0) * 2.0 * sg * (1.0 - sg)
-    # Sinkhorn backward, last step first: c_t = c_{t-1} / den  =>  g_{t-1} = (g_t - sum_axis(g_t c_t)) / den.
-    c0, p = _softmax_eps(z_comb, valid, eps)
-    g = tl.load(g_comb_ptr + tok[:, None, None] * (N * N) + jk[None, :, :], mask=m3, other=0.0)
-    for i in range(0, 2 * iters - 1):
-        t = 2 * iters - 1 - i
-        c = c0
-        for u in range(1, t):
-            c, _ = _sinkhorn_step(c, u, valid, eps)
-        c, den = _sinkhorn_step(c, t, valid, eps)
-        gc = g * c
-        g_sum = tl.where(t % 2 == 1, tl.sum(gc, axis=1)[:, None, :], tl.sum(gc, axis=2)[:, :, None])
-        g = tl.where(valid, (g - g_sum) / den, 0.0)
-    gz_comb = p * (g - tl.sum(g * p, axis=2)[:, :, None])  # softmax backward (the + eps is constant)
-    # z = raw * r * scale + base
-    g_r = (tl.sum(gz_pre * raw_pre, axis=1) * s0 + tl.sum(gz_post * raw_post, axis=1) * s1
-           + tl.sum(tl.sum(gz_comb * raw_comb, axis=2), axis=1) * s2)  # dL/dr [BLOCK_T]
-    tl.store(g_raw_ptr + tok[:, None] * M + k[None, :], gz_pre * (r * s0)[:, None], mask=m2)
-    tl.store(g_raw_ptr + tok[:, None] * M + N + k[None, :], gz_post * (r * s1)[:, None], mask=m2)
-    tl.store(g_raw_ptr + tok[:, None, None] * M + 2 * N + jk[None, :, :], gz_comb * (r * s2)[:, None, None], mask=m3)
-    tl.store(g_sumsq_ptr + tok, g_r * (-0.5 * inv_width) * r * r * r, mask=t_ok)
-    tl.store(g_base_ptr + tok[:, None] * M + k[None, :], gz_pre, mask=m2)
-    tl.store(g_base_ptr + tok[:, None] * M + N + k[None, :], gz_post, mask=m2)
-    tl.store(g_base_ptr + tok[:, None, None] * M + 2 * N + jk[None, :, :], gz_comb, mask=m3)
-    tl.store(g_scale_ptr + tok * 3, tl.sum(gz_pre * raw_pre, axis=1) * r, mask=t_ok)
-    tl.store(g_scale_ptr + tok * 3 + 1, tl.sum(gz_post * raw_post, axis=1) * r, mask=t_ok)
-    tl.store(g_scale_ptr + tok * 3 + 2, tl.sum(tl.sum(gz_comb * raw_comb, axis=2), axis=1) * r, mask=t_ok)
-
-
-# ------------------------------------------------------------------------------------------------------------
 # Host wrappers
 
 
@@ -471,29 +352,20 @@ def _check_step(y: torch.Tensor, S: torch.Tensor, mix: torch.Tensor, fn: torch.T
 #   sq_tile            sum of squares accumulated per element, reduced once at the end
 # Offline sm_90 compiles with Triton 3.6 (ptxas -v): 64-token tiles use wgmma and sit at 255 registers (2 programs
 # per SM); 32-token tiles use mma.sync at ~170 registers (3 per SM by registers); 4 stages of 64 x 32 spill.
+# The session-3 H200 sweep ran 18 configurations (0.787 to 1.28 ms, BENCHMARKS.md); kept are its best (the
+# default), the previous default, that one with each switch on alone, and the smallest tile, so the sweep and the
+# tests reach every code path (split_d, stream, sq_tile) at least once.
 def _cfg(t, d, w, s, **extra):
     return dict(block_t=t, block_d=d, num_warps=w, num_stages=s, **extra)
 
 
 FWD_CONFIGS: dict[str, dict] = {
-    "t64_d32_w4_s2": _cfg(64, 32, 4, 2),  # the first default: 0.78-1.10 ms on the H200
-    "t64_d32_w4_s3": _cfg(64, 32, 4, 3),  # 0.72 ms in the first sweep
+    "t32_d64_w8_s4": _cfg(32, 64, 8, 4),  # the sweep's best, FWD_DEFAULT
+    "t64_d32_w4_s3": _cfg(64, 32, 4, 3),  # the previous default: 0.72 ms in the first sweep, 0.85 ms in session 3
+    "t64_d32_w4_s3_split2": _cfg(64, 32, 4, 3, split_d=2),
     "t64_d32_w4_s3_stream": _cfg(64, 32, 4, 3, stream=True),
     "t64_d32_w4_s3_sq": _cfg(64, 32, 4, 3, sq_tile=True),
-    "t64_d32_w4_s3_split2": _cfg(64, 32, 4, 3, split_d=2),
-    "t64_d32_w4_s3_split4": _cfg(64, 32, 4, 3, split_d=4),
-    "t64_d16_w4_s4": _cfg(64, 16, 4, 4),
-    "t64_d16_w4_s4_stream": _cfg(64, 16, 4, 4, stream=True),
-    "t64_d16_w4_s4_split2": _cfg(64, 16, 4, 4, split_d=2),
-    "t64_d32_w8_s3": _cfg(64, 32, 8, 3),
-    "t128_d32_w8_s3": _cfg(128, 32, 8, 3),
-    "t32_d32_w4_s3": _cfg(32, 32, 4, 3),
-    "t32_d32_w4_s4": _cfg(32, 32, 4, 4),
-    "t32_d32_w4_s4_stream": _cfg(32, 32, 4, 4, stream=True),
-    "t32_d32_w4_s4_split2": _cfg(32, 32, 4, 4, split_d=2),
-    "t32_d64_w8_s4": _cfg(32, 64, 8, 4),
-    "t32_d16_w2_s4": _cfg(32, 16, 2, 4),
-    "t16_d32_w2_s4": _cfg(16, 32, 2, 4),
+    "t16_d32_w2_s4": _cfg(16, 32, 2, 4),  # the smallest tile
 }
 FWD_DEFAULT = "t32_d64_w8_s4"  # 0.787 ms in the session-3 H200 sweep (t64_d32_w4_s3: 0.85 ms); BENCHMARKS.md
 
@@ -637,62 +509,6 @@ def mhc_step(y: torch.Tensor, S: torch.Tensor, mix: torch.Tensor, fn: torch.Tens
     """Autograd-aware fused step on flat tensors: y [N, D], S [N, n, D], mix [N, n+1, n+1] fp32, fn [M, n*D]
     -> (S' [N, n, D], x [N, D], sum_sq [N] or None, raw [N, M] or None). Gradients reach y, S, mix and fn."""
     return _MHCStep.apply(y.contiguous(), S.contiguous(), mix.contiguous(), fn, fwd_kwargs)
-
-
-_COEFF_BLOCK_T = 64
-
-
-class _Coeffs(torch.autograd.Function):
-    """(raw [N, M], sum_sq [N], scale [3], base [M]) -> (pre [N, n], post [N, n], comb [N, n, n]), fp32."""
-
-    @staticmethod
-    def forward(ctx, raw, sumsq, scale, base, n, width, norm_eps, eps, iters):
-        N = raw.shape[0]
-        pre = torch.empty(N, n, dtype=torch.float32, device=raw.device)
-        post = torch.empty_like(pre)
-        comb = torch.empty(N, n, n, dtype=torch.float32, device=raw.device)
-        if N:
-            _coeff_fwd_kernel[(triton.cdiv(N, _COEFF_BLOCK_T),)](
-                raw, sumsq, scale, base, pre, post, comb, N, 1.0 / width, norm_eps, eps, iters,
-                N=n, NP=triton.next_power_of_2(n), BLOCK_T=_COEFF_BLOCK_T, num_warps=4)
-        ctx.save_for_backward(raw, sumsq, scale, base)
-        ctx.consts = (n, width, norm_eps, eps, iters)
-        return pre, post, comb
-
-    @staticmethod
-    def backward(ctx, g_pre, g_post, g_comb):
-        raw, sumsq, scale, base = ctx.saved_tensors
-        n, width, norm_eps, eps, iters = ctx.consts
-        N, M = raw.shape
-        z = raw.new_zeros(())
-        g_pre = z.expand(N, n) if g_pre is None else g_pre
-        g_post = z.expand(N, n) if g_post is None else g_post
-        g_comb = z.expand(N, n, n) if g_comb is None else g_comb
-        g_pre, g_post, g_comb = (g.float().contiguous() for g in (g_pre, g_post, g_comb))
-        g_raw = torch.empty_like(raw)
-        g_sumsq = torch.empty_like(sumsq)
-        g_scale = torch.empty(N, 3, dtype=torch.float32, device=raw.device)
-        g_base = torch.empty(N, M, dtype=torch.float32, device=raw.device)
-        if N:
-            _coeff_bwd_kernel[(triton.cdiv(N, _COEFF_BLOCK_T),)](
-                raw, sumsq, scale, base, g_pre, g_post, g_comb, g_raw, g_sumsq, g_scale, g_base,
-                N, 1.0 / width, norm_eps, eps, iters,
-                N=n, NP=triton.next_power_of_2(n), BLOCK_T=_COEFF_BLOCK_T, num_warps=4)
-        return g_raw, g_sumsq, g_scale.sum(0), g_base.sum(0), None, None, None, None, None
-
-
-def next_coeffs(raw: torch.Tensor, sumsq: torch.Tensor, site: HCSite) -> Coeffs:
-    """The site's coefficients from the fused step's statistics, raw [N, M] and sum_sq [N] fp32, in one kernel
-    each way: the same function as `site.coeffs_from_logits(raw * rsqrt(sum_sq / (n D) + norm_eps))`."""
-    n = site.num_streams
-    M = 2 * n + n * n
-    if raw.shape != (raw.shape[0], M) or sumsq.shape != raw.shape[:1]:
-        raise ValueError(f"next_coeffs: raw must be [N, {M}] and sum_sq [N], got {tuple(raw.shape)}, "
-                         f"{tuple(sumsq.shape)}")
-    scale, base = site.scale.float().contiguous(), site.base.float().contiguous()
-    check_device("raw, sum_sq and the site's parameters", "next_coeffs", raw, sumsq, scale, base)
-    return Coeffs(*_Coeffs.apply(raw.float().contiguous(), sumsq.float().contiguous(), scale, base, n,
-                                 n * site.dim, site.norm_eps, site.eps, site.sinkhorn_iters))
 
 
 def single_pass(y: torch.Tensor, S: torch.Tensor, coeffs: Coeffs, pre_lag: torch.Tensor,

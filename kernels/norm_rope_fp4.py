@@ -29,7 +29,7 @@ Numerics: every rounding the three-pass reference makes is made here at the same
   + eps, rsqrt (tl.math.rsqrt: 1 / sqrt in the interpreter, as torch on CPU; on CUDA libdevice's rsqrtf,
   rsqrt.approx, the instruction torch's CUDA rsqrt also compiles to), (x * rstd) * w, rounded to x's dtype;
 - RoPE in fp32 from the rounded y with the tables' values, rounded to x's dtype again; the quantiser as in
-  kernels.fp4_triton (bit-exact with kernels.fp4 / kernels.fp8 for finite input).
+  kernels.fp4_triton / kernels.fp8_triton (bit-exact with kernels.fp4 / kernels.fp8 for finite input).
 Kernels are launched with enable_fp_fusion=False: a contracted `even * c - odd * s` (one fma) would round once
 where the reference rounds three times. The one thing that is not reproduced is the order of the D-term sum of
 squares (torch's order depends on the CPU's vector width; CUDA's on its reduction tree): where the fp32 sum
@@ -59,9 +59,6 @@ import triton.language as tl
 
 from kernels.fp4_triton import (
     _E4M3_RATIO_AMAX_FLOOR,
-    _FP8_AMAX_FLOOR,
-    _FP8_INV_MAX,
-    _FP8_MAX,
     _INV_SIX,
     _KIND,
     _PAIR_WORD,
@@ -81,6 +78,7 @@ from kernels.fp4_triton import (
     interpreting,
     word_view,
 )
+from kernels.fp8_triton import _FP8_AMAX_FLOOR, _FP8_INV_MAX, _FP8_MAX
 
 __all__ = ["norm_rope_fake_quant", "norm_rope_quantize", "QUANTS"]
 

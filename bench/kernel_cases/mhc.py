@@ -1,8 +1,10 @@
-"""Benchmark cases: the single-pass mHC step (kernels/mhc_triton.py) vs model.mhc.single_pass.
+"""Benchmark cases: the single-pass mHC step (kernels/mhc_triton.py, coefficients in kernels/mhc_coeffs_triton.py)
+vs model.mhc.single_pass.
 
 Size: N = 16384 tokens, n = 4 streams, D = 5120, bf16 streams (target: >= 70% of copy bandwidth).
-Sweep (sweep=True): every forward tile configuration of kernels.mhc_triton.FWD_CONFIGS, the coefficient kernel
-alone forward and backward (mhc/coeffs_*, against the PyTorch coefficient ops), and two backward tiles.
+Sweep (sweep=True): every forward tile configuration of kernels.mhc_triton.FWD_CONFIGS (the default, the previous
+default, that one with split_d / stream / sq_tile on, the smallest tile), the coefficient kernel alone forward and
+backward (mhc/coeffs_*, kernels.mhc_coeffs_triton against the PyTorch coefficient ops), and two backward tiles.
 CPU dry run: set DEVICE = "cpu" and small N / DIM here, TRITON_INTERPRET=1, then call every case's functions.
 Ideal bytes, forward: (n + 1) reads + (n + 1) writes of D-wide bf16 rows per token (the per-token mix matrix,
 sum_sq and raw logits are < 0.2% on top). Backward: y, S, dL/dS', dL/dx read and dL/dy, dL/dS written,
@@ -13,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels import mhc_triton
+from kernels import mhc_coeffs_triton, mhc_triton
 from model import mhc
 from model.config import MHCConfig
 
@@ -79,12 +81,12 @@ def cases(sweep: bool = False) -> list[dict]:
         # The next site's coefficients from the statistics: one Triton launch each way vs the PyTorch ops.
         _, _, sumsq, raw = mhc_triton.mhc_step_fwd(y2, S3, mix, fn)
         with torch.no_grad():  # forward only, no graph: the cases below time the backward
-            c_fwd = (lambda: mhc_triton.next_coeffs(raw, sumsq, site),
+            c_fwd = (lambda: mhc_coeffs_triton.next_coeffs(raw, sumsq, site),
                      lambda: site.coeffs_from_logits(raw * torch.rsqrt(sumsq[:, None] / (n * DIM) + site.norm_eps)))
         out.append({"name": "mhc/coeffs_fwd", "fn_triton": torch.no_grad()(c_fwd[0]),
                     "fn_baseline": torch.no_grad()(c_fwd[1]), "sweep": True, "bytes": N * (M + 1 + M) * 4})
         raw, sumsq = raw.requires_grad_(), sumsq.requires_grad_()
-        c_tri = mhc_triton.next_coeffs(raw, sumsq, site)
+        c_tri = mhc_coeffs_triton.next_coeffs(raw, sumsq, site)
         c_ref = site.coeffs_from_logits(raw * torch.rsqrt(sumsq[:, None] / (n * DIM) + site.norm_eps))
         g_c = [torch.randn_like(t) for t in c_ref]
         leaves_c = [raw, sumsq, site.scale, site.base]

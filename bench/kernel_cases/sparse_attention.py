@@ -9,19 +9,21 @@ graph is kept at a time (building another drops the previous one), so the cases 
 
 Measured (bench/kernels.py, one H200, torch 2.11 / triton 3.6, bf16 matmul 776 TFLOP/s): forward 11.8 ms =
 233 TFLOP/s (4.2x the baseline), backward 42.8 ms = 160 TFLOP/s (4.1x). Both miss their targets; the reasons are
-in kernels/sparse_attention.py (duplicated QK^T tiles in the forward; the backward's per-query dkv writes).
+in kernels/sparse_attention_fwd.py (duplicated QK^T tiles) and kernels/sparse_attention_bwd.py (the per-query dkv
+writes).
 
 The inference-cache case (`fwd_fp8win_fp4cmp`) is the same forward with kv_win in FP8 (e4m3 + e8m0 per 32) and
-kv_cmp in FP4 (E2M1 + e4m3 per 16), dequantised by the kernel as it loads each tile; its baseline dequantises both
-with kernels.fp8 / kernels.fp4 and then runs the gather-based reference. Same useful FLOPs as the bf16 forward, so
-the two rows compare directly: the key bytes read fall to about 1/2 (window) and 9/32 (top-k), the decode adds ALU
-work per key element. Measured 123 TFLOP/s with bf16 q; it now runs with fp32 queries (see kernels/sparse_attention.py).
+kv_cmp in FP4 (E2M1 + e4m3 per 16): the Triton path dequantises both into bf16 (one Triton pass each) and then runs
+the plain kernel; its baseline dequantises both with the PyTorch references and then runs the gather-based
+reference. Same useful FLOPs as the bf16 forward, so the two rows compare directly and the difference is the
+dequantisation pass: 11.53 ms against 11.42 ms on the H200 (2026-11-30). A decode inside the kernel as each key tile
+was loaded ran 86.9 ms and was removed (kernels/sparse_attention.py says why).
 
-sweep=True adds the launch variants of kernels/sparse_attention.py (FWD_CONFIG: BLOCK_N, (num_warps, num_stages),
-SPLIT_D, PIPE; BWD_CONFIG: the key-centric window gradient window_dkv="keys" with BLOCK_J, dkv_window_SPLIT_D and
-its launch, dkv_unchained, and the dq / dkv launches), named by their overrides, e.g.
-"sparse_attention/fwd/PIPE=True,BLOCK_N=64,fwd=8x1". The backward sweep cases reuse the one retained graph of "bwd"
-(the config is read at backward time).
+sweep=True adds the launch variants of kernels/sparse_attention.py (FWD_CONFIG: BLOCK_N, (num_warps, num_stages);
+BWD_CONFIG: the dq / dkv launches), named by their overrides, e.g. "sparse_attention/fwd/BLOCK_N=64,fwd=8x1". The
+backward sweep cases reuse the one retained graph of "bwd" (the config is read at backward time). The forward's
+SPLIT_D and PIPE variants and the backward's key-centric window gradient and chained dkv dots lost the H200 sweep of
+2026-11-30 (BENCHMARKS.md) and were removed.
 """
 
 from __future__ import annotations
@@ -118,39 +120,15 @@ def _name(overrides: dict) -> str:
     return ",".join(f"{k}={'x'.join(map(str, v)) if isinstance(v, tuple) else v}" for k, v in overrides.items())
 
 
-# Sweep configurations (about 3 minutes of GPU time in all, plus compilation). Shared memory, since the key tiles
-# are not pipelined into async copies (TTGIR for sm_90): q 64 KB plus one buffer per key-tile load, so BLOCK_N=128
-# fits only the default loop, and PIPE (two key loads an iteration) stops at BLOCK_N=64.
+# Sweep configurations (plus compilation). Shared memory, since the key tiles are not pipelined into async copies
+# (TTGIR for sm_90): q 64 KB plus one buffer per key-tile load.
 _FWD_SWEEP = [
     {"BLOCK_N": 32},  # the pre-existing sweep case
     {"BLOCK_N": 64, "fwd": (8, 1)},
     {"BLOCK_N": 128, "fwd": (8, 1)},
     {"BLOCK_N": 32, "fwd": (8, 3)},
-    # output channels over 2 programs: [64, 256] accumulators, the logits recomputed by each
-    {"SPLIT_D": 2, "BLOCK_N": 64, "fwd": (8, 1)},
-    {"SPLIT_D": 2, "BLOCK_N": 64, "fwd": (4, 1)},
-    {"SPLIT_D": 2, "BLOCK_N": 32, "fwd": (4, 2)},
-    {"SPLIT_D": 2, "BLOCK_N": 128, "fwd": (8, 1)},
-    # logits one block ahead: QK^T split across the warpgroups instead of duplicated
-    {"PIPE": True, "BLOCK_N": 64, "fwd": (8, 1)},
-    {"PIPE": True, "BLOCK_N": 64, "fwd": (8, 2)},
-    {"PIPE": True, "BLOCK_N": 32, "fwd": (8, 2)},
-    {"PIPE": True, "BLOCK_N": 32, "fwd": (8, 1)},
-    {"PIPE": True, "SPLIT_D": 2, "BLOCK_N": 64, "fwd": (8, 1)},
-    {"PIPE": True, "SPLIT_D": 2, "BLOCK_N": 64, "fwd": (4, 1)},
 ]
-# the quantised forward (fp32 queries on TF32, QUANT_FWD_CONFIG) takes the default loops: 128 KB of fp32 queries
-# leave room for one 64-row or two 32-row fp32 key buffers
-_QUANT_SWEEP = [{"BLOCK_N": 16, "fwd": (8, 2)}, {"BLOCK_N": 32, "fwd": (4, 1)}, {"BLOCK_N": 64, "fwd": (8, 1)},
-                {"BLOCK_N": 16, "fwd": (4, 2)}]
 _BWD_SWEEP = [
-    {"window_dkv": "keys"},  # BLOCK_J 64, channels in 2 slices, (8, 2)
-    {"window_dkv": "keys", "dkv_unchained": True},
-    {"window_dkv": "keys", "BLOCK_J": 128, "dkv_window": (8, 1)},
-    {"window_dkv": "keys", "dkv_window_SPLIT_D": 1, "dkv_window": (8, 1)},
-    {"window_dkv": "keys", "dkv_window": (4, 2)},
-    {"dkv_unchained": True},  # the atomic launch as one K = 2H dot per half (no duplicated dS^T q)
-    {"dkv_unchained": True, "dkv": (8, 1)},
     {"dkv": (8, 1)},
     {"dq": (8, 1)},
 ]
@@ -168,24 +146,7 @@ def cases(sweep: bool = False) -> list[dict]:
     ]
     if sweep:
         noop = lambda: None  # noqa: E731
-
-        def on_load(fp32_queries: bool):
-            """The quantised forward with the kernel decoding key tiles as it loads them (sa.QUANT_DECODE)."""
-            def run():
-                saved = sa.QUANT_DECODE, sa.QUANT_FP32_QUERIES
-                sa.QUANT_DECODE, sa.QUANT_FP32_QUERIES = "on_load", fp32_queries
-                try:
-                    return _forward_quantised("triton")
-                finally:
-                    sa.QUANT_DECODE, sa.QUANT_FP32_QUERIES = saved
-            return run
-
-        for label, flag in (("on_load_bf16", False), ("on_load_fp32_queries_tf32", True)):
-            out.append({"name": f"sparse_attention/fwd_fp8win_fp4cmp/{label}", "sweep": True, "flops": FWD_FLOPS,
-                        "fn_triton": on_load(flag), "fn_baseline": noop})
         runs = [("fwd", sa.FWD_CONFIG, _FWD_SWEEP, lambda: _forward("triton"), FWD_FLOPS),
-                # QUANT_FWD_CONFIG: the on-load decode with fp32 queries
-                ("fwd_fp8win_fp4cmp", sa.QUANT_FWD_CONFIG, _QUANT_SWEEP, on_load(True), FWD_FLOPS),
                 ("bwd", sa.BWD_CONFIG, _BWD_SWEEP, _backward("triton"), int(2.5 * FWD_FLOPS))]
         for what, config, sweep_list, fn, flops in runs:
             for overrides in sweep_list:

@@ -9,9 +9,11 @@
   autograd (fp32: ~1e-5 relative; bf16: a few bf16 roundings), also when only some outputs carry gradient;
 - every output and gradient element is written (allocations are NaN-poisoned), explicit out= buffers are honoured;
 - every forward tile configuration (`FWD_CONFIGS`: D split across programs with partial statistics, L2 hints,
-  per-element sum of squares, other tiles) writes the same S', x and statistics as the default one;
-- the one-launch coefficient kernel (`next_coeffs`: rms factor, sigmoids, Sinkhorn, and its backward through the
-  Sinkhorn iterations) equals `HCSite.coeffs_from_logits` and its autograd, for n = 4 and n = 3 (padded tile);
+  per-element sum of squares, other tiles) writes the same S', x and statistics as the default one, and the kept
+  configurations reach each of those switches;
+- the one-launch coefficient kernel (kernels/mhc_coeffs_triton.py `next_coeffs`: rms factor, sigmoids, Sinkhorn,
+  and its backward through the Sinkhorn iterations) equals `HCSite.coeffs_from_logits` and its autograd, for
+  n = 4 and n = 3 (padded tile);
 - shape / dtype mismatches raise errors naming the argument.
 Runs in the Triton CPU interpreter when there is no GPU, on the GPU otherwise.
 """
@@ -26,7 +28,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports the kernels
 
-from kernels import mhc_triton  # noqa: E402
+from kernels import mhc_coeffs_triton, mhc_triton  # noqa: E402
 from model import mhc  # noqa: E402
 from model.config import MHCConfig  # noqa: E402
 
@@ -67,6 +69,18 @@ def _inputs(B, T, n, D, dtype, seed, requires_grad=False):
     return out
 
 
+def _step_inputs(dtype, seed):
+    """mhc_step_fwd's flat inputs y [N, D], S [N, n, D], mix [N, n+1, n+1], fn [M, n*D] at N = 37, n = 4, D = 72:
+    partial tiles in tokens and channels, and partial D chunks when D is split."""
+    N, n, D = 37, 4, 72
+    g = torch.Generator().manual_seed(seed)
+    S = torch.randn(N, n, D, generator=g).to(dtype).to(DEVICE)
+    y = torch.randn(N, D, generator=g).to(dtype).to(DEVICE)
+    mix = torch.randn(N, n + 1, n + 1, generator=g).to(DEVICE)
+    fn = torch.randn(2 * n + n * n, n * D, generator=g).to(DEVICE)
+    return y, S, mix, fn
+
+
 def _assert_close_rel(a: torch.Tensor, b: torch.Tensor, rel: float, what: str) -> None:
     a, b = a.detach().double(), b.detach().double()
     assert torch.isfinite(a).all(), f"{what}: non-finite values (unwritten?)"
@@ -97,12 +111,8 @@ def test_forward_matches_reference(poisoned, n, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_kernel_statistics_and_tiles(poisoned, dtype):
     """The raw kernel outputs, at tile sizes that leave partial tiles in tokens and channels."""
-    N, n, D = 37, 4, 72
-    g = torch.Generator().manual_seed(0)
-    S = torch.randn(N, n, D, generator=g).to(dtype).to(DEVICE)
-    y = torch.randn(N, D, generator=g).to(dtype).to(DEVICE)
-    mix = torch.randn(N, n + 1, n + 1, generator=g).to(DEVICE)
-    fn = torch.randn(2 * n + n * n, n * D, generator=g).to(DEVICE)
+    y, S, mix, fn = _step_inputs(dtype, seed=0)
+    n = S.shape[1]
     s_new, x, sumsq, raw = mhc_triton.mhc_step_fwd(y, S, mix, fn, block_t=16, block_d=32, num_warps=4)
     out = mix[:, :, :1] * y.float()[:, None] + mix[:, :, 1:] @ S.float()  # [N, n+1, D] in fp32
     ref_s = out[:, :n].to(dtype)
@@ -188,22 +198,35 @@ def test_impl_switch_and_bad_inputs():
         mhc_triton.mhc_step_fwd(y3, S3.transpose(0, 1).contiguous().transpose(0, 1), mix, None)
 
 
+def test_forward_configs_reach_every_switch():
+    """The kept configurations include the default and turn on each code path of the kernel at least once."""
+    cfgs = mhc_triton.FWD_CONFIGS
+    assert mhc_triton.FWD_DEFAULT in cfgs
+    assert any(c.get("split_d", 1) > 1 for c in cfgs.values()), "split_d"
+    assert any(c.get("stream") for c in cfgs.values()), "stream"
+    assert any(c.get("sq_tile") for c in cfgs.values()), "sq_tile"
+
+
+@pytest.mark.parametrize("config", list(mhc_triton.FWD_CONFIGS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_every_forward_config_matches_default(poisoned, dtype):
-    """Each named tile configuration, at sizes that leave partial tiles and D chunks (D = 72 split 2, 4 ways)."""
-    N, n, D = 37, 4, 72
-    g = torch.Generator().manual_seed(7)
-    S = torch.randn(N, n, D, generator=g).to(dtype).to(DEVICE)
-    y = torch.randn(N, D, generator=g).to(dtype).to(DEVICE)
-    mix = torch.randn(N, n + 1, n + 1, generator=g).to(DEVICE)
-    fn = torch.randn(2 * n + n * n, n * D, generator=g).to(DEVICE)
-    ref = mhc_triton.mhc_step_fwd(y, S, mix, fn, config="t64_d32_w4_s2")
-    for name in mhc_triton.FWD_CONFIGS:
-        got = mhc_triton.mhc_step_fwd(y, S, mix, fn, config=name)
-        assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1]), name  # same fp32 arithmetic per element
-        _assert_close_rel(got[2], ref[2], 1e-6, f"{name} sum_sq")
-        _assert_close_rel(got[3], ref[3], 1e-6, f"{name} raw")
+def test_every_forward_config_matches_default(poisoned, dtype, config):
+    """Each named tile configuration, at sizes that leave partial tiles and D chunks (D = 72 split 2 ways)."""
+    y, S, mix, fn = _step_inputs(dtype, seed=7)
+    ref = mhc_triton.mhc_step_fwd(y, S, mix, fn)  # FWD_DEFAULT
+    got = mhc_triton.mhc_step_fwd(y, S, mix, fn, config=config)
+    assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])  # same fp32 arithmetic per element
+    _assert_close_rel(got[2], ref[2], 1e-6, "sum_sq")
+    _assert_close_rel(got[3], ref[3], 1e-6, "raw")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_forward_keywords_override_config(poisoned, dtype):
+    """Keywords override the named configuration: all switches at once, D = 72 split 3 ways in 16-wide tiles."""
+    y, S, mix, fn = _step_inputs(dtype, seed=7)
+    ref = mhc_triton.mhc_step_fwd(y, S, mix, fn)
     got = mhc_triton.mhc_step_fwd(y, S, mix, fn, block_t=16, block_d=16, split_d=3, stream=True, sq_tile=True)
+    assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+    _assert_close_rel(got[2], ref[2], 1e-6, "keywords sum_sq")
     _assert_close_rel(got[3], ref[3], 1e-6, "keywords raw")
     with pytest.raises(ValueError, match="config"):
         mhc_triton.mhc_step_fwd(y, S, mix, fn, config="t1_d1")
@@ -216,7 +239,8 @@ def test_coefficient_kernel_matches_site(poisoned, n):
     g = torch.Generator().manual_seed(9)
     raw = (torch.randn(N, 2 * n + n * n, generator=g) * 3).to(DEVICE).requires_grad_()
     sumsq = (torch.rand(N, generator=g) * n * D + 1).to(DEVICE).requires_grad_()
-    got = mhc_triton.next_coeffs(raw, sumsq, site)
+    assert mhc_triton.next_coeffs is mhc_coeffs_triton.next_coeffs  # the old import path still works
+    got = mhc_coeffs_triton.next_coeffs(raw, sumsq, site)
     ref = site.coeffs_from_logits(raw * torch.rsqrt(sumsq[:, None] / (n * D) + site.norm_eps))
     for name, a, b in zip(("pre", "post", "comb"), got, ref):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)

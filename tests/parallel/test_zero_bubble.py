@@ -151,6 +151,14 @@ def test_zero_bubble_with_activation_checkpointing_passes_validation():
     assert validate_layout(layout, _config(), seq_len=64, grad_accum=4) == [2, 6, 10]
 
 
+def test_pipeline_on_an_old_torch_is_refused_naming_the_version(monkeypatch):
+    """torch 2.11's PipelineStage cannot carry the stages' int tensors (found on the GPU machine, which has 2.11)."""
+    monkeypatch.setattr(torch, "__version__", "2.11.0+cu130")
+    with pytest.raises(RuntimeError, match=r"needs torch >= 2\.13, this is 2\.11\.0\+cu130.*requires_grad"):
+        validate_layout(ParallelConfig(pp=2), _config(), seq_len=64, grad_accum=4)
+    assert validate_layout(ParallelConfig(tp=2), _config(), seq_len=64, grad_accum=4) == []  # other layouts run
+
+
 # --- through the trainer, 2 ranks -----------------------------------------------------------------------------------
 
 def _worker(rank: int, world: int, names: list[str]) -> dict:

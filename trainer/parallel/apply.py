@@ -94,7 +94,9 @@ def validate_layout(parallel: ParallelConfig, cfg: ModelConfig, *, seq_len: int,
             raise ValueError(f"parallel.cp={parallel.cp} with data.seq_len={seq_len}: {e}") from None
     if parallel.pp == 1:
         return []
-    from trainer.parallel.pipeline import split_points
+    from trainer.parallel.pipeline import check_torch_version, split_points
+
+    check_torch_version()
 
     plan = build_layer_plan(cfg)
     num_stages = parallel.pp * parallel.pp_virtual

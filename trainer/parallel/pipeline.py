@@ -106,7 +106,7 @@ from trainer.parallel.zero_bubble import ContiguousGrad, Tie, ZeroBubbleStage
 __all__ = [
     "SCHEDULES", "Slot", "PipelineStageModule", "PipelineLoss", "Pipeline",
     "allowed_cuts", "split_points", "stage_ids_for_rank", "boundary_slots", "boundary_bytes",
-    "split_model", "build_pipeline", "clip_grad_norm_", "pack_bits", "unpack_bits",
+    "split_model", "build_pipeline", "check_torch_version", "clip_grad_norm_", "pack_bits", "unpack_bits",
 ]
 
 # schedule name -> (class, stage placement: "loop" puts stage s on rank s % pp, "v" puts rank r's two stages at
@@ -623,8 +623,9 @@ class Pipeline:
                 raise ValueError(f"pipeline: {name} has {t.shape[0]} rows, the static micro-batch layout expects "
                                  f"n_microbatches x microbatch_size = {self.rows}")
         args: tuple = ()
-        if self.has_first:
+        if self.has_first:  # contiguous: torch 2.11's stage checks the micro-batches' strides against its example
             args = (input_ids, image_mask) if self.image_mask else (input_ids,)
+            args = tuple(a.contiguous() for a in args)
         self.loss.terms.clear()
         self.schedule.step(*args, target=labels if self.has_last else None, return_outputs=False)
         device = next(iter(self.stages[0].parameters())).device
@@ -638,6 +639,20 @@ class Pipeline:
         return lm + self.loss.coef * kl + seq
 
 
+PIPELINE_MIN_TORCH = "2.13"
+
+
+def check_torch_version() -> None:
+    """Raise, naming the reason, on a torch whose PipelineStage cannot carry this module's stage boundaries."""
+    if torch.torch_version.TorchVersion(torch.__version__) < PIPELINE_MIN_TORCH:
+        raise RuntimeError(
+            f"pipeline parallelism (parallel.pp > 1) needs torch >= {PIPELINE_MIN_TORCH}, this is {torch.__version__}: "
+            "the stages ship int ids, bit-packed masks and gradient-free tensors across each cut (the table at the "
+            "top of trainer/parallel/pipeline.py), and torch 2.11's PipelineStage sets requires_grad on every "
+            "received buffer (refused for integer dtypes) and expects a gradient for every received tensor; every "
+            "other layout runs on torch 2.11")
+
+
 def build_pipeline(stages: list[PipelineStageModule], pp_group, *, schedule: str, n_microbatches: int,
                    microbatch_size: int, seq_len: int, device: torch.device, act_dtype: torch.dtype | None = None,
                    autocast_dtype: torch.dtype | None = None, context_len: int | None = None,
@@ -649,6 +664,7 @@ def build_pipeline(stages: list[PipelineStageModule], pp_group, *, schedule: str
     parallelism): see PipelineStageModule.set_shapes."""
     if schedule not in SCHEDULES:
         raise ValueError(f"pipeline schedule must be one of {sorted(SCHEDULES)}, got {schedule!r}")
+    check_torch_version()
     cls, _ = SCHEDULES[schedule]
     pp = dist.get_world_size(pp_group)
     num_stages = len(stages) * pp

@@ -25,17 +25,74 @@ does not combine with these schedules yet (trainer/parallel/apply.py `_check_mic
 
 from __future__ import annotations
 
+from collections import deque
+
 import torch
-from torch.autograd.graph import GradientEdge
+from torch.autograd.graph import GradientEdge, Node
 from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining._backward import (
-    _autograd_grad_for_inputs,
-    _get_grad_fn_or_grad_acc,
-    construct_reverse_graph,
-    reverse_closure,
-)
 
 __all__ = ["ContiguousGrad", "Tie", "ZeroBubbleStage"]
+
+
+# -- autograd graph walks (our own: pipelining/_backward.py's private helpers differ between torch 2.11 and 2.13) --
+
+def _node_of(t: torch.Tensor) -> Node | None:
+    """The autograd node that receives t's gradient: its grad_fn, or for a leaf that requires grad its
+    AccumulateGrad node (created lazily, so reached through a throw-away view)."""
+    if t.grad_fn is not None or not t.requires_grad:
+        return t.grad_fn
+    node = t.view_as(t).grad_fn
+    if node is None:
+        raise RuntimeError("zero-bubble backward: a parameter has no gradient node (built under no_grad?)")
+    return node.next_functions[0][0]
+
+
+def _consumers(roots: list[Node | None]) -> dict[Node, list[Node]]:
+    """node -> the nodes whose backward feeds it (one step towards the outputs), for every node reachable from
+    `roots` (the outputs' nodes). The roots themselves are keys only when another root feeds them."""
+    out: dict[Node, list[Node]] = {}
+    todo = deque(dict.fromkeys(r for r in roots if r is not None))
+    while todo:
+        node = todo.popleft()
+        for nxt, _ in node.next_functions:
+            if nxt is None:
+                continue
+            if nxt not in out:
+                out[nxt] = []
+                todo.append(nxt)
+            out[nxt].append(node)
+    return out
+
+
+def _towards_outputs(starts: list[Node | None], stop: set[Node], consumers: dict[Node, list[Node]]):
+    """Walk from `starts` towards the outputs; the walk ends at nodes in `stop`. Returns (the nodes walked, the
+    nodes of `stop` met)."""
+    seen = set(s for s in starts if s is not None)
+    met: set[Node] = set()
+    todo = deque(seen)
+    while todo:
+        for nxt in consumers.get(todo.popleft(), ()):
+            if nxt in seen:
+                continue
+            if nxt in stop:
+                met.add(nxt)
+                continue
+            seen.add(nxt)
+            todo.append(nxt)
+    return seen, met
+
+
+def _input_grads(outputs, inputs, grad_outputs) -> tuple:
+    """torch.autograd.grad of `outputs` to those `inputs` that are tensors requiring grad (None elsewhere and for
+    inputs the outputs do not use), keeping the graph for the weight pass."""
+    wanted = [i for i, t in enumerate(inputs) if isinstance(t, torch.Tensor) and t.requires_grad]
+    grads = [None] * len(inputs)
+    if wanted:
+        got = torch.autograd.grad(outputs, [inputs[i] for i in wanted], grad_outputs, retain_graph=True,
+                                  allow_unused=True)
+        for i, g in zip(wanted, got):
+            grads[i] = g
+    return tuple(grads)
 
 
 class ContiguousGrad(torch.autograd.Function):
@@ -101,13 +158,12 @@ def _backward_input(outputs, output_grads, input_values, weights):
     pairs = [(t, torch.ones_like(t) if output_grads is None else output_grads[i]) for i, t in enumerate(outputs)
              if t.requires_grad or t.grad_fn is not None]
     pairs = [(t, g) for t, g in pairs if g is not None]
-    roots = [_get_grad_fn_or_grad_acc(t) for t, _ in pairs]
-    reverse = construct_reverse_graph(roots)  # node -> the nodes that consume its output (towards the outputs)
-    weight_fns = [f for f in map(_get_grad_fn_or_grad_acc, weights) if f is not None and f in reverse]
-    input_fns = [_get_grad_fn_or_grad_acc(t) for t in input_values if isinstance(t, torch.Tensor)]
-    on_path, _ = reverse_closure([f for f in input_fns if f is not None], set(), reverse)
+    consumers = _consumers([_node_of(t) for t, _ in pairs])
+    weight_fns = [f for f in map(_node_of, weights) if f is not None and f in consumers]
+    on_path, _ = _towards_outputs([_node_of(t) for t in input_values if isinstance(t, torch.Tensor)], set(),
+                                  consumers)
     # one search from all parameters at once, stopping at the first node on the input-to-output path: the joints
-    _, joints = reverse_closure(weight_fns, on_path, reverse)
+    _, joints = _towards_outputs(weight_fns, on_path, consumers)
     saved: dict = {}
 
     def keep(node):
@@ -118,8 +174,7 @@ def _backward_input(outputs, output_grads, input_values, weights):
     handles = [node.register_prehook(keep(node)) for node in joints]
     try:
         if pairs:
-            dinputs = _autograd_grad_for_inputs([t for t, _ in pairs], input_values, [g for _, g in pairs],
-                                                retain_graph=True, allow_unused=True)
+            dinputs = _input_grads([t for t, _ in pairs], input_values, [g for _, g in pairs])
         else:
             dinputs = tuple(None for _ in input_values)
     finally:
@@ -128,9 +183,10 @@ def _backward_input(outputs, output_grads, input_values, weights):
     for inp, d in zip(input_values, dinputs):
         if isinstance(inp, torch.Tensor) and d is not None:
             inp.grad = d if inp.grad is None else inp.grad + d
-    for t in outputs:  # the outputs' side of the graph is not needed any more (as torch's input pass)
-        t.detach_()
-    return dinputs, [{"saved": saved}]
+    # The outputs stay attached until the weight pass: a joint that is a custom autograd.Function's node lives only
+    # as long as the graph above it (its Python object holds it weakly on torch 2.11, where detaching the outputs
+    # here, as torch's own input pass does, freed such joints before the weight pass reached them).
+    return dinputs, [{"saved": saved, "outputs": list(outputs)}]
 
 
 def _backward_weight(weights, state) -> tuple:
@@ -139,6 +195,7 @@ def _backward_weight(weights, state) -> tuple:
     count the other's share twice). One call, not torch's parameter groups: see the module docstring."""
     (state,) = state
     saved = state.pop("saved")
+    outputs = state.pop("outputs")
     edges, grads = [], []
     for node, grad_outputs in saved.items():
         for i, g in enumerate(grad_outputs):
@@ -146,8 +203,9 @@ def _backward_weight(weights, state) -> tuple:
                 edges.append(GradientEdge(node, i))
                 grads.append(g)
     weights = [w for w in weights if w.requires_grad]
-    accs = [_get_grad_fn_or_grad_acc(w) for w in weights]
+    accs = [_node_of(w) for w in weights]
     if not edges:
+        _release(outputs)
         return tuple(w.grad for w in weights)
     handles = [node.register_prehook(lambda _, g=grad_outputs: g) for node, grad_outputs in saved.items()]
     try:
@@ -155,6 +213,7 @@ def _backward_weight(weights, state) -> tuple:
     finally:
         for h in handles:
             h.remove()
+        _release(outputs)
     for w, dw in zip(weights, dws):
         if dw is not None:
             if w.grad is None:
@@ -162,3 +221,9 @@ def _backward_weight(weights, state) -> tuple:
             else:
                 w.grad += dw
     return tuple(w.grad for w in weights)
+
+
+def _release(outputs) -> None:
+    """Detach the stage outputs in place, so that autograd frees the graph that led to them."""
+    for t in outputs:
+        t.detach_()

@@ -1,0 +1,198 @@
+"""Triton kernels for FP8 E4M3 block quantisation (SWA KV), bit-exact with `kernels.fp8`.
+
+The PyTorch reference (`impl="reference"`) in kernels/fp8.py defines the contract (e4m3 values, one e8m0 scale per
+block, 2^ceil(log2(max(amax, 1e-4) * fp32(1/448)))); the kernels here reproduce it bit for bit for finite inputs.
+`kernels.fp8.quantize_fp8(..., impl="triton")` and friends route here.
+
+Shape legend:
+    R    rows: all leading dims flattened; blocks never straddle rows since D % block == 0
+    D    channels, the last dim
+    NB   R * D // block, the total number of blocks (one scale each)
+    P    blocks handled by one program
+
+FP8 has one byte per channel, so a program owns plain [P, block] tiles of elements (no pair words as in FP4). The
+scale is a power of two, so the quotient is a multiply by its exact reciprocal. The rounding rules, the shared
+device helpers (e4m3 / e8m0 codes from the bits, tile loads and byte stores) and the launch variants (VARIANTS,
+`variant=`) are those of kernels.fp4_triton, imported from there.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.fp4_triton import (
+    DEFAULT_VARIANT,
+    _KIND,
+    _blocks_per_prog,
+    _e4m3_mag,
+    _e4m3_value,
+    _e8m0_value,
+    _load_blocks,
+    _magnitude,
+    _pow2_ceil,
+    _pow2_reciprocal,
+    _store_bytes,
+    _store_scale_bytes,
+    _variant_launch,
+    _with_sign,
+    bf16_bits,
+    check_device,
+)
+from kernels.fp8 import FP8_AMAX_FLOOR, FP8_MAX, check_blocked, check_scales
+
+__all__ = ["quantize_fp8", "dequantize_fp8", "fake_quant_fp8"]
+
+# Constants the kernels read (Triton only lets jitted code see globals wrapped as constexpr).
+_FP8_MAX = tl.constexpr(FP8_MAX)
+_FP8_INV_MAX = tl.constexpr(1.0 / FP8_MAX)  # rounded to fp32 where used, like the reference's fp32 reciprocal
+_FP8_AMAX_FLOOR = tl.constexpr(FP8_AMAX_FLOOR)
+
+
+@triton.jit
+def _e4m3_mag_rn(a):
+    """fp32 0 <= a <= 448 -> float8_e4m3fn bits of its magnitude, equal to `_e4m3_mag` in fewer instructions:
+    the step is 2^(binade - 3), 2^-9 below 2^-6 (subnormals); adding M = 2^23 * step rounds a to a multiple of
+    the step (ties to even) in one fp32 add, and a mantissa carry lands in the next binade's code by itself."""
+    e = tl.maximum(a.to(tl.int32, bitcast=True) >> 23, 121)  # biased binade, 121 (2^-6) for all subnormals
+    m_bits = (e << 23) + (20 << 23)  # M = 2^(e - 107) = 2^23 * 2^(e - 130)
+    return (a + m_bits.to(tl.float32, bitcast=True)).to(tl.int32, bitcast=True) - m_bits + 8 * e - 968
+
+
+@triton.jit
+def _fp8_quant_tile(x, tile, values_ptr, scales_ptr, fake_ptr, num_blocks,
+                    BLOCK: tl.constexpr, KIND: tl.constexpr, FAKE: tl.constexpr, P: tl.constexpr,
+                    ENCODE: tl.constexpr):
+    """Quantise one loaded tile x [P, BLOCK] (blocks tile * P ...) and store its outputs."""
+    bits = x.to(tl.float32).to(tl.int32, bitcast=True)
+    a = _magnitude(bits)
+    amax = tl.max(a, axis=1)
+    # Reference: multiply by fp32(1/448), not divide; the power-of-two ceiling is read from the bits.
+    scale, scale_code = _pow2_ceil(tl.maximum(amax, _FP8_AMAX_FLOOR) * _FP8_INV_MAX)
+    q = tl.minimum(a * _pow2_reciprocal(scale_code)[:, None], _FP8_MAX)  # exact quotient
+    if ENCODE == 1:
+        mag = _e4m3_mag_rn(q)
+    else:
+        mag = _e4m3_mag(q)
+    if FAKE:
+        deq = _with_sign(_e4m3_value(mag) * scale[:, None], bits, True)
+        blk = tile.to(tl.int64) * P + tl.arange(0, P)
+        offs = blk[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+        live = (blk < num_blocks)[:, None]
+        if KIND == 0:
+            tl.store(fake_ptr + offs, bf16_bits(deq).to(tl.int16), mask=live)
+        else:
+            tl.store(fake_ptr + offs, deq.to(fake_ptr.dtype.element_ty), mask=live)
+    else:
+        code = mag | ((bits >> 24) & 0x80)  # the cast keeps the sign, also of values that round to 0
+        _store_bytes(values_ptr, tile, code, num_blocks, P, BLOCK)
+        _store_scale_bytes(scales_ptr, tile, scale_code, num_blocks, P)
+
+
+@triton.jit
+def _fp8_quant_kernel(x_ptr, values_ptr, scales_ptr, fake_ptr, num_blocks,
+                      BLOCK: tl.constexpr, KIND: tl.constexpr, FAKE: tl.constexpr, P: tl.constexpr,
+                      ENCODE: tl.constexpr, PERSISTENT: tl.constexpr):
+    """x [NB * BLOCK] (bf16/fp16/fp32) -> e4m3 bits uint8 [NB * BLOCK] + e8m0 bits uint8 [NB], or (FAKE) the
+    dequantised values (bf16 written as int16 bits, else x's dtype). Tiles and PERSISTENT as in
+    kernels.fp4_triton._fp4_quant_kernel."""
+    if PERSISTENT:
+        pid, step = tl.program_id(0), tl.num_programs(0)
+        x = _load_blocks(x_ptr, pid, num_blocks, BLOCK, P)
+        for i in range(0, tl.cdiv(tl.cdiv(num_blocks, P) - pid, step)):  # the grid is no larger than the tiles
+            tile = pid + i * step
+            x_next = _load_blocks(x_ptr, tile + step, num_blocks, BLOCK, P)
+            _fp8_quant_tile(x, tile, values_ptr, scales_ptr, fake_ptr, num_blocks, BLOCK, KIND, FAKE, P, ENCODE)
+            x = x_next
+    else:
+        tile = tl.program_id(0)
+        _fp8_quant_tile(_load_blocks(x_ptr, tile, num_blocks, BLOCK, P), tile, values_ptr, scales_ptr, fake_ptr,
+                        num_blocks, BLOCK, KIND, FAKE, P, ENCODE)
+
+
+@triton.jit
+def _fp8_dequant_kernel(values_ptr, scales_ptr, out_ptr, num_blocks, BLOCK: tl.constexpr, P: tl.constexpr):
+    """e4m3 bits uint8 [NB * BLOCK] + e8m0 bits uint8 [NB] -> fp32 [NB * BLOCK]."""
+    blk = tl.program_id(0).to(tl.int64) * P + tl.arange(0, P)
+    live = blk < num_blocks
+    offs = blk[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+    code = tl.load(values_ptr + offs, mask=live[:, None], other=0).to(tl.int32)
+    scale = _e8m0_value(tl.load(scales_ptr + blk, mask=live, other=127).to(tl.int32))
+    tl.store(out_ptr + offs, _e4m3_value(code) * scale[:, None], mask=live[:, None])
+
+
+def _fp8_prepare(x: torch.Tensor, block: int, fn_name: str) -> tuple[torch.Tensor, int]:
+    check_blocked(x, block, fn_name)
+    if block & (block - 1):
+        raise ValueError(f"{fn_name}: the Triton kernel needs a power-of-two block, got {block}")
+    check_device("x", fn_name, x)
+    x = x.detach() if x.dtype in _KIND else x.detach().float()
+    return x, x.numel() // block
+
+
+def quantize_fp8(x: torch.Tensor, block: int = 32, *, blocks_per_prog: int | None = None, num_warps: int = 4,
+                 variant: str = DEFAULT_VARIANT, out: tuple[torch.Tensor, torch.Tensor] | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block FP8 of x [..., D] -> (values float8_e4m3fn [..., D], scales float8_e8m0fnu [..., D // block])."""
+    x, num_blocks = _fp8_prepare(x, block, "quantize_fp8")
+    lead = x.shape[:-1]
+    if out is None:
+        values = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+        scales = torch.empty(*lead, x.shape[-1] // block, dtype=torch.float8_e8m0fnu, device=x.device)
+    else:
+        values, scales = out
+        if values.shape != x.shape or values.dtype != torch.float8_e4m3fn:
+            raise ValueError(f"quantize_fp8: out values must be float8_e4m3fn {tuple(x.shape)}")
+        check_scales(scales, lead, x.shape[-1] // block, "quantize_fp8")
+        if scales.dtype != torch.float8_e8m0fnu:
+            raise ValueError(f"quantize_fp8: out scales must be float8_e8m0fnu, got {scales.dtype}")
+        check_device("x and out", "quantize_fp8", x, values, scales)
+    p = _blocks_per_prog(block, blocks_per_prog)
+    if num_blocks:
+        grid, opts = _variant_launch(variant, "quantize_fp8", x, triton.cdiv(num_blocks, p), num_warps)
+        _fp8_quant_kernel[grid](
+            x, values.view(torch.uint8), scales.view(torch.uint8), x, num_blocks,
+            BLOCK=block, KIND=_KIND[x.dtype], FAKE=False, P=p, num_warps=num_warps, **opts)
+    return values, scales
+
+
+def fake_quant_fp8(x: torch.Tensor, block: int = 32, *, blocks_per_prog: int | None = None, num_warps: int = 4,
+                   variant: str = DEFAULT_VARIANT) -> torch.Tensor:
+    """dequantize_fp8(quantize_fp8(x)) in x's dtype in one pass. No autograd (the caller adds the STE)."""
+    orig_dtype = x.dtype
+    x, num_blocks = _fp8_prepare(x, block, "fake_quant_fp8")
+    out = torch.empty_like(x)
+    p = _blocks_per_prog(block, blocks_per_prog)
+    if num_blocks:
+        target = out.view(torch.int16) if x.dtype == torch.bfloat16 else out
+        grid, opts = _variant_launch(variant, "fake_quant_fp8", x, triton.cdiv(num_blocks, p), num_warps)
+        _fp8_quant_kernel[grid](
+            x, target, target, target, num_blocks, BLOCK=block, KIND=_KIND[x.dtype], FAKE=True, P=p,
+            num_warps=num_warps, **opts)
+    return out.to(orig_dtype)
+
+
+def dequantize_fp8(values: torch.Tensor, scales: torch.Tensor, block: int = 32, *,
+                   blocks_per_prog: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """values float8_e4m3fn [..., D], scales float8_e8m0fnu [..., D // block] -> float32 [..., D]."""
+    if not isinstance(values, torch.Tensor) or values.dtype != torch.float8_e4m3fn:
+        raise TypeError(f"dequantize_fp8: values must be torch.float8_e4m3fn, got "
+                        f"{getattr(values, 'dtype', type(values))}")
+    check_blocked(values, block, "dequantize_fp8")
+    if block & (block - 1):
+        raise ValueError(f"dequantize_fp8: the Triton kernel needs a power-of-two block, got {block}")
+    check_scales(scales, values.shape[:-1], values.shape[-1] // block, "dequantize_fp8")
+    if scales.dtype != torch.float8_e8m0fnu:
+        raise TypeError(f"dequantize_fp8: the Triton kernel takes float8_e8m0fnu scales, got {scales.dtype}")
+    if out is None:
+        out = torch.empty(values.shape, dtype=torch.float32, device=values.device)
+    elif out.shape != values.shape or out.dtype != torch.float32:
+        raise ValueError(f"dequantize_fp8: out must be float32 {tuple(values.shape)}")
+    check_device("values, scales and out", "dequantize_fp8", values, scales, out)
+    num_blocks = values.numel() // block
+    p = _blocks_per_prog(block, blocks_per_prog)
+    if num_blocks:
+        _fp8_dequant_kernel[(triton.cdiv(num_blocks, p),)](
+            values.view(torch.uint8), scales.view(torch.uint8), out, num_blocks, BLOCK=block, P=p)
+    return out

@@ -1,0 +1,170 @@
+"""Triton backward kernels of the sparse shared-KV attention (`kernels.sparse_attention` launches them, one chunk of
+queries at a time; the tile helpers come from kernels/sparse_attention_fwd.py).
+
+Three launches per chunk of queries, none with a chained dot (so no duplicated tiles):
+- `_bwd_probs`: P = exp2(logits - lse) and dS * scale = P * (dO.V - rowsum(dO * O)) * scale for every (head, slot),
+  written to a scratch buffer in the input dtype (the dS the tensor cores see is rounded to it anyway, as in
+  FlashAttention); also the sink's gradient per row;
+- `_bwd_dq`: dq = sum over slots of dS * key, a GEMM over the gathered keys;
+- `_bwd_dkv`: per block of slots, dS^T q + P^T dO (K = V: key and value gradient share the row) as one K = 2H dot per
+  channel half ([dS | P]^T [q; dO]), scatter-added into fp32 key gradients with atomics. A per-query key set has no
+  owner program without an inverse index (the choice public sparse-MLA backward kernels make too); the summation
+  order, and so the last bits of dkv, vary run to run. Measured on the H200 this launch is bound by writing an fp32
+  [BN, D] block per query and slot block (a reduction over only 64 heads stands behind each), not by the atomics:
+  plain stores are 6% faster.
+Two key-gradient variants were removed after the H200 sweep of 2026-11-30 (BENCHMARKS.md), both slower than this
+launch (38.2 ms for the whole backward): two chained dots per channel half, dS^T q then P^T dO into the same
+accumulator (the former default, 43.0 ms: the first dot got all warps on M and so was computed by both warpgroups
+at BN = 64), and a key-centric launch for the window keys (44.3 ms: key j summed over queries j .. j + W - 1 in
+registers, deterministic, leaving only the top-k slots to the atomics).
+Slots: [0, NW) are the window keys j = t - W + 1 + n and [NW, NW + K) the top-k entries, NW = W rounded up to the
+key block; the host stacks kv_win and kv_cmp into one [B*T + B*E, D] tensor so one loop walks both.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from kernels.sparse_attention_fwd import _dot, _rows_mask
+
+
+@triton.jit
+def _slot_rows(idx_ptr, row, b, t, B, T, E, K, window, NW, n0, offs_n):
+    """Key slots n0 + offs_n of query t -> (rows [BN] of the stacked keys [kv_win (B*T rows); kv_cmp (B*E rows)],
+    valid [BN]).
+
+    Slots [0, NW) are the window keys j = t - W + 1 + n; slots [NW, NW + K) are the top-k entries. NW is W rounded
+    up to BLOCK_N, so a block never mixes the two, and one pipelined loop walks both (the window alone is only
+    W / BLOCK_N iterations, too short to pipeline on its own). One base pointer with integer rows keeps the loads
+    analysable (a select between two pointers defeats Triton's async-copy pipelining)."""
+    n = n0 + offs_n
+    j = t - window + 1 + n
+    k_slot = n - NW
+    idx = tl.load(idx_ptr + row * K + k_slot, mask=(k_slot >= 0) & (k_slot < K), other=-1)
+    is_win = n < NW
+    valid = tl.where(is_win, (n < window) & (j >= 0), (idx >= 0) & (idx < E))
+    rows = tl.where(is_win, b * T + j, B * T + b * E + idx)
+    return rows, valid
+
+
+@triton.jit
+def _probs_block(q, do, k, valid, lse, delta, scale, qk_scale, p_ptrs, ds_ptrs, store_ok, PREC: tl.constexpr):
+    s = _dot(q, tl.trans(k), None, PREC) * qk_scale  # [BH, BN]
+    p = tl.where(valid[None, :], tl.exp2(s - lse[:, None]), 0.0)
+    dp = _dot(do, tl.trans(k), None, PREC)  # dO . V with V = K
+    ds = p * (dp - delta[:, None]) * scale
+    tl.store(p_ptrs, p.to(p_ptrs.dtype.element_ty), mask=store_ok)
+    tl.store(ds_ptrs, ds.to(ds_ptrs.dtype.element_ty), mask=store_ok)
+
+
+@triton.jit
+def _bwd_probs(
+    q_ptr, kv_ptr, idx_ptr, sink_ptr, out_ptr, dout_ptr, lse_ptr, p_ptr, ds_ptr, dsink_ptr,
+    B, T, E, K, window, NW, t0, scale, qk_scale,
+    H: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    """Per query: P = exp(logits - lse) and dS * scale = P * (dO.V - rowsum(dO * O)) * scale for every slot."""
+    FULL: tl.constexpr = D == BLOCK_D
+    t = t0 + tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    h_ok = offs_h < H
+    hd_ok = _rows_mask(h_ok, offs_d, D, FULL)
+    row = b * T + t
+    hd_offs = row * H * D + offs_h[:, None] * D + offs_d[None, :]
+    q = tl.load(q_ptr + hd_offs, mask=hd_ok, other=0.0)
+    do = tl.load(dout_ptr + hd_offs, mask=hd_ok, other=0.0)
+    o = tl.load(out_ptr + hd_offs, mask=hd_ok, other=0.0)
+    delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)  # [BH] rowsum(dO * O)
+    # padded heads get lse = +inf so their p is exactly 0
+    lse = tl.load(lse_ptr + row * H + offs_h, mask=h_ok, other=float("inf"))
+    # d loss / d sink_h = -p_sink * rowsum(dO * O); summed over (b, t) on the host (no hot atomics on H addresses)
+    sink = tl.load(sink_ptr + offs_h, mask=h_ok, other=0.0) * 1.4426950408889634
+    tl.store(dsink_ptr + row * H + offs_h, -tl.exp2(sink - lse) * delta, mask=h_ok)
+
+    NS = NW + K
+    srow = (t - t0 + b * tl.num_programs(0)) * H  # this query's first row in the chunk's scratch [B*chunk*H, NS]
+    n_lo = (tl.maximum(window - 1 - t, 0) // BLOCK_N) * BLOCK_N  # slots before token 0 stay unwritten (and unread)
+    for n0 in range(n_lo, NS, BLOCK_N):
+        rows, valid = _slot_rows(idx_ptr, row, b, t, B, T, E, K, window, NW, n0, offs_n)
+        k = tl.load(kv_ptr + rows[:, None] * D + offs_d[None, :], mask=_rows_mask(valid, offs_d, D, FULL), other=0.0)
+        s_offs = (srow + offs_h)[:, None] * NS + (n0 + offs_n)[None, :]
+        _probs_block(q, do, k, valid, lse, delta, scale, qk_scale, p_ptr + s_offs, ds_ptr + s_offs,
+                     h_ok[:, None] & (n0 + offs_n < NS)[None, :], PREC)
+
+
+@triton.jit
+def _bwd_dq(
+    kv_ptr, idx_ptr, ds_ptr, dq_ptr,
+    B, T, E, K, window, NW, t0,
+    H: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    """Per query: dq = sum over slots of (dS * scale) @ key."""
+    FULL: tl.constexpr = D == BLOCK_D
+    t = t0 + tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    h_ok = offs_h < H
+    row = b * T + t
+    NS = NW + K
+    srow = (t - t0 + b * tl.num_programs(0)) * H
+    dq = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    n_lo = (tl.maximum(window - 1 - t, 0) // BLOCK_N) * BLOCK_N
+    for n0 in range(n_lo, NS, BLOCK_N):
+        rows, valid = _slot_rows(idx_ptr, row, b, t, B, T, E, K, window, NW, n0, offs_n)
+        k = tl.load(kv_ptr + rows[:, None] * D + offs_d[None, :], mask=_rows_mask(valid, offs_d, D, FULL), other=0.0)
+        ds = tl.load(ds_ptr + (srow + offs_h)[:, None] * NS + (n0 + offs_n)[None, :],
+                     mask=h_ok[:, None] & (n0 + offs_n < NS)[None, :], other=0.0)
+        dq = _dot(ds, k, dq, PREC)
+    tl.store(dq_ptr + row * H * D + offs_h[:, None] * D + offs_d[None, :], dq.to(dq_ptr.dtype.element_ty),
+             mask=_rows_mask(h_ok, offs_d, D, FULL))
+
+
+@triton.jit
+def _bwd_dkv(
+    q_ptr, dout_ptr, idx_ptr, p_ptr, ds_ptr, dkv_ptr,
+    B, T, E, K, window, NW, t0,
+    H: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    """Per query and slot block: dkv[key] += (dS * scale)^T q + P^T dO, added atomically into fp32 rows.
+    K = V, so the key gradient and the value gradient land on the same row. The columns go in two halves: a
+    [BN, D] fp32 tile (and the layout change before its atomics) would not fit on chip."""
+    FULL: tl.constexpr = D == BLOCK_D
+    HALF: tl.constexpr = BLOCK_D // 2
+    t = t0 + tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    offs_c = tl.arange(0, HALF)
+    offs_n = tl.arange(0, BLOCK_N)
+    row = b * T + t
+    NS = NW + K
+    srow = (t - t0 + b * tl.num_programs(0)) * H
+    n_lo = (tl.maximum(window - 1 - t, 0) // BLOCK_N) * BLOCK_N
+    # One dot with K = 2H per half: [dS | P]^T [q; dO], the rows paired through one pointer select (rows < BH:
+    # dS with q; the rest: P with dO). Two dots into one accumulator would count as chained, and the first
+    # would get all warps on M: with BN = 64 both warpgroups would compute it (TTGIR for sm_90).
+    offs_r = tl.arange(0, 2 * BLOCK_H)
+    first = offs_r < BLOCK_H
+    h2 = tl.where(first, offs_r, offs_r - BLOCK_H)
+    r_ok = h2 < H
+    qd_base = tl.where(first, q_ptr, dout_ptr) + row * H * D + h2 * D  # [2BH] row pointers
+    qd_lo = tl.load(qd_base[:, None] + offs_c[None, :], mask=_rows_mask(r_ok, offs_c, D, FULL), other=0.0)
+    qd_hi = tl.load(qd_base[:, None] + (offs_c + HALF)[None, :], mask=_rows_mask(r_ok, offs_c + HALF, D, FULL),
+                    other=0.0)
+    pd_base = tl.where(first, ds_ptr, p_ptr) + (srow + h2) * NS  # [2BH]
+    for n0 in range(n_lo, NS, BLOCK_N):
+        rows, valid = _slot_rows(idx_ptr, row, b, t, B, T, E, K, window, NW, n0, offs_n)
+        pd = tl.load(pd_base[:, None] + (n0 + offs_n)[None, :], mask=r_ok[:, None] & (n0 + offs_n < NS)[None, :],
+                     other=0.0)  # [2BH, BN]
+        lo = dkv_ptr + rows[:, None] * D + offs_c[None, :]
+        tl.atomic_add(lo, _dot(tl.trans(pd), qd_lo, None, PREC), mask=_rows_mask(valid, offs_c, D, FULL),
+                      sem="relaxed")
+        tl.atomic_add(lo + HALF, _dot(tl.trans(pd), qd_hi, None, PREC),
+                      mask=_rows_mask(valid, offs_c + HALF, D, FULL), sem="relaxed")
