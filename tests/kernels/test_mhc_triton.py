@@ -221,11 +221,15 @@ def test_every_forward_config_matches_default(poisoned, dtype, config):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_forward_keywords_override_config(poisoned, dtype):
-    """Keywords override the named configuration: all switches at once, D = 72 split 3 ways in 16-wide tiles."""
+    """Keywords override the named configuration: all switches at once, D = 72 split 3 ways in 16-wide tiles. S' and
+    x within 1e-6 relative, not bit-equal: on the H200 this combination's fp32 outputs differed from the default's
+    in the last bits (compiled arithmetic contracts differently; every named configuration is bit-equal above)."""
     y, S, mix, fn = _step_inputs(dtype, seed=7)
     ref = mhc_triton.mhc_step_fwd(y, S, mix, fn)
     got = mhc_triton.mhc_step_fwd(y, S, mix, fn, block_t=16, block_d=16, split_d=3, stream=True, sq_tile=True)
-    assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+    for i, what in enumerate(("keywords S'", "keywords x")):
+        print(what, "max |diff|", (got[i].float() - ref[i].float()).abs().max().item())
+        _assert_close_rel(got[i], ref[i], 1e-6, what)
     _assert_close_rel(got[2], ref[2], 1e-6, "keywords sum_sq")
     _assert_close_rel(got[3], ref[3], 1e-6, "keywords raw")
     with pytest.raises(ValueError, match="config"):
