@@ -72,6 +72,17 @@ Zero bubble: ZBVZeroBubble and InterleavedZeroBubble split each stage's backward
 trainer/parallel/zero_bubble.py makes that split exact on these stages (the stage wraps its received inputs and
 its outputs in that module's `ContiguousGrad` and `Tie`, and the schedules run `ZeroBubbleStage`s).
 
+torch 2.11 (the GPU machine's) sets requires_grad on every received buffer, which integer dtypes refuse, creates a
+gradient receive buffer for every output of the previous stage and expects a gradient back for every received
+tensor. Under `_FLOAT_WIRE` (on for torch < 2.13) every non-floating slot therefore crosses as a float32 "carrier"
+holding its exact bytes (`to_carrier` / `from_carrier`: int32 [..., K] -> [..., K]; int64 [..., C] -> [..., 2C];
+uint8 [..., N] -> [..., ceil(N / 4)], zero-padded), declared requires_grad in the stage metadata and decoded from
+its detached bytes on arrival; a carrier's bit pattern may be a NaN as a float, so nothing computes on it (gloo and
+NCCL copy bytes). Each received carrier gets an exact zero gradient back (zero_bubble.ZeroGrad), and any received
+float that gets no gradient gets zeros (ZeroBubbleStage.fill_input_grads); the sender's backward skips outputs
+that neither require grad nor have a grad_fn. The cost: the carriers' bytes again as gradient traffic, and uint8
+masks padded to 4 bytes per row. torch 2.13 carries the integers as they are and sends zeros itself.
+
 Stage modules keep the model's parameter names (`embed.weight`, `layers.<i>...`, `norm.weight`, `head.weight`):
 `layers` is an nn.ModuleDict keyed by the global layer index, so state dicts and checkpoints match the whole model.
 The stages use static shapes (PipelineStage input/output metadata from `boundary_slots`): no metadata-inference
@@ -101,12 +112,13 @@ from model.config import ModelConfig
 from model.layer_plan import LayerSpec, build_layer_plan
 from model.moe import MoE
 from model.transformer import Transformer, embed_streams, forward_blocks, head_logits, new_context
-from trainer.parallel.zero_bubble import ContiguousGrad, Tie, ZeroBubbleStage
+from trainer.parallel.zero_bubble import ContiguousGrad, Tie, ZeroBubbleStage, ZeroGrad
 
 __all__ = [
     "SCHEDULES", "Slot", "PipelineStageModule", "PipelineLoss", "Pipeline",
     "allowed_cuts", "split_points", "stage_ids_for_rank", "boundary_slots", "boundary_bytes",
     "split_model", "build_pipeline", "check_torch_version", "clip_grad_norm_", "pack_bits", "unpack_bits",
+    "to_carrier", "from_carrier",
 ]
 
 # schedule name -> (class, stage placement: "loop" puts stage s on rank s % pp, "v" puts rank r's two stages at
@@ -316,6 +328,48 @@ def boundary_bytes(cfg: ModelConfig, cut: int, batch: int, seq_len: int, **kwarg
     return sum(s.num_bytes for s in boundary_slots(cfg, cut, batch, seq_len, **kwargs))
 
 
+# Non-floating slots cross as float32 carriers of their exact bytes (the module docstring: torch 2.11's PipelineStage
+# cannot receive integer tensors). Read by PipelineStageModule.set_shapes; tests force it on under torch 2.13.
+_FLOAT_WIRE = torch.torch_version.TorchVersion(torch.__version__) < "2.13"
+
+
+def _is_carried(slot: Slot, float_wire: bool) -> bool:
+    return float_wire and not slot.dtype.is_floating_point
+
+
+def _carrier_shape(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[int, ...]:
+    """[..., N] of `dtype` -> [..., ceil(N * element size / 4)] (the float32 carrier of the same bytes)."""
+    nbytes = shape[-1] * torch.empty((), dtype=dtype).element_size()
+    return (*shape[:-1], -(-nbytes // 4))
+
+
+def to_carrier(t: torch.Tensor) -> torch.Tensor:
+    """A non-floating tensor [..., N] -> the float32 tensor [..., ceil(N * element size / 4)] holding its exact
+    bytes, each row zero-padded to a multiple of 4 bytes. Its values are bit patterns (NaN among them): copy it,
+    never compute on it. Inverse: from_carrier."""
+    if t.numel() == 0:  # (an empty view has strides a dtype view refuses)
+        return t.new_empty(_carrier_shape(tuple(t.shape), t.dtype), dtype=torch.float32)
+    b = t.contiguous().view(torch.uint8)  # [..., N * element size]
+    pad = -b.shape[-1] % 4
+    if pad:
+        b = torch.cat([b, b.new_zeros((*b.shape[:-1], pad))], -1)
+    return b.view(torch.float32)
+
+
+def from_carrier(carrier: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """The tensor of `shape` and `dtype` whose bytes `carrier` holds (to_carrier's output, detached first: it
+    carries no gradient of its own)."""
+    if math.prod(shape) == 0:
+        return carrier.new_empty(shape, dtype=dtype)
+    nbytes = shape[-1] * torch.empty((), dtype=dtype).element_size()
+    b = carrier.detach().view(torch.uint8)
+    if b.shape[-1] != nbytes:
+        b = b[..., :nbytes]
+        if dtype.itemsize > 1:
+            b = b.contiguous()  # a wider view needs unit stride rows
+    return b if dtype == torch.uint8 else b.view(dtype)
+
+
 _BIT_WEIGHTS = (1, 2, 4, 8, 16, 32, 64, 128)
 
 
@@ -380,6 +434,7 @@ class PipelineStageModule(nn.Module):
         path = kern.resolve(self.cfg.kernels, device)
         kw = dict(act_dtype=act, autocast_dtype=autocast_dtype, image_mask=self.uses_image_mask,
                   context_len=context_len, ids=path == "triton", sequence_shards=sequence_shards)
+        self.float_wire = _FLOAT_WIRE  # fixed here: the metadata, _pack and _unpack must agree
         self._in = () if self.is_first else boundary_slots(self.cfg, self.start, batch, seq_len, **kw)
         self._out = () if self.is_last else boundary_slots(self.cfg, self.end, batch, seq_len, **kw)
         self.batch, self.seq_len = batch, seq_len
@@ -414,13 +469,13 @@ class PipelineStageModule(nn.Module):
             if self.uses_image_mask:
                 ids.append(torch.empty(self.batch, self.seq_len, dtype=torch.bool, device="meta"))
             return tuple(ids)
-        return tuple(_meta(s) for s in self._in)
+        return tuple(_meta(s, self.float_wire) for s in self._in)
 
     def example_outputs(self) -> tuple[torch.Tensor, ...]:
         if self.is_last:
             logits = torch.empty(self.batch, self.seq_len, self.cfg.vocab_size, device="meta").requires_grad_()
             return logits, torch.empty(3, device="meta").requires_grad_()
-        return tuple(_meta(s) for s in self._out)
+        return tuple(_meta(s, self.float_wire) for s in self._out)
 
     def forward(self, *inputs: torch.Tensor):
         device_type = inputs[0].device.type
@@ -436,7 +491,15 @@ class PipelineStageModule(nn.Module):
             out = self._forward(inputs)
         if anchor is None:
             return out
-        return tuple(Tie.apply(t, anchor) if t.requires_grad else t for t in out)
+        out = tuple(Tie.apply(t, anchor) if t.requires_grad else t for t in out)
+        # Float wire: the received carriers (which the stage reads only through their detached bytes) get an exact
+        # zero gradient, through the first differentiable output, so that every received tensor has a gradient to
+        # send back (torch 2.11's PipelineStage needs one; see the module docstring).
+        carriers = [t for s, t in zip(self._in, inputs) if _is_carried(s, self.float_wire) and t.requires_grad]
+        if carriers:
+            i = next(i for i, t in enumerate(out) if t.requires_grad)
+            out = out[:i] + (ZeroGrad.apply(out[i], *carriers),) + out[i + 1:]
+        return out
 
     def _forward(self, inputs):
         cfg = self.cfg
@@ -463,6 +526,8 @@ class PipelineStageModule(nn.Module):
 
     def _unpack(self, inputs):
         cfg = self.cfg
+        inputs = [from_carrier(t, s.shape, s.dtype) if _is_carried(s, self.float_wire) else t
+                  for s, t in zip(self._in, inputs)]
         got = dict(zip(((s.name, s.layer) for s in self._in), inputs))
         entries = {(s.name, s.layer): s.entries for s in self._in}
         S, pre, aux = got[("streams", None)], got[("pre", None)], got[("aux", None)]
@@ -524,6 +589,8 @@ class PipelineStageModule(nn.Module):
                     f"pipeline stage [{self.start}, {self.end}): {s.name}"
                     f"{'' if s.layer is None else f' of layer {s.layer}'} is {tuple(t.shape)} {t.dtype}, the "
                     f"static layout says {s.shape} {s.dtype} (micro-batch shape or act_dtype set wrong?)")
+            if _is_carried(s, self.float_wire):
+                t = to_carrier(t)
             t = t.contiguous()  # gloo sends contiguous tensors only
             if t._is_view() or (t.requires_grad and t.is_leaf):
                 # The zero-bubble backward detaches stage outputs in place, which a view refuses and a leaf input
@@ -533,7 +600,9 @@ class PipelineStageModule(nn.Module):
         return tuple(out)
 
 
-def _meta(slot: Slot) -> torch.Tensor:
+def _meta(slot: Slot, float_wire: bool = False) -> torch.Tensor:
+    if _is_carried(slot, float_wire):  # a float32 carrier of the slot's bytes, with a (zero) gradient
+        return torch.empty(_carrier_shape(slot.shape, slot.dtype), device="meta").requires_grad_()
     t = torch.empty(slot.shape, dtype=slot.dtype, device="meta")
     return t.requires_grad_() if slot.grad else t
 
@@ -639,18 +708,17 @@ class Pipeline:
         return lm + self.loss.coef * kl + seq
 
 
-PIPELINE_MIN_TORCH = "2.13"
+PIPELINE_MIN_TORCH = "2.11"
 
 
 def check_torch_version() -> None:
-    """Raise, naming the reason, on a torch whose PipelineStage cannot carry this module's stage boundaries."""
+    """Raise, naming the reason, on a torch older than the PipelineStage versions this module runs on (2.11, whose
+    stages get the float wire, and 2.13; the project's own floor, pyproject.toml)."""
     if torch.torch_version.TorchVersion(torch.__version__) < PIPELINE_MIN_TORCH:
         raise RuntimeError(
             f"pipeline parallelism (parallel.pp > 1) needs torch >= {PIPELINE_MIN_TORCH}, this is {torch.__version__}: "
-            "the stages ship int ids, bit-packed masks and gradient-free tensors across each cut (the table at the "
-            "top of trainer/parallel/pipeline.py), and torch 2.11's PipelineStage sets requires_grad on every "
-            "received buffer (refused for integer dtypes) and expects a gradient for every received tensor; every "
-            "other layout runs on torch 2.11")
+            "trainer/parallel/pipeline.py runs on torch.distributed.pipelining's PipelineStage of torch 2.11 (with "
+            "the float wire: the module docstring) and 2.13; older ones are untested")
 
 
 def build_pipeline(stages: list[PipelineStageModule], pp_group, *, schedule: str, n_microbatches: int,
@@ -675,9 +743,10 @@ def build_pipeline(stages: list[PipelineStageModule], pp_group, *, schedule: str
             raise ValueError(f"pipeline: stage {module.stage_index} was cut into {module.num_stages} stages, but "
                              f"{len(stages)} stages on each of {pp} ranks make {num_stages}")
         module.set_shapes(microbatch_size, seq_len, act_dtype, autocast_dtype, context_len, sequence_shards)
-        pipeline_stages.append(ZeroBubbleStage(
-            module, module.stage_index, num_stages, device, input_args=module.example_inputs(),
-            output_args=module.example_outputs(), group=pp_group))
+        stage = ZeroBubbleStage(module, module.stage_index, num_stages, device, input_args=module.example_inputs(),
+                                output_args=module.example_outputs(), group=pp_group)
+        stage.fill_input_grads = module.float_wire  # torch 2.11 sends a gradient back for every received tensor
+        pipeline_stages.append(stage)
     loss = PipelineLoss(cfg)
     if schedule == "1F1B":
         if len(stages) != 1:

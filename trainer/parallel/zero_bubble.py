@@ -28,10 +28,11 @@ from __future__ import annotations
 from collections import deque
 
 import torch
+import torch.distributed as dist
 from torch.autograd.graph import GradientEdge, Node
 from torch.distributed.pipelining import PipelineStage
 
-__all__ = ["ContiguousGrad", "Tie", "ZeroBubbleStage"]
+__all__ = ["ContiguousGrad", "Tie", "ZeroBubbleStage", "ZeroGrad"]
 
 
 # -- autograd graph walks (our own: pipelining/_backward.py's private helpers differ between torch 2.11 and 2.13) --
@@ -125,14 +126,52 @@ class Tie(torch.autograd.Function):
         return grad, None
 
 
+class ZeroGrad(torch.autograd.Function):
+    """Identity on a stage output t that hands an exact zero gradient to each of `received` (the float carriers of
+    a stage's integer inputs, trainer/parallel/pipeline.py `_FLOAT_WIRE`, which the stage reads only through their
+    detached bytes): every received tensor then has a gradient for the stage to send back, as torch 2.11's
+    PipelineStage requires, in the full and in the split backward alike. Returns an alias of t that is not a view."""
+
+    @staticmethod
+    def forward(ctx, t: torch.Tensor, *received: torch.Tensor) -> torch.Tensor:
+        ctx.received = [(r.shape, r.dtype, r.device) for r in received]
+        return t.detach()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return (grad, *(torch.zeros(shape, dtype=dtype, device=device) for shape, dtype, device in ctx.received))
+
 
 class ZeroBubbleStage(PipelineStage):
     """torch's PipelineStage with our own zero-bubble split backward (the module docstring): the input pass
     (`_backward_input`) and the weight pass (`_backward_weight`) replace pipelining/_backward.py's
     stage_backward_input / stage_backward_weight; the full backward (1F1B, Interleaved1F1B, and the first stage's
-    weight pass under a zero-bubble schedule) is torch's."""
+    weight pass under a zero-bubble schedule) is torch's.
+
+    fill_input_grads (set by pipeline.build_pipeline under its float wire, i.e. on torch 2.11): a received tensor
+    whose input gradient is None gets zeros instead, as torch 2.11's PipelineStage sends a gradient back for every
+    received tensor (it raises on None; 2.13 sends zeros itself)."""
+
+    fill_input_grads = False
+
+    def _get_init_p2p_neighbors_ops(self) -> list:
+        """torch's warm-up sends and receives between neighbouring stages, less those to this rank itself (the two
+        middle stages of a V schedule share a rank and hand tensors over locally): torch 2.11's gloo has no pair to
+        its own rank ("Pair is not connected") and fails the first step of ZBVZeroBubble."""
+        ops = super()._get_init_p2p_neighbors_ops()
+        if torch.torch_version.TorchVersion(torch.__version__) >= "2.13":
+            return ops
+        me = dist.get_rank(self.group)
+        return [op for op in ops if op.group_peer != me]
 
     def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
+        grads, state = self._backward(backward_type, bwd_kwargs, last_backward)
+        if self.fill_input_grads and backward_type != "weight" and not self.is_first:
+            grads = tuple(torch.zeros_like(v) if g is None and isinstance(v, torch.Tensor) else g
+                          for g, v in zip(grads, bwd_kwargs["input_values"]))
+        return grads, state
+
+    def _backward(self, backward_type, bwd_kwargs: dict, last_backward: bool):
         if backward_type not in ("input", "weight"):
             return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
         from torch.distributed.fsdp import FSDPModule
