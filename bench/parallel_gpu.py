@@ -54,6 +54,9 @@ LAYOUTS = {  # name -> (ParallelConfig fields, GPUs)
     "dp_shard2": ({"dp_shard": 2}, 2),
     "cp2": ({"cp": 2}, 2),
     "pp2": ({"pp": 2}, 2),
+    # issue 6's full layouts (nvidia-h200-x4 / -x8)
+    "tp2_ep2": ({"tp": 2, "ep": 2}, 4),
+    "tp2_pp2_ep2": ({"tp": 2, "pp": 2, "ep": 2}, 8),
 }
 
 
