@@ -64,12 +64,29 @@ def _worker(rank: int, world_size: int, backend: str, store_file: str, out_dir: 
         dist.destroy_process_group()
 
 
-def run_distributed(fn, world_size: int, *args, backend: str = "gloo") -> list:
+def run_distributed(fn, world_size: int, *args, backend: str = "gloo", meanwhile=None):
     """Run fn(rank, world_size, *args) on `world_size` processes; return the per-rank results in rank order.
 
-    `fn` must be importable (a module-level function) because the processes are spawned, not forked."""
+    `fn` must be importable (a module-level function) because the processes are spawned, not forked.
+    meanwhile: a callable this process runs while the ranks run (a single-process reference, say, so that it takes
+    a core the ranks leave idle instead of running before or after them); then the return value is
+    (per-rank results, meanwhile()). If it raises, the ranks are stopped and its exception propagates."""
     threads = max(1, (os.cpu_count() or 1) // world_size)
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "store")
-        mp.spawn(_worker, args=(world_size, backend, store, tmp, fn, args, threads), nprocs=world_size, join=True)
-        return [torch.load(Path(tmp) / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
+        context = mp.spawn(_worker, args=(world_size, backend, store, tmp, fn, args, threads), nprocs=world_size,
+                           join=meanwhile is None)
+        local = None
+        if meanwhile is not None:
+            try:
+                local = meanwhile()
+            except BaseException:
+                for process in context.processes:
+                    process.terminate()
+                for process in context.processes:
+                    process.join()
+                raise
+            while not context.join():
+                pass
+        results = [torch.load(Path(tmp) / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
+        return results if meanwhile is None else (results, local)

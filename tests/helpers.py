@@ -28,3 +28,39 @@ def build_tiny(seed: int = 0, **overrides):
     m.to_empty(device="cpu")
     m.init_weights()
     return m
+
+
+# The smallest model that still has every layer role, for the costliest whole-model tests: the Triton ones in
+# tests/parallel (tp, cp, pp), where the CPU interpreter's cost grows with the layers and the tokens (one program per
+# token in the attention, the mHC step and the top-k), and test_layouts.py's, where every layout's DTensor, FSDP and
+# pipeline work grows with the layers. They run it on EVERY_ROLE_SEQ_LEN tokens.
+EVERY_ROLE_SEQ_LEN = 24
+
+
+def every_role_config(**overrides) -> ModelConfig:
+    """v41_tiny shrunk to 6 layers that keep every layer role the plan knows, and every branch the attention takes
+    on it:
+
+        0 SWA | 1 encoder Full (ratio 2) | 2 encoder Reuse | 3 decoder Full (ratio 1, KV from h_{L/2}, builds the
+        candidate pool) | 4 decoder Reuse | 5 pool-restricted Reindex (its top-k published as entry ids), Engram
+
+    and the same widths, heads, experts (8 + a shared one, 2 per token) and mHC streams. The window (8), the top-k (6)
+    and the pool (3 blocks x 4 = 12 entries) shrink with the sequence, so that at EVERY_ROLE_SEQ_LEN = 24 tokens the
+    window edge is crossed, the ratio-2 layers see more entries (12) than the top-k, and the ratio-1 layers more (24)
+    than the pool holds (v41_tiny: window 32, top-k 16, pool 32 entries, for 48 to 128 tokens). 5 Sinkhorn iterations,
+    as the trainer tests' micro model (tests/trainer/harness.py), not 20: the mHC kernel's backward recomputes the
+    iterations, O(iters^2) steps a token, the interpreter's largest single cost at 20 (tests/kernels/test_mhc_triton.py
+    and tests/model/test_kernels_switch.py run 20)."""
+    base = load_config("v41_tiny")
+    cfg = dataclasses.replace(
+        base,
+        num_layers=6,
+        num_encoder_layers=3,
+        attention=dataclasses.replace(base.attention, window=8),
+        csa2=dataclasses.replace(base.csa2, compress_ratios=[0, 2, 2, 1, 1, 1], kv_source_layers=[1, 3],
+                                 index_source_layers=[1, 3, 5], candidate_source_layer=3, index_topk=6,
+                                 candidate_block_size=4, candidate_topk_blocks=3),
+        mhc=dataclasses.replace(base.mhc, sinkhorn_iters=5),
+        engram=dataclasses.replace(base.engram, layers=[5]),
+    )
+    return dataclasses.replace(cfg, **overrides) if overrides else cfg

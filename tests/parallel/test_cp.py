@@ -34,8 +34,9 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
 import model as model_pkg
+from model.layer_plan import build_layer_plan
 from tests.distributed import run_distributed
-from tests.helpers import load_config
+from tests.helpers import EVERY_ROLE_SEQ_LEN, every_role_config, load_config
 from trainer.config import ParallelDims
 from trainer.parallel.context import apply_cp, check_sequence_length, sequence_shard, shard_sequence
 from trainer.parallel.expert import clip_grad_norm_, reduce_gradients, reduce_load_counts
@@ -113,18 +114,19 @@ def test_chunk_length_validation_names_the_values():
 SEED, ROWS_GLOBAL, SEQ_LEN, STEPS, LR, MAX_NORM, CP = 0, 2, 128, 2, 0.05, 0.5, 2
 
 
-def _config(kernels: str = "reference"):
-    base = dataclasses.replace(load_config("v41_tiny"), kernels=kernels)
+def _config(kernels: str = "reference", base=None):
+    """v41_tiny, or `base`, on `kernels`."""
+    base = dataclasses.replace(base or load_config("v41_tiny"), kernels=kernels)
     # A large bias rate, so the second step routes with visibly moved biases, and the sequence-wise balance loss on,
     # so the chunk mean of its expert frequencies is exercised.
     moe = dataclasses.replace(base.moe, bias_update_rate=0.05, seq_aux_loss_coef=1e-2)
     return dataclasses.replace(base, moe=moe)
 
 
-def _build(cp_mesh=None, kernels: str = "reference"):
+def _build(cp_mesh=None, kernels: str = "reference", base=None):
     torch.manual_seed(SEED)
     with torch.device("meta"):
-        model = model_pkg.build(_config(kernels))
+        model = model_pkg.build(_config(kernels, base))
     if cp_mesh is not None:
         apply_cp(model, cp_mesh)
     model.to_empty(device="cpu")
@@ -329,8 +331,11 @@ def test_cp2_matches_single_process():
 
 # --- the Triton attention and indexer under cp ----------------------------------------------------------------------
 
-# chunks of 32 tokens: each rank's window (32) still reaches into the other chunk, as do the decoder's entries
-TRITON_SEQ_LEN = 64
+# The every-role config (tests/helpers.py: SWA, encoder Full + Reuse, decoder Full building the pool, Reuse,
+# pool-restricted Reindex with Engram; window 8, top-k 6, pool 12 entries) on one row of 24 tokens: chunks of 12, so
+# each rank's window still reaches into the other chunk, and the second chunk's ratio-1 queries see more entries than
+# the pool holds
+TRITON_SEQ_LEN = EVERY_ROLE_SEQ_LEN
 
 
 def _cp_triton_worker(rank: int, world: int) -> dict:
@@ -342,7 +347,7 @@ def _cp_triton_worker(rank: int, world: int) -> dict:
         inner = getattr(module, name)
         setattr(module, name, lambda *a, _inner=inner, _name=name, **k: calls.append(_name) or _inner(*a, **k))
     meshes = build_mesh(ParallelDims(dp_replicate=1, dp_shard=1, tp=1, pp=1, ep=1, cp=world), "cpu")
-    model = _build(meshes.cp, kernels="triton")
+    model = _build(meshes.cp, kernels="triton", base=every_role_config())
     batch = tuple(shard_sequence(t, meshes.cp)[:1] for t in _batch(0, TRITON_SEQ_LEN))  # one short row: the interpreter
     losses = _losses(model, *batch)
     sum(losses.values()).backward()
@@ -355,18 +360,29 @@ def test_cp2_triton_attention_equals_single_process():
     """model.kernels=triton under cp 2: each rank's queries run the sparse-attention kernel over the previous chunk's
     window halo and the gathered entries, and the indexer kernels score, pool and pick at the chunk's position
     offset. One forward/backward equals the single process on the same kernels: every loss within 1e-5 relative,
-    every gradient within 1e-4 of its scale (at least the whole gradient's RMS). One row of 64 tokens: the CPU
-    interpreter runs the kernels."""
-    runs = run_distributed(_cp_triton_worker, CP)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        model = _build(kernels="triton")
-        losses = _losses(model, *(t[:1] for t in _batch(0, TRITON_SEQ_LEN)))
-        sum(losses.values()).backward()
-        ref = {"losses": {k: float(v.detach()) for k, v in losses.items()}, "grads": _grads(model)}
-    finally:
-        torch.set_num_threads(threads)
+    every gradient within 1e-4 of its scale (at least the whole gradient's RMS). The every-role config on one row of
+    TRITON_SEQ_LEN tokens: the CPU interpreter runs the kernels."""
+    cfg = _config("triton", every_role_config())
+    chunk = TRITON_SEQ_LEN // CP
+    check_sequence_length(cfg, TRITON_SEQ_LEN, CP)
+    # as in the cp 2 test above: the window and the entries reach across the chunk boundary, the second chunk's
+    # ratio-1 queries see more entries than the pool holds, and the pool more than the top-k
+    assert 1 < cfg.attention.window <= chunk
+    assert cfg.csa2.index_topk < cfg.csa2.candidate_topk_blocks * cfg.csa2.candidate_block_size < TRITON_SEQ_LEN
+    assert {s.role for s in build_layer_plan(cfg)} == {"swa", "full", "reindex", "reuse"} and cfg.engram.layers
+
+    def reference() -> dict:  # the single process, on one thread as each rank, while the ranks run
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            model = _build(kernels="triton", base=every_role_config())
+            losses = _losses(model, *(t[:1] for t in _batch(0, TRITON_SEQ_LEN)))
+            sum(losses.values()).backward()
+            return {"losses": {k: float(v.detach()) for k, v in losses.items()}, "grads": _grads(model)}
+        finally:
+            torch.set_num_threads(threads)
+
+    runs, ref = run_distributed(_cp_triton_worker, CP, meanwhile=reference)
     for rank, run in enumerate(runs):
         assert run["calls"] == ["candidate_pool", "index_scores", "index_scores_pool", "sparse_attention"], rank
         for name, value in ref["losses"].items():

@@ -260,6 +260,11 @@ def _model_worker(rank: int, world: int, ckpt_dir: str | None) -> dict:
     return {"loss": float(mean_loss) / world, "grads": grads} if rank == 0 else {}
 
 
+def _model_workers(rank: int, world: int, ckpt_dir: str) -> tuple[dict, dict]:
+    """`_model_worker` sharded (checkpoint in ckpt_dir), then replicated: one spawn for both (start-up dominates)."""
+    return _model_worker(rank, world, ckpt_dir), _model_worker(rank, world, None)
+
+
 @pytest.fixture(scope="module")
 def single():
     threads = torch.get_num_threads()
@@ -272,8 +277,7 @@ def single():
 
 @pytest.mark.distributed
 def test_tiny_model_with_sharded_engram_matches_single_process(single, tmp_path):
-    sharded = run_distributed(_model_worker, 2, str(tmp_path / "ckpt"))[0]
-    replicated = run_distributed(_model_worker, 2, None)[0]
+    sharded, replicated = run_distributed(_model_workers, 2, str(tmp_path / "ckpt"))[0]
     assert sharded["loss"] == pytest.approx(single["loss"], rel=1e-5)
     assert sharded["grads"].keys() == single["grads"].keys() == replicated["grads"].keys()
     assert {n for n in single["grads"] if n.endswith("engram.table")} == {"layers.1.engram.table",
@@ -340,6 +344,11 @@ def _tp_worker(rank: int, world: int, shard: bool) -> dict:
     return {"loss": float(mean_loss) / data_size, "tables": {n: _full(p.grad).clone() for n, p in tables.items()}}
 
 
+def _tp_workers(rank: int, world: int) -> tuple[dict, dict]:
+    """`_tp_worker` with sharded, then replicated tables: one spawn for both (start-up dominates)."""
+    return _tp_worker(rank, world, True), _tp_worker(rank, world, False)
+
+
 @pytest.mark.distributed
 def test_sharded_engram_under_tensor_parallelism():
     """tp 2 x dp 2, tables sharded over the 2 data ranks of each tp rank: the LM loss equals the single process's on
@@ -348,8 +357,7 @@ def test_sharded_engram_under_tensor_parallelism():
     input_ids, labels = _batch()
     model, _ = _build()
     loss = float(F.cross_entropy(model(input_ids).flatten(0, 1), labels.flatten()))
-    sharded = run_distributed(_tp_worker, 4, True)
-    replicated = run_distributed(_tp_worker, 4, False)
+    sharded, replicated = zip(*run_distributed(_tp_workers, 4))
     for got, want in zip(sharded, replicated):
         assert got["loss"] == pytest.approx(loss, rel=1e-5) and got["loss"] == want["loss"]
         assert got["tables"].keys() == want["tables"].keys() and len(got["tables"]) == 2

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 import model as model_pkg
 from model.layer_plan import build_layer_plan
 from tests.distributed import run_distributed
-from tests.helpers import load_config
+from tests.helpers import EVERY_ROLE_SEQ_LEN, every_role_config, load_config
 from trainer.config import ParallelDims
 from trainer.parallel.mesh import build_mesh
 from trainer.parallel.pipeline import (
@@ -167,10 +167,11 @@ def test_pack_bits_roundtrip(width):
 # --- stage modules in one process -----------------------------------------------------------------------------------
 
 
-def _build(kernels: str = "auto"):
+def _build(kernels: str = "auto", cfg=None):
+    """cfg: the model config (default `_config(kernels)`)."""
     torch.manual_seed(SEED)
     with torch.device("meta"):
-        model = model_pkg.build(_config(kernels))
+        model = model_pkg.build(cfg or _config(kernels))
     model.to_empty(device="cpu")
     model.init_weights()
     return model
@@ -212,21 +213,41 @@ def test_stage_modules_chained_equal_the_whole_model(autocast, image_mask, split
         assert "kv_dtypes" in slots
 
 
+def _triton_config():
+    """The every-role config (tests/helpers.py: its decoder Full layer 3, which builds the pool, is followed by a Reuse
+    layer 4 and the pool-restricted Reindex 5, with Engram) and a second decoder Full layer 6: a cut at 4 ships h_{L/2}
+    (for 6), layer 3's KV and keys and its top-k (for 4 and 5), the pool (for 5) and Engram's row ids (for 5)."""
+    base = every_role_config(kernels="triton")
+    c = base.csa2
+    csa2 = dataclasses.replace(c, compress_ratios=[*c.compress_ratios, 1], kv_source_layers=[*c.kv_source_layers, 6],
+                               index_source_layers=[*c.index_source_layers, 6])
+    moe = dataclasses.replace(base.moe, bias_update_rate=0.05, seq_aux_loss_coef=1e-2)  # as `_config`
+    return dataclasses.replace(base, num_layers=7, csa2=csa2, moe=moe)
+
+
+TRITON_CUT = 4
+
+
 def test_stage_modules_on_the_triton_path_carry_ids():
     """model.kernels=triton (the CUDA default; the CPU interpreter here): the top-k and the pool live in the context
     as int32 ids and cross the cuts as such; chained stages give the whole model's logits and gradients bit for bit
-    and its indexer KL to the rounding of its last division (cut at 7: h_{L/2}, KV, a top-k and the pool cross). One row, one split: the interpreter is slow."""
+    and its indexer KL to the rounding of its last division (cut at TRITON_CUT: h_{L/2}, KV, a top-k and the pool
+    cross). One row, one split, the 7-layer `_triton_config`: the interpreter is slow."""
+    cfg = _triton_config()
+    seq_len = EVERY_ROLE_SEQ_LEN
+    names = {(s.name, s.layer) for s in boundary_slots(cfg, TRITON_CUT, 1, seq_len, ids=True)}
+    assert {("h_mid", None), ("kv_main", 3), ("kv_keys", 3), ("topk", 3), ("pool", None), ("engram_rows", 5)} <= names
     gen = torch.Generator().manual_seed(1)
-    input_ids = torch.randint(0, 4096, (1, SEQ_LEN), generator=gen)
-    model = _build("triton")
+    input_ids = torch.randint(0, 4096, (1, seq_len), generator=gen)
+    model = _build(cfg=cfg)
     ref, aux = model(input_ids, return_aux=True)
     (ref.square().mean() + aux["indexer_kl"]).backward()
     ref_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
-    for cuts in ([7],):
+    for cuts in ([TRITON_CUT],):
         stages = split_model(model, cuts, range(len(cuts) + 1))
         for stage in stages:
-            stage.set_shapes(1, SEQ_LEN)
+            stage.set_shapes(1, seq_len)
         sent = {(s.name, s.dtype) for stage in stages[:-1] for s in stage._out}
         assert ("topk", torch.int32) in sent and ("pool", torch.int32) in sent, (cuts, sent)
         logits, (kl_sum, kl_count, seq) = _chain(stages, input_ids)

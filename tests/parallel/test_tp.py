@@ -44,9 +44,10 @@ from torch.distributed.tensor.parallel import loss_parallel
 from torch.overrides import TorchFunctionMode
 
 import model as model_pkg
+from model.layer_plan import build_layer_plan
 from model.parallelize import apply_tp, reduce_partial_grads
 from tests.distributed import run_distributed
-from tests.helpers import load_config
+from tests.helpers import EVERY_ROLE_SEQ_LEN, every_role_config, load_config
 
 TP = 2
 B, T = 2, 48  # T > window (32) and > the decoder's candidate pool (32 entries); T % tp == 0 for SP
@@ -79,10 +80,11 @@ class _DTensorDraws(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _build(engram: bool, mesh=None, layout=None, draws: list | None = None, kernels: str = "auto"):
+def _build(engram: bool, mesh=None, layout=None, draws: list | None = None, kernels: str = "auto", cfg=None):
+    """cfg: the model config (default `_config(engram, kernels)`)."""
     torch.manual_seed(0)
     with torch.device("meta"):
-        model = model_pkg.build(_config(engram, kernels))
+        model = model_pkg.build(cfg or _config(engram, kernels))
     if mesh is not None:
         apply_tp(model, mesh, layout["sequence_parallel"], loss_parallel=layout["loss_parallel"])
     model.to_empty(device="cpu")
@@ -103,9 +105,9 @@ def _init_mismatches(model, state: dict) -> list[str]:
             if not torch.equal(_full(t.detach()), state[n])]
 
 
-def _batch(rows: int = B):
+def _batch(rows: int = B, seq_len: int = T):
     gen = torch.Generator().manual_seed(1)
-    ids = torch.randint(3, 4096, (rows, T + 1), generator=gen)
+    ids = torch.randint(3, 4096, (rows, seq_len + 1), generator=gen)
     return ids[:, :-1], ids[:, 1:]
 
 
@@ -126,9 +128,9 @@ def _loss(model, ids, targets, image_mask=None):
     return _full(F.cross_entropy(logits.flatten(0, 1), targets.flatten())) + aux["indexer_kl"]
 
 
-def _train(model, loss_context, passes: int = PASSES, rows: int = B) -> dict:
+def _train(model, loss_context, passes: int = PASSES, rows: int = B, seq_len: int = T) -> dict:
     """`passes` forward/backward passes, an SGD step and a router-bias update between them."""
-    ids, targets = _batch(rows)
+    ids, targets = _batch(rows, seq_len)
     opt = torch.optim.SGD(model.parameters(), lr=LR, foreach=False)
     losses, grads = [], []
     for i in range(passes):
@@ -302,6 +304,16 @@ def test_tp_layout(runs, layout):
 
 # -- the Triton attention and indexer under tp ----------------------------------------------------------------------
 
+def _triton_config():
+    """The every-role config (tests/helpers.py: SWA, encoder Full + Reuse, decoder Full building the pool, Reuse,
+    pool-restricted Reindex), Engram off as above."""
+    cfg = every_role_config(kernels="triton")
+    return dataclasses.replace(cfg, engram=dataclasses.replace(cfg.engram, layers=[]))
+
+
+TRITON_KERNELS = ("sparse_attention", "index_scores", "candidate_pool", "index_scores_pool")
+
+
 def _count_calls(module, name: str, counter: list) -> None:
     inner = getattr(module, name)
 
@@ -317,33 +329,42 @@ def _triton_worker(rank: int, world_size: int) -> dict:
 
     calls: list[str] = []
     _count_calls(sparse_attention, "sparse_attention", calls)
-    _count_calls(indexer, "index_scores", calls)
+    for name in TRITON_KERNELS[1:]:
+        _count_calls(indexer, name, calls)
     mesh = init_device_mesh("cpu", (world_size,))
     out = {}
     for name, layout in LAYOUTS.items():
         loss_context = loss_parallel if layout["loss_parallel"] else contextlib.nullcontext
-        model = _build(False, mesh, layout, kernels="triton")
+        model = _build(False, mesh, layout, cfg=_triton_config())
         calls.clear()
-        out[name] = {**_train(model, loss_context, passes=1, rows=1), "calls": list(calls)}
+        out[name] = {**_train(model, loss_context, passes=1, rows=1, seq_len=EVERY_ROLE_SEQ_LEN),
+                     "calls": sorted(set(calls))}
     return out
 
 
 @pytest.mark.distributed
 def test_tp_triton_attention_equals_single_process():
-    """model.kernels=triton under tp 2 (and tp 2 + sp): the sparse-attention and indexer kernels run on each rank's
-    heads (the head-summed KL target completed by the plan's all-reduce at HeadSum) and one forward/backward equals
-    the single process on the same kernels: the loss within 1e-5 relative, every gradient within 1e-5 of its scale.
-    One row, one pass: the CPU interpreter runs the kernels (about a minute in all)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        ref = _train(_build(False, kernels="triton"), contextlib.nullcontext, passes=1, rows=1)
-    finally:
-        torch.set_num_threads(threads)
-    runs = run_distributed(_triton_worker, TP)
+    """model.kernels=triton under tp 2 (and tp 2 + sp): the sparse-attention and indexer kernels (scores, candidate
+    pool, pool scores) run on each rank's heads (the head-summed KL target completed by the plan's all-reduce at
+    HeadSum) and one forward/backward equals the single process on the same kernels: the loss within 1e-5 relative,
+    every gradient within 1e-5 of its scale. The model is the every-role config (every layer role: SWA, Full,
+    Reuse, the pool-building decoder Full, the pool-restricted Reindex; the MoE and mHC as in v41_tiny) on one row of
+    EVERY_ROLE_SEQ_LEN tokens, one pass: the CPU interpreter runs the kernels."""
+    cfg = _triton_config()
+    assert {s.role for s in build_layer_plan(cfg)} == {"swa", "full", "reindex", "reuse"}
+
+    def reference() -> dict:  # the single process, on one thread as each rank, while the ranks run
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            return _train(_build(False, cfg=cfg), contextlib.nullcontext, passes=1, rows=1, seq_len=EVERY_ROLE_SEQ_LEN)
+        finally:
+            torch.set_num_threads(threads)
+
+    runs, ref = run_distributed(_triton_worker, TP, meanwhile=reference)
     for rank, result in enumerate(runs):
         for layout, run in result.items():
-            assert "sparse_attention" in run["calls"] and "index_scores" in run["calls"], (rank, layout)
+            assert run["calls"] == sorted(TRITON_KERNELS), (rank, layout)
             assert run["loss"] == pytest.approx(ref["loss"], rel=1e-5), (rank, layout)
             grads = ref["grads"][0]
             assert run["grads"][0].keys() == grads.keys()
