@@ -112,7 +112,7 @@ from model.config import ModelConfig
 from model.layer_plan import LayerSpec, build_layer_plan
 from model.moe import MoE
 from model.transformer import Transformer, embed_streams, forward_blocks, head_logits, new_context
-from trainer.parallel.zero_bubble import ContiguousGrad, Tie, ZeroBubbleStage, ZeroGrad
+from trainer.parallel.zero_bubble import OLD_PIPELINING, ContiguousGrad, Tie, ZeroBubbleStage, ZeroGrad
 
 __all__ = [
     "SCHEDULES", "Slot", "PipelineStageModule", "PipelineLoss", "Pipeline",
@@ -330,7 +330,7 @@ def boundary_bytes(cfg: ModelConfig, cut: int, batch: int, seq_len: int, **kwarg
 
 # Non-floating slots cross as float32 carriers of their exact bytes (the module docstring: torch 2.11's PipelineStage
 # cannot receive integer tensors). Read by PipelineStageModule.set_shapes; tests force it on under torch 2.13.
-_FLOAT_WIRE = torch.torch_version.TorchVersion(torch.__version__) < "2.13"
+_FLOAT_WIRE = OLD_PIPELINING
 
 
 def _is_carried(slot: Slot, float_wire: bool) -> bool:

@@ -32,7 +32,11 @@ import torch.distributed as dist
 from torch.autograd.graph import GradientEdge, Node
 from torch.distributed.pipelining import PipelineStage
 
-__all__ = ["ContiguousGrad", "Tie", "ZeroBubbleStage", "ZeroGrad"]
+__all__ = ["ContiguousGrad", "OLD_PIPELINING", "Tie", "ZeroBubbleStage", "ZeroGrad"]
+
+OLD_PIPELINING = torch.torch_version.TorchVersion(torch.__version__) < "2.13"
+"""torch 2.11's pipelining: received buffers all require grad, every received tensor wants a gradient back, and its
+gloo has no pair to its own rank (trainer/parallel/pipeline.py's float wire and ZeroBubbleStage work around it)."""
 
 
 # -- autograd graph walks (our own: pipelining/_backward.py's private helpers differ between torch 2.11 and 2.13) --
@@ -159,7 +163,7 @@ class ZeroBubbleStage(PipelineStage):
         middle stages of a V schedule share a rank and hand tensors over locally): torch 2.11's gloo has no pair to
         its own rank ("Pair is not connected") and fails the first step of ZBVZeroBubble."""
         ops = super()._get_init_p2p_neighbors_ops()
-        if torch.torch_version.TorchVersion(torch.__version__) >= "2.13":
+        if not OLD_PIPELINING:
             return ops
         me = dist.get_rank(self.group)
         return [op for op in ops if op.group_peer != me]
