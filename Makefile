@@ -25,5 +25,12 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(VPY) bench/cpu_step.py
 
+# What the project writes: run directories (runs/: every run's checkpoints, metrics and W&B files; Hydra's sweeps
+# under runs/multirun/), Hydra's own default run and sweep directories, top-level wandb/ and checkpoints/, the
+# Slurm logs of launch/slurm.sbatch, pytest's cache and Python's bytecode. Kept: the virtual environment ($(VENV))
+# and the prepared data (.data/, slow to rebuild).
 clean:
-	rm -rf outputs multirun .pytest_cache
+	rm -rf runs outputs multirun wandb checkpoints .pytest_cache
+	rm -f slurm-*.out
+	find . -path ./$(VENV) -prune -o -path ./.git -prune -o -path ./.data -prune -o \
+		-name __pycache__ -type d -prune -exec rm -rf {} +

@@ -11,9 +11,12 @@ A prepared directory holds:
 - `tokenizer.json`: the tokenizer that produced the ids.
 - `meta.json`: written last, so its presence marks a complete preparation. Keys: format, ids_dtype,
   vocab_size, special_ids, num_documents, num_tokens, num_shards, tokenizer (file name), tokenizer_sha256,
-  tokenizer_source, source, and `shards`: one entry per shard {name, num_docs, num_tokens, sha256}.
+  tokenizer_source, source (absolute corpus path), glob (the pattern applied, null for a single-file corpus),
+  files_skipped, truncated_by_cap, `requested`: the data.* values the preparation was asked for (corpus,
+  corpus_glob, tokenizer, vocab_size (null with a given tokenizer), max_files, max_bytes, shard_size; absent in
+  shards of older builds), and `shards`: one entry per shard {name, num_docs, num_tokens, sha256}.
   The reader trusts only shards listed there and checks each against its sha256, which catches a truncated
-  or overwritten shard before any tar parsing.
+  or overwritten shard before any tar parsing; data/config.py compares the provenance keys with the config.
 
 Every file is written under a temporary name and renamed into place, so a crash never leaves a partial
 file under a final name.
@@ -25,6 +28,7 @@ import hashlib
 import io
 import json
 import os
+import socket
 import tarfile
 from dataclasses import asdict, dataclass
 
@@ -38,6 +42,15 @@ IDS_FIELD = "ids"
 
 class ShardError(Exception):
     """A shard that cannot be read back exactly as it was written."""
+
+
+class DataConfigError(ValueError):
+    """A data.* setting that cannot work as given (shards prepared from something else, an unreadable file),
+    as one line naming the key. A ValueError, so the trainer's entry point prints it as `error: ...` and exits 2."""
+
+
+class DataNotFoundError(DataConfigError, FileNotFoundError):
+    """A data.* path that does not exist. Also a FileNotFoundError, for callers that catch missing files."""
 
 
 @dataclass(frozen=True)
@@ -61,8 +74,9 @@ def file_sha256(path: str) -> str:
 
 
 def atomic_write(path: str, data: bytes) -> None:
-    # The pid in the temporary name keeps two processes preparing the same directory from sharing a file.
-    tmp = f"{path}.tmp-{os.getpid()}"
+    # Host and pid in the temporary name keep two processes (of one node or of several sharing a filesystem)
+    # from writing the same temporary file.
+    tmp = f"{path}.tmp-{socket.gethostname()}-{os.getpid()}"
     with open(tmp, "wb") as f:
         f.write(data)
         f.flush()
@@ -132,19 +146,32 @@ def write_meta(directory: str, meta: dict, shards: list[ShardInfo]) -> None:
     atomic_write(os.path.join(directory, META_NAME), (json.dumps(full, indent=1) + "\n").encode())
 
 
-def read_meta(directory: str) -> tuple[dict, list[ShardInfo]]:
-    """meta.json of a prepared directory; FileNotFoundError naming the path if it was never (fully) prepared."""
+def read_meta(directory: str, prepare_cmd: str = "") -> tuple[dict, list[ShardInfo]]:
+    """meta.json of a prepared directory (`data.path`).
+
+    DataNotFoundError naming data.path and how to prepare it (`prepare_cmd`, default a generic
+    `python -m data.prepare` line) if it was never (fully) prepared; DataConfigError if meta.json is unreadable.
+    """
     path = os.path.join(directory, META_NAME)
     if not os.path.isfile(path):
         what = (f"has no {META_NAME} (not prepared, or unfinished)" if os.path.exists(directory)
                 else "does not exist")
-        raise FileNotFoundError(
-            f"data path {directory!r} {what}; create it with `python -m data.prepare --out {directory}` "
-            "or set data.auto_prepare=true"
+        cmd = prepare_cmd or f"python -m data.prepare --corpus ... --out {directory}"
+        raise DataNotFoundError(
+            f"data.path={directory!r} {what}; prepare it with `{cmd}` or set data.auto_prepare=true"
         )
-    with open(path) as f:
-        meta = json.load(f)
-    if meta.get("format") != FORMAT:
-        raise ValueError(f"{path}: format {meta.get('format')!r}, expected {FORMAT!r}; re-run python -m data.prepare")
+    try:
+        with open(path) as f:
+            meta = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise DataConfigError(
+            f"data.path={directory!r}: cannot read {META_NAME} ({exc}); re-run python -m data.prepare"
+        ) from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        found = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
+        raise DataConfigError(
+            f"data.path={directory!r}: {META_NAME} has format {found!r}, expected {FORMAT!r}; "
+            "re-run python -m data.prepare"
+        )
     shards = [ShardInfo(**s) for s in meta["shards"]]
     return meta, shards

@@ -20,5 +20,8 @@ PY=${PYTHON:-$REPO/.venv/bin/python}
 RUN_DIR=runs/$(date +%Y-%m-%d_%H-%M-%S)
 
 cd "$REPO"
+# The trainer's start-up checks against NPROC processes first: a layout that does not fit is one line, before
+# torchrun starts (instead of every rank's error and torchrun's failure report).
+"$PY" -m trainer.preflight "$NPROC" "$@" || exit $?
 exec "$PY" -m torch.distributed.run --standalone --nnodes=1 --nproc_per_node="$NPROC" \
   -m trainer.main "hydra.run.dir=$RUN_DIR" "$@"

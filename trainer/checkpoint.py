@@ -24,16 +24,28 @@ a model config whose parameters differ fails before anything is built, naming ev
 Atomicity: every rank writes into `.tmp_step_<N>/`; only after all ranks finished does rank 0 write the
 `COMPLETE` marker and rename the directory. A crash at any point before that leaves a `.tmp_*` directory,
 which resume ignores and the next save deletes. Only a directory named `step_<N>` that holds the marker
-counts as a checkpoint.
+counts as a checkpoint. A save that fails (no space left, an I/O error) removes its temporary directory and raises
+`CheckpointSaveError` naming the cause and the path; the previous checkpoint stays the newest complete one.
 
-Fault injection for tests: with CEDAR_FAULT_CRASH_IN_SAVE=<N>, the save at step N kills the process
-(os._exit) after the tensor files are written but before DCP's metadata and our marker.
+Integrity: the marker lists every file of the checkpoint with its size and sha256, each rank hashing a share of the
+files (file i on rank i mod world size). `checkpoint.resume=auto` verifies the newest complete checkpoint the same
+way before loading it; a checkpoint with a missing, truncated or altered file is skipped with a warning naming it and
+the checkpoint resumed instead, the previous complete one (an explicit `checkpoint.resume=<path>` that fails the
+check is refused). Checkpoints written before checksums existed load unverified.
+
+The marker also records the optimiser config, trainer.max_steps and the count of skipped (non-finite) steps: a
+resume logs every optimiser hyperparameter that changed from the checkpoint's, and the config's values win
+(`TrainState.load_state_dict` keeps the live param groups' hyperparameters; only the optimiser state and the step
+counts come from the checkpoint).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import errno
+import hashlib
 import json
+import logging
 import os
 import pickle
 import random
@@ -57,13 +69,22 @@ from torch.distributed.checkpoint.state_dict import (
 
 from trainer.config import CheckpointConfig
 
+log = logging.getLogger(__name__)
+
+
+class CheckpointSaveError(RuntimeError):
+    """A save that could not complete; its partial files are removed and the previous checkpoint stays."""
+
+
+class CorruptCheckpoint(ValueError):
+    """A checkpoint whose files do not match the checksums its marker recorded."""
+
 COMPLETE_MARKER = "COMPLETE"
 CHECKPOINT_FORMAT = 2  # bump when the layout of the Stateful entries changes; keep older formats loadable
 # Model config keys that change no parameter's name, shape or dtype: a resume may change them (switches of
 # post-training hooks, kernels, balancing rates, the initialisation that a checkpoint overrides anyway).
 RESUMABLE_MODEL_KEYS = ("name", "init_std", "kernels", "image_token_id", "mhc.impl", "indexer.", "quant.",
                         "moe.bias_update_rate", "moe.seq_aux_loss_coef", "csa2.hierarchical_pool")
-FAULT_ENV = "CEDAR_FAULT_CRASH_IN_SAVE"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
@@ -91,6 +112,8 @@ class TrainState:
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.step = 0
         self.tokens_seen = 0
+        self.skipped_steps = 0  # steps whose loss or gradient norm was not finite (no update); kept in the marker
+        self.loaded_hyperparameters: list[dict] = []  # the checkpoint's param-group hyperparameters, after a load
 
     def state_dict(self) -> dict:
         return {
@@ -103,12 +126,16 @@ class TrainState:
 
     def load_state_dict(self, state: dict) -> None:
         set_model_state_dict(self.model, state["model"])
-        # `foreach` says how this process runs the step, not training state: a checkpoint written by an older build
-        # (which turned it off where parameters mixed DTensors, plain tensors and devices) must not replace it.
-        foreach = [group.get("foreach") for group in self.optimizer.param_groups]
+        # The param groups' hyperparameters (lr, betas, eps, weight decay, `foreach`) are the config's: a resume with
+        # optim.lr=1e-3 over a run trained at 3e-3 trains at 1e-3 (torch's load_state_dict would restore the
+        # checkpoint's). Only the state (moments, step counts) comes from the checkpoint. The scheduler loads after
+        # this, so it scales the config's initial_lr.
+        live = [{k: v for k, v in group.items() if k != "params"} for group in self.optimizer.param_groups]
         set_optimizer_state_dict(self.model, self.optimizer, state["optim"])
-        for group, value in zip(self.optimizer.param_groups, foreach):
-            group["foreach"] = value
+        self.loaded_hyperparameters = [{k: v for k, v in g.items() if k != "params"}
+                                       for g in self.optimizer.param_groups]
+        for group, values in zip(self.optimizer.param_groups, live):
+            group.update(values)
         self.scheduler.load_state_dict(state["scheduler"])
         self.step = int(state["step"])
         self.tokens_seen = int(state["tokens_seen"])
@@ -221,16 +248,82 @@ def model_config_differences(saved: dict, current: dict, prefix: str = "") -> li
     return out
 
 
-class _CrashingWriter(FileSystemWriter):
-    """Fault injection: dies after the tensor files are written, before metadata and marker."""
-
-    def finish(self, metadata, results) -> None:
-        os._exit(70)
-
-
 def _barrier() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
+
+
+def _world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _gather(local: dict) -> dict:
+    """The union of every rank's dict (on every rank)."""
+    rank, world = _world()
+    if world == 1:
+        return local
+    parts: list = [None] * world
+    dist.all_gather_object(parts, local)
+    return {k: v for part in parts for k, v in part.items()}
+
+
+def file_checksums(path: Path) -> dict[str, dict]:
+    """{file name: {size, sha256}} of every file of a checkpoint directory (but the marker), each rank hashing a
+    share; every rank of the job must call it."""
+    rank, world = _world()
+    names = sorted(f.name for f in Path(path).iterdir() if f.is_file() and f.name != COMPLETE_MARKER)
+    mine = {n: {"size": (Path(path) / n).stat().st_size, "sha256": _sha256(Path(path) / n)}
+            for i, n in enumerate(names) if i % world == rank}
+    return _gather(mine)
+
+
+def verify(path: Path) -> list[str]:
+    """What is wrong with a complete checkpoint's files against its marker's checksums ([] = intact, or a
+    checkpoint from before checksums). Every rank of the job must call it; all get the same answer."""
+    rank, world = _world()
+    recorded = json.loads((Path(path) / COMPLETE_MARKER).read_text()).get("files")
+    if recorded is None:
+        return []
+    problems = {}
+    for i, (name, want) in enumerate(sorted(recorded.items())):
+        if i % world != rank:
+            continue
+        f = Path(path) / name
+        if not f.is_file():
+            problems[name] = f"{name} is missing"
+        elif f.stat().st_size != want["size"]:
+            problems[name] = f"{name} has {f.stat().st_size} bytes, {want['size']} were written"
+        elif _sha256(f) != want["sha256"]:
+            problems[name] = f"{name} does not match its sha256"
+    problems = _gather(problems)
+    return [problems[k] for k in sorted(problems)]
+
+
+def _os_error(exc: BaseException) -> OSError | None:
+    """The OSError behind a failed save: raised directly, chained, or inside DCP's CheckpointException (which
+    carries each failed rank's exception)."""
+    seen, todo = set(), [exc]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError):
+            return e
+        todo += [e.__cause__, e.__context__]
+        for failure in (getattr(e, "failures", None) or {}).values():
+            todo.append(failure[0] if isinstance(failure, tuple) else failure)
+    return None
 
 
 class Checkpointer:
@@ -246,15 +339,27 @@ class Checkpointer:
         return periodic or (self.cfg.save_final and step == max_steps)
 
     def resume_path(self) -> Path | None:
-        """The checkpoint to start from according to `checkpoint.resume`, or None for a fresh start."""
+        """The checkpoint to start from according to `checkpoint.resume`, or None for a fresh start. With `auto`,
+        the newest complete checkpoint whose files match their checksums (a corrupt one is skipped with a warning
+        naming it and the one taken instead). Every rank of the job must call it (the check is shared)."""
         if self.cfg.resume == "none":
             return None
         if self.cfg.resume == "auto":
             found = complete_checkpoints(self.root)
-            return found[-1] if found else None
+            for newest, path in enumerate(reversed(found)):
+                problems = verify(path)
+                if not problems:
+                    return path
+                older = found[-newest - 2] if newest + 1 < len(found) else None
+                log.warning("checkpoint %s is corrupt (%s): resuming from %s instead", path, "; ".join(problems),
+                            older if older is not None else "nothing (a fresh start)")
+            return None
         path = Path(self.cfg.resume)
         if not is_complete(path):
             raise ValueError(f"checkpoint.resume={self.cfg.resume!r} is not a complete checkpoint directory")
+        problems = verify(path)
+        if problems:
+            raise CorruptCheckpoint(f"checkpoint.resume={self.cfg.resume!r} is corrupt: {'; '.join(problems)}")
         return path
 
     @staticmethod
@@ -290,31 +395,46 @@ class Checkpointer:
                 if isinstance(state, RankLocalState):
                     state.keys_in_checkpoint = state.checkpoint_path = None
 
-    def save(self, step: int, states: dict) -> Path:
+    def save(self, step: int, states: dict, extra: dict | None = None) -> Path:
+        """Write `states` as checkpoint `step` (every rank); `extra` joins `info` in the marker. Raises
+        CheckpointSaveError, on every rank, when the files could not be written."""
         final = self.root / step_dir_name(step)
         tmp = self.root / f".tmp_{step_dir_name(step)}"
-        if self.rank == 0:
-            self.root.mkdir(parents=True, exist_ok=True)
-            for stale in self.root.glob(".tmp_step_*"):  # left by a crash during an earlier save
-                shutil.rmtree(stale, ignore_errors=True)
-            tmp.mkdir()
-        _barrier()
-        crash = os.environ.get(FAULT_ENV) == str(step)
-        writer = (_CrashingWriter if crash else FileSystemWriter)(str(tmp))
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-            dcp.save(states, storage_writer=writer)
-        _barrier()  # every rank's files are on disk before the checkpoint is declared complete
-        if self.rank == 0:
-            marker = {"format": CHECKPOINT_FORMAT, "step": step, "saved_at": time.time(), **self.info}
-            with open(tmp / COMPLETE_MARKER, "w") as f:
-                json.dump(marker, f)
-                f.flush()
-                os.fsync(f.fileno())
-            if final.exists():
-                shutil.rmtree(final)
-            os.replace(tmp, final)
-            self._prune()
+        try:
+            if self.rank == 0:
+                self.root.mkdir(parents=True, exist_ok=True)
+                for stale in self.root.glob(".tmp_step_*"):  # left by a crash during an earlier save
+                    shutil.rmtree(stale, ignore_errors=True)
+                tmp.mkdir()
+            _barrier()
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+                dcp.save(states, storage_writer=FileSystemWriter(str(tmp)))
+            _barrier()  # every rank's files are on disk before the checkpoint is declared complete
+            files = file_checksums(tmp)
+            if self.rank == 0:
+                marker = {"format": CHECKPOINT_FORMAT, "step": step, "saved_at": time.time(), **self.info,
+                          **(extra or {}), "files": files}
+                with open(tmp / COMPLETE_MARKER, "w") as f:
+                    json.dump(marker, f)
+                    f.flush()
+                    os.fsync(f.fileno())
+                if final.exists():
+                    shutil.rmtree(final)
+                os.replace(tmp, final)
+                self._prune()
+        except BaseException as e:  # DCP's CheckpointException is a BaseException
+            cause = _os_error(e)
+            if cause is None:
+                raise
+            if self.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            previous = complete_checkpoints(self.root)
+            what = "no space left on device" if cause.errno == errno.ENOSPC else (cause.strerror or str(cause))
+            where = cause.filename or tmp
+            keep = (f"the previous checkpoint {previous[-1]} stays the one a resume starts from" if previous
+                    else "no earlier checkpoint exists")
+            raise CheckpointSaveError(f"saving checkpoint step {step} failed: {what} ({where}); {keep}") from None
         _barrier()
         return final
 

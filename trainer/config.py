@@ -48,9 +48,19 @@ class TrainerConfig:
     """CPU threads per process; 0 = the cores divided by the processes on this node"""
     peak_flops: float = 0.0
     """peak FLOP/s of one device for MFU; 0 = a table for known GPUs, else measured by a matmul at start"""
+    max_bad_steps: int = 3
+    """a step whose loss or gradient norm is not finite (NaN / Inf) is skipped: no update, no bias move, counted as
+    `skipped_steps` in the metrics; the run stops after this many consecutive bad steps, the last good checkpoint
+    intact (1 = stop at the first one)"""
+    stop_deadline_s: float = 120.0
+    """after SIGTERM / SIGUSR1 (preemption, a time limit) the run finishes its step, saves and exits 0; if that has
+    not happened this many seconds after the signal, it exits with status 143 (0 = no deadline). Keep it below the
+    launcher's grace period (Slurm's --signal lead time, torchrun's 30 s after it is itself signalled)"""
 
     def __post_init__(self) -> None:
         _at_least("trainer.max_steps", self.max_steps, 1)
+        _at_least("trainer.max_bad_steps", self.max_bad_steps, 1)
+        _at_least("trainer.stop_deadline_s", self.stop_deadline_s, 0.0)
         _at_least("trainer.grad_accum", self.grad_accum, 1)
         _at_least("trainer.grad_clip", self.grad_clip, 0.0)
         _at_least("trainer.num_threads", self.num_threads, 0)
@@ -241,7 +251,8 @@ class LoggerConfig:
     log_every: int = 1
     """write metrics every this many steps (1 = every step) to metrics.jsonl and W&B"""
     progress_bar: bool = True
-    """tqdm bar on rank 0 (loss, tokens/s, ETA)"""
+    """tqdm bar on rank 0 (loss, tokens/s, MFU, ETA) when stderr is a terminal; off, or in a log file (Slurm), one
+    plain line every log_every steps instead (step, loss, lr, tokens/s, MFU, ETA)"""
     wandb: WandbConfig = field(default_factory=WandbConfig)
 
     def __post_init__(self) -> None:

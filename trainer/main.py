@@ -1,8 +1,14 @@
 """Entry point: `python -m trainer.main [hydra overrides]` (console script `cedar-train`).
 
 Hydra composes conf/config.yaml against the schemas of trainer/config.py; the composed config becomes
-typed dataclasses (every `__post_init__` check runs), then the job is built and trained. A bad config
-value or an impossible set-up exits with status 2 and one line naming the key; a diverged run exits 3.
+typed dataclasses (every `__post_init__` check runs), then the job is built and trained. Exit status and output:
+- 0: trained to trainer.max_steps; or stopped by SIGTERM / SIGUSR1 after saving a checkpoint (one line says so); or
+  the resumed run had already reached trainer.max_steps (one line says so);
+- 2: a mistyped config group option, a bad config value, an impossible set-up, a missing file or a run directory in use or not writable: one line
+  naming the key or the path;
+- 3: trainer.max_bad_steps non-finite steps in a row;
+- 4: a checkpoint could not be saved (no space left, an I/O error): one line naming the cause and the path; the
+  previous checkpoint stays the one a resume starts from.
 """
 
 from __future__ import annotations
@@ -16,7 +22,10 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from trainer import train
+from trainer.checkpoint import CheckpointSaveError
+from trainer.cli_errors import check_config_groups
 from trainer.config import register_configs, to_config
+from trainer.run_lock import RunLock
 
 register_configs()
 
@@ -28,6 +37,12 @@ def _fail(message: str, code: int) -> None:
     sys.exit(code)  # SystemExit passes through Hydra untouched: no traceback
 
 
+def _io_message(e: OSError) -> str:
+    """One line for a file the set-up could not read or write (the data, a tokenizer, the run directory)."""
+    where = f" {e.filename}" if e.filename else ""
+    return f"{e.strerror or e}:{where}" if e.strerror else str(e)
+
+
 @hydra.main(config_path="../conf", config_name="config", version_base=None)
 def _run(dcfg: DictConfig) -> None:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
@@ -36,11 +51,22 @@ def _run(dcfg: DictConfig) -> None:
         job = train.build(cfg, run_dir)
     except ValueError as e:
         _fail(str(e), 2)
+    except OSError as e:  # a missing or unreadable file the set-up needs
+        _fail(_io_message(e), 2)
     try:
-        train.fit(job)
+        outcome = train.fit(job)
     except train.TrainingDiverged as e:
         _fail(f"training diverged: {e}", 3)
+    except CheckpointSaveError as e:
+        _fail(str(e), 4)
     if job.rt.rank == 0:
+        step, max_steps = job.state.step, job.trainer.max_steps
+        if outcome == "already_finished":
+            print(f"nothing to do: the run in {run_dir} already reached trainer.max_steps={max_steps} (resumed at "
+                  f"step {step}); raise trainer.max_steps to train on, or pick a new hydra.run.dir", flush=True)
+        elif outcome == "stopped":
+            print(f"stopped by {job.stop.name} at step {step}/{max_steps}: checkpoint saved at {job.last_checkpoint}; "
+                  f"launch again with hydra.run.dir={run_dir} (checkpoint.resume=auto) to continue", flush=True)
         wandb_dir = job.metrics.wandb_dir or "(W&B disabled)"
         print(
             f"run directory: {run_dir}\n"
@@ -51,9 +77,15 @@ def _run(dcfg: DictConfig) -> None:
         )
     if dist.is_initialized():
         dist.destroy_process_group()
+    RunLock.release_dir(run_dir)  # a multirun's next job may run in this process
 
 
 def main() -> None:
+    # A mistyped group option (model=v41_tinny) is reported by Hydra before _run, in a dozen lines: check first.
+    try:
+        check_config_groups(sys.argv[1:])
+    except ValueError as e:
+        _fail(str(e), 2)
     _run()
 
 

@@ -11,6 +11,7 @@ CPU is therefore "fraction of what this machine's GEMM reaches", a useful trend,
 from __future__ import annotations
 
 import json
+import math
 import os
 import resource
 import secrets
@@ -126,9 +127,11 @@ class MetricsLogger:
     def log(self, step: int, metrics: dict) -> None:
         if not self.enabled:
             return
-        record = {"step": step, **metrics}
+        # strict JSON: a skipped step's NaN / Inf loss is written as null (W&B gets the float)
+        record = {"step": step, **{k: None if isinstance(v, float) and not math.isfinite(v) else v
+                                   for k, v in metrics.items()}}
         with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+            f.write(json.dumps(record, allow_nan=False) + "\n")
         if self.wandb_run is not None:
             self.wandb_run.log(metrics, step=step)
 

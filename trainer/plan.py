@@ -1,11 +1,19 @@
-"""The planner: `python -m trainer.plan model=<name> [parallel=<layout>] [data.seq_len=T] [data.batch_size=B]
-[trainer.grad_accum=M] [overrides...]` prints one JSON object: counts read off the model built on the meta device
-(model/accounting.py), and under "training" what one rank of the layout holds and sends per optimiser step.
+"""The planner: `python -m trainer.plan [--world-size=N] model=<name> [parallel=<layout>] [data.seq_len=T]
+[data.batch_size=B] [trainer.grad_accum=M] [overrides...]` prints one JSON object: counts read off the model built on
+the meta device (model/accounting.py), and under "training" what one rank of the layout holds and sends per
+optimiser step.
 
 Example: `python -m trainer.plan model=v41_flash parallel=flagship_256xh200 data.seq_len=4096 data.batch_size=1
 trainer.grad_accum=16` -> params_total, params_backbone, params_engram, params_active_*, kv_bytes_per_token*,
 swa_kv_bytes_per_layer, decode_flops_per_token_* and "training": {layout, assumptions, per pipeline rank: memory
 by term and communication by dimension, the worst rank, whether it fits and what dominates}.
+
+Only a layout the trainer would start is planned: first the trainer's own start-up checks run (`check_layout`: the
+typed config, the stage hooks, trainer.parallel.apply.validate_layout, ParallelConfig.resolve), and what they refuse
+is one `error: ...` line on stderr, the trainer's own, and exit status 2; so is a config group option that does not
+exist (`model=v41_tinny`: the group and its options) and any other composition error. `--world-size=N` plans N
+processes (the sizes must multiply to N; parallel.dp_replicate=-1 fills in the rest); without it, the world the
+sizes make, dp_replicate=-1 counted as 1. `+parallel.device_memory_gb=G` sets the device memory (default 141: H200).
 
 Per rank and pipeline rank r (a rank's figures depend only on its pipeline position; the other axes split evenly,
 except Engram rows, where the figure is the largest block):
@@ -64,8 +72,6 @@ from pathlib import Path
 
 import torch
 
-from trainer.config import ACTIVATION_CHECKPOINT_MODES
-
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 
 _GB = 1e9
@@ -74,15 +80,24 @@ _KINDS = ("embed", "head", "dense", "routed_experts", "engram_tables")
 
 
 def compose(overrides: list[str]):
-    """The job config with Hydra's override syntax, without starting a run."""
+    """The job config with Hydra's override syntax, without starting a run. ValueError (one line) for what Hydra
+    refuses: a config group option that does not exist names the group and its options (trainer/cli_errors.py)."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
+    from hydra.errors import HydraException, MissingConfigException
+    from omegaconf.errors import OmegaConfBaseException
 
+    from trainer.cli_errors import missing_config_message, one_line
     from trainer.config import register_configs
 
     register_configs()
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-        return hydra_compose(config_name="config", overrides=overrides)
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+            return hydra_compose(config_name="config", overrides=overrides)
+    except MissingConfigException as e:
+        raise ValueError(missing_config_message(e)) from None
+    except (HydraException, OmegaConfBaseException) as e:
+        raise ValueError(one_line(e)) from None
 
 
 def _build_meta(model_cfg):
@@ -143,28 +158,48 @@ class Layout:
         return math.prod(getattr(self, a) for a in self.engram_shard_over) if self.engram_shard else 1
 
 
-def layout_from_config(cfg) -> Layout:
-    """The composed config's `parallel`, `data` and `trainer` sections. Keys the schema may not have yet are read
-    with getattr and defaults: parallel.pp_virtual, pp_schedule, pp_cuts, device_memory_gb (pass a missing one as
-    `+parallel.<key>=...`)."""
+def layout_from_config(cfg, dims, cuts: list[int], device_memory_gb: float = 141.0,
+                       world_size_given: bool = True) -> Layout:
+    """The layout of the typed config `cfg` (trainer.config.Config) with the sizes `dims` that
+    ParallelConfig.resolve gave and the pipeline cuts that validate_layout returned (see `check_layout`)."""
     par = cfg.parallel
     lay = Layout(
-        dp_replicate=int(par.dp_replicate), dp_shard=int(par.dp_shard), tp=int(par.tp), pp=int(par.pp),
-        ep=int(par.ep), cp=int(par.cp), pp_virtual=int(getattr(par, "pp_virtual", 1)),
-        pp_schedule=str(getattr(par, "pp_schedule", "1F1B")), pp_cuts=list(getattr(par, "pp_cuts", []) or []),
-        batch_size=int(cfg.data.batch_size), seq_len=int(cfg.data.seq_len), grad_accum=int(cfg.trainer.grad_accum),
-        activation_checkpoint=str(par.activation_checkpoint),
-        engram_shard=bool(par.engram_shard), engram_shard_over=tuple(par.engram_shard_over),
-        device_bytes=float(getattr(par, "device_memory_gb", 141)) * _GB)
-    if lay.dp_replicate == -1:
-        lay.dp_replicate = 1
-        lay.notes.append("parallel.dp_replicate=-1 (fill) planned as 1: the planner knows no world size")
-    if lay.activation_checkpoint not in ACTIVATION_CHECKPOINT_MODES:
-        raise ValueError(f"parallel.activation_checkpoint must be one of {list(ACTIVATION_CHECKPOINT_MODES)}, got "
-                         f"{lay.activation_checkpoint!r}")
-    if lay.seq_len % lay.cp:
-        raise ValueError(f"data.seq_len={lay.seq_len} is not divisible by parallel.cp={lay.cp}")
+        dp_replicate=dims.dp_replicate, dp_shard=dims.dp_shard, tp=dims.tp, pp=dims.pp, ep=dims.ep, cp=dims.cp,
+        pp_virtual=par.pp_virtual, pp_schedule=par.pp_schedule, pp_cuts=list(cuts),
+        batch_size=cfg.data.batch_size, seq_len=cfg.data.seq_len, grad_accum=cfg.trainer.grad_accum,
+        activation_checkpoint=par.activation_checkpoint,
+        engram_shard=par.engram_shard, engram_shard_over=tuple(par.engram_shard_over),
+        device_bytes=float(device_memory_gb) * _GB)
+    if par.dp_replicate == -1 and not world_size_given:
+        lay.notes.append("parallel.dp_replicate=-1 (fill) planned as 1: give --world-size=N to plan N processes")
     return lay
+
+
+def check_layout(node, world_size: int | None = None):
+    """The trainer's start-up checks on the composed config `node`, the functions trainer.train.build runs before any
+    process group exists, in its order: the typed config (trainer.config.to_config: every `__post_init__`), the stage
+    hooks, the model's layout rules (trainer.parallel.apply.validate_layout: divisibility by tp / ep / cp, the
+    pipeline split, enough micro-batches) and the world size (ParallelConfig.resolve). Without `world_size`, the
+    world the sizes make (dp_replicate=-1 counted as 1). A layout the trainer refuses raises its ValueError.
+
+    Returns (cfg, model_cfg, dims, cuts, device_memory_gb). `+parallel.device_memory_gb=...` is the planner's own
+    key, not the trainer's, so it is taken out before the schema sees it."""
+    from omegaconf import OmegaConf
+
+    from trainer.config import to_config
+    from trainer.parallel.apply import validate_layout
+    from trainer.train import apply_stage_hooks
+
+    plain = OmegaConf.to_container(node, resolve=True)
+    device_memory_gb = float(plain.get("parallel", {}).pop("device_memory_gb", 141))
+    cfg = to_config(OmegaConf.create(plain))
+    model_cfg = apply_stage_hooks(cfg.model, cfg.stage)
+    cuts = validate_layout(cfg.parallel, model_cfg, seq_len=cfg.data.seq_len, grad_accum=cfg.trainer.grad_accum)
+    if world_size is None:
+        par = cfg.parallel
+        world_size = max(par.dp_replicate, 1) * par.dp_shard * par.tp * par.pp * par.ep * par.cp
+    dims = cfg.parallel.resolve(world_size)
+    return cfg, model_cfg, dims, cuts, device_memory_gb
 
 
 def _stage_bounds(model, lay: Layout) -> list[int]:
@@ -491,23 +526,42 @@ def plan_training(model, lay: Layout) -> dict:
     }
 
 
-def plan(cfg) -> dict:
-    """Model counts plus the training plan of the composed config."""
+def plan(node, world_size: int | None = None) -> dict:
+    """Model counts plus the training plan of the composed config `node`, after the trainer's own start-up checks
+    (`check_layout`): a layout the trainer refuses raises its ValueError instead of being planned."""
     from model import accounting
 
-    m = _build_meta(cfg.model)
+    cfg, model_cfg, dims, cuts, device_memory_gb = check_layout(node, world_size)
+    m = _build_meta(model_cfg)
     out = {"model": m.cfg.name}
     out.update(accounting.summary(m))
-    out["training"] = plan_training(m, layout_from_config(cfg))
+    lay = layout_from_config(cfg, dims, cuts, device_memory_gb, world_size_given=world_size is not None)
+    out["training"] = plan_training(m, lay)
     return out
+
+
+def _split_world_size(argv: list[str]) -> tuple[int | None, list[str]]:
+    """`--world-size=N` (or `--world-size N`) out of the arguments; the rest are Hydra overrides."""
+    world_size, rest, args = None, [], iter(argv)
+    for a in args:
+        if a == "--world-size" or a.startswith("--world-size="):
+            value = a.partition("=")[2] if "=" in a else next(args, "")
+            if not value.isdigit() or int(value) < 1:
+                raise ValueError(f"--world-size takes a number of processes >= 1, got {value!r}")
+            world_size = int(value)
+        else:
+            rest.append(a)
+    return world_size, rest
 
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     try:
-        result = plan(compose(argv))
-    except ValueError as e:  # config and layer-plan errors name the key and the rule
-        sys.exit(f"error: {e}")
+        world_size, overrides = _split_world_size(argv)
+        result = plan(compose(overrides), world_size)
+    except ValueError as e:  # the trainer's start-up errors and Hydra's, one line naming the key and the rule
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
     print(json.dumps(result, indent=2))
 
 

@@ -1,25 +1,61 @@
-"""Human-facing progress: one tqdm bar on rank 0 (step, loss, tokens/s; tqdm supplies the ETA)."""
+"""Human-facing progress on rank 0: a tqdm bar (loss, tokens/s, MFU; tqdm supplies the ETA) when stderr is a
+terminal and `logger.progress_bar` is on; otherwise (the bar off, or output going to a file such as a Slurm log)
+one plain log line every `logger.log_every` steps: step, loss, lr, tokens/s, MFU and the ETA."""
 
 from __future__ import annotations
 
+import logging
+import math
+import sys
+import time
+
 from tqdm import tqdm
+
+log = logging.getLogger("trainer.progress")
+
+
+def format_eta(seconds: float) -> str:
+    if not math.isfinite(seconds):
+        return "?"
+    seconds = int(round(seconds))
+    hours, rest = divmod(seconds, 3600)
+    return f"{hours}h{rest // 60:02d}m" if hours else f"{rest // 60}m{rest % 60:02d}s"
 
 
 class Progress:
-    def __init__(self, enabled: bool, start_step: int, max_steps: int) -> None:
+    def __init__(self, enabled: bool, start_step: int, max_steps: int, *, bar: bool = True,
+                 log_every: int = 1) -> None:
+        """enabled: this rank reports (rank 0); bar: logger.progress_bar."""
+        self.enabled, self.max_steps, self.log_every = enabled, max_steps, log_every
+        self.start_step, self.start_time = start_step, time.perf_counter()
         self.bar = None
-        if enabled:
+        if enabled and bar and sys.stderr.isatty():
             self.bar = tqdm(total=max_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
 
-    def update(self, loss: float, tokens_per_s: float) -> None:
+    def update(self, step: int, loss: float, lr: float, tokens_per_s: float, mfu: float | None) -> None:
+        if not self.enabled:
+            return
         if self.bar is not None:
-            self.bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_s:,.0f}", refresh=False)
+            postfix = {"loss": f"{loss:.4f}", "tok_s": f"{tokens_per_s:,.0f}"}
+            if mfu is not None:
+                postfix["mfu"] = f"{100 * mfu:.1f}%"
+            self.bar.set_postfix(postfix, refresh=False)
             self.bar.update(1)
+        elif step % self.log_every == 0 or step == self.max_steps:
+            done = step - self.start_step
+            eta = (time.perf_counter() - self.start_time) / done * (self.max_steps - step) if done else math.inf
+            mfu_text = f"{100 * mfu:.2f}%" if mfu is not None else "?"
+            log.info("step %d/%d | loss %.4f | lr %.3e | %s tok/s | MFU %s | ETA %s", step, self.max_steps, loss,
+                     lr, f"{tokens_per_s:,.0f}", mfu_text, format_eta(eta))
 
     def write(self, message: str) -> None:
-        """A line above the bar (checkpoint saved, resumed, ...), without breaking it."""
+        """A line above the bar (checkpoint saved, resumed, ...), without breaking it; a log line without a bar."""
+        if not self.enabled:
+            return
         if self.bar is not None:
             self.bar.write(message)
+        else:
+            log.info("%s", message)
 
     def close(self) -> None:
         if self.bar is not None:

@@ -42,6 +42,8 @@ from model.config import ModelConfig
 from optim import LRScheduler, build_optimizer
 from trainer.checkpoint import Checkpointer, RankLocalState, TrainState
 from trainer.config import Config, ParallelConfig, ParallelDims, StageConfig, TrainerConfig
+from trainer.preemption import StopRequest
+from trainer.run_lock import RunLock
 from trainer.metrics import MetricsLogger, device_peak_flops, memory_mb
 from trainer.parallel.apply import ParallelModel, describe, materialize, parallelize, validate_layout
 from trainer.parallel.data_parallel import (
@@ -60,7 +62,8 @@ log = logging.getLogger(__name__)
 
 
 class TrainingDiverged(RuntimeError):
-    """The loss or the gradient norm stopped being finite; nothing of that step is applied or saved."""
+    """trainer.max_bad_steps consecutive steps had a non-finite loss or gradient norm; none of them was applied or
+    saved."""
 
 
 @dataclass
@@ -199,11 +202,34 @@ class Job:
     run_dir: Path
     flops_per_token: object  # seq_len -> training FLOPs per token of the whole model (model/accounting.py)
     batches: object = None  # the live iterator over `loader`
+    stop: StopRequest | None = None  # installed by `fit`
+    outcome: str = ""  # set by train_loop: "finished", "already_finished" or "stopped"
+    last_checkpoint: Path | None = None
 
     @property
     def model(self) -> torch.nn.Module:
         """This rank's parameters under the whole model's names (the Transformer, or its pipeline stages)."""
         return self.pm.module
+
+
+def hyperparameter_changes(marker: dict, loaded_groups: list[dict], cfg: Config) -> list[tuple[str, object, object]]:
+    """(key, checkpoint's value, config's value) for each optimiser hyperparameter (the optim section and
+    trainer.max_steps) a resume changes. The marker records them; a checkpoint from before that is compared on what
+    its param groups held (lr, betas, eps, weight decay)."""
+    current = {f"optim.{k}": v for k, v in dataclasses.asdict(cfg.optim).items()}
+    current["trainer.max_steps"] = cfg.trainer.max_steps
+    if "optim" in marker:
+        saved = {f"optim.{k}": v for k, v in marker["optim"].items()}
+        saved["trainer.max_steps"] = marker.get("max_steps")
+    elif loaded_groups:
+        first = loaded_groups[0]
+        saved = {"optim.lr": first.get("initial_lr", first.get("lr")), "optim.eps": first.get("eps"),
+                 "optim.betas": list(first.get("betas", ())), "optim.weight_decay": first.get("weight_decay")}
+    else:
+        return []
+    norm = lambda v: list(v) if isinstance(v, tuple) else v  # noqa: E731 (JSON keeps tuples as lists)
+    return [(k, saved[k], current[k]) for k in sorted(saved)
+            if k in current and saved[k] is not None and norm(saved[k]) != norm(current[k])]
 
 
 def build(cfg: Config, run_dir: Path) -> Job:
@@ -213,6 +239,7 @@ def build(cfg: Config, run_dir: Path) -> Job:
     validate_layout(cfg.parallel, model_cfg, seq_len=cfg.data.seq_len, grad_accum=cfg.trainer.grad_accum)
     dims = cfg.parallel.resolve(int(os.environ.get("WORLD_SIZE", "1")))
     rt = setup_runtime(cfg.trainer, cfg.parallel, dims)
+    RunLock.acquire(run_dir, rt.rank)  # held since Hydra's callback when launched through trainer.main
     ensure_prepared(cfg.data, progress=rt.rank == 0)  # node-safe: one process prepares, the others wait
     data_rank = rt.meshes.data.get_local_rank() if rt.meshes is not None else 0
     loader, tokenizer = build_dataloader(cfg.data, data_rank, dims.data)
@@ -222,7 +249,8 @@ def build(cfg: Config, run_dir: Path) -> Job:
             f"({tokenizer.path})"
         )
     checkpointer = Checkpointer(run_dir / "checkpoints", cfg.checkpoint, rt.rank,
-                                info={"model": dataclasses.asdict(model_cfg), "layout": dataclasses.asdict(dims)})
+                                info={"model": dataclasses.asdict(model_cfg), "layout": dataclasses.asdict(dims),
+                                      "optim": dataclasses.asdict(cfg.optim), "max_steps": cfg.trainer.max_steps})
     resume_from = checkpointer.resume_path()
     if resume_from is not None:  # before the model is built: an incompatible checkpoint fails at once
         checkpointer.check_model(resume_from, model_cfg)
@@ -240,8 +268,13 @@ def build(cfg: Config, run_dir: Path) -> Job:
     metrics = MetricsLogger(run_dir, cfg.logger.wandb, rt.rank, config=dataclasses.asdict(cfg))
     if resume_from is not None:
         checkpointer.load(resume_from, ckpt_states)
+        marker = checkpointer.marker(resume_from)
+        state.skipped_steps = int(marker.get("skipped_steps", 0))
         metrics.truncate_after(state.step)
         log.info("resumed from %s at step %d", resume_from, state.step)
+        for key, old, new in hyperparameter_changes(marker, state.loaded_hyperparameters, cfg):
+            log.info("resume: %s changed from %r (checkpoint) to %r (config); the config's value is used", key, old,
+                     new)
     with torch.device("meta"):  # FLOPs of the whole model, whatever this rank holds of it
         flops_per_token = model_pkg.build(model_cfg).flops_per_token
     return Job(
@@ -352,78 +385,106 @@ class StepStats:
     """One optimiser step's numbers, the same on every rank."""
 
     loss: float  # LM loss, mean over every token of the global batch (equal-length rows)
-    grad_norm: float  # before clipping
+    grad_norm: float  # before clipping; nan when the loss was not finite (the norm is then not computed)
     aux: dict[str, float] = field(default_factory=dict)
     tokens: int = 0  # tokens of the global batch
     seq_len: int = 0
+
+    @property
+    def finite(self) -> bool:
+        """False: the step must not be applied (trainer.max_bad_steps)."""
+        return math.isfinite(self.loss) and math.isfinite(self.grad_norm)
 
 
 def compute_gradients(pm: ParallelModel, batches: list[dict], params: list[torch.nn.Parameter], max_norm: float,
                       autocast_dtype: torch.dtype | None = None, step: int = 0) -> StepStats:
     """Forward, backward, gradient reduction and clipping of one optimiser step; leaves the clipped gradients in
-    .grad. Raises TrainingDiverged (on every rank alike) when the loss or the norm is not finite."""
+    .grad. A non-finite loss or norm (`StepStats.finite` false, the same on every rank: both are job-wide
+    reductions) leaves gradients the caller must drop instead of applying."""
     micro = forward_backward(pm, batches, autocast_dtype)
     reduce_gradients(pm)
     names = sorted(micro.aux)
     loss, *aux = mean_over_data(pm, [micro.loss, *(micro.aux[n] for n in names)])
-    # Stop before the update: the weights, and so every checkpoint, stay those of the last good step.
-    if not math.isfinite(loss):
-        raise TrainingDiverged(f"loss is {loss} at step {step}: stopped before its update, nothing saved")
-    grad_norm = float(clip_grad_norm_(params, max_norm, pm))
-    if not math.isfinite(grad_norm):
-        raise TrainingDiverged(f"gradient norm is {grad_norm} at step {step}: stopped before its update")
+    # A non-finite loss skips the norm's collectives on every rank alike (the loss is the job-wide mean).
+    grad_norm = float(clip_grad_norm_(params, max_norm, pm)) if math.isfinite(loss) else math.nan
     return StepStats(loss, grad_norm, dict(zip(names, aux)), micro.tokens * pm.dims.data, micro.seq_len)
 
 
 def train_loop(job: Job) -> None:
-    """Optimiser steps from the resumed step to trainer.max_steps; logs, checkpoints, stops on divergence."""
+    """Optimiser steps from the resumed step to trainer.max_steps; logs, checkpoints, skips non-finite steps (and
+    stops after trainer.max_bad_steps in a row), and stops after the step in flight when a stop signal arrives
+    (`job.stop`), with a checkpoint. Sets `job.outcome`."""
     cfg, state, rt = job.trainer, job.state, job.rt
+    if state.step >= cfg.max_steps:
+        job.outcome = "already_finished"
+        return
     params = [p for group in job.optimizer.param_groups for p in group["params"]]
     max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
     flops_cache: dict[int, float] = {}
     job.batches = iter(job.loader)
     job.model.train()
-    progress = Progress(job.progress_bar and rt.rank == 0, state.step, cfg.max_steps)
+    progress = Progress(rt.rank == 0, state.step, cfg.max_steps, bar=job.progress_bar, log_every=job.log_every)
     window_tokens, window_start = 0, time.perf_counter()
+    bad_streak: list[tuple[int, StepStats]] = []
     try:
         while state.step < cfg.max_steps:
             step = state.step + 1
             lr = job.optimizer.param_groups[0]["lr"]
             batches = [next(job.batches) for _ in range(cfg.grad_accum)]
             stats = compute_gradients(job.pm, batches, params, max_norm, rt.autocast_dtype, step)
-            job.optimizer.step()
-            job.scheduler.step()
+            if stats.finite:
+                job.optimizer.step()
+                bad_streak.clear()
+            else:  # no update: the weights, and so every checkpoint, stay those of the last good step
+                bad_streak.append((step, stats))
+                state.skipped_steps += 1
+                if len(bad_streak) >= cfg.max_bad_steps:
+                    raise TrainingDiverged(_diverged_message(bad_streak, cfg.max_bad_steps, job.last_checkpoint))
+                log.warning("step %d skipped: loss %s, gradient norm %s (%d of trainer.max_bad_steps=%d in a row)",
+                            step, stats.loss, stats.grad_norm, len(bad_streak), cfg.max_bad_steps)
+            job.scheduler.step()  # the lr follows the step count, applied or not
             job.optimizer.zero_grad(set_to_none=True)
-            imbalance = update_router_biases(job.pm)
+            imbalance = update_router_biases(job.pm) if stats.finite else math.nan
             state.step = step
             state.tokens_seen += stats.tokens
             window_tokens += stats.tokens
             tokens_per_s = window_tokens / max(time.perf_counter() - window_start, 1e-9)
-            progress.update(stats.loss, tokens_per_s)
+            mfu = _mfu(job, flops_cache, stats.seq_len, tokens_per_s)
+            progress.update(step, stats.loss, lr, tokens_per_s, mfu)
 
-            if step % job.log_every == 0 or step == cfg.max_steps:
+            if step % job.log_every == 0 or step == cfg.max_steps or not stats.finite:
                 (skipped,) = sum_over_data(job.pm, [job.loader.skipped_shards])
                 record = {
-                    "loss": stats.loss,
-                    "lr": lr,
-                    "grad_norm": stats.grad_norm,
-                    "tokens_per_s": tokens_per_s,
-                    "tokens_seen": state.tokens_seen,
-                    "mfu": _mfu(job, flops_cache, stats.seq_len, tokens_per_s),
-                    "expert_imbalance": imbalance,
-                    "memory_mb": memory_mb(rt.device),
-                    "skipped_shards": int(skipped),
-                    **dict(sorted(stats.aux.items())),
+                    "loss": stats.loss, "lr": lr, "grad_norm": stats.grad_norm, "tokens_per_s": tokens_per_s,
+                    "tokens_seen": state.tokens_seen, "mfu": mfu, "expert_imbalance": imbalance,
+                    "memory_mb": memory_mb(rt.device), "skipped_shards": int(skipped),
+                    "skipped_steps": state.skipped_steps, **dict(sorted(stats.aux.items())),
                 }
                 job.metrics.log(step, record)
                 window_tokens, window_start = 0, time.perf_counter()
 
-            if job.checkpointer.due(step, cfg.max_steps):
-                path = job.checkpointer.save(step, job.ckpt_states)
-                progress.write(f"checkpoint saved: {path}")
+            stopping = job.stop is not None and job.stop.agreed(rt.distributed)
+            # No periodic save inside a run of bad steps: if they end the run, the newest checkpoint is a good step's.
+            if stopping or (stats.finite and job.checkpointer.due(step, cfg.max_steps)):
+                job.last_checkpoint = job.checkpointer.save(step, job.ckpt_states,
+                                                            extra={"skipped_steps": state.skipped_steps})
+                progress.write(f"checkpoint saved: {job.last_checkpoint}")
                 window_tokens, window_start = 0, time.perf_counter()  # keep save time out of tokens/s
+            if stopping:
+                job.outcome = "stopped"
+                return
+        job.outcome = "finished"
     finally:
         progress.close()
+
+
+def _diverged_message(streak: list[tuple[int, StepStats]], limit: int, last_checkpoint: Path | None) -> str:
+    first_step, first = streak[0]
+    what = f"loss is {first.loss}" if not math.isfinite(first.loss) else f"gradient norm is {first.grad_norm}"
+    steps = f"step {first_step}" if len(streak) == 1 else f"steps {first_step}-{streak[-1][0]}"
+    where = f"; the newest checkpoint of this launch is {last_checkpoint}" if last_checkpoint else ""
+    return (f"{what} at step {first_step}: {len(streak)} non-finite step(s) in a row ({steps}, "
+            f"trainer.max_bad_steps={limit}), none of them applied or saved{where}")
 
 
 def _mfu(job: Job, cache: dict[int, float], seq_len: int, tokens_per_s: float) -> float:
@@ -433,8 +494,13 @@ def _mfu(job: Job, cache: dict[int, float], seq_len: int, tokens_per_s: float) -
     return cache[seq_len] * tokens_per_s / (job.peak_flops * job.rt.world_size)
 
 
-def fit(job: Job) -> None:
+def fit(job: Job) -> str:
+    """Train until trainer.max_steps or a stop signal; returns `job.outcome`. The stop signals are handled only while
+    this runs (set-up, before, keeps their default action)."""
+    job.stop = StopRequest(job.trainer.stop_deadline_s).install()
     try:
         train_loop(job)
     finally:
+        job.stop.uninstall()
         job.metrics.close()
+    return job.outcome

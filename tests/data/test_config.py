@@ -35,7 +35,7 @@ def test_misspelled_key_and_bad_values():
     with pytest.raises(ConfigKeyError, match="seq_length"):
         OmegaConf.merge(OmegaConf.structured(DataConfig), {"seq_length": 64})
     bad = {"seq_len": 0, "batch_size": -1, "num_workers": -1, "shuffle_buffer": 0, "shard_size": 0,
-           "max_bytes": -5, "vocab_size": 100, "path": "", "corpus_glob": ""}
+           "max_bytes": -5, "vocab_size": 100, "path": "", "corpus_glob": "/abs/*.py", "prepare_timeout_s": 0}
     for name, value in bad.items():
         with pytest.raises(ValueError, match=f"data.{name} must"):
             DataConfig(**{name: value})

@@ -1,9 +1,10 @@
 """Preparation (data/prepare.py): the shards hold exactly the tokenizer's ids of each document, in corpus order,
 documents whole, split into several shards by size; meta.json describes them; undecodable and blank files are
 skipped and counted; preparation is deterministic and a re-run leaves no stale shards; a crash mid-way leaves
-no meta.json (so the directory reads as unprepared); an existing tokenizer.json is used as is and copied; a
-vocabulary over 2**16 switches to uint32; .jsonl corpora work; the default stdlib corpus prepares under a cap;
-a missing or empty corpus fails naming the path, from Python and from `python -m data.prepare`."""
+the directory as it was (an earlier preparation intact, a fresh directory without meta.json, no build directory
+behind); an existing tokenizer.json is used as is and copied; a vocabulary over 2**16 switches to uint32; .jsonl
+corpora work; the default stdlib corpus prepares under a cap; a missing or empty corpus fails naming
+data.corpus and the path, from Python and from `python -m data.prepare`."""
 
 import json
 import os
@@ -68,10 +69,11 @@ def test_deterministic_and_rerun_removes_stale_shards(tmp_path, text_corpus):
     assert sorted(p.name for p in a.glob("shard-*")) == ["shard-000000.tar"]
 
 
-def test_crash_midway_leaves_no_meta(tmp_path, text_corpus, monkeypatch):
+def test_crash_midway_leaves_the_directory_as_it_was(tmp_path, text_corpus, monkeypatch):
     corpus, _ = text_corpus
-    out = tmp_path / "out"
+    out, fresh = tmp_path / "out", tmp_path / "fresh"
     prepare(str(out), str(corpus), vocab_size=400, shard_size=128, glob="*.txt", progress=False)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
     real = prep.write_shard
 
     def crash_on_third(directory, index, *args):
@@ -80,10 +82,14 @@ def test_crash_midway_leaves_no_meta(tmp_path, text_corpus, monkeypatch):
         return real(directory, index, *args)
 
     monkeypatch.setattr(prep, "write_shard", crash_on_third)
-    with pytest.raises(OSError, match="disk full"):
-        prepare(str(out), str(corpus), vocab_size=400, shard_size=128, glob="*.txt", progress=False)
+    for d in (out, fresh):
+        with pytest.raises(OSError, match="disk full"):
+            prepare(str(d), str(corpus), vocab_size=300, shard_size=128, glob="*.txt", progress=False)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before, "the earlier preparation is untouched"
+    assert _all_docs(out)
+    assert os.listdir(fresh) == []
     with pytest.raises(FileNotFoundError, match="has no meta.json"):
-        read_meta(str(out))
+        read_meta(str(fresh))
 
 
 def test_existing_tokenizer_is_used_and_copied(tmp_path, text_corpus):
@@ -144,14 +150,14 @@ def test_default_corpus_is_the_stdlib_under_a_cap(tmp_path):
 
 def test_missing_and_empty_corpus(tmp_path):
     missing = tmp_path / "nope"
-    with pytest.raises(FileNotFoundError, match=f"corpus path '{missing}' does not exist"):
+    with pytest.raises(FileNotFoundError, match=f"data.corpus='{missing}' does not exist"):
         prepare(str(tmp_path / "out"), str(missing), progress=False)
     (tmp_path / "empty").mkdir()
-    with pytest.raises(ValueError, match=f"corpus '{tmp_path / 'empty'}' is empty"):
+    with pytest.raises(ValueError, match=f"data.corpus='{tmp_path / 'empty'}' is empty"):
         prepare(str(tmp_path / "out"), str(tmp_path / "empty"), progress=False)
     (tmp_path / "blank").mkdir()
     (tmp_path / "blank" / "a.py").write_text("\n")
-    with pytest.raises(ValueError, match=f"corpus '{tmp_path / 'blank'}' is empty: no non-blank"):
+    with pytest.raises(ValueError, match=f"data.corpus='{tmp_path / 'blank'}' is empty: no non-blank"):
         prepare(str(tmp_path / "out"), str(tmp_path / "blank"), progress=False)
     with pytest.raises(SystemExit, match=str(missing)):
         main(["--corpus", str(missing), "--out", str(tmp_path / "out")])
@@ -167,4 +173,4 @@ def test_cli(tmp_path, text_corpus, capsys):
     # As a module, in a fresh interpreter: the error names the path and the exit status is non-zero.
     r = subprocess.run([sys.executable, "-m", "data.prepare", "--corpus", str(tmp_path / "nope"), "--out",
                         str(out)], cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert r.returncode != 0 and f"corpus path '{tmp_path / 'nope'}' does not exist" in r.stderr
+    assert r.returncode != 0 and f"data.corpus='{tmp_path / 'nope'}' does not exist" in r.stderr

@@ -44,7 +44,7 @@ def micro_overrides(run_dir: Path, data_dir: Path, *extra: str) -> list[str]:
 
 
 def env(**extra: str) -> dict:
-    out = {k: v for k, v in os.environ.items() if not k.startswith("CEDAR_FAULT")}
+    out = dict(os.environ)
     out.update({"WANDB_SILENT": "true", "WANDB_MODE": "", "HYDRA_FULL_ERROR": "", **extra})
     return {k: v for k, v in out.items() if v != ""}
 
@@ -54,6 +54,14 @@ def run_cli(args: list[str], timeout: float = 300, **env_extra: str) -> subproce
     return subprocess.run(
         [sys.executable, "-m", "trainer.main", *args], cwd=REPO, env=env(**env_extra), capture_output=True,
         text=True, timeout=timeout,
+    )
+
+
+def run_faulty(faults: str, args: list[str], timeout: float = 300, **env_extra: str) -> subprocess.CompletedProcess:
+    """`python -m trainer.main ARGS` with faults patched in (tests/trainer/faults.py)."""
+    return subprocess.run(
+        [sys.executable, "-m", "tests.trainer.faults", faults, "--", *args], cwd=REPO, env=env(**env_extra),
+        capture_output=True, text=True, timeout=timeout,
     )
 
 

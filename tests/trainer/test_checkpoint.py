@@ -1,7 +1,10 @@
-"""Checkpoints: a round trip restores model, optimiser, scheduler, data position and RNG exactly; only renamed
-directories with the completion marker count, keep-last-k prunes; and end to end, a run killed with SIGKILL
-mid-training, or killed inside a save, resumes (checkpoint.resume=auto) from the newest complete checkpoint and
-reproduces the uninterrupted run's losses exactly.
+"""Checkpoints: a round trip restores model, optimiser, scheduler, data position and RNG exactly, while the
+optimiser's hyperparameters stay the live (config's) ones; only renamed directories with the completion marker
+count, keep-last-k prunes; a checkpoint with a flipped byte, a truncated or a missing file fails its checksums and
+`resume=auto` falls back to the previous complete one (an explicit path is refused); a save that runs out of space
+removes its partial files and names the cause. End to end, a run killed with SIGKILL mid-training, or killed inside a
+save, or resumed over a corrupted newest checkpoint, resumes (checkpoint.resume=auto) from the newest intact
+checkpoint and reproduces the uninterrupted run's losses exactly.
 
 Across layouts: the data position is keyed by data rank (a tp / pp / cp peer of data rank 0 resumes it; a data rank
 the checkpoint lacks is refused), the RNG by global rank (a rank the checkpoint lacks keeps its fresh state); format 1
@@ -24,10 +27,10 @@ import torch
 
 from optim import LRScheduler, OptimConfig, build_optimizer
 from model.config import ModelConfig
-from tests.trainer.harness import REPO, env, losses, micro_overrides, read_metrics, run_cli
+from tests.trainer.harness import REPO, env, losses, micro_overrides, read_metrics, run_cli, run_faulty
 from trainer.checkpoint import (
-    COMPLETE_MARKER, FAULT_ENV, Checkpointer, RankLocalState, TrainState, _rng_state, complete_checkpoints,
-    model_config_differences,
+    COMPLETE_MARKER, Checkpointer, CheckpointSaveError, CorruptCheckpoint, RankLocalState, TrainState, _rng_state,
+    complete_checkpoints, model_config_differences, verify,
 )
 from trainer.config import CheckpointConfig
 
@@ -43,11 +46,11 @@ class _Loader:
         self.position = state["dp_rank_0"]["position"]
 
 
-def _toy(seed):
+def _toy(seed, **optim):
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.LayerNorm(6), torch.nn.Linear(6, 3))
     model.register_buffer("bias_like", torch.randn(3))  # stands in for the MoE balancing biases
-    cfg = OptimConfig(lr=1e-2, warmup_steps=2)
+    cfg = OptimConfig(**{"lr": 1e-2, "warmup_steps": 2, **optim})
     opt = build_optimizer(model.parameters(), cfg)
     sched = LRScheduler(opt, cfg, total_steps=10)
     loader = _Loader()
@@ -86,6 +89,82 @@ def test_round_trip_restores_everything(tmp_path):
     _train_steps(model2, opt2, sched2, 1)
     for a, b in zip(model.parameters(), model2.parameters()):
         assert torch.equal(a, b)
+
+
+def test_resume_keeps_the_configs_hyperparameters_and_the_checkpoints_state(tmp_path):
+    model, opt, sched, loader, states = _toy(0)  # lr 1e-2, betas (0.9, 0.95), weight decay 0.1
+    _train_steps(model, opt, sched, 3)
+    path = Checkpointer(tmp_path, CheckpointConfig()).save(3, states)
+
+    model2, opt2, sched2, _, states2 = _toy(1, lr=1e-3, betas=[0.8, 0.9], weight_decay=0.0, eps=1e-6)
+    Checkpointer(tmp_path, CheckpointConfig()).load(path, states2)
+    loaded = states2["train"].loaded_hyperparameters
+    assert loaded[0]["initial_lr"] == 1e-2 and loaded[0]["weight_decay"] == 0.1  # what the checkpoint held
+    for group in opt2.param_groups:  # the config's values, the lr at the resumed step's point of the schedule
+        assert group["initial_lr"] == 1e-3 and group["betas"] == (0.8, 0.9) and group["eps"] == 1e-6
+        assert group["lr"] == pytest.approx(opt.param_groups[0]["lr"] / 10)  # same schedule, a tenth of the peak
+    assert opt2.param_groups[0]["weight_decay"] == 0.0
+    for p, q in zip(model.parameters(), model2.parameters()):  # the moments are the checkpoint's
+        assert torch.equal(opt.state[p]["exp_avg"], opt2.state[q]["exp_avg"])
+        assert torch.equal(opt.state[p]["step"], opt2.state[q]["step"])
+
+
+def _flip_byte(path):
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def _truncate(path):
+    path.write_bytes(path.read_bytes()[:-1])
+
+
+@pytest.mark.parametrize("damage", [_flip_byte, _truncate, lambda p: p.unlink()], ids=["flip", "truncate", "missing"])
+def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous(tmp_path, caplog, damage):
+    model, opt, sched, loader, states = _toy(0)
+    ckpt = Checkpointer(tmp_path, CheckpointConfig())
+    first = ckpt.save(1, states)
+    newest = ckpt.save(2, states)
+    assert verify(first) == [] and verify(newest) == []
+    marker = json.loads((newest / COMPLETE_MARKER).read_text())
+    assert set(marker["files"]) == {f.name for f in newest.iterdir() if f.name != COMPLETE_MARKER}
+    damage(next(newest.glob("*.distcp")))
+    (problem,) = verify(newest)
+    assert problem.startswith("__0_0.distcp")
+    with caplog.at_level("WARNING"):
+        assert ckpt.resume_path() == first
+    assert f"checkpoint {newest} is corrupt" in caplog.text and f"resuming from {first} instead" in caplog.text
+    with pytest.raises(CorruptCheckpoint, match="is corrupt: __0_0.distcp"):
+        Checkpointer(tmp_path, CheckpointConfig(resume=str(newest))).resume_path()
+
+
+def test_checkpoints_without_checksums_still_load(tmp_path):
+    model, opt, sched, loader, states = _toy(0)
+    path = Checkpointer(tmp_path, CheckpointConfig()).save(1, states)
+    marker = json.loads((path / COMPLETE_MARKER).read_text())
+    del marker["files"]
+    (path / COMPLETE_MARKER).write_text(json.dumps(marker))
+    assert verify(path) == [] and Checkpointer(tmp_path, CheckpointConfig()).resume_path() == path
+
+
+def test_a_save_without_space_removes_its_files_and_names_the_cause(tmp_path, monkeypatch):
+    import errno
+
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    model, opt, sched, loader, states = _toy(0)
+    ckpt = Checkpointer(tmp_path, CheckpointConfig())
+    good = ckpt.save(1, states)
+
+    def full(self, plan, planner):
+        raise OSError(errno.ENOSPC, "No space left on device", str(self.path))
+
+    monkeypatch.setattr(FileSystemWriter, "write_data", full)
+    with pytest.raises(CheckpointSaveError, match=r"saving checkpoint step 2 failed: no space left on device \(") as e:
+        ckpt.save(2, states)
+    assert f"the previous checkpoint {good} stays the one a resume starts from" in str(e.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000001"]  # the partial directory is gone
+    assert ckpt.resume_path() == good
 
 
 def test_only_marked_step_dirs_count_and_old_ones_are_pruned(tmp_path):
@@ -154,7 +233,7 @@ def test_sigkill_mid_training_then_resume_matches(tmp_path, small_data, referenc
 @pytest.mark.slow
 def test_crash_inside_save_leaves_no_complete_checkpoint(tmp_path, small_data, reference):
     args = micro_overrides(tmp_path, small_data, *RUN_ARGS)
-    r = run_cli(args, **{FAULT_ENV: str(2 * INTERVAL)})
+    r = run_faulty(f"crash_in_save={2 * INTERVAL}", args)
     assert r.returncode == 70, r.stderr  # died inside the save at step 6
     ckpts = tmp_path / "checkpoints"
     assert [p.name for p in complete_checkpoints(ckpts)] == ["step_00000003"]
@@ -168,6 +247,37 @@ def test_crash_inside_save_leaves_no_complete_checkpoint(tmp_path, small_data, r
     assert losses(tmp_path) == reference
     assert not partial.exists()
     assert [p.name for p in complete_checkpoints(ckpts)] == ["step_00000021", "step_00000024"]
+
+
+@pytest.mark.slow
+def test_a_corrupt_newest_checkpoint_resumes_from_the_previous_one(tmp_path, small_data, reference):
+    args = micro_overrides(tmp_path, small_data, *RUN_ARGS)
+    assert run_cli(args).returncode == 0
+    ckpts = tmp_path / "checkpoints"
+    previous, newest = complete_checkpoints(ckpts)
+    _flip_byte(next(newest.glob("*.distcp")))
+    r = run_cli([*args, "trainer.max_steps=" + str(MAX_STEPS)])  # the same run, launched again
+    assert r.returncode == 0, r.stderr
+    assert f"checkpoint {newest} is corrupt (__0_0.distcp does not match its sha256): resuming from {previous}" \
+        in r.stdout
+    assert _resumed_from(r) == MAX_STEPS - INTERVAL
+    assert losses(tmp_path) == reference  # the steps after the previous checkpoint, trained again, bit for bit
+
+
+@pytest.mark.slow
+def test_a_full_disk_during_a_save_is_one_line_and_the_run_resumes(tmp_path, small_data, reference):
+    args = micro_overrides(tmp_path, small_data, *RUN_ARGS)
+    r = run_faulty(f"enospc_in_save={2 * INTERVAL}", args)
+    assert r.returncode == 4
+    ckpts = tmp_path / "checkpoints"
+    assert r.stderr.strip().splitlines() == [
+        f"error: saving checkpoint step {2 * INTERVAL} failed: no space left on device "
+        f"({ckpts / '.tmp_step_00000006'}); the previous checkpoint {ckpts / 'step_00000003'} stays the one a resume "
+        "starts from"]
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step_00000003"]  # no partial directory left
+    r = run_cli(args)
+    assert r.returncode == 0, r.stderr
+    assert _resumed_from(r) == INTERVAL and losses(tmp_path) == reference
 
 
 # --- layouts: what a checkpoint carries from one layout to another ---------------------------------------------------

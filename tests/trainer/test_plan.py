@@ -2,6 +2,11 @@
 within the report's tolerances (backbone 552B +-1%, Engram 196B +-1%, decode-active 16B +-5%, prefill-active 8B
 +-10%, global KV exactly 890 B/token and all of it persistent); a bad override fails with a clear message.
 
+The trainer's start-up checks come first: a layout the trainer refuses (tp not dividing the heads, too few
+micro-batches for the pipeline, cp not dividing the sequence, sizes that do not make --world-size) exits 2 with one
+`error: ...` line, the very message of the trainer's own functions (validate_layout, ParallelConfig.resolve), and is
+never planned; a mistyped config group option is one line naming the group and its options.
+
 The training plan (per rank memory and communication):
 - for tp 2 x ep 2, pp 2 x ep 2 and dp_shard 2 x ep 2 (FSDP2) on 4 gloo ranks, with the Engram tables row-sharded over
   dp x ep x cp, the planner's parameter elements and bytes by kind for each rank's pipeline position equal the
@@ -15,6 +20,7 @@ The training plan (per rank memory and communication):
 """
 
 import json
+import math
 import subprocess
 import sys
 
@@ -65,8 +71,77 @@ def test_counts_follow_the_modules():
 
 def test_bad_override_is_reported():
     r = _run("model=v41_flash", "model.moe.experts_per_token=999")
-    assert r.returncode != 0
+    assert r.returncode == 2
     assert "experts_per_token" in r.stderr
+
+
+# --- the trainer's start-up checks -------------------------------------------------------------------------------------
+
+
+def _main(capsys, *args) -> tuple[int, str, str]:
+    """`python -m trainer.plan args` in this process: (exit status, stdout, stderr)."""
+    from trainer.plan import main
+
+    code = 0
+    try:
+        main(list(args))
+    except SystemExit as e:
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _trainer_refusal(world_size: int, *overrides: str) -> str:
+    """What the trainer's build (trainer/train.py) raises for these overrides, from its own functions."""
+    from trainer.config import to_config
+    from trainer.parallel.apply import validate_layout
+    from trainer.plan import compose
+
+    cfg = to_config(compose(["model=v41_tiny", *overrides]))
+    with pytest.raises(ValueError) as e:
+        validate_layout(cfg.parallel, cfg.model, seq_len=cfg.data.seq_len, grad_accum=cfg.trainer.grad_accum)
+        cfg.parallel.resolve(world_size)
+    return str(e.value)
+
+
+@pytest.mark.parametrize("overrides", [
+    ("parallel.tp=3",),  # does not divide the 4 query heads
+    ("parallel.pp=2",),  # 1F1B over 2 stages with trainer.grad_accum=1
+    ("parallel.cp=3",),  # does not divide data.seq_len
+    ("parallel.ep=3",),  # does not divide the routed experts
+    ("--world-size=3", "parallel.tp=2"),  # 2 does not divide 3 processes
+], ids=["tp", "pp", "cp", "ep", "world_size"])
+def test_layout_the_trainer_refuses_is_not_planned(capsys, overrides):
+    world = next((int(a.split("=")[1]) for a in overrides if a.startswith("--world-size=")), None)
+    hydra_overrides = [a for a in overrides if not a.startswith("--")]
+    code, out, err = _main(capsys, "model=v41_tiny", *overrides)
+    assert code == 2 and out == "" and '"fits"' not in out
+    assert err.count("\n") == 1 and "Traceback" not in err
+    want = _trainer_refusal(world or math.prod(int(a.split("=")[1]) for a in hydra_overrides), *hydra_overrides)
+    assert err == f"error: {want}\n"
+
+
+def test_world_size_fills_dp_replicate(capsys):
+    code, out, err = _main(capsys, "--world-size", "8", "model=v41_tiny", "parallel.tp=2")
+    assert code == 0, err
+    lay = json.loads(out)["training"]["layout"]
+    assert (lay["world_size"], lay["dp_replicate"], lay["tp"]) == (8, 4, 2)
+    code, out, err = _main(capsys, "model=v41_tiny")  # no world size: the sizes' own, noted in the assumptions
+    assert code == 0, err
+    training = json.loads(out)["training"]
+    assert training["layout"]["world_size"] == 1 and any("--world-size" in a for a in training["assumptions"])
+
+
+@pytest.mark.parametrize("override, group, options", [
+    ("model=v41_tinny", "model", "v41_flash, v41_small, v41_tiny"),
+    ("parallel=nosuch", "parallel", "default, flagship_256xh200"),
+])
+def test_mistyped_config_group_is_one_line(capsys, override, group, options):
+    code, out, err = _main(capsys, override)
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert err.startswith(f"error: {override}: config group '{group}' has no option") and err.rstrip().endswith(
+        f"options: {options}")
 
 
 # --- the training plan ------------------------------------------------------------------------------------------------

@@ -1,8 +1,11 @@
 """The training loop end to end through the CLI, on a micro V4.1 model: the loss falls, every logged step carries
 the promised metrics (metrics.jsonl and the offline W&B run inside the run directory agree), checkpoints land under
 <run dir>/checkpoints/; gradient accumulation equals the larger batch; two gloo processes launched by
-launch/torchrun.sh reproduce the single-process run (same data, same losses and gradient norms); a NaN loss stops
-the run with a one-line error and saves nothing of the diverged step; the stage hooks set up or refuse their
+launch/torchrun.sh reproduce the single-process run (same data, same losses and gradient norms); a step with a NaN
+loss or gradient norm is skipped (no update: the optimiser's step count proves it), counted in the metrics, and
+trainer.max_bad_steps of them in a row stop the run with a one-line error, saving nothing of the diverged steps; a
+resume trains with the config's optimiser hyperparameters and logs each one that changed; resuming a finished run
+says so; without a terminal the progress is one plain line per logged step; the stage hooks set up or refuse their
 switches; only the parameters the optimiser owns get gradients; a 2-rank torchrun job whose rank 1 is killed fails
 within the collective timeout, and one whose rank 1 hangs (SIGSTOP) has rank 0 raise a timeout error after
 parallel.timeout_s instead of waiting forever."""
@@ -19,14 +22,16 @@ import pytest
 import torch
 
 from model.config import ModelConfig
-from tests.trainer.harness import REPO, env, losses, micro_overrides, read_metrics, run_cli, wandb_history
-from trainer.checkpoint import complete_checkpoints
+from tests.trainer.harness import (
+    REPO, env, losses, micro_overrides, read_metrics, run_cli, run_faulty, wandb_history,
+)
+from trainer.checkpoint import Checkpointer, complete_checkpoints
 from trainer.config import StageConfig
 from trainer.train import apply_stage_hooks, freeze_all_but
 
 METRIC_KEYS = {
     "step", "loss", "lr", "grad_norm", "tokens_per_s", "tokens_seen", "mfu", "expert_imbalance", "memory_mb",
-    "skipped_shards", "aux/indexer_kl", "aux_metric/indexer_kl",
+    "skipped_shards", "skipped_steps", "aux/indexer_kl", "aux_metric/indexer_kl",
 }
 
 
@@ -102,17 +107,87 @@ def test_data_parallel_matches_single_process(tmp_path, small_data):
 def test_nan_loss_stops_with_a_clear_error(tmp_path, small_data):
     # lr 1e30 throws every weight to ~1e30 after the first update; the next forward overflows
     args = micro_overrides(tmp_path, small_data, "trainer.max_steps=10", "checkpoint.interval=1",
-                           "optim.lr=1e30", "optim.warmup_steps=0", "trainer.grad_clip=0")
+                           "optim.lr=1e30", "optim.warmup_steps=0", "trainer.grad_clip=0", "trainer.max_bad_steps=1")
     r = run_cli(args)
     assert r.returncode == 3
     last = r.stderr.strip().splitlines()[-1]
-    match = re.fullmatch(r"error: training diverged: loss is (nan|inf) at step (\d+): .*", last)
+    match = re.fullmatch(r"error: training diverged: loss is (nan|inf) at step (\d+): 1 non-finite .*", last)
     assert match, r.stderr
     assert "Traceback" not in r.stderr
     bad_step = int(match.group(2))
     saved = [int(p.name.split("_")[1]) for p in complete_checkpoints(tmp_path / "checkpoints")]
     assert saved == list(range(1, bad_step))
-    assert max(losses(tmp_path)) == bad_step - 1
+    assert max(step for step, loss in losses(tmp_path).items() if loss is not None) == bad_step - 1
+
+
+def _adam_steps(checkpoint: Path) -> int:
+    """AdamW's step count of the first parameter in a checkpoint: the updates actually applied."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(str(checkpoint), str(checkpoint.parent / "flat.pt"))
+    flat = torch.load(checkpoint.parent / "flat.pt", weights_only=False)
+    return int(next(v for k, v in flat["train"]["optim"]["state"].items())["step"])
+
+
+@pytest.mark.slow
+def test_non_finite_steps_are_skipped_and_counted(tmp_path, small_data):
+    args = micro_overrides(tmp_path, small_data, "trainer.max_steps=8", "checkpoint.interval=0")
+    r = run_faulty("nan_at=3,nan_grad_at=5+6", args)  # the loss at step 3, the gradient at steps 5 and 6
+    assert r.returncode == 0, r.stderr
+    rows = read_metrics(tmp_path)
+    assert [row["step"] for row in rows] == list(range(1, 9))
+    assert [row["loss"] is None for row in rows] == [False, False, True, False, False, False, False, False]
+    assert [row["grad_norm"] is None for row in rows] == [False, False, True, False, True, True, False, False]
+    assert [row["skipped_steps"] for row in rows] == [0, 0, 1, 1, 2, 3, 3, 3]
+    assert "step 6 skipped: loss" in r.stdout and "(2 of trainer.max_bad_steps=3 in a row)" in r.stdout
+    (final,) = complete_checkpoints(tmp_path / "checkpoints")
+    assert _adam_steps(final) == 5  # 8 steps, 3 of them not applied
+    assert Checkpointer.marker(final)["skipped_steps"] == 3
+
+
+@pytest.mark.slow
+def test_consecutive_bad_steps_stop_the_run_with_the_last_good_checkpoint(tmp_path, small_data):
+    args = micro_overrides(tmp_path, small_data, "trainer.max_steps=8", "checkpoint.interval=1",
+                           "trainer.max_bad_steps=2")
+    r = run_faulty("nan_at=3+4", args)
+    assert r.returncode == 3
+    assert r.stderr.strip().splitlines() == [
+        f"error: training diverged: loss is nan at step 3: 2 non-finite step(s) in a row (steps 3-4, "
+        f"trainer.max_bad_steps=2), none of them applied or saved; the newest checkpoint of this launch is "
+        f"{tmp_path / 'checkpoints' / 'step_00000002'}"]
+    assert [p.name for p in complete_checkpoints(tmp_path / "checkpoints")] == ["step_00000001", "step_00000002"]
+
+
+@pytest.mark.slow
+def test_resume_trains_with_the_configs_hyperparameters(tmp_path, small_data):
+    common = ["optim.schedule=constant", "optim.warmup_steps=0", "checkpoint.interval=0"]
+    first = run_cli(micro_overrides(tmp_path, small_data, "trainer.max_steps=3", "optim.lr=3e-3", *common))
+    assert first.returncode == 0, first.stderr
+    again = run_cli(micro_overrides(tmp_path, small_data, "trainer.max_steps=3", "optim.lr=3e-3", *common))
+    assert again.returncode == 0 and (
+        f"nothing to do: the run in {tmp_path} already reached trainer.max_steps=3 (resumed at step 3)") in again.stdout
+    r = run_cli(micro_overrides(tmp_path, small_data, "trainer.max_steps=5", "optim.lr=1e-3",
+                                "optim.weight_decay=0.01", *common, "logger.progress_bar=true"))
+    assert r.returncode == 0, r.stderr
+    for key, old, new in (("optim.lr", 0.003, 0.001), ("optim.weight_decay", 0.1, 0.01), ("trainer.max_steps", 3, 5)):
+        assert f"resume: {key} changed from {old!r} (checkpoint) to {new!r} (config)" in r.stdout
+    assert [row["lr"] for row in read_metrics(tmp_path)] == [3e-3] * 3 + [1e-3] * 2
+    # the bar asked for, but no terminal (a log file): one plain line per logged step, MFU and ETA included
+    assert re.search(r"step 5/5 \| loss \d+\.\d{4} \| lr 1\.000e-03 \| [\d,]+ tok/s \| MFU \d+\.\d\d% \| ETA 0m00s",
+                     r.stdout), r.stdout
+
+
+def test_the_progress_bar_shows_mfu_on_a_terminal(monkeypatch, capsys):
+    import sys
+
+    from trainer.progress import Progress
+
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    progress = Progress(True, 0, 10, bar=True, log_every=1)
+    progress.update(1, 2.5, 1e-3, 1234.0, 0.123)
+    progress.bar.refresh()
+    progress.close()
+    assert "mfu=12.3%" in capsys.readouterr().err
 
 
 def test_stage_hooks():

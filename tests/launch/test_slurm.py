@@ -1,0 +1,240 @@
+"""launch/slurm.sbatch under a fake Slurm: stub `srun`, `scontrol`, `nvidia-smi` and `date` on PATH, a stub
+`python` standing in for torchrun (it starts one stub worker), SLURM_* variables set. It proves:
+
+- the header asks for the time-limit signal to the batch shell (`--signal=B:USR1@<s>`), `--requeue` and an
+  appended log, all before the first command (sbatch reads no #SBATCH line after it);
+- the one srun step runs torchrun with the rendezvous at the head node's Slurm name and $RDZV_PORT, passes
+  `--cpus-per-task` on (srun no longer inherits it), and fixes `hydra.run.dir=runs/slurm-<job id>`, the same for
+  every start of the job (no clock in it);
+- SIGUSR1 to the batch shell (the time limit) reaches the step as SIGUSR1 (never SIGTERM, which srun turns into a
+  SIGKILL of its tasks), the node's task sends one SIGTERM to torchrun's worker and none to torchrun (whose
+  shutdown would SIGKILL the worker after 30 s), torchrun runs with SIGUSR1 ignored, and after the worker has saved
+  and the step has ended, the job is requeued (`scontrol requeue <job id>`);
+- SIGTERM to the batch shell (preemption, scancel) stops the ranks the same way but requeues only with
+  REQUEUE_ON_SIGTERM=1.
+"""
+
+import os
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import ROOT
+
+SCRIPT = ROOT / "launch" / "slurm.sbatch"
+JOB_ID = "4242"
+
+STUBS = {
+    # srun: records its arguments, runs the task locally as the one "node", passes SIGUSR1 on like srun, and on
+    # SIGTERM does what srun does ("forcing job termination"): SIGKILL the task.
+    "srun": r"""
+n=$(ls "$CEDAR_LOG" | grep -c '^srun\.' || true)
+printf '%s\0' "$@" > "$CEDAR_LOG/srun.$n.argv"
+while [[ $1 == -* ]]; do shift; done
+"$@" &
+task=$!
+trap 'echo "srun USR1" >> "$CEDAR_LOG/events"; kill -USR1 $task' USR1
+trap 'echo "srun TERM" >> "$CEDAR_LOG/events"; kill -KILL $task' TERM
+rc=0
+while kill -0 $task 2>/dev/null; do rc=0; wait $task || rc=$?; done
+exit $rc
+""",
+    "scontrol": r"""
+echo "scontrol $*" >> "$CEDAR_LOG/events"
+if [[ "$1 $2" == "show hostnames" ]]; then printf '%s\n' gpu-head gpu-b; fi
+""",
+    "nvidia-smi": r"""
+for i in 0 1 2 3; do echo "GPU $i: NVIDIA H200 (UUID: GPU-$i)"; done
+""",
+    # A clock that never shows the same time twice: a run directory built from it would differ between starts.
+    "date": r"""
+n=$(cat "$CEDAR_LOG/date" 2>/dev/null || echo 0); echo $((n + 1)) > "$CEDAR_LOG/date"; echo "2031-01-0$((n % 9 + 1))"
+""",
+    # torchrun: records its arguments and its ignored-signal mask, starts one worker and waits for it. No trap: a
+    # SIGTERM ends it at once (the tests assert it gets none).
+    "fake-python": r"""
+if [[ $1 == -m && $2 == trainer.preflight ]]; then  # the preflight: records its arguments, passes
+  printf '%s\0' "$@" > "$CEDAR_LOG/preflight.argv"
+  exit "${CEDAR_FAKE_PREFLIGHT_RC:-0}"
+fi
+printf '%s\0' "$@" > "$CEDAR_LOG/torchrun.argv"
+awk '/^SigIgn/ {print $2}' /proc/$$/status > "$CEDAR_LOG/torchrun.sigign"
+[[ ${CEDAR_FAKE_WORKER:-1} == 1 ]] || exit 0
+"$(dirname "$0")/fake-worker" &
+rc=0; wait $! || rc=$?
+echo "torchrun exit $rc" >> "$CEDAR_LOG/events"
+exit $rc
+""",
+    # A trainer rank: on SIGTERM finishes "its step", saves, says so and exits 0; gives up after 30 s unsignalled.
+    "fake-worker": r"""
+stop() {
+  echo "worker TERM" >> "$CEDAR_LOG/events"
+  sleep 0.2
+  echo "stopped by SIGTERM at step 7: checkpoint saved to runs/slurm-4242/checkpoints/step_7"
+  echo "worker saved" >> "$CEDAR_LOG/events"
+  exit 0
+}
+trap stop TERM
+echo "worker start" >> "$CEDAR_LOG/events"
+for ((i = 0; i < 300; i++)); do sleep 0.1; done
+echo "worker unsignalled" >> "$CEDAR_LOG/events"
+exit 1
+""",
+}
+
+
+@pytest.fixture
+def fake_slurm(tmp_path):
+    """(env, log dir): stubs first on PATH, a fake job of 2 nodes x 8 GPUs submitted from tmp_path."""
+    bin_dir, log = tmp_path / "bin", tmp_path / "log"
+    bin_dir.mkdir()
+    log.mkdir()
+    for name, body in STUBS.items():
+        path = bin_dir / name
+        path.write_text("#!/usr/bin/env bash\n" + body.lstrip())
+        path.chmod(0o755)
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("SLURM_", "SBATCH_")) and k not in ("RUN_DIR", "NPROC_PER_NODE", "RDZV_PORT",
+                                                                   "REQUEUE_ON_SIGTERM", "PYTHON")}
+    env.update(PATH=f"{bin_dir}:{env['PATH']}", PYTHON=str(bin_dir / "fake-python"), CEDAR_LOG=str(log),
+               SLURM_JOB_ID=JOB_ID, SLURM_JOB_NODELIST="gpu-[head,b]", SLURM_NNODES="2", SLURM_GPUS_ON_NODE="8",
+               SLURM_CPUS_PER_TASK="16", SLURM_SUBMIT_DIR=str(tmp_path))
+    return env, log
+
+
+def _argv(path: Path) -> list[str]:
+    return path.read_bytes().decode().split("\0")[:-1]
+
+
+def _events(log: Path) -> list[str]:
+    path = log / "events"
+    return path.read_text().splitlines() if path.exists() else []
+
+
+def _run(env, *overrides, timeout=60):
+    return subprocess.run(["bash", str(SCRIPT), *overrides], env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_header_asks_for_the_signal_requeue_and_an_appended_log():
+    lines = SCRIPT.read_text().splitlines()
+    first_command = next(i for i, line in enumerate(lines) if line.strip() and not line.startswith("#"))
+    header = [line.split(None, 1)[1] for line in lines[:first_command] if line.startswith("#SBATCH")]
+    after = [line for line in lines[first_command:] if line.startswith("#SBATCH")]
+    assert not after, f"sbatch ignores #SBATCH lines after the first command: {after}"
+    signal_opts = [opt for opt in header if opt.startswith("--signal=")]
+    assert len(signal_opts) == 1, header
+    m = re.fullmatch(r"--signal=B:USR1@(\d+)", signal_opts[0])
+    assert m and int(m.group(1)) >= 120, signal_opts  # to the batch shell, minutes before the limit
+    assert "--requeue" in header and "--open-mode=append" in header
+
+
+def test_torchrun_command_line(fake_slurm):
+    env, log = fake_slurm
+    r = _run({**env, "CEDAR_FAKE_WORKER": "0"}, "model=v41_tiny", "trainer.max_steps=10")
+    assert r.returncode == 0, r.stderr
+    assert not list(log.glob("srun.1.argv")), "one srun step only (no step to look up the head's address)"
+    srun = _argv(log / "srun.0.argv")
+    options = srun[:next(i for i, a in enumerate(srun) if not a.startswith("-"))]
+    assert "--cpus-per-task=16" in options and "--kill-on-bad-exit=1" in options
+    torchrun = _argv(log / "torchrun.argv")
+    assert torchrun[:2] == ["-m", "torch.distributed.run"]
+    for arg in ("--nnodes=2", "--nproc_per_node=8", f"--rdzv_id={JOB_ID}", "--rdzv_backend=c10d",
+                "--rdzv_endpoint=gpu-head:29500"):
+        assert arg in torchrun, (arg, torchrun)
+    rest = torchrun[torchrun.index("-m", 1):]
+    assert rest == ["-m", "trainer.main", f"hydra.run.dir=runs/slurm-{JOB_ID}", "model=v41_tiny",
+                    "trainer.max_steps=10"]
+    assert "rendezvous gpu-head:29500" in r.stdout
+    assert not any("requeue" in e for e in _events(log))  # a job that ends by itself is not requeued
+    # the trainer's start-up checks ran first, against the whole job: 2 nodes x 8 processes
+    assert _argv(log / "preflight.argv") == ["-m", "trainer.preflight", "16", f"hydra.run.dir=runs/slurm-{JOB_ID}",
+                                             "model=v41_tiny", "trainer.max_steps=10"]
+
+
+def test_a_layout_the_trainer_refuses_starts_no_step(fake_slurm):
+    env, log = fake_slurm
+    r = _run({**env, "CEDAR_FAKE_PREFLIGHT_RC": "2"}, "parallel.dp_replicate=3")
+    assert r.returncode == 2
+    assert not list(log.glob("srun.*.argv")) and not (log / "torchrun.argv").exists()
+
+
+def test_requeued_job_keeps_its_run_directory(fake_slurm):
+    env, log = fake_slurm
+    env = {**env, "CEDAR_FAKE_WORKER": "0", "RDZV_PORT": "29611"}
+    dirs = []
+    for restart in ("0", "1"):
+        assert _run({**env, "SLURM_RESTART_COUNT": restart}).returncode == 0
+        torchrun = _argv(log / "torchrun.argv")
+        assert "--rdzv_endpoint=gpu-head:29611" in torchrun
+        dirs.append([a for a in torchrun if a.startswith("hydra.run.dir=")])
+    assert dirs == [[f"hydra.run.dir=runs/slurm-{JOB_ID}"]] * 2
+
+
+def test_without_cpus_per_task_or_gpu_count(fake_slurm):
+    env, log = fake_slurm
+    env = {k: v for k, v in env.items() if k not in ("SLURM_CPUS_PER_TASK", "SLURM_GPUS_ON_NODE")}
+    assert _run({**env, "CEDAR_FAKE_WORKER": "0"}).returncode == 0
+    assert not any(a.startswith("--cpus-per-task") for a in _argv(log / "srun.0.argv"))
+    assert "--nproc_per_node=4" in _argv(log / "torchrun.argv")  # nvidia-smi -L
+
+
+def _signalled_run(env, log, sig):
+    """Start the batch script, send `sig` once the worker runs, return (completed process, events). Output goes to
+    files, so a stray process left holding it cannot stall the test; whatever is left of the script's process group
+    afterwards is killed."""
+    out_path, err_path = log / "stdout", log / "stderr"
+    with open(out_path, "w") as out, open(err_path, "w") as err:
+        proc = subprocess.Popen(["bash", str(SCRIPT), "model=v41_tiny"], env=env, stdout=out, stderr=err,
+                                start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while "worker start" not in _events(log):
+            assert proc.poll() is None, err_path.read_text()
+            assert time.monotonic() < deadline, "the worker never started"
+            time.sleep(0.05)
+        proc.send_signal(sig)
+        proc.wait(timeout=60)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out_path.read_text(), err_path.read_text()), \
+        _events(log)
+
+
+def _assert_graceful_stop(log, events):
+    assert "srun TERM" not in events, events  # srun would SIGKILL its tasks
+    assert "srun USR1" in events, events
+    assert events.count("worker TERM") == 1, events
+    assert "worker unsignalled" not in events
+    assert events.index("worker saved") < events.index("torchrun exit 0"), events
+    # torchrun and so its workers run with SIGUSR1 ignored (bit 10 - 1 of the mask)
+    assert int((log / "torchrun.sigign").read_text(), 16) & (1 << (signal.SIGUSR1 - 1))
+
+
+def test_time_limit_signal_stops_the_ranks_then_requeues(fake_slurm):
+    env, log = fake_slurm
+    r, events = _signalled_run(env, log, signal.SIGUSR1)
+    assert r.returncode == 0, (r.stdout, r.stderr)
+    _assert_graceful_stop(log, events)
+    requeues = [e for e in events if e.startswith("scontrol requeue")]
+    assert requeues == [f"scontrol requeue {JOB_ID}"], events
+    assert events.index(requeues[0]) > events.index("torchrun exit 0")  # after the step saved and ended
+    assert f"requeueing job {JOB_ID}" in r.stdout
+
+
+@pytest.mark.parametrize("requeue", ["0", "1"])
+def test_sigterm_stops_the_ranks_and_requeues_only_when_asked(fake_slurm, requeue):
+    env, log = fake_slurm
+    r, events = _signalled_run({**env, "REQUEUE_ON_SIGTERM": requeue}, log, signal.SIGTERM)
+    assert r.returncode == 0, (r.stdout, r.stderr)
+    _assert_graceful_stop(log, events)
+    requeues = [e for e in events if e.startswith("scontrol requeue")]
+    assert requeues == ([f"scontrol requeue {JOB_ID}"] if requeue == "1" else []), events

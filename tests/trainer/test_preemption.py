@@ -1,0 +1,118 @@
+"""Preemption: SIGTERM (a Slurm preemption or time limit) makes the run finish its step, save a checkpoint and exit 0
+with one line; `resume=auto` then continues exactly (the losses of an uninterrupted run, bit for bit). Under
+torchrun a signal that reaches one rank only stops both ranks at the same step, each saving its shard. A stop that
+hangs past trainer.stop_deadline_s exits 143 with one line; a second signal exits at once."""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.trainer.harness import REPO, env, losses, micro_overrides, read_metrics, run_cli
+from trainer.checkpoint import complete_checkpoints
+
+# a constant lr: the schedule does not depend on trainer.max_steps, so a stopped and resumed run can be compared with
+# an uninterrupted one of a different length
+CONSTANT = ["optim.schedule=constant", "optim.warmup_steps=0", "checkpoint.interval=1000"]
+
+
+def _wait_for_steps(proc, run_dir: Path, steps: int, timeout: float = 240) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        if (run_dir / "metrics.jsonl").exists() and len(read_metrics(run_dir)) >= steps:
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"the run did not reach step {steps} (exit status {proc.poll()})")
+
+
+@pytest.mark.slow
+def test_sigterm_saves_exits_zero_and_resumes_exactly(tmp_path, small_data):
+    run_dir = tmp_path / "stopped"
+    args = micro_overrides(run_dir, small_data, "trainer.max_steps=500", *CONSTANT)
+    proc = subprocess.Popen([sys.executable, "-m", "trainer.main", *args], cwd=REPO, env=env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for_steps(proc, run_dir, 3)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err
+    match = re.search(r"^stopped by SIGTERM at step (\d+)/500: checkpoint saved at (\S+); launch again", out, re.M)
+    assert match, out
+    stopped_at = int(match.group(1))
+    assert [p.name for p in complete_checkpoints(run_dir / "checkpoints")] == [f"step_{stopped_at:08d}"]
+    assert max(losses(run_dir)) == stopped_at
+
+    total = stopped_at + 3
+    r = run_cli([*args, f"trainer.max_steps={total}"])
+    assert r.returncode == 0, r.stderr
+    reference = tmp_path / "reference"
+    assert run_cli(micro_overrides(reference, small_data, f"trainer.max_steps={total}", *CONSTANT)).returncode == 0
+    assert losses(run_dir) == losses(reference)
+
+
+def _worker_pids(run_dir: Path) -> dict[int, int]:
+    """{global rank: pid} of the trainer processes writing into run_dir."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
+            environ = dict(v.split(b"=", 1) for v in (entry / "environ").read_bytes().split(b"\0") if b"=" in v)
+        except OSError:
+            continue
+        if b"trainer.main" in cmdline and f"hydra.run.dir={run_dir}".encode() in cmdline and b"RANK" in environ:
+            found[int(environ[b"RANK"])] = int(entry.name)
+    return found
+
+
+@pytest.mark.slow
+def test_sigterm_to_one_rank_stops_every_rank_at_the_same_step(tmp_path, small_data):
+    args = micro_overrides(tmp_path, small_data, "trainer.max_steps=500", *CONSTANT)
+    proc = subprocess.Popen([str(REPO / "launch" / "torchrun.sh"), "2", *args], cwd=REPO, env=env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for_steps(proc, tmp_path, 2)
+        pids = _worker_pids(tmp_path)
+        assert sorted(pids) == [0, 1], pids
+        os.kill(pids[1], signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    match = re.search(r"^stopped by a peer rank's signal at step (\d+)/500", out, re.M)
+    assert match, out[-3000:]
+    (ckpt,) = complete_checkpoints(tmp_path / "checkpoints")
+    assert ckpt.name == f"step_{int(match.group(1)):08d}"
+    assert sorted(f.name for f in ckpt.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+
+
+def _stop_request_program(deadline: float, signals: int) -> str:
+    return (
+        "import os, signal, time\n"
+        "from trainer.preemption import StopRequest\n"
+        f"stop = StopRequest({deadline}).install()\n"
+        f"for _ in range({signals}):\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    time.sleep(0.2)\n"
+        "time.sleep(30)\n"
+    )
+
+
+@pytest.mark.parametrize("deadline, signals, message", [
+    (0.5, 1, "error: still running 0.5 s after SIGTERM (trainer.stop_deadline_s): exiting"),
+    (60, 2, "error: second SIGTERM: exiting without a checkpoint"),
+])
+def test_a_stop_that_does_not_finish_exits_143(deadline, signals, message):
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, "-c", _stop_request_program(deadline, signals)], cwd=REPO, env=env(),
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 143 and time.monotonic() - t0 < 20
+    assert r.stderr.strip().splitlines()[-1].startswith(message), r.stderr

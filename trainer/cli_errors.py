@@ -1,0 +1,102 @@
+"""One-line errors for a mistyped config group option (`model=v41_tinny`, `parallel=nosuch`), which Hydra reports
+in a dozen lines (the options one a line, then its config search path) and, outside `@hydra.main`, as a traceback.
+
+- `missing_config_message(e)`: Hydra's MissingConfigException as one line naming the group and its options;
+  for entry points that compose the config themselves (`trainer.plan.compose`).
+- `check_config_groups(overrides)`: the same check on the command line before Hydra composes anything (ValueError
+  with that line); for `@hydra.main` entry points, where Hydra reports the exception itself before our code runs.
+
+The options are the group's configs in conf/ (and the ConfigStore), without the `schema` node every group
+registers (trainer/config.py `register_configs`): selecting it is legal but is nothing a user means.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Sequence
+from pathlib import Path
+
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+_SCHEMA = "schema"
+
+
+def unknown_option_message(group: str, value: str, options: Sequence[str]) -> str:
+    """`model=v41_tinny: config group 'model' has no option 'v41_tinny' (did you mean v41_tiny?); options:
+    v41_flash, v41_small, v41_tiny`."""
+    shown = [o for o in options if o != _SCHEMA]
+    close = difflib.get_close_matches(value, shown, n=1)
+    hint = f" (did you mean {close[0]}?)" if close else ""
+    listed = ", ".join(shown) if shown else "none"
+    return f"{group}={value}: config group '{group}' has no option '{value}'{hint}; options: {listed}"
+
+
+def missing_config_message(e: Exception) -> str:
+    """One line for Hydra's MissingConfigException: the group option and the group's options when a group option
+    is missing, else the first line of Hydra's message (a missing primary config)."""
+    missing, options = getattr(e, "missing_cfg_file", None), getattr(e, "options", None)
+    if missing and options is not None and "/" in missing:
+        group, _, value = missing.rpartition("/")
+        return unknown_option_message(group, value, options)
+    lines = str(e).strip().splitlines()
+    return lines[0] if lines else type(e).__name__
+
+
+def _choices(override) -> list[str]:
+    """The option names a group override selects: one, a list (`group=[a,b]`), or a choice sweep (`-m group=a,b`);
+    none for a deletion, `null`, or a glob / range sweep (Hydra checks those)."""
+    from hydra.core.override_parser.types import ValueType
+
+    if override.is_delete():
+        return []
+    if override.value_type in (ValueType.CHOICE_SWEEP, ValueType.SIMPLE_CHOICE_SWEEP):
+        return [str(v) for v in override.sweep_string_iterator()]
+    if override.value_type != ValueType.ELEMENT:
+        return []
+    value = override.value()
+    if value is None:
+        return []
+    return [str(v) for v in value] if isinstance(value, list) else [str(value)]
+
+
+def check_config_groups(overrides: Sequence[str], config_dir: Path = CONF_DIR) -> None:
+    """ValueError (one line: the group, its options) if an override selects a config group option that does not
+    exist. Flags (`-m`, `--cfg job`) and overrides Hydra cannot parse are left to Hydra, which reports them."""
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    from trainer.config import register_configs
+
+    candidates = [a for a in overrides if "=" in a and not a.startswith("-")]
+    try:
+        parsed = OverridesParser.create().parse_overrides(candidates)
+    except HydraException:
+        return
+    selections = [o for o in parsed if "." not in o.key_or_group and _choices(o)]
+    if not selections:
+        return
+    register_configs()
+    with initialize_config_dir(config_dir=str(config_dir), version_base=None):
+        loader = GlobalHydra.instance().config_loader()
+        for o in selections:
+            group = o.key_or_group
+            parent, _, name = group.rpartition("/")
+            if name not in loader.list_groups(parent):  # a plain key, or no such group: Hydra names it
+                continue
+            options = loader.get_group_options(group)
+            for value in _choices(o):
+                if value not in options:
+                    raise ValueError(unknown_option_message(group, value, options))
+
+
+def one_line(e: Exception) -> str:
+    """Any other Hydra or OmegaConf composition error in one line: its message and its cause's (Hydra's "Could not
+    override 'x'." wraps OmegaConf's "Key 'x' not in 'Config'"), lines joined, without Hydra's HYDRA_FULL_ERROR hint
+    and OmegaConf's object_type / reference_type trailers (the full key stays)."""
+    drop = ("Set the environment variable HYDRA_FULL_ERROR", "object_type=", "reference_type=")
+    lines = []
+    for err in (e, e.__cause__):
+        if err is not None:
+            lines += [ln.strip() for ln in str(err).splitlines() if ln.strip() and not ln.strip().startswith(drop)]
+    return " ".join(lines) if lines else type(e).__name__
