@@ -4,7 +4,9 @@ count, keep-last-k prunes; a checkpoint with a flipped byte, a truncated or a mi
 `resume=auto` falls back to the previous complete one (an explicit path is refused); a save that runs out of space
 removes its partial files and names the cause. End to end, a run killed with SIGKILL mid-training, or killed inside a
 save, or resumed over a corrupted newest checkpoint, resumes (checkpoint.resume=auto) from the newest intact
-checkpoint and reproduces the uninterrupted run's losses exactly.
+checkpoint and reproduces the uninterrupted run's losses exactly; so does a run stopped by SIGTERM (it saves at the step it stops
+and exits 0); a finished run launched again says there is nothing to do, and a resume with other optimiser
+hyperparameters trains with them, logging each change.
 
 Across layouts: the data position is keyed by data rank (a tp / pp / cp peer of data rank 0 resumes it; a data rank
 the checkpoint lacks is refused), the RNG by global rank (a rank the checkpoint lacks keeps its fresh state); format 1
@@ -16,6 +18,8 @@ import dataclasses
 import json
 import pickle
 import random
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -190,13 +194,25 @@ RUN_ARGS = [f"trainer.max_steps={MAX_STEPS}", f"checkpoint.interval={INTERVAL}",
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, small_data):
+def reference_dir(tmp_path_factory, small_data):
+    """The uninterrupted run's directory (checkpoints step_21 and step_24, metrics of steps 1-24)."""
     run_dir = tmp_path_factory.mktemp("reference")
     r = run_cli(micro_overrides(run_dir, small_data, *RUN_ARGS))
     assert r.returncode == 0, r.stderr
-    ref = losses(run_dir)
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def reference(reference_dir):
+    ref = losses(reference_dir)
     assert sorted(ref) == list(range(1, MAX_STEPS + 1))
     return ref
+
+
+def _copy_run(reference_dir, run_dir):
+    """The reference run as if it had run in run_dir (a run directory holds no absolute path)."""
+    shutil.copytree(reference_dir, run_dir, dirs_exist_ok=True)
+    return run_dir / "checkpoints"
 
 
 def _resumed_from(result) -> int:
@@ -250,13 +266,11 @@ def test_crash_inside_save_leaves_no_complete_checkpoint(tmp_path, small_data, r
 
 
 @pytest.mark.slow
-def test_a_corrupt_newest_checkpoint_resumes_from_the_previous_one(tmp_path, small_data, reference):
+def test_a_corrupt_newest_checkpoint_resumes_from_the_previous_one(tmp_path, small_data, reference, reference_dir):
     args = micro_overrides(tmp_path, small_data, *RUN_ARGS)
-    assert run_cli(args).returncode == 0
-    ckpts = tmp_path / "checkpoints"
-    previous, newest = complete_checkpoints(ckpts)
+    previous, newest = complete_checkpoints(_copy_run(reference_dir, tmp_path))
     _flip_byte(next(newest.glob("*.distcp")))
-    r = run_cli([*args, "trainer.max_steps=" + str(MAX_STEPS)])  # the same run, launched again
+    r = run_cli(args)  # the finished run, launched again
     assert r.returncode == 0, r.stderr
     assert f"checkpoint {newest} is corrupt (__0_0.distcp does not match its sha256): resuming from {previous}" \
         in r.stdout
@@ -265,19 +279,72 @@ def test_a_corrupt_newest_checkpoint_resumes_from_the_previous_one(tmp_path, sma
 
 
 @pytest.mark.slow
-def test_a_full_disk_during_a_save_is_one_line_and_the_run_resumes(tmp_path, small_data, reference):
+def test_a_full_disk_during_a_save_is_one_line_and_the_run_resumes(tmp_path, small_data, reference, reference_dir):
     args = micro_overrides(tmp_path, small_data, *RUN_ARGS)
-    r = run_faulty(f"enospc_in_save={2 * INTERVAL}", args)
+    ckpts = _copy_run(reference_dir, tmp_path)
+    shutil.rmtree(ckpts / "step_00000024")  # as if the run were at step 21
+    r = run_faulty(f"enospc_in_save={MAX_STEPS}", args)
     assert r.returncode == 4
-    ckpts = tmp_path / "checkpoints"
     assert r.stderr.strip().splitlines() == [
-        f"error: saving checkpoint step {2 * INTERVAL} failed: no space left on device "
-        f"({ckpts / '.tmp_step_00000006'}); the previous checkpoint {ckpts / 'step_00000003'} stays the one a resume "
+        f"error: saving checkpoint step {MAX_STEPS} failed: no space left on device "
+        f"({ckpts / '.tmp_step_00000024'}); the previous checkpoint {ckpts / 'step_00000021'} stays the one a resume "
         "starts from"]
-    assert sorted(p.name for p in ckpts.iterdir()) == ["step_00000003"]  # no partial directory left
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step_00000021"]  # no partial directory left
     r = run_cli(args)
     assert r.returncode == 0, r.stderr
-    assert _resumed_from(r) == INTERVAL and losses(tmp_path) == reference
+    assert _resumed_from(r) == MAX_STEPS - INTERVAL and losses(tmp_path) == reference
+
+
+@pytest.mark.slow
+def test_sigterm_saves_exits_zero_and_resumes_exactly(tmp_path, small_data, reference):
+    args = micro_overrides(tmp_path, small_data, *RUN_ARGS)
+    proc = subprocess.Popen([sys.executable, "-m", "trainer.main", *args], cwd=REPO, env=env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and proc.poll() is None:
+            if (tmp_path / "metrics.jsonl").exists() and len(read_metrics(tmp_path)) >= INTERVAL + 1:
+                break
+            time.sleep(0.005)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err
+    match = re.search(rf"^stopped by SIGTERM at step (\d+)/{MAX_STEPS}: checkpoint saved at (\S+); launch again", out,
+                      re.M)
+    assert match, out
+    stopped_at = int(match.group(1))
+    assert stopped_at < MAX_STEPS, "the run finished before it could be stopped"
+    assert complete_checkpoints(tmp_path / "checkpoints")[-1].name == f"step_{stopped_at:08d}"
+    assert max(losses(tmp_path)) == stopped_at
+
+    r = run_cli(args)
+    assert r.returncode == 0, r.stderr
+    assert _resumed_from(r) == stopped_at
+    assert losses(tmp_path) == reference  # bit for bit
+
+
+@pytest.mark.slow
+def test_a_resume_trains_with_the_configs_hyperparameters(tmp_path, small_data, reference_dir):
+    args = micro_overrides(tmp_path, small_data, *RUN_ARGS)
+    _copy_run(reference_dir, tmp_path)
+    r = run_cli(args)  # the finished run, launched again
+    assert r.returncode == 0, r.stderr
+    assert (f"nothing to do: the run in {tmp_path} already reached trainer.max_steps={MAX_STEPS} (resumed at step "
+            f"{MAX_STEPS})") in r.stdout
+    changed = ["trainer.max_steps=26", "optim.lr=1e-3", "optim.weight_decay=0.01", "optim.schedule=constant",
+               "optim.warmup_steps=0", "logger.progress_bar=true"]
+    r = run_cli([*args, *changed])
+    assert r.returncode == 0, r.stderr
+    for key, old, new in (("optim.lr", 0.003, 0.001), ("optim.weight_decay", 0.1, 0.01),
+                          ("optim.schedule", "cosine", "constant"), ("optim.warmup_steps", 30, 0),
+                          ("trainer.max_steps", MAX_STEPS, 26)):
+        assert f"resume: {key} changed from {old!r} (checkpoint) to {new!r} (config)" in r.stdout
+    assert [row["lr"] for row in read_metrics(tmp_path)][MAX_STEPS:] == [1e-3, 1e-3]  # the config's, not 3e-3's
+    # the bar asked for, but no terminal (a log file): one plain line per logged step, MFU and ETA included
+    assert re.search(r"step 26/26 \| loss \d+\.\d{4} \| lr 1\.000e-03 \| [\d,]+ tok/s \| MFU \d+\.\d\d% \| ETA 0m00s",
+                     r.stdout), r.stdout
 
 
 # --- layouts: what a checkpoint carries from one layout to another ---------------------------------------------------
