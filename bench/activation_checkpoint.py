@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tests.helpers import load_config  # noqa: E402
 from trainer.config import ParallelConfig, TrainerConfig  # noqa: E402
-from trainer.parallel.data_parallel import update_router_biases  # noqa: E402
+from trainer.parallel.gradients import update_router_biases  # noqa: E402
 from trainer.train import build_model, compute_gradients, setup_runtime, trainable_parameters  # noqa: E402
 
 _MB = 2**20

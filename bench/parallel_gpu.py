@@ -75,7 +75,7 @@ def _equality_run(fields: dict, args: dict) -> dict:
     from optim.builder import build_optimizer
     from optim.config import OptimConfig
     from trainer.config import ParallelConfig, TrainerConfig
-    from trainer.parallel.data_parallel import update_router_biases
+    from trainer.parallel.gradients import update_router_biases
     from trainer.train import build_model, compute_gradients, setup_runtime, trainable_parameters
 
     device = args["device"]

@@ -73,7 +73,7 @@ def main() -> None:
     from optim.config import OptimConfig
     from trainer.config import ParallelConfig, TrainerConfig
     from trainer.metrics import device_peak_flops
-    from trainer.parallel.data_parallel import update_router_biases
+    from trainer.parallel.gradients import update_router_biases
     from trainer.train import build_model, compute_gradients, setup_runtime, trainable_parameters
 
     y = OmegaConf.load(ROOT / "conf" / "model" / f"{args.model}.yaml")

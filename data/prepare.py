@@ -39,6 +39,7 @@ import numpy as np
 from tokenizers import Tokenizer
 from tqdm import tqdm
 
+from data.schema import DataConfig
 from data.shards import (
     META_NAME,
     TOKENIZER_NAME,
@@ -519,9 +520,7 @@ def prepare_once(
 
 
 def main(argv: list[str] | None = None) -> None:
-    from data.config import DataConfig  # imported here: data.config imports this module
-
-    d = DataConfig()
+    d = DataConfig()  # the CLI's defaults are the config's, so prepare_command can leave them out
     p = argparse.ArgumentParser(prog="python -m data.prepare", description=__doc__.split("\n")[0])
     p.add_argument("--corpus", default=d.corpus, help="directory, .jsonl or text file ('' = Python stdlib)")
     p.add_argument("--out", default=d.path, help="output directory (default: %(default)s)")

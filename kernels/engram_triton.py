@@ -1,8 +1,8 @@
 """Triton kernels for Engram (REFERENCE A8): the table gather and the fused gate + stream update.
 
-The PyTorch reference is `model.engram.Engram` (`lookup`, `gate`, `forward`); `engram_forward(module, ...)`
-here computes Engram.forward with `impl="triton"` (these kernels; wkv stays a cuBLAS GEMM) or
-`impl="reference"` (the module itself).
+The PyTorch reference is `model.engram.Engram` (`lookup`, `gate`, `forward`). The kernels take tensors only
+(the table, row ids, streams, the wkv output, q_weight * k_weight, eps); model.kernels.engram_forward composes
+them into Engram.forward (`lookup`, the module's wkv as a cuBLAS GEMM, `gate_update`).
 
 Shape legend:
     N    tokens (B * T flattened)
@@ -36,10 +36,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fp4_triton import _e4m3_value, _e8m0_value, bf16_bits, check_device, interpreting
-from model.engram import Engram
+from kernels.triton_common import bf16_bits, check_device, e4m3_value, e8m0_value, interpreting
 
-__all__ = ["lookup", "gather_rows", "gate_update", "gate_fwd", "gate_bwd", "gate_from_stats", "engram_forward"]
+__all__ = ["lookup", "gather_rows", "gate_update", "gate_fwd", "gate_bwd", "gate_from_stats"]
 
 _NAN_BITS = {torch.bfloat16: 0x7FC0, torch.float16: 0x7E00, torch.float32: 0x7FC00000}
 _BITS_VIEW = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
@@ -86,10 +85,10 @@ def _gather_kernel(table_ptr, scale_ptr, ids_ptr, out_ptr, num_lookups, num_rows
         code = tl.load(table_ptr + src, mask=m_in, other=0).to(tl.int32)
         s_offs = rid[:, None] * (row_dim // 32) + (c // 32)[None, :]
         if SCALE_E8M0:
-            scale = _e8m0_value(tl.load(scale_ptr + s_offs, mask=m_in, other=127).to(tl.int32))
+            scale = e8m0_value(tl.load(scale_ptr + s_offs, mask=m_in, other=127).to(tl.int32))
         else:
             scale = tl.load(scale_ptr + s_offs, mask=m_in, other=1.0)
-        val = tl.where(valid[:, None], _e4m3_value(code) * scale, float("nan"))
+        val = tl.where(valid[:, None], e4m3_value(code) * scale, float("nan"))
         _store_rounded(dst, val, m_out, OUT_BF16, GPU)
     else:
         # Same dtype in and out: copy the bits, so no rounding question arises.
@@ -402,17 +401,3 @@ def gate_update(S: torch.Tensor, kv: torch.Tensor, qk: torch.Tensor, dead: torch
     return _Gate.apply(S.contiguous(), kv.contiguous(), qk.contiguous(),
                        dead.contiguous() if dead is not None else None, eps, fwd_kwargs)
 
-
-def engram_forward(module: Engram, S: torch.Tensor, row_ids: torch.Tensor, dead: torch.Tensor | None = None, *,
-                   impl: str = "triton", table_grad: str = "dense") -> torch.Tensor:
-    """Engram.forward: S [B, T, n, D], row_ids [B, T, C], dead [B, T] bool -> S' [B, T, n, D]."""
-    if impl == "reference":
-        return module(S, row_ids, dead)
-    if impl != "triton":
-        raise ValueError(f"engram_forward: impl must be 'triton' or 'reference', got {impl!r}")
-    B, T, n, D = S.shape
-    rows = lookup(module.table, row_ids.reshape(B * T, -1), table_grad=table_grad)  # [N, C, Dh]
-    kv = module.wkv(rows.flatten(-2).to(module.wkv.weight.dtype))  # [N, (n + 1) * D], cuBLAS
-    qk = module.q_weight.float() * module.k_weight.float()  # used only as their product (A8)
-    flat_dead = dead.reshape(B * T) if dead is not None else None
-    return gate_update(S.reshape(B * T, n, D), kv, qk, flat_dead, module.eps).view(B, T, n, D)

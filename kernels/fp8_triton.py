@@ -12,8 +12,8 @@ Shape legend:
 
 FP8 has one byte per channel, so a program owns plain [P, block] tiles of elements (no pair words as in FP4). The
 scale is a power of two, so the quotient is a multiply by its exact reciprocal. The rounding rules, the shared
-device helpers (e4m3 / e8m0 codes from the bits, tile loads and byte stores) and the launch variants (VARIANTS,
-`variant=`) are those of kernels.fp4_triton, imported from there.
+device helpers (e4m3 / e8m0 codes from the bits, tile loads and byte stores), the constants and the launch variants
+(VARIANTS, `variant=`) are those of kernels.fp4_triton, shared through kernels.triton_common.
 """
 
 from __future__ import annotations
@@ -22,37 +22,35 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fp4_triton import (
+from kernels.fp8 import check_blocked, check_scales
+from kernels.triton_common import (
     DEFAULT_VARIANT,
-    _KIND,
-    _blocks_per_prog,
-    _e4m3_mag,
-    _e4m3_value,
-    _e8m0_value,
-    _load_blocks,
-    _magnitude,
-    _pow2_ceil,
-    _pow2_reciprocal,
-    _store_bytes,
-    _store_scale_bytes,
-    _variant_launch,
-    _with_sign,
+    ELEMENT_KIND,
+    FP8_AMAX_FLOOR,
+    FP8_INV_MAX,
+    FP8_MAX,
     bf16_bits,
     check_device,
+    e4m3_mag,
+    e4m3_value,
+    e8m0_value,
+    load_blocks,
+    magnitude,
+    pow2_ceil,
+    pow2_reciprocal,
+    resolve_blocks_per_prog,
+    store_bytes,
+    store_scale_bytes,
+    variant_launch,
+    with_sign,
 )
-from kernels.fp8 import FP8_AMAX_FLOOR, FP8_MAX, check_blocked, check_scales
 
 __all__ = ["quantize_fp8", "dequantize_fp8", "fake_quant_fp8"]
-
-# Constants the kernels read (Triton only lets jitted code see globals wrapped as constexpr).
-_FP8_MAX = tl.constexpr(FP8_MAX)
-_FP8_INV_MAX = tl.constexpr(1.0 / FP8_MAX)  # rounded to fp32 where used, like the reference's fp32 reciprocal
-_FP8_AMAX_FLOOR = tl.constexpr(FP8_AMAX_FLOOR)
 
 
 @triton.jit
 def _e4m3_mag_rn(a):
-    """fp32 0 <= a <= 448 -> float8_e4m3fn bits of its magnitude, equal to `_e4m3_mag` in fewer instructions:
+    """fp32 0 <= a <= 448 -> float8_e4m3fn bits of its magnitude, equal to `e4m3_mag` in fewer instructions:
     the step is 2^(binade - 3), 2^-9 below 2^-6 (subnormals); adding M = 2^23 * step rounds a to a multiple of
     the step (ties to even) in one fp32 add, and a mantissa carry lands in the next binade's code by itself."""
     e = tl.maximum(a.to(tl.int32, bitcast=True) >> 23, 121)  # biased binade, 121 (2^-6) for all subnormals
@@ -66,17 +64,17 @@ def _fp8_quant_tile(x, tile, values_ptr, scales_ptr, fake_ptr, num_blocks,
                     ENCODE: tl.constexpr):
     """Quantise one loaded tile x [P, BLOCK] (blocks tile * P ...) and store its outputs."""
     bits = x.to(tl.float32).to(tl.int32, bitcast=True)
-    a = _magnitude(bits)
+    a = magnitude(bits)
     amax = tl.max(a, axis=1)
     # Reference: multiply by fp32(1/448), not divide; the power-of-two ceiling is read from the bits.
-    scale, scale_code = _pow2_ceil(tl.maximum(amax, _FP8_AMAX_FLOOR) * _FP8_INV_MAX)
-    q = tl.minimum(a * _pow2_reciprocal(scale_code)[:, None], _FP8_MAX)  # exact quotient
+    scale, scale_code = pow2_ceil(tl.maximum(amax, FP8_AMAX_FLOOR) * FP8_INV_MAX)
+    q = tl.minimum(a * pow2_reciprocal(scale_code)[:, None], FP8_MAX)  # exact quotient
     if ENCODE == 1:
         mag = _e4m3_mag_rn(q)
     else:
-        mag = _e4m3_mag(q)
+        mag = e4m3_mag(q)
     if FAKE:
-        deq = _with_sign(_e4m3_value(mag) * scale[:, None], bits, True)
+        deq = with_sign(e4m3_value(mag) * scale[:, None], bits, True)
         blk = tile.to(tl.int64) * P + tl.arange(0, P)
         offs = blk[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
         live = (blk < num_blocks)[:, None]
@@ -86,8 +84,8 @@ def _fp8_quant_tile(x, tile, values_ptr, scales_ptr, fake_ptr, num_blocks,
             tl.store(fake_ptr + offs, deq.to(fake_ptr.dtype.element_ty), mask=live)
     else:
         code = mag | ((bits >> 24) & 0x80)  # the cast keeps the sign, also of values that round to 0
-        _store_bytes(values_ptr, tile, code, num_blocks, P, BLOCK)
-        _store_scale_bytes(scales_ptr, tile, scale_code, num_blocks, P)
+        store_bytes(values_ptr, tile, code, num_blocks, P, BLOCK)
+        store_scale_bytes(scales_ptr, tile, scale_code, num_blocks, P)
 
 
 @triton.jit
@@ -99,15 +97,15 @@ def _fp8_quant_kernel(x_ptr, values_ptr, scales_ptr, fake_ptr, num_blocks,
     kernels.fp4_triton._fp4_quant_kernel."""
     if PERSISTENT:
         pid, step = tl.program_id(0), tl.num_programs(0)
-        x = _load_blocks(x_ptr, pid, num_blocks, BLOCK, P)
+        x = load_blocks(x_ptr, pid, num_blocks, BLOCK, P)
         for i in range(0, tl.cdiv(tl.cdiv(num_blocks, P) - pid, step)):  # the grid is no larger than the tiles
             tile = pid + i * step
-            x_next = _load_blocks(x_ptr, tile + step, num_blocks, BLOCK, P)
+            x_next = load_blocks(x_ptr, tile + step, num_blocks, BLOCK, P)
             _fp8_quant_tile(x, tile, values_ptr, scales_ptr, fake_ptr, num_blocks, BLOCK, KIND, FAKE, P, ENCODE)
             x = x_next
     else:
         tile = tl.program_id(0)
-        _fp8_quant_tile(_load_blocks(x_ptr, tile, num_blocks, BLOCK, P), tile, values_ptr, scales_ptr, fake_ptr,
+        _fp8_quant_tile(load_blocks(x_ptr, tile, num_blocks, BLOCK, P), tile, values_ptr, scales_ptr, fake_ptr,
                         num_blocks, BLOCK, KIND, FAKE, P, ENCODE)
 
 
@@ -118,8 +116,8 @@ def _fp8_dequant_kernel(values_ptr, scales_ptr, out_ptr, num_blocks, BLOCK: tl.c
     live = blk < num_blocks
     offs = blk[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
     code = tl.load(values_ptr + offs, mask=live[:, None], other=0).to(tl.int32)
-    scale = _e8m0_value(tl.load(scales_ptr + blk, mask=live, other=127).to(tl.int32))
-    tl.store(out_ptr + offs, _e4m3_value(code) * scale[:, None], mask=live[:, None])
+    scale = e8m0_value(tl.load(scales_ptr + blk, mask=live, other=127).to(tl.int32))
+    tl.store(out_ptr + offs, e4m3_value(code) * scale[:, None], mask=live[:, None])
 
 
 def _fp8_prepare(x: torch.Tensor, block: int, fn_name: str) -> tuple[torch.Tensor, int]:
@@ -127,7 +125,7 @@ def _fp8_prepare(x: torch.Tensor, block: int, fn_name: str) -> tuple[torch.Tenso
     if block & (block - 1):
         raise ValueError(f"{fn_name}: the Triton kernel needs a power-of-two block, got {block}")
     check_device("x", fn_name, x)
-    x = x.detach() if x.dtype in _KIND else x.detach().float()
+    x = x.detach() if x.dtype in ELEMENT_KIND else x.detach().float()
     return x, x.numel() // block
 
 
@@ -148,12 +146,12 @@ def quantize_fp8(x: torch.Tensor, block: int = 32, *, blocks_per_prog: int | Non
         if scales.dtype != torch.float8_e8m0fnu:
             raise ValueError(f"quantize_fp8: out scales must be float8_e8m0fnu, got {scales.dtype}")
         check_device("x and out", "quantize_fp8", x, values, scales)
-    p = _blocks_per_prog(block, blocks_per_prog)
+    p = resolve_blocks_per_prog(block, blocks_per_prog)
     if num_blocks:
-        grid, opts = _variant_launch(variant, "quantize_fp8", x, triton.cdiv(num_blocks, p), num_warps)
+        grid, opts = variant_launch(variant, "quantize_fp8", x, triton.cdiv(num_blocks, p), num_warps)
         _fp8_quant_kernel[grid](
             x, values.view(torch.uint8), scales.view(torch.uint8), x, num_blocks,
-            BLOCK=block, KIND=_KIND[x.dtype], FAKE=False, P=p, num_warps=num_warps, **opts)
+            BLOCK=block, KIND=ELEMENT_KIND[x.dtype], FAKE=False, P=p, num_warps=num_warps, **opts)
     return values, scales
 
 
@@ -163,12 +161,12 @@ def fake_quant_fp8(x: torch.Tensor, block: int = 32, *, blocks_per_prog: int | N
     orig_dtype = x.dtype
     x, num_blocks = _fp8_prepare(x, block, "fake_quant_fp8")
     out = torch.empty_like(x)
-    p = _blocks_per_prog(block, blocks_per_prog)
+    p = resolve_blocks_per_prog(block, blocks_per_prog)
     if num_blocks:
         target = out.view(torch.int16) if x.dtype == torch.bfloat16 else out
-        grid, opts = _variant_launch(variant, "fake_quant_fp8", x, triton.cdiv(num_blocks, p), num_warps)
+        grid, opts = variant_launch(variant, "fake_quant_fp8", x, triton.cdiv(num_blocks, p), num_warps)
         _fp8_quant_kernel[grid](
-            x, target, target, target, num_blocks, BLOCK=block, KIND=_KIND[x.dtype], FAKE=True, P=p,
+            x, target, target, target, num_blocks, BLOCK=block, KIND=ELEMENT_KIND[x.dtype], FAKE=True, P=p,
             num_warps=num_warps, **opts)
     return out.to(orig_dtype)
 
@@ -191,7 +189,7 @@ def dequantize_fp8(values: torch.Tensor, scales: torch.Tensor, block: int = 32, 
         raise ValueError(f"dequantize_fp8: out must be float32 {tuple(values.shape)}")
     check_device("values, scales and out", "dequantize_fp8", values, scales, out)
     num_blocks = values.numel() // block
-    p = _blocks_per_prog(block, blocks_per_prog)
+    p = resolve_blocks_per_prog(block, blocks_per_prog)
     if num_blocks:
         _fp8_dequant_kernel[(triton.cdiv(num_blocks, p),)](
             values.view(torch.uint8), scales.view(torch.uint8), out, num_blocks, BLOCK=block, P=p)

@@ -26,14 +26,12 @@ with impl="reference".
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from kernels.sparse_attention import _dot, _prec  # the dot helper that keeps the CPU interpreter exact
 from kernels.topk import topk
+from kernels.triton_common import dot, dot_prec, interpreting  # dot: exact in the CPU interpreter too
 
 __all__ = [
     "index_scores",
@@ -87,7 +85,7 @@ def _scores_fwd(
         for h in range(HI):
             qh = tl.load(q_rows + h * DI, mask=t_ok[:, None] & c_ok[None, :], other=0.0)  # [BT, BDI]
             wh = tl.load(w_ptr + (b * T + offs_t) * HI + h, mask=t_ok, other=0.0)  # [BT]
-            d = _dot(qh, tl.trans(k), None, PREC)
+            d = dot(qh, tl.trans(k), None, PREC)
             acc += wh[:, None] * tl.maximum(d, 0.0)
     vis = offs_e[None, :] < n_vis[:, None]
     out = tl.where(vis, acc * scale, float("-inf"))
@@ -123,10 +121,10 @@ def _scores_bwd_qw(
         # the gradient of a -inf (invisible) score is dropped: it does not depend on the inputs
         vis = t_ok[:, None] & (offs_e[None, :] < n_vis[:, None]) & (offs_e < E)[None, :]
         g = tl.load(g_ptr + (b * T + offs_t)[:, None] * E + offs_e[None, :], mask=vis, other=0.0)
-        d = _dot(qh, tl.trans(k), None, PREC)  # [BT, BE]
+        d = dot(qh, tl.trans(k), None, PREC)  # [BT, BE]
         dw += tl.sum(g * tl.maximum(d, 0.0), 1)
         dd = tl.where(d > 0, g * wh[:, None], 0.0)
-        dq = _dot(dd.to(k.dtype), k, dq, PREC)
+        dq = dot(dd.to(k.dtype), k, dq, PREC)
     tl.store(dq_ptr + qd_offs, dq.to(dq_ptr.dtype.element_ty), mask=t_ok[:, None] & c_ok[None, :])
     tl.store(dw_ptr + (b * T + offs_t) * HI + h, dw * scale, mask=t_ok)
 
@@ -160,9 +158,9 @@ def _scores_bwd_k(
             qh = tl.load(q_ptr + ((b * T + offs_t) * HI + h)[:, None] * DI + offs_c[None, :],
                          mask=t_ok[:, None] & c_ok[None, :], other=0.0)  # [BT, BDI]
             wh = tl.load(w_ptr + (b * T + offs_t) * HI + h, mask=t_ok, other=0.0) * scale
-            d_t = _dot(k, tl.trans(qh), None, PREC)  # [BE, BT]
+            d_t = dot(k, tl.trans(qh), None, PREC)  # [BE, BT]
             dd_t = tl.where(d_t > 0, g_t * wh[None, :], 0.0)
-            dk = _dot(dd_t.to(qh.dtype), qh, dk, PREC)
+            dk = dot(dd_t.to(qh.dtype), qh, dk, PREC)
     tl.store(dk_ptr + (b * E + offs_e)[:, None] * DI + offs_c[None, :], dk.to(dk_ptr.dtype.element_ty),
              mask=e_ok[:, None] & c_ok[None, :])
 
@@ -226,7 +224,7 @@ def _pool_fwd(
     for s0 in range(0, P * BS, BLOCK_N):
         ent, valid, k = _pool_slots(pool_ptr, k_ptr, row, b, E, P, n_vis, s0, offs_n, offs_c, c_ok, DI, BS)
         # entries on the M axis (>= 64 rows for the tensor cores), heads on N
-        d_t = _dot(k, tl.trans(q), None, PREC)  # [BN, BH]
+        d_t = dot(k, tl.trans(q), None, PREC)  # [BN, BH]
         sc = tl.sum(tl.maximum(d_t, 0.0) * w[None, :], 1)
         slot = s0 + offs_n
         tl.store(out_ptr + row * (P * BS) + slot, tl.where(valid, sc, float("-inf")), mask=slot < P * BS)
@@ -255,12 +253,12 @@ def _pool_bwd(
     for s0 in range(0, P * BS, BLOCK_N):
         ent, valid, k = _pool_slots(pool_ptr, k_ptr, row, b, E, P, n_vis, s0, offs_n, offs_c, c_ok, DI, BS)
         g = tl.load(g_ptr + row * (P * BS) + s0 + offs_n, mask=valid, other=0.0)  # [BN]
-        d_t = _dot(k, tl.trans(q), None, PREC)  # [BN, BH]
+        d_t = dot(k, tl.trans(q), None, PREC)  # [BN, BH]
         dw += tl.sum(g[:, None] * tl.maximum(d_t, 0.0), 0)
         dd_t = tl.where(d_t > 0, g[:, None] * w[None, :], 0.0).to(k.dtype)
-        dq_t = _dot(tl.trans(k), dd_t, dq_t, PREC)  # [BDI, BH]
+        dq_t = dot(tl.trans(k), dd_t, dq_t, PREC)  # [BDI, BH]
         # an entry can sit in many queries' pools: scatter its key gradient with atomics
-        dk = _dot(dd_t, q, None, PREC)  # [BN, BDI]
+        dk = dot(dd_t, q, None, PREC)  # [BN, BDI]
         tl.atomic_add(dk_ptr + (b * E + ent)[:, None] * DI + offs_c[None, :], dk,
                       mask=valid[:, None] & c_ok[None, :], sem="relaxed")
     tl.store(dq_ptr + (row * HI + offs_h)[None, :] * DI + offs_c[:, None], dq_t.to(dq_ptr.dtype.element_ty),
@@ -303,7 +301,7 @@ def _check_triton(name: str, **tensors: torch.Tensor) -> None:
     for n, t in tensors.items():
         if not t.is_contiguous():
             raise ValueError(f"{name}(impl='triton'): {n} must be contiguous (call .contiguous())")
-        if t.device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1":
+        if t.device.type != "cuda" and not interpreting():
             raise RuntimeError(f"{name}(impl='triton'): {n} is on {t.device}; the Triton kernel needs CUDA tensors "
                                "(or TRITON_INTERPRET=1 for the CPU interpreter)")
 
@@ -320,7 +318,7 @@ class _IndexScores(torch.autograd.Function):
         B, T, Hi, Di, E = q.shape[0], q.shape[1], q.shape[2], q.shape[3], k.shape[1]
         cfg = SCORES_CONFIG["fwd"]
         out = torch.empty(B, T, E, device=q.device, dtype=torch.float32)
-        consts = dict(HI=Hi, DI=Di, BLOCK_DI=max(16, triton.next_power_of_2(Di)), PREC=_prec(q.dtype))
+        consts = dict(HI=Hi, DI=Di, BLOCK_DI=max(16, triton.next_power_of_2(Di)), PREC=dot_prec(q.dtype))
         grid = (triton.cdiv(E, cfg["BLOCK_E"]), triton.cdiv(T, cfg["BLOCK_T"]), B)
         _scores_fwd[grid](q, w, k, out, T, E, q_offset, ratio, Di ** -0.5, **consts, **cfg)
         ctx.save_for_backward(q, w, k)
@@ -430,7 +428,7 @@ class _PoolScores(torch.autograd.Function):
         E, P = k.shape[1], pool.shape[2]
         out = torch.empty(B, T, P * block_size, device=q.device, dtype=torch.float32)
         consts = dict(HI=Hi, DI=Di, BS=block_size, BLOCK_H=max(16, triton.next_power_of_2(Hi)),
-                      BLOCK_DI=max(16, triton.next_power_of_2(Di)), PREC=_prec(q.dtype))
+                      BLOCK_DI=max(16, triton.next_power_of_2(Di)), PREC=dot_prec(q.dtype))
         _pool_fwd[(T, B)](q, w, k, pool, out, T, E, P, q_offset, ratio, Di ** -0.5, **consts,
                           **POOL_CONFIG["fwd"])
         ctx.save_for_backward(q, w, k, pool)

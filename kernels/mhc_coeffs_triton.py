@@ -1,8 +1,9 @@
 """Triton kernels for the next mHC site's coefficients from the fused step's statistics (SPEC 1.6, REFERENCE A6
-steps 2-8), one launch each way; `next_coeffs` is the entry point (kernels.mhc_triton.single_pass calls it).
+steps 2-8), one launch each way; `next_coeffs` is the entry point (model.kernels.mhc_single_pass calls it after
+kernels.mhc_triton.mhc_step, passing the site's parameters and settings as tensors and numbers).
 
-The PyTorch reference is `HCSite.coeffs_from_logits(raw * rsqrt(sum_sq / (n D) + norm_eps))`, some 100 small
-kernels (most of them the Sinkhorn iterations); here they are one launch on [N, M] numbers each way.
+The PyTorch reference is `model.mhc.HCSite.coeffs_from_logits(raw * rsqrt(sum_sq / (n D) + norm_eps))`, some 100
+small kernels (most of them the Sinkhorn iterations); here they are one launch on [N, M] numbers each way.
 
 Shape legend:
     N    tokens, BLOCK_T per program
@@ -21,8 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fp4_triton import check_device
-from model.mhc import Coeffs, HCSite
+from kernels.triton_common import check_device
 
 __all__ = ["next_coeffs"]
 
@@ -208,15 +208,23 @@ class _Coeffs(torch.autograd.Function):
         return g_raw, g_sumsq, g_scale.sum(0), g_base.sum(0), None, None, None, None, None
 
 
-def next_coeffs(raw: torch.Tensor, sumsq: torch.Tensor, site: HCSite) -> Coeffs:
-    """The site's coefficients from the fused step's statistics, raw [N, M] and sum_sq [N] fp32, in one kernel
-    each way: the same function as `site.coeffs_from_logits(raw * rsqrt(sum_sq / (n D) + norm_eps))`."""
-    n = site.num_streams
-    M = 2 * n + n * n
+def next_coeffs(raw: torch.Tensor, sumsq: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, *, dim: int,
+                norm_eps: float, eps: float, sinkhorn_iters: int
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A site's coefficients from the fused step's statistics, raw [N, M] and sum_sq [N] fp32, in one kernel each
+    way: (pre [N, n], post [N, n], comb [N, n, n]) fp32, the same function as
+    `site.coeffs_from_logits(raw * rsqrt(sum_sq / (n D) + norm_eps))` of a model.mhc.HCSite whose parameters are
+    scale [3] and base [M] (M = 2n + n^2) and whose settings are dim (D), norm_eps, eps and sinkhorn_iters.
+    Differentiable in raw, sum_sq, scale and base."""
+    M = base.shape[0] if base.dim() == 1 else -1
+    n = int(round((M + 1) ** 0.5)) - 1 if M > 0 else 0
+    if base.dim() != 1 or M != 2 * n + n * n or n < 1 or scale.shape != (3,):
+        raise ValueError(f"next_coeffs: base must be [2n + n^2] and scale [3], got {tuple(base.shape)}, "
+                         f"{tuple(scale.shape)}")
     if raw.shape != (raw.shape[0], M) or sumsq.shape != raw.shape[:1]:
         raise ValueError(f"next_coeffs: raw must be [N, {M}] and sum_sq [N], got {tuple(raw.shape)}, "
                          f"{tuple(sumsq.shape)}")
-    scale, base = site.scale.float().contiguous(), site.base.float().contiguous()
+    scale, base = scale.float().contiguous(), base.float().contiguous()
     check_device("raw, sum_sq and the site's parameters", "next_coeffs", raw, sumsq, scale, base)
-    return Coeffs(*_Coeffs.apply(raw.float().contiguous(), sumsq.float().contiguous(), scale, base, n,
-                                 n * site.dim, site.norm_eps, site.eps, site.sinkhorn_iters))
+    return _Coeffs.apply(raw.float().contiguous(), sumsq.float().contiguous(), scale, base, n, n * dim, norm_eps,
+                         eps, sinkhorn_iters)

@@ -1,7 +1,10 @@
 """Triton kernels for the single-pass mHC step (SPEC 1.6, REFERENCE A6), forward and backward.
 
-The PyTorch reference is `model.mhc.single_pass` (and `unfused_step`, the same function); `single_pass` here
-has the same signature and returns, with `impl="triton"` (these kernels) or `impl="reference"` (the model's).
+The PyTorch reference is `model.mhc.single_pass` (and `unfused_step`, the same function). The kernels here take
+tensors only: `mhc_step` the flat activations, the per-token mix matrix W and the next site's fn, `next_coeffs`
+(kernels.mhc_coeffs_triton) the statistics and the site's scale, base and settings; model.kernels.mhc_single_pass
+builds W from the coefficients (`model.mhc.mix_matrix`) and reads the site's parameters, so the composition has
+model.mhc.single_pass's signature and returns.
 
 Shape legend:
     N    tokens (B * T flattened)
@@ -39,12 +42,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fp4_triton import bf16_bits, bf16_round, check_device, interpreting
-from kernels.mhc_coeffs_triton import next_coeffs  # re-exported: kernels.mhc_triton.next_coeffs
-from model import mhc
-from model.mhc import Coeffs, HCSite, mix_matrix
+from kernels.triton_common import bf16_bits, bf16_round, check_device, interpreting
 
-__all__ = ["single_pass", "mhc_step", "mhc_step_fwd", "mhc_step_bwd", "next_coeffs", "FWD_CONFIGS"]
+__all__ = ["mhc_step", "mhc_step_fwd", "mhc_step_bwd", "FWD_CONFIGS"]
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -510,32 +510,3 @@ def mhc_step(y: torch.Tensor, S: torch.Tensor, mix: torch.Tensor, fn: torch.Tens
     -> (S' [N, n, D], x [N, D], sum_sq [N] or None, raw [N, M] or None). Gradients reach y, S, mix and fn."""
     return _MHCStep.apply(y.contiguous(), S.contiguous(), mix.contiguous(), fn, fwd_kwargs)
 
-
-def single_pass(y: torch.Tensor, S: torch.Tensor, coeffs: Coeffs, pre_lag: torch.Tensor,
-                next_site: HCSite | None, *, impl: str = "triton", coeff_kernel: bool = True
-                ) -> tuple[torch.Tensor, torch.Tensor, Coeffs | None]:
-    """model.mhc.single_pass with the Triton kernels: (S' [B, T, n, D], x [B, T, D], next coeffs or None).
-
-    impl="reference" runs model.mhc.single_pass itself. y [B, T, D], S [B, T, n, D] (any leading dims).
-    coeff_kernel: the next site's coefficients in one Triton launch each way (`next_coeffs`); False keeps
-    them in PyTorch (site.coeffs_from_logits: some 100 small kernels, most of them the Sinkhorn iterations).
-    """
-    if impl == "reference":
-        return mhc.single_pass(y, S, coeffs, pre_lag, next_site)
-    if impl != "triton":
-        raise ValueError(f"single_pass: impl must be 'triton' or 'reference', got {impl!r}")
-    *lead, n, D = S.shape
-    with torch.autocast(S.device.type, enabled=False):  # coefficient math stays fp32 (A6), as in the reference
-        mix = mix_matrix(pre_lag, coeffs.post, coeffs.comb)  # [B, T, n+1, n+1]
-        mix = mix.expand(*lead, n + 1, n + 1).reshape(-1, n + 1, n + 1)
-        fn = next_site.fn.float() if next_site is not None else None
-        s_new, x, sumsq, raw = mhc_step(y.reshape(-1, D), S.reshape(-1, n, D), mix, fn)
-        s_new, x = s_new.view(*lead, n, D), x.view(*lead, D)
-        if next_site is None:
-            return s_new, x, None
-        if coeff_kernel:
-            pre, post, comb = next_coeffs(raw, sumsq, next_site)
-            return s_new, x, Coeffs(pre.view(*lead, n), post.view(*lead, n), comb.view(*lead, n, n))
-        # The 1/rms factor is linear, so it is applied once to the accumulated projection (as the reference).
-        m = raw * torch.rsqrt(sumsq[:, None] / (n * D) + next_site.norm_eps)
-        return s_new, x, next_site.coeffs_from_logits(m.view(*lead, -1))

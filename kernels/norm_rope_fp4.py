@@ -7,7 +7,9 @@ The model builds each of its quantised attention tensors in three passes over th
 `norm_rope_fake_quant` computes q in one pass per row (one read of x, one write of q); `norm_rope_quantize` writes
 the inference cache record instead (codes + scales, the kernels.fp4.quantize / kernels.fp8.quantize_fp8
 contract). Both can also return y, the pre-RoPE normed row (the compressed latent the indexer keys are made of).
-`impl="reference"` is the composition of the model's own functions above, `impl="triton"` the kernels here.
+`impl="reference"` is the composition of the model's own functions above, `impl="triton"` the kernels here. Both
+take the norm as its weight and eps (tensors and scalars, no module): the RMSNorm and RoPE of the reference are the
+tensor functions of kernels.norm_rope_ref, which model.common.RMSNorm and model.rope.apply_rope are.
 
 Sites (`quant`, one cache format per site, REFERENCE A9 / B2):
     "fp4"        FP4 E2M1, e4m3 scale per 16 channels     compressed main KV [B, E, 512]      (norm: compressor.norm)
@@ -57,28 +59,32 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fp4_triton import (
-    _E4M3_RATIO_AMAX_FLOOR,
-    _INV_SIX,
-    _KIND,
-    _PAIR_WORD,
-    _UE8M0_AMAX_FLOOR,
-    _e2m1_grid,
-    _e4m3_mag,
-    _e4m3_value,
-    _fp4_code,
-    _magnitude,
-    _pack_pair,
-    _pow2_ceil,
-    _pow2_reciprocal,
-    _unpack_pair,
-    _with_sign,
+from kernels import fp4, fp8
+from kernels.norm_rope_ref import apply_rope, rms_norm
+from kernels.triton_common import (
+    E4M3_RATIO_AMAX_FLOOR,
+    ELEMENT_KIND,
+    FP8_AMAX_FLOOR,
+    FP8_INV_MAX,
+    FP8_MAX,
+    INV_SIX,
+    PAIR_WORD,
+    UE8M0_AMAX_FLOOR,
     bf16_round,
     check_device,
+    e2m1_grid,
+    e4m3_mag,
+    e4m3_value,
+    fp4_code,
     interpreting,
+    magnitude,
+    pack_pair,
+    pow2_ceil,
+    pow2_reciprocal,
+    unpack_pair,
+    with_sign,
     word_view,
 )
-from kernels.fp8_triton import _FP8_AMAX_FLOOR, _FP8_INV_MAX, _FP8_MAX
 
 __all__ = ["norm_rope_fake_quant", "norm_rope_quantize", "QUANTS"]
 
@@ -115,7 +121,7 @@ def _load_f32(ptr, offs, mask, KIND: tl.constexpr):
 @triton.jit
 def _load_pairs(ptr, offs, mask, KIND: tl.constexpr):
     """Pair words -> (even, odd) channels as fp32."""
-    lo, hi = _unpack_pair(tl.load(ptr + offs, mask=mask, other=0), KIND)
+    lo, hi = unpack_pair(tl.load(ptr + offs, mask=mask, other=0), KIND)
     return lo.to(tl.float32, bitcast=True), hi.to(tl.float32, bitcast=True)
 
 
@@ -166,53 +172,53 @@ def _norm_rope_quant_fwd(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, scales_ptr, no
     else:
         y_lo, y_hi = lo, hi
     if NORMED:
-        tl.store(normed_ptr + offs, _pack_pair(y_lo, y_hi, KIND), mask=live)
+        tl.store(normed_ptr + offs, pack_pair(y_lo, y_hi, KIND), mask=live)
     # RoPE on the rounded y with the tables' values, then rounded again (apply_rope's .float() / .to(x.dtype))
     c = _load_f32(cos_ptr, cs_offs, rope, CS_KIND)
     s = _load_f32(sin_ptr, cs_offs, rope, CS_KIND)
     v_lo = tl.where(rope, _round(y_lo * c - y_hi * s, KIND), y_lo)
     v_hi = tl.where(rope, _round(y_lo * s + y_hi * c, KIND), y_hi)
     if QUANT == 0:
-        tl.store(out_ptr + offs, _pack_pair(v_lo, v_hi, KIND), mask=live)
+        tl.store(out_ptr + offs, pack_pair(v_lo, v_hi, KIND), mask=live)
     else:
         b_lo, b_hi = v_lo.to(tl.int32, bitcast=True), v_hi.to(tl.int32, bitcast=True)
-        a_lo, a_hi = _magnitude(b_lo), _magnitude(b_hi)
+        a_lo, a_hi = magnitude(b_lo), magnitude(b_hi)
         amax = tl.max(tl.maximum(a_lo, a_hi), axis=2)  # [BR, NB_P]
         if QUANT == 3:  # FP8: scale = pow2ceil(max(amax, 1e-4) * fp32(1 / 448)), an exact quotient
-            scale, scale_code = _pow2_ceil(tl.maximum(amax, _FP8_AMAX_FLOOR) * _FP8_INV_MAX)
-            inv = _pow2_reciprocal(scale_code)[:, :, None]
-            m_lo = _e4m3_mag(tl.minimum(a_lo * inv, _FP8_MAX))
-            m_hi = _e4m3_mag(tl.minimum(a_hi * inv, _FP8_MAX))
+            scale, scale_code = pow2_ceil(tl.maximum(amax, FP8_AMAX_FLOOR) * FP8_INV_MAX)
+            inv = pow2_reciprocal(scale_code)[:, :, None]
+            m_lo = e4m3_mag(tl.minimum(a_lo * inv, FP8_MAX))
+            m_hi = e4m3_mag(tl.minimum(a_hi * inv, FP8_MAX))
             if FAKE:
                 sc = scale[:, :, None]
-                o_lo = _with_sign(_e4m3_value(m_lo) * sc, b_lo, True)  # the cast keeps the sign, also of 0
-                o_hi = _with_sign(_e4m3_value(m_hi) * sc, b_hi, True)
-                tl.store(out_ptr + offs, _pack_pair(o_lo, o_hi, KIND), mask=live)
+                o_lo = with_sign(e4m3_value(m_lo) * sc, b_lo, True)  # the cast keeps the sign, also of 0
+                o_hi = with_sign(e4m3_value(m_hi) * sc, b_hi, True)
+                tl.store(out_ptr + offs, pack_pair(o_lo, o_hi, KIND), mask=live)
             else:
                 code = (m_lo | ((b_lo >> 24) & 0x80)) | ((m_hi | ((b_hi >> 24) & 0x80)) << 8)
                 tl.store(out_ptr + offs, code.to(tl.int16), mask=live)
         else:
             if QUANT == 2:  # ue8m0: amax floored so amax / 6 stays normal; multiply by fp32(1/6), as the reference
-                scale, scale_code = _pow2_ceil(tl.maximum(amax, _UE8M0_AMAX_FLOOR) * _INV_SIX)
-                inv = _pow2_reciprocal(scale_code)[:, :, None]
+                scale, scale_code = pow2_ceil(tl.maximum(amax, UE8M0_AMAX_FLOOR) * INV_SIX)
+                inv = pow2_reciprocal(scale_code)[:, :, None]
                 q_lo, q_hi = a_lo * inv, a_hi * inv
             else:  # e4m3: a true division, rounded to e4m3 (may round down: the code then saturates at 6)
-                ratio = tl.minimum(tl.math.div_rn(tl.maximum(amax, _E4M3_RATIO_AMAX_FLOOR),
+                ratio = tl.minimum(tl.math.div_rn(tl.maximum(amax, E4M3_RATIO_AMAX_FLOOR),
                                                   tl.zeros_like(amax) + 6.0), 448.0)
-                scale_code = _e4m3_mag(ratio)
-                scale = _e4m3_value(scale_code)
+                scale_code = e4m3_mag(ratio)
+                scale = e4m3_value(scale_code)
                 sc = scale[:, :, None]
                 inv = tl.math.div_rn(tl.zeros_like(scale) + 1.0, scale)[:, :, None]  # then one fma correction
                 q_lo, q_hi = a_lo * inv, a_hi * inv
                 q_lo = tl.fma(tl.fma(-q_lo, sc, a_lo), inv, q_lo)
                 q_hi = tl.fma(tl.fma(-q_hi, sc, a_hi), inv, q_hi)
-            c_lo, m_lo = _fp4_code(b_lo, q_lo)
-            c_hi, m_hi = _fp4_code(b_hi, q_hi)
+            c_lo, m_lo = fp4_code(b_lo, q_lo)
+            c_hi, m_hi = fp4_code(b_hi, q_hi)
             if FAKE:
                 sc = scale[:, :, None]
-                o_lo = _with_sign(_e2m1_grid(m_lo) * sc, b_lo, m_lo > 0)
-                o_hi = _with_sign(_e2m1_grid(m_hi) * sc, b_hi, m_hi > 0)
-                tl.store(out_ptr + offs, _pack_pair(o_lo, o_hi, KIND), mask=live)
+                o_lo = with_sign(e2m1_grid(m_lo) * sc, b_lo, m_lo > 0)
+                o_hi = with_sign(e2m1_grid(m_hi) * sc, b_hi, m_hi > 0)
+                tl.store(out_ptr + offs, pack_pair(o_lo, o_hi, KIND), mask=live)
             else:
                 tl.store(out_ptr + offs, (c_lo | (c_hi << 4)).to(tl.uint8), mask=live)
         if not FAKE:
@@ -260,9 +266,9 @@ def _norm_rope_bwd(g_ptr, x_ptr, w_ptr, cos_ptr, sin_ptr, rstd_ptr, dx_ptr, dw_p
                 acc_hi += tl.sum(dy_hi * (x_hi * r), axis=0)
         else:
             dx_lo, dx_hi = dy_lo, dy_hi
-        tl.store(dx_ptr + offs, _pack_pair(dx_lo, dx_hi, KIND), mask=live)
+        tl.store(dx_ptr + offs, pack_pair(dx_lo, dx_hi, KIND), mask=live)
     if DW:
-        tl.store(dw_ptr + pid.to(tl.int64) * HALF + pair, _pack_pair(acc_lo, acc_hi, 2), mask=pair < HALF)
+        tl.store(dw_ptr + pid.to(tl.int64) * HALF + pair, pack_pair(acc_lo, acc_hi, 2), mask=pair < HALF)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -292,11 +298,11 @@ def _launch_opts() -> dict:
     return {} if interpreting() else {"enable_fp_fusion": False}
 
 
-def _check(x, norm, cos, sin, quant, fn_name) -> torch.Tensor | None:
-    """Checks of the public functions; returns the norm's weight (None without a norm)."""
+def _check(x, weight, eps, cos, sin, quant, fn_name) -> None:
+    """Checks of the public functions."""
     if quant not in QUANTS:
         raise ValueError(f"{fn_name}: quant must be one of {list(QUANTS)}, got {quant!r}")
-    if not isinstance(x, torch.Tensor) or x.dtype not in _KIND:
+    if not isinstance(x, torch.Tensor) or x.dtype not in ELEMENT_KIND:
         raise TypeError(f"{fn_name}: x must be a bf16, fp16 or fp32 tensor, got {getattr(x, 'dtype', type(x))}")
     if x.dim() not in (3, 4):
         raise ValueError(f"{fn_name}: x must be [B, T, D] or [B, T, H, D], got shape {tuple(x.shape)}")
@@ -304,20 +310,19 @@ def _check(x, norm, cos, sin, quant, fn_name) -> torch.Tensor | None:
     if cos.shape != sin.shape or cos.dim() != 2 or cos.shape[0] != x.shape[1]:
         raise ValueError(f"{fn_name}: cos and sin must both be [T, RD / 2] with T = {x.shape[1]}, got "
                          f"{tuple(cos.shape)} and {tuple(sin.shape)}")
-    if cos.dtype != sin.dtype or cos.dtype not in _KIND:
+    if cos.dtype != sin.dtype or cos.dtype not in ELEMENT_KIND:
         raise TypeError(f"{fn_name}: cos and sin must share a bf16/fp16/fp32 dtype, got {cos.dtype}, {sin.dtype}")
     if not 0 < 2 * cos.shape[1] <= dim:
         raise ValueError(f"{fn_name}: RoPE dims 2 * {cos.shape[1]} must be in [2, D = {dim}]")
     block = QUANTS[quant][0] if quant is not None else 2
     if dim % block:
         raise ValueError(f"{fn_name}: D = {dim} must be divisible by the {quant or 'pair'} block of {block}")
-    weight = None
-    if norm is not None:
-        weight = norm.weight
-        if weight.shape != (dim,) or weight.dtype not in _KIND:
+    if weight is not None:
+        if not isinstance(weight, torch.Tensor) or weight.shape != (dim,) or weight.dtype not in ELEMENT_KIND:
             raise ValueError(f"{fn_name}: the norm's weight must be [D = {dim}] bf16/fp16/fp32, got "
-                             f"{weight.dtype} {tuple(weight.shape)}")
-    return weight
+                             f"{getattr(weight, 'dtype', type(weight))} {tuple(getattr(weight, 'shape', ()))}")
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)):
+            raise TypeError(f"{fn_name}: a norm's weight needs its eps as a float, got {eps!r}")
 
 
 def _cs_view(t: torch.Tensor) -> torch.Tensor:
@@ -331,8 +336,8 @@ def _forward(x, weight, cos, sin, eps, quant, *, fake, normed, rstd, rows_per_pr
     dim, heads = x.shape[-1], (x.shape[2] if x.dim() == 4 else 1)
     num_rows = x.numel() // dim
     nb, nb_p, hb = _layout(dim, quant)
-    kind = _KIND[x.dtype]
-    word = _PAIR_WORD[kind]
+    kind = ELEMENT_KIND[x.dtype]
+    word = PAIR_WORD[kind]
     lead = x.shape[:-1]
     scales = None
     if fake or quant is None:
@@ -350,7 +355,7 @@ def _forward(x, weight, cos, sin, eps, quant, *, fake, normed, rstd, rows_per_pr
     y = torch.empty_like(x) if normed else None
     r = torch.empty(num_rows, dtype=torch.float32, device=x.device) if rstd and weight is not None else None
     x_words = word_view(x, word, "norm_rope")
-    w_words = x_words if weight is None else word_view(weight, _PAIR_WORD[_KIND[weight.dtype]], "norm_rope")
+    w_words = x_words if weight is None else word_view(weight, PAIR_WORD[ELEMENT_KIND[weight.dtype]], "norm_rope")
     y_words = x_words if y is None else word_view(y, word, "norm_rope")
     bpp = _rows_per_prog(dim, rows_per_prog)
     if num_rows:
@@ -359,7 +364,7 @@ def _forward(x, weight, cos, sin, eps, quant, *, fake, normed, rstd, rows_per_pr
             x_words if scales is None else scales.view(torch.uint8), y_words, x_words if r is None else r,
             num_rows, x.shape[1], heads, float(eps),
             D=dim, NB=nb, NB_P=nb_p, HB=hb, HALF_R=cos.shape[1], KIND=kind,
-            W_KIND=_KIND[weight.dtype] if weight is not None else kind, CS_KIND=_KIND[cos.dtype],
+            W_KIND=ELEMENT_KIND[weight.dtype] if weight is not None else kind, CS_KIND=ELEMENT_KIND[cos.dtype],
             NORM=weight is not None, QUANT=_QUANT_ID[quant], FAKE=fake, NORMED=normed, RSTD=r is not None,
             BLOCK_R=bpp, num_warps=num_warps, **_launch_opts())
     return out, scales, y, r
@@ -376,8 +381,8 @@ def _backward(g, x, weight, rstd, cos, sin, *, need_dw, rows_per_prog=None, num_
     dim, heads = x.shape[-1], (x.shape[2] if x.dim() == 4 else 1)
     num_rows = x.numel() // dim
     _, nb_p, hb = _layout(dim, None)  # the backward has no blocks: the plain pair tile
-    kind = _KIND[x.dtype]
-    word = _PAIR_WORD[kind]
+    kind = ELEMENT_KIND[x.dtype]
+    word = PAIR_WORD[kind]
     bpp = _rows_per_prog(dim, rows_per_prog)
     num_tiles = triton.cdiv(num_rows, bpp)
     grid = max(1, min(num_tiles, max_programs or _max_programs(x.device)))
@@ -388,12 +393,12 @@ def _backward(g, x, weight, rstd, cos, sin, *, need_dw, rows_per_prog=None, num_
     if num_rows:
         _norm_rope_bwd[(grid,)](
             word_view(g, word, "norm_rope backward"), x_words,
-            word_view(weight, _PAIR_WORD[_KIND[weight.dtype]], "norm_rope backward") if norm else x_words,
+            word_view(weight, PAIR_WORD[ELEMENT_KIND[weight.dtype]], "norm_rope backward") if norm else x_words,
             _cs_view(cos), _cs_view(sin), rstd if norm else x_words, word_view(dx, word, "norm_rope backward"),
             x_words if dw_part is None else dw_part.view(torch.int64),
             num_rows, x.shape[1], heads, num_tiles,
             D=dim, NB_P=nb_p, HB=hb, HALF_R=cos.shape[1], KIND=kind,
-            W_KIND=_KIND[weight.dtype] if norm else kind, CS_KIND=_KIND[cos.dtype], NORM=norm,
+            W_KIND=ELEMENT_KIND[weight.dtype] if norm else kind, CS_KIND=ELEMENT_KIND[cos.dtype], NORM=norm,
             DW=dw_part is not None, BLOCK_R=bpp, num_warps=num_warps, **_launch_opts())
     elif dw_part is not None:
         dw_part.zero_()
@@ -430,34 +435,32 @@ class _NormRopeFakeQuant(torch.autograd.Function):
 # Public functions
 
 
-def _reference_rows(x, norm, cos, sin):
-    """The model's two passes before the quantiser: (normed y, rotated)."""
-    from model.rope import apply_rope
-
-    y = x if norm is None else norm(x)
+def _reference_rows(x, weight, eps, cos, sin):
+    """The model's two passes before the quantiser (model.common.RMSNorm and model.rope.apply_rope are these
+    functions): (normed y, rotated)."""
+    y = x if weight is None else rms_norm(x, weight, eps)
     return y, apply_rope(y, cos, sin)
 
 
-def norm_rope_fake_quant(x: torch.Tensor, norm, cos: torch.Tensor, sin: torch.Tensor, *, quant: str | None,
-                         return_normed: bool = False, impl: str = "reference", rows_per_prog: int | None = None):
-    """fake_quant(apply_rope(norm(x), cos, sin)) in x's dtype, differentiable in x and the norm's weight.
+def norm_rope_fake_quant(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, weight: torch.Tensor | None = None,
+                         eps: float | None = None, quant: str | None, return_normed: bool = False,
+                         impl: str = "reference", rows_per_prog: int | None = None):
+    """fake_quant(apply_rope(rms_norm(x, weight, eps), cos, sin)) in x's dtype, differentiable in x and weight.
 
-    x [B, T, D] or [B, T, H, D] bf16/fp16/fp32 (contiguous for the kernel); norm: a model.common.RMSNorm (its
-    weight [D] and eps; its forward is the reference) or None for no norm; cos, sin [T, RD / 2] (model.rope
-    tables, usually in x's dtype); quant: None, "fp4", "fp4_ue8m0" or "fp8" (see the module docstring).
-    Returns q (x's shape and dtype), or (q, y) with return_normed: y = norm(x), pre-RoPE, detached.
+    x [B, T, D] or [B, T, H, D] bf16/fp16/fp32 (contiguous for the kernel); weight [D], eps: the RMSNorm's weight
+    and eps (a model.common.RMSNorm's `weight` and `eps`), or weight None for no norm; cos, sin [T, RD / 2]
+    (model.rope tables, usually in x's dtype); quant: None, "fp4", "fp4_ue8m0" or "fp8" (see the module docstring).
+    Returns q (x's shape and dtype), or (q, y) with return_normed: y = rms_norm(x, weight, eps), pre-RoPE, detached.
     The gradient is straight-through at the quantiser, as kernels.fp4.fake_quant's.
     """
-    from kernels import fp4, fp8
-
     if impl not in _IMPLS:
         raise ValueError(f"norm_rope_fake_quant: impl must be one of {list(_IMPLS)}, got {impl!r}")
-    weight = _check(x, norm, cos, sin, quant, "norm_rope_fake_quant")
+    _check(x, weight, eps, cos, sin, quant, "norm_rope_fake_quant")
     if impl == "triton":
-        q, y = _NormRopeFakeQuant.apply(x, weight, cos, sin, norm.eps if norm is not None else 0.0, quant,
+        q, y = _NormRopeFakeQuant.apply(x, weight, cos, sin, eps if weight is not None else 0.0, quant,
                                         return_normed, rows_per_prog)
         return (q, y) if return_normed else q
-    y, rotated = _reference_rows(x, norm, cos, sin)
+    y, rotated = _reference_rows(x, weight, eps, cos, sin)
     if quant == "fp8":
         q = fp8.fake_quant_fp8(rotated, 32)
     elif quant is not None:
@@ -468,29 +471,29 @@ def norm_rope_fake_quant(x: torch.Tensor, norm, cos: torch.Tensor, sin: torch.Te
     return (q, y.detach()) if return_normed else q
 
 
-def norm_rope_quantize(x: torch.Tensor, norm, cos: torch.Tensor, sin: torch.Tensor, *, quant: str,
-                       return_normed: bool = False, impl: str = "reference", rows_per_prog: int | None = None):
-    """The cache record of apply_rope(norm(x), cos, sin): (codes, scales), or (codes, scales, y) with return_normed.
+def norm_rope_quantize(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, weight: torch.Tensor | None = None,
+                       eps: float | None = None, quant: str, return_normed: bool = False, impl: str = "reference",
+                       rows_per_prog: int | None = None):
+    """The cache record of apply_rope(rms_norm(x, weight, eps), cos, sin): (codes, scales), or (codes, scales, y)
+    with return_normed.
 
     quant "fp4" / "fp4_ue8m0": codes uint8 [..., D / 2] (element 2i in the low nibble), scales e4m3fn / e8m0fnu
     [..., D / block], as kernels.fp4.quantize; "fp8": values float8_e4m3fn [..., D], scales e8m0fnu [..., D / 32], as
     kernels.fp8.quantize_fp8. No gradient (inference). Arguments as `norm_rope_fake_quant`.
     """
-    from kernels import fp4, fp8
-
     if impl not in _IMPLS:
         raise ValueError(f"norm_rope_quantize: impl must be one of {list(_IMPLS)}, got {impl!r}")
     if quant is None:
         raise ValueError("norm_rope_quantize: quant must be 'fp4', 'fp4_ue8m0' or 'fp8', got None")
-    weight = _check(x, norm, cos, sin, quant, "norm_rope_quantize")
+    _check(x, weight, eps, cos, sin, quant, "norm_rope_quantize")
     if impl == "triton":
         with torch.no_grad():
             codes, scales, y, _ = _forward(x.detach(), None if weight is None else weight.detach(), cos, sin,
-                                           norm.eps if norm is not None else 0.0, quant, fake=False,
+                                           eps if weight is not None else 0.0, quant, fake=False,
                                            normed=return_normed, rstd=False, rows_per_prog=rows_per_prog)
         return (codes, scales, y) if return_normed else (codes, scales)
     with torch.no_grad():
-        y, rotated = _reference_rows(x, norm, cos, sin)
+        y, rotated = _reference_rows(x, weight, eps, cos, sin)
     if quant == "fp8":
         codes, scales = fp8.quantize_fp8(rotated, 32)
     else:

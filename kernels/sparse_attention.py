@@ -40,7 +40,6 @@ of bounds), whereas the reference raises on it.
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
@@ -48,8 +47,8 @@ import triton
 from kernels import fp4, fp8
 from kernels.sparse_attention_bwd import _bwd_dkv, _bwd_dq, _bwd_probs
 from kernels.sparse_attention_fwd import _sparse_attn_fwd
-from kernels.sparse_attention_fwd import _dot  # noqa: F401 (re-exported: kernels.indexer imports it from here)
 from kernels.sparse_attention_ref import sparse_attention_reference, topk_to_mask  # noqa: F401 (re-exported)
+from kernels.triton_common import dot_prec, interpreting
 
 __all__ = ["sparse_attention", "sparse_attention_reference", "topk_to_mask"]
 
@@ -153,17 +152,9 @@ def _check_triton(tensors: dict[str, torch.Tensor]) -> None:
             continue
         if not t.is_contiguous():
             raise ValueError(f"sparse_attention(impl='triton'): {n} must be contiguous (call .contiguous())")
-        if t.device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1":
+        if t.device.type != "cuda" and not interpreting():
             raise RuntimeError(f"sparse_attention(impl='triton'): {n} is on {t.device}; the Triton kernel needs "
                                "CUDA tensors (or TRITON_INTERPRET=1 for the CPU interpreter)")
-
-
-def _prec(dtype: torch.dtype) -> str:
-    """The dots' PREC constexpr: exact fp32 dots for fp32 inputs, fp32 operands for 16-bit inputs under the CPU
-    interpreter (see `_dot`), else the 16-bit tensor-core path (which ignores the setting)."""
-    if dtype == torch.float32:
-        return "ieee"
-    return "interp" if os.environ.get("TRITON_INTERPRET", "0") == "1" else "tf32"
 
 
 def _tiles(H: int, D: int) -> tuple[int, int]:
@@ -205,7 +196,7 @@ def _forward_triton(q, kv_win, kv_cmp, topk_idx, sink, window, topk_probs: bool 
     _sparse_attn_fwd[(T, B)](
         q, kv_win, kv_cmp if has_cmp else kv_win, topk_idx if has_cmp else placeholder_idx, sink, out, lse, probs,
         T, E, K, window, D ** -0.5 * _LOG2E,
-        H=H, D=D, BLOCK_H=BLOCK_H, BLOCK_D=BLOCK_D, BLOCK_N=cfg["BLOCK_N"], PREC=_prec(q.dtype),
+        H=H, D=D, BLOCK_H=BLOCK_H, BLOCK_D=BLOCK_D, BLOCK_N=cfg["BLOCK_N"], PREC=dot_prec(q.dtype),
         TOPK_PROBS=topk_probs, **_launch(cfg, "fwd"),
     )
     if topk_probs and not has_cmp:
@@ -228,7 +219,7 @@ def _backward_triton(q, kv_win, kv_cmp, topk_idx, sink, window, out, lse, dout):
     chunk = max(1, min(T, cfg["scratch_bytes"] // (2 * B * H * NS * q.element_size())))
     p_buf = torch.empty(B * chunk * H, NS, device=q.device, dtype=q.dtype)
     ds_buf = torch.empty_like(p_buf)
-    consts = dict(H=H, D=D, BLOCK_H=BLOCK_H, BLOCK_D=BLOCK_D, BLOCK_N=cfg["BLOCK_N"], PREC=_prec(q.dtype))
+    consts = dict(H=H, D=D, BLOCK_H=BLOCK_H, BLOCK_D=BLOCK_D, BLOCK_N=cfg["BLOCK_N"], PREC=dot_prec(q.dtype))
     scale = D ** -0.5
     for t0 in range(0, T, chunk):
         grid = (min(chunk, T - t0), B)

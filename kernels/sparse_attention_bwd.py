@@ -1,5 +1,5 @@
 """Triton backward kernels of the sparse shared-KV attention (`kernels.sparse_attention` launches them, one chunk of
-queries at a time; the tile helpers come from kernels/sparse_attention_fwd.py).
+queries at a time; the dot and mask helpers it shares with the forward come from kernels/triton_common.py).
 
 Three launches per chunk of queries, none with a chained dot (so no duplicated tiles):
 - `_bwd_probs`: P = exp2(logits - lse) and dS * scale = P * (dO.V - rowsum(dO * O)) * scale for every (head, slot),
@@ -26,7 +26,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.sparse_attention_fwd import _dot, _rows_mask
+from kernels.triton_common import dot, rows_mask
 
 
 @triton.jit
@@ -50,9 +50,9 @@ def _slot_rows(idx_ptr, row, b, t, B, T, E, K, window, NW, n0, offs_n):
 
 @triton.jit
 def _probs_block(q, do, k, valid, lse, delta, scale, qk_scale, p_ptrs, ds_ptrs, store_ok, PREC: tl.constexpr):
-    s = _dot(q, tl.trans(k), None, PREC) * qk_scale  # [BH, BN]
+    s = dot(q, tl.trans(k), None, PREC) * qk_scale  # [BH, BN]
     p = tl.where(valid[None, :], tl.exp2(s - lse[:, None]), 0.0)
-    dp = _dot(do, tl.trans(k), None, PREC)  # dO . V with V = K
+    dp = dot(do, tl.trans(k), None, PREC)  # dO . V with V = K
     ds = p * (dp - delta[:, None]) * scale
     tl.store(p_ptrs, p.to(p_ptrs.dtype.element_ty), mask=store_ok)
     tl.store(ds_ptrs, ds.to(ds_ptrs.dtype.element_ty), mask=store_ok)
@@ -73,7 +73,7 @@ def _bwd_probs(
     offs_d = tl.arange(0, BLOCK_D)
     offs_n = tl.arange(0, BLOCK_N)
     h_ok = offs_h < H
-    hd_ok = _rows_mask(h_ok, offs_d, D, FULL)
+    hd_ok = rows_mask(h_ok, offs_d, D, FULL)
     row = b * T + t
     hd_offs = row * H * D + offs_h[:, None] * D + offs_d[None, :]
     q = tl.load(q_ptr + hd_offs, mask=hd_ok, other=0.0)
@@ -91,7 +91,7 @@ def _bwd_probs(
     n_lo = (tl.maximum(window - 1 - t, 0) // BLOCK_N) * BLOCK_N  # slots before token 0 stay unwritten (and unread)
     for n0 in range(n_lo, NS, BLOCK_N):
         rows, valid = _slot_rows(idx_ptr, row, b, t, B, T, E, K, window, NW, n0, offs_n)
-        k = tl.load(kv_ptr + rows[:, None] * D + offs_d[None, :], mask=_rows_mask(valid, offs_d, D, FULL), other=0.0)
+        k = tl.load(kv_ptr + rows[:, None] * D + offs_d[None, :], mask=rows_mask(valid, offs_d, D, FULL), other=0.0)
         s_offs = (srow + offs_h)[:, None] * NS + (n0 + offs_n)[None, :]
         _probs_block(q, do, k, valid, lse, delta, scale, qk_scale, p_ptr + s_offs, ds_ptr + s_offs,
                      h_ok[:, None] & (n0 + offs_n < NS)[None, :], PREC)
@@ -119,12 +119,12 @@ def _bwd_dq(
     n_lo = (tl.maximum(window - 1 - t, 0) // BLOCK_N) * BLOCK_N
     for n0 in range(n_lo, NS, BLOCK_N):
         rows, valid = _slot_rows(idx_ptr, row, b, t, B, T, E, K, window, NW, n0, offs_n)
-        k = tl.load(kv_ptr + rows[:, None] * D + offs_d[None, :], mask=_rows_mask(valid, offs_d, D, FULL), other=0.0)
+        k = tl.load(kv_ptr + rows[:, None] * D + offs_d[None, :], mask=rows_mask(valid, offs_d, D, FULL), other=0.0)
         ds = tl.load(ds_ptr + (srow + offs_h)[:, None] * NS + (n0 + offs_n)[None, :],
                      mask=h_ok[:, None] & (n0 + offs_n < NS)[None, :], other=0.0)
-        dq = _dot(ds, k, dq, PREC)
+        dq = dot(ds, k, dq, PREC)
     tl.store(dq_ptr + row * H * D + offs_h[:, None] * D + offs_d[None, :], dq.to(dq_ptr.dtype.element_ty),
-             mask=_rows_mask(h_ok, offs_d, D, FULL))
+             mask=rows_mask(h_ok, offs_d, D, FULL))
 
 
 @triton.jit
@@ -155,8 +155,8 @@ def _bwd_dkv(
     h2 = tl.where(first, offs_r, offs_r - BLOCK_H)
     r_ok = h2 < H
     qd_base = tl.where(first, q_ptr, dout_ptr) + row * H * D + h2 * D  # [2BH] row pointers
-    qd_lo = tl.load(qd_base[:, None] + offs_c[None, :], mask=_rows_mask(r_ok, offs_c, D, FULL), other=0.0)
-    qd_hi = tl.load(qd_base[:, None] + (offs_c + HALF)[None, :], mask=_rows_mask(r_ok, offs_c + HALF, D, FULL),
+    qd_lo = tl.load(qd_base[:, None] + offs_c[None, :], mask=rows_mask(r_ok, offs_c, D, FULL), other=0.0)
+    qd_hi = tl.load(qd_base[:, None] + (offs_c + HALF)[None, :], mask=rows_mask(r_ok, offs_c + HALF, D, FULL),
                     other=0.0)
     pd_base = tl.where(first, ds_ptr, p_ptr) + (srow + h2) * NS  # [2BH]
     for n0 in range(n_lo, NS, BLOCK_N):
@@ -164,7 +164,7 @@ def _bwd_dkv(
         pd = tl.load(pd_base[:, None] + (n0 + offs_n)[None, :], mask=r_ok[:, None] & (n0 + offs_n < NS)[None, :],
                      other=0.0)  # [2BH, BN]
         lo = dkv_ptr + rows[:, None] * D + offs_c[None, :]
-        tl.atomic_add(lo, _dot(tl.trans(pd), qd_lo, None, PREC), mask=_rows_mask(valid, offs_c, D, FULL),
+        tl.atomic_add(lo, dot(tl.trans(pd), qd_lo, None, PREC), mask=rows_mask(valid, offs_c, D, FULL),
                       sem="relaxed")
-        tl.atomic_add(lo + HALF, _dot(tl.trans(pd), qd_hi, None, PREC),
-                      mask=_rows_mask(valid, offs_c + HALF, D, FULL), sem="relaxed")
+        tl.atomic_add(lo + HALF, dot(tl.trans(pd), qd_hi, None, PREC),
+                      mask=rows_mask(valid, offs_c + HALF, D, FULL), sem="relaxed")

@@ -1,6 +1,6 @@
-"""Triton forward kernel of the sparse shared-KV attention (`kernels.sparse_attention`, which launches it) and the
-Triton helpers it shares with the backward (kernels/sparse_attention_bwd.py): the tile masks and the interpreter-safe
-dot.
+"""Triton forward kernel of the sparse shared-KV attention (`kernels.sparse_attention`, which launches it) and its
+tile helpers. The tile mask and the interpreter-safe dot it shares with the backward (kernels/sparse_attention_bwd.py)
+and the indexer live in kernels/triton_common.py.
 
 Forward (`_sparse_attn_fwd`): one program per query token holds all H heads as the M dimension of its tensor-core
 tiles; online softmax in the log2 domain, the running max starting at the sink (finite, so no -inf - -inf NaN);
@@ -26,25 +26,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def _rows_mask(rows_ok, cols, D: tl.constexpr, FULL: tl.constexpr):
-    """[R] row mask, [C] channel offsets -> [R, C] mask. When D fills the tile (FULL) the channel test is a
-    compile-time constant, which keeps the loads 16-byte vectorised (and eligible for async copies)."""
-    if FULL:
-        return rows_ok[:, None] & tl.full([1, cols.shape[0]], 1, tl.int1)
-    else:
-        return rows_ok[:, None] & (cols < D)[None, :]
-
-
-@triton.jit
-def _dot(a, b, acc, PREC: tl.constexpr):
-    """tl.dot with the accumulator `acc` (or None). The CPU interpreter multiplies 16-bit operands wrongly, so under
-    it (PREC == "interp") the operands go in as fp32; on the GPU they stay 16-bit for the tensor cores."""
-    if PREC == "interp":
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-    else:
-        return tl.dot(a, b, acc, input_precision=PREC)
+from kernels.triton_common import dot, rows_mask
 
 
 @triton.jit
@@ -52,7 +34,7 @@ def _load_keys(kv_ptr, rows, valid, D: tl.constexpr, BLOCK_D: tl.constexpr):
     """Key rows [BN] (valid [BN]) of a [rows, D] key tensor -> [BN, BD] tile in its dtype, 0 in invalid rows and
     padded channels."""
     offs_d = tl.arange(0, BLOCK_D)
-    return tl.load(kv_ptr + rows[:, None] * D + offs_d[None, :], mask=_rows_mask(valid, offs_d, D, D == BLOCK_D),
+    return tl.load(kv_ptr + rows[:, None] * D + offs_d[None, :], mask=rows_mask(valid, offs_d, D, D == BLOCK_D),
                    other=0.0)
 
 
@@ -65,13 +47,13 @@ def _softmax_pv(s, valid, v, m, l, acc, PREC: tl.constexpr):
     p = tl.exp2(s - m_new[:, None])
     l = l * alpha + tl.sum(p, 1)
     # probabilities are cast to V's dtype before P @ V, as the reference does
-    return m_new, l, _dot(p.to(v.dtype), v, acc * alpha[:, None], PREC)
+    return m_new, l, dot(p.to(v.dtype), v, acc * alpha[:, None], PREC)
 
 
 @triton.jit
 def _online_softmax_step(q, k, valid, m, l, acc, qk_scale, PREC: tl.constexpr):
     """One block of N keys for all heads: q [BH, BD], k [BN, BD], valid [BN] -> updated (m, l, acc), log2 domain."""
-    s = _dot(q, tl.trans(k), None, PREC) * qk_scale  # [BH, BN]
+    s = dot(q, tl.trans(k), None, PREC) * qk_scale  # [BH, BN]
     return _softmax_pv(s, valid, k, m, l, acc, PREC)
 
 
@@ -90,7 +72,7 @@ def _sparse_attn_fwd(
     offs_d = tl.arange(0, BLOCK_D)
     offs_n = tl.arange(0, BLOCK_N)
     h_ok = offs_h < H
-    hd_ok = _rows_mask(h_ok, offs_d, D, FULL)
+    hd_ok = rows_mask(h_ok, offs_d, D, FULL)
     row = b * T + t  # this query's row in [B*T, ...]
     hd_offs = row * H * D + offs_h[:, None] * D + offs_d[None, :]
 
@@ -125,6 +107,6 @@ def _sparse_attn_fwd(
             idx = tl.load(idx_ptr + row * K + slot, mask=slot < K, other=-1)
             valid = (idx >= 0) & (idx < E)
             k = _load_keys(kvc_ptr, b * E + idx, valid, D, BLOCK_D)
-            s = _dot(q, tl.trans(k), None, PREC) * qk_scale
+            s = dot(q, tl.trans(k), None, PREC) * qk_scale
             p = tl.where(h_ok[:, None] & valid[None, :], tl.exp2(s - lse[:, None]), 0.0)
             tl.store(probs_ptr + row * K + slot, tl.sum(p, 0), mask=slot < K)

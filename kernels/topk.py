@@ -51,11 +51,11 @@ collisions), hence the radix width is a tuning knob.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
+
+from kernels.triton_common import interpreting
 
 __all__ = ["topk", "topk_reference", "TOPK_CONFIG"]
 
@@ -213,7 +213,7 @@ def topk(x: torch.Tensor, k: int, *, impl: str = "reference", variant: str = "au
         return topk_reference(x, k)
     if not x.is_contiguous():
         raise ValueError("topk(impl='triton'): x must be contiguous (call .contiguous())")
-    if x.device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1":
+    if x.device.type != "cuda" and not interpreting():
         raise RuntimeError(f"topk(impl='triton'): x is on {x.device}; the Triton kernel needs CUDA tensors "
                            "(or TRITON_INTERPRET=1 for the CPU interpreter)")
     if N >= 2 ** 31:

@@ -7,9 +7,12 @@ import threading
 import torch
 from torch import nn
 
+from kernels.norm_rope_ref import rms_norm
+
 
 class RMSNorm(nn.Module):
-    """Weighted RMSNorm; statistics in fp32, output in the input dtype."""
+    """Weighted RMSNorm; statistics in fp32, output in the input dtype (kernels.norm_rope_ref.rms_norm, which the fused
+    norm + RoPE kernel's reference calls too)."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -20,9 +23,7 @@ class RMSNorm(nn.Module):
         nn.init.ones_(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (xf * self.weight.float()).to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 def local(t: torch.Tensor) -> torch.Tensor:

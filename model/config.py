@@ -1,23 +1,16 @@
 """Typed model configuration: the Hydra schema of the `model` config group.
 
 Every field documents where its value comes from (SPEC.md / REFERENCE.md) or why we chose it.
-`__post_init__` checks single fields; cross-field rules (the layer plan) live in `model.plan`.
+`__post_init__` checks single fields; cross-field rules (the layer plan) live in `model.layer_plan`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-# OmegaConf 2.3 has no Literal support: closed sets are `str` fields checked by `_choice` in __post_init__.
 
+from config_checks import at_least, check_choices, choice_field, positive
 
-def _choice(name: str, value: str, options: tuple[str, ...]) -> None:
-    if value not in options:
-        raise ValueError(f"model.{name} must be one of {list(options)}, got {value!r}")
-
-
-def _positive(name: str, value: int | float) -> None:
-    if value <= 0:
-        raise ValueError(f"model.{name} must be > 0, got {value!r}")
+# OmegaConf 2.3 has no Literal support: closed sets are `choice_field`s, checked by `check_choices` in __post_init__.
 
 
 @dataclass
@@ -47,7 +40,7 @@ class AttentionConfig:
 
     def __post_init__(self) -> None:
         for name in ("num_heads", "head_dim", "rope_dim", "q_lora_rank", "o_groups", "o_lora_rank", "window"):
-            _positive(f"attention.{name}", getattr(self, name))
+            positive(f"model.attention.{name}", getattr(self, name))
         if self.rope_dim % 2 or self.rope_dim > self.head_dim:
             raise ValueError(f"model.attention.rope_dim must be even and <= head_dim, got {self.rope_dim}")
         if self.num_heads % self.o_groups:
@@ -77,7 +70,7 @@ class CSA2Config:
     def __post_init__(self) -> None:
         for name in ("index_num_heads", "index_head_dim", "index_topk", "candidate_block_size",
                      "candidate_topk_blocks"):
-            _positive(f"csa2.{name}", getattr(self, name))
+            positive(f"model.csa2.{name}", getattr(self, name))
         bad = [r for r in self.compress_ratios if r < 0]
         if bad:
             raise ValueError(f"model.csa2.compress_ratios must be >= 0, got {bad[0]}")
@@ -85,15 +78,14 @@ class CSA2Config:
 
 @dataclass
 class IndexerTrainConfig:
-    phase: str = "sparse"  # dense_warmup, sparse
+    phase: str = choice_field("sparse", ("dense_warmup", "sparse"))
     """dense_warmup: attention over all visible entries, only indexers learn; sparse: top-k attention"""
     loss_coef: float = 1.0
     """weight of the indexer KL loss in the total loss"""
 
     def __post_init__(self) -> None:
-        _choice("indexer.phase", self.phase, ("dense_warmup", "sparse"))
-        if self.loss_coef < 0:
-            raise ValueError(f"model.indexer.loss_coef must be >= 0, got {self.loss_coef}")
+        check_choices(self, "model.indexer")
+        at_least("model.indexer.loss_coef", self.loss_coef, 0)
 
 
 @dataclass
@@ -112,13 +104,12 @@ class MoEConfig:
 
     def __post_init__(self) -> None:
         for name in ("num_experts", "experts_per_token", "expert_dim"):
-            _positive(f"moe.{name}", getattr(self, name))
+            positive(f"model.moe.{name}", getattr(self, name))
         if self.experts_per_token > self.num_experts:
             raise ValueError(
                 f"model.moe.experts_per_token={self.experts_per_token} exceeds num_experts={self.num_experts}"
             )
-        if self.num_shared_experts < 0:
-            raise ValueError(f"model.moe.num_shared_experts must be >= 0, got {self.num_shared_experts}")
+        at_least("model.moe.num_shared_experts", self.num_shared_experts, 0)
 
 
 @dataclass
@@ -126,18 +117,22 @@ class MHCConfig:
     num_streams: int = 4
     sinkhorn_iters: int = 20
     eps: float = 1e-6
-    impl: str = "single_pass"  # single_pass, unfused
+    impl: str = choice_field("single_pass", ("single_pass", "unfused"))
     """both compute the same function; single_pass is the fused formulation (SPEC 1.6)"""
 
     def __post_init__(self) -> None:
-        _choice("mhc.impl", self.impl, ("single_pass", "unfused"))
-        _positive("mhc.num_streams", self.num_streams)
-        _positive("mhc.sinkhorn_iters", self.sinkhorn_iters)
+        check_choices(self, "model.mhc")
+        positive("model.mhc.num_streams", self.num_streams)
+        positive("model.mhc.sinkhorn_iters", self.sinkhorn_iters)
 
 
 @dataclass
 class EngramConfig:
     layers: list[int] = field(default_factory=lambda: [1, 14])
+    """the model layers that get an Engram, each its own table (flagship: 1 and 14); it acts on the streams at the
+    start of the layer, before attention. Each in [0, num_layers), no duplicates (model/layer_plan.py checks), any
+    number, [] = no Engram. The order gives each layer its primes (the first listed takes the smallest), so
+    reordering changes the table sizes and old checkpoints no longer fit"""
     max_ngram: int = 4
     """n-gram orders 2..max_ngram"""
     num_heads: int = 8
@@ -150,36 +145,31 @@ class EngramConfig:
     """size of the canonicalised vocabulary (bounds the hash multipliers so id * mult fits in int64)"""
     pad_id: int = 2
     """token id whose canonical id stands in for missing history"""
-    table_dtype: str = "float32"  # float32, bfloat16
+    table_dtype: str = choice_field("float32", ("float32", "bfloat16"))
+    """storage dtype of the tables"""
 
     def __post_init__(self) -> None:
         for name in ("max_ngram", "num_heads", "head_dim", "prime_start", "compressed_vocab_size"):
-            _positive(f"engram.{name}", getattr(self, name))
-        _choice("engram.table_dtype", self.table_dtype, ("float32", "bfloat16"))
-        if self.max_ngram < 2:
-            raise ValueError(f"model.engram.max_ngram must be >= 2, got {self.max_ngram}")
+            positive(f"model.engram.{name}", getattr(self, name))
+        check_choices(self, "model.engram")
+        at_least("model.engram.max_ngram", self.max_ngram, 2)
 
 
 @dataclass
 class QuantConfig:
-    main_kv: str = "none"  # none, fp4
+    main_kv: str = choice_field("none", ("none", "fp4"))
     """compressed (main) KV fake-quant: FP4 E2M1, E4M3 scale per 16 (QAT hook turns it on)"""
-    index: str = "none"  # none, fp4
+    index: str = choice_field("none", ("none", "fp4"))
     """indexer q and k fake-quant: FP4 E2M1, UE8M0 scale per 32"""
-    swa_kv: str = "none"  # none, fp8
+    swa_kv: str = choice_field("none", ("none", "fp8"))
     """SWA KV fake-quant: FP8 E4M3, UE8M0 scale per 32"""
-    cache_main_kv: str = "fp4"  # fp4, fp8, bf16
+    cache_main_kv: str = choice_field("fp4", ("fp4", "fp8", "bf16"))
     """storage format of the inference cache, used for byte accounting (SPEC 1.4)"""
-    cache_index: str = "fp4"  # fp4, fp8, bf16
-    cache_swa_kv: str = "fp8"  # fp8, bf16
+    cache_index: str = choice_field("fp4", ("fp4", "fp8", "bf16"))
+    cache_swa_kv: str = choice_field("fp8", ("fp8", "bf16"))
 
     def __post_init__(self) -> None:
-        _choice("quant.main_kv", self.main_kv, ("none", "fp4"))
-        _choice("quant.index", self.index, ("none", "fp4"))
-        _choice("quant.swa_kv", self.swa_kv, ("none", "fp8"))
-        _choice("quant.cache_main_kv", self.cache_main_kv, ("fp4", "fp8", "bf16"))
-        _choice("quant.cache_index", self.cache_index, ("fp4", "fp8", "bf16"))
-        _choice("quant.cache_swa_kv", self.cache_swa_kv, ("fp8", "bf16"))
+        check_choices(self, "model.quant")
 
 
 @dataclass
@@ -196,7 +186,7 @@ class ModelConfig:
     image_token_id: int = -1
     """-1: text only"""
     tie_embeddings: bool = False
-    kernels: str = "auto"  # reference, triton, auto
+    kernels: str = choice_field("auto", ("reference", "triton", "auto"))
     """auto: triton on CUDA, reference elsewhere"""
     attention: AttentionConfig = field(default_factory=AttentionConfig)
     csa2: CSA2Config = field(default_factory=CSA2Config)
@@ -207,9 +197,9 @@ class ModelConfig:
     quant: QuantConfig = field(default_factory=QuantConfig)
 
     def __post_init__(self) -> None:
-        _choice("kernels", self.kernels, ("reference", "triton", "auto"))
+        check_choices(self, "model")
         for name in ("vocab_size", "dim", "num_layers", "num_encoder_layers"):
-            _positive(name, getattr(self, name))
+            positive(f"model.{name}", getattr(self, name))
         if self.num_encoder_layers >= self.num_layers:
             raise ValueError(
                 f"model.num_encoder_layers={self.num_encoder_layers} must be < num_layers={self.num_layers}"

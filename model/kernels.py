@@ -4,6 +4,7 @@ Shape legend: B batch, T tokens, E compressed entries, K top-k slots, P pool blo
 block, S = P * BS pool slots, Hi/Di indexer heads/dims, H query heads, D latent width, n mHC streams.
 
 "reference" runs the plain-PyTorch code in the model files; "triton" runs the Triton kernels of `kernels/`, which
+take tensors and numbers only (the module-aware glue that reads a module's parameters and settings is here) and
 compute the same functions (each is proven against its reference in tests/kernels, the whole model in
 tests/model/test_kernels_switch.py); "auto" is triton on CUDA and reference elsewhere. Every site resolves the switch
 from its config string and the device of its activations (`resolve`), so one forward takes one path everywhere.
@@ -16,8 +17,8 @@ Where the Triton path does not apply yet, the site keeps the reference path (cor
 | QAT fake-quant where the fused kernel does not run | kernels.fp4 / kernels.fp8 (impl=) | DTensor input |
 | sparse attention over window + top-k | kernels.sparse_attention | dense-warmup phase |
 | indexer scores, candidate pool, pool scores, top-k | kernels.indexer | (always on the kernels) |
-| single-pass mHC step | kernels.mhc_triton.single_pass | mhc.impl="unfused"; DTensor parameters or inputs |
-| Engram gather + gate | kernels.engram_triton.engram_forward | DTensor parameters or inputs; a sharded table |
+| single-pass mHC step | kernels.mhc_triton, mhc_coeffs_triton | mhc.impl="unfused"; DTensor parameters or inputs |
+| Engram gather + gate | kernels.engram_triton | DTensor parameters or inputs; a sharded table |
 - Norm + RoPE + quantiser: the fused kernel reads a norm's weight outside the norm's own call, so it runs only where
   that weight is a plain tensor. Under tensor parallelism the plan makes kv_norm, the compressor and the indexer's
   k_norm replicated DTensor modules whose hooks all-reduce their outputs' gradients (parallelize.py); there the
@@ -43,7 +44,7 @@ Where the Triton path does not apply yet, the site keeps the reference path (cor
   the reference lookup.
 The Triton attention path keeps the selection as int32 top-k ids [B, T, K] (-1 = empty) and the pool as int32
 block ids [B, T, P] in the ForwardContext; the reference path keeps [B, T, E] bool masks. Pipeline stages ship
-whichever form their path keeps (trainer/parallel/pipeline.py `boundary_slots`: bit-packed masks or the int32 ids).
+whichever form their path keeps (trainer/parallel/pipeline_wire.py `boundary_slots`: bit-packed masks or the int32 ids).
 Exact ties in the indexer scores (0 where every head's ReLU is 0) are broken by torch.topk on the reference path
 (unspecified which) and by the Triton top-k (kernels.topk: the lowest positions) on the Triton path, over the entry
 layout or, in a pool-restricted layer, the pool's slot layout: both pick a valid top-k, not always the same one.
@@ -152,7 +153,8 @@ def norm_rope_quant(x: torch.Tensor, norm, cos: torch.Tensor, sin: torch.Tensor,
     if path == "triton" and (norm is not None or quant is not None) and plain(x, weight, cos, sin):
         from kernels import norm_rope_fp4
 
-        return norm_rope_fp4.norm_rope_fake_quant(x.contiguous(), norm, cos, sin, quant=quant,
+        return norm_rope_fp4.norm_rope_fake_quant(x.contiguous(), cos, sin, weight=weight,
+                                                  eps=None if norm is None else norm.eps, quant=quant,
                                                   return_normed=return_normed, impl="triton")
     y = x if norm is None else norm(x)
     q = apply_rope(y, cos, sin)
@@ -268,19 +270,49 @@ def pool_entries(pool: torch.Tensor, block_size: int) -> torch.Tensor:
 
 
 # -- mHC and Engram ------------------------------------------------------------------------------------------------
-def mhc_single_pass(y, S, coeffs, pre_lag, next_site):
-    """model.mhc.single_pass as the fused Triton kernel (kernels.mhc_triton.single_pass); the reference when a
-    tensor-parallel plan made the next site's parameters (read outside its own call here) or the streams DTensors."""
-    from kernels import mhc_triton
+def mhc_single_pass(y, S, coeffs, pre_lag, next_site, *, coeff_kernel: bool = True):
+    """model.mhc.single_pass as the fused Triton step (kernels.mhc_triton.mhc_step) and the next site's coefficients
+    in one launch each way (kernels.mhc_coeffs_triton.next_coeffs): (S' [B, T, n, D], x [B, T, D], next coeffs or
+    None). y [B, T, D], S [B, T, n, D] (any leading dims). The reference when a tensor-parallel plan made the next
+    site's parameters (read outside its own call here) or the streams DTensors.
+
+    coeff_kernel=False keeps the coefficients in PyTorch (site.coeffs_from_logits: some 100 small kernels, most of them
+    the Sinkhorn iterations); tests and the bench compare the two."""
+    from kernels import mhc_coeffs_triton, mhc_triton
+    from model import mhc
 
     fn = None if next_site is None else next_site.fn
-    impl = "triton" if plain(y, S, fn, *coeffs, pre_lag) else "reference"
-    return mhc_triton.single_pass(y, S, coeffs, pre_lag, next_site, impl=impl)
+    if not plain(y, S, fn, *coeffs, pre_lag):
+        return mhc.single_pass(y, S, coeffs, pre_lag, next_site)
+    *lead, n, D = S.shape
+    with torch.autocast(S.device.type, enabled=False):  # coefficient math stays fp32 (A6), as in the reference
+        mix = mhc.mix_matrix(pre_lag, coeffs.post, coeffs.comb)  # [B, T, n+1, n+1]
+        mix = mix.expand(*lead, n + 1, n + 1).reshape(-1, n + 1, n + 1)
+        s_new, x, sumsq, raw = mhc_triton.mhc_step(y.reshape(-1, D), S.reshape(-1, n, D), mix,
+                                                   None if fn is None else fn.float())
+        s_new, x = s_new.view(*lead, n, D), x.view(*lead, D)
+        if next_site is None:
+            return s_new, x, None
+        if coeff_kernel:
+            pre, post, comb = mhc_coeffs_triton.next_coeffs(
+                raw, sumsq, next_site.scale, next_site.base, dim=next_site.dim, norm_eps=next_site.norm_eps,
+                eps=next_site.eps, sinkhorn_iters=next_site.sinkhorn_iters)
+            return s_new, x, mhc.Coeffs(pre.view(*lead, n), post.view(*lead, n), comb.view(*lead, n, n))
+        # The 1/rms factor is linear, so it is applied once to the accumulated projection (as the reference).
+        m = raw * torch.rsqrt(sumsq[:, None] / (n * D) + next_site.norm_eps)
+        return s_new, x, next_site.coeffs_from_logits(m.view(*lead, -1))
 
 
-def engram_forward(module, S, row_ids, dead):
-    """Engram.forward as the Triton gather + fused gate (kernels.engram_triton.engram_forward). The caller checks
-    `plain` first: the reference path is the module's own forward."""
+def engram_forward(module, S, row_ids, dead, *, table_grad: str = "dense"):
+    """Engram.forward as the Triton gather (kernels.engram_triton.lookup), the module's wkv (a cuBLAS GEMM) and the
+    fused gate + update (kernels.engram_triton.gate_update): S [B, T, n, D], row_ids [B, T, C], dead [B, T] bool or
+    None -> S' [B, T, n, D]. The caller checks `plain` first: the reference path is the module's own forward.
+    table_grad: "dense" (the table's usual gradient) or "sparse" (touched rows only: kernels.engram_triton.lookup)."""
     from kernels import engram_triton
 
-    return engram_triton.engram_forward(module, S, row_ids, dead, impl="triton")
+    B, T, n, D = S.shape
+    rows = engram_triton.lookup(module.table, row_ids.reshape(B * T, -1), table_grad=table_grad)  # [N, C, Dh]
+    kv = module.wkv(rows.flatten(-2).to(module.wkv.weight.dtype))  # [N, (n + 1) * D], cuBLAS
+    qk = module.q_weight.float() * module.k_weight.float()  # used only as their product (A8)
+    flat_dead = dead.reshape(B * T) if dead is not None else None
+    return engram_triton.gate_update(S.reshape(B * T, n, D), kv, qk, flat_dead, module.eps).view(B, T, n, D)

@@ -7,6 +7,9 @@ that tail, rotated by angle p * inv_freq_i. Inverse RoPE (sin negated) is applie
 query position. Angles are fp32; cos/sin are rounded to the activation dtype as the reference does, and the rotation
 runs in fp32.
 
+The rotation, `apply_rope`, is kernels.norm_rope_ref.apply_rope re-exported: the fused norm + RoPE kernel's reference
+(kernels/norm_rope_fp4.py) calls the same function without importing the model.
+
 No buffers: the tables are cheap (T x rope_dim/2) and recomputing them keeps the module meta-device friendly.
 """
 
@@ -16,6 +19,7 @@ import math
 
 import torch
 
+from kernels.norm_rope_ref import apply_rope  # noqa: F401 (the rotation; kept in kernels/ beside the fused kernel)
 from model.config import AttentionConfig
 
 
@@ -47,20 +51,3 @@ def rope_tables(cfg: AttentionConfig, kind: str, positions: torch.Tensor, dtype:
     """cos, sin of shape [T, rope_dim / 2] for integer positions [T], rounded to `dtype`."""
     angles = positions.to(torch.float32)[:, None] * inv_freq(cfg, kind, positions.device)[None, :]
     return angles.cos().to(dtype), angles.sin().to(dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-    """Rotate the trailing 2 * cos.shape[-1] channels of x.
-
-    x: [B, T, D] or [B, T, H, D]; cos/sin: [T, R/2]. Returns a tensor of x's dtype.
-    """
-    half = cos.shape[-1]
-    if x.dim() == 4:
-        cos, sin = cos[:, None, :], sin[:, None, :]
-    c, s = cos.float(), sin.float()
-    if inverse:
-        s = -s
-    rot = x[..., -2 * half:].float().unflatten(-1, (half, 2))
-    even, odd = rot[..., 0], rot[..., 1]
-    out = torch.stack((even * c - odd * s, even * s + odd * c), dim=-1).flatten(-2)
-    return torch.cat((x[..., : -2 * half], out.to(x.dtype)), dim=-1)

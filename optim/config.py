@@ -1,21 +1,18 @@
 """Typed optimiser configuration: the Hydra schema of the `optim` config group.
 
-OmegaConf 2.3 has no Literal support: closed sets are `str` fields checked in `__post_init__`.
+OmegaConf 2.3 has no Literal support: closed sets are `choice_field`s (config_checks.py) checked in `__post_init__`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-
-def _choice(name: str, value: str, options: tuple[str, ...]) -> None:
-    if value not in options:
-        raise ValueError(f"optim.{name} must be one of {list(options)}, got {value!r}")
+from config_checks import at_least, check_choices, choice_field, in_range, positive
 
 
 @dataclass
 class OptimConfig:
-    name: str = "adamw"  # adamw
+    name: str = choice_field("adamw", ("adamw",))
     """the optimiser; Muon and Sinkhorn-Nesterov (SPEC 1.7) come in a later issue"""
     lr: float = 3e-4
     """peak learning rate, reached at the end of warmup"""
@@ -25,7 +22,7 @@ class OptimConfig:
     """added to the second moment's square root"""
     weight_decay: float = 0.1
     """decoupled decay on matrices only; norms, biases and every other 1-D parameter get none"""
-    schedule: str = "cosine"  # constant, cosine, wsd
+    schedule: str = choice_field("cosine", ("constant", "cosine", "wsd"))
     """cosine: linear warmup then cosine to min_lr; wsd: warmup, stable at lr, then a final decay to min_lr"""
     warmup_steps: int = 100
     """linear warmup: step s (1-based) uses lr * s / warmup_steps"""
@@ -33,24 +30,16 @@ class OptimConfig:
     """floor of the decay, as a fraction of lr"""
     decay_fraction: float = 0.2
     """wsd only: share of the total steps spent in the final decay"""
-    decay_shape: str = "linear"  # linear, cosine, sqrt
+    decay_shape: str = choice_field("linear", ("linear", "cosine", "sqrt"))
     """wsd only: shape of the final decay (sqrt = 1 - sqrt(progress))"""
 
     def __post_init__(self) -> None:
-        _choice("name", self.name, ("adamw",))
-        _choice("schedule", self.schedule, ("constant", "cosine", "wsd"))
-        _choice("decay_shape", self.decay_shape, ("linear", "cosine", "sqrt"))
-        if not self.lr > 0:
-            raise ValueError(f"optim.lr must be > 0, got {self.lr!r}")
+        check_choices(self, "optim")
+        positive("optim.lr", self.lr)
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
             raise ValueError(f"optim.betas must be two values in [0, 1), got {list(self.betas)!r}")
-        if not self.eps > 0:
-            raise ValueError(f"optim.eps must be > 0, got {self.eps!r}")
-        if self.weight_decay < 0:
-            raise ValueError(f"optim.weight_decay must be >= 0, got {self.weight_decay!r}")
-        if self.warmup_steps < 0:
-            raise ValueError(f"optim.warmup_steps must be >= 0, got {self.warmup_steps!r}")
-        if not 0.0 <= self.min_lr_ratio <= 1.0:
-            raise ValueError(f"optim.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio!r}")
-        if not 0.0 <= self.decay_fraction <= 1.0:
-            raise ValueError(f"optim.decay_fraction must be in [0, 1], got {self.decay_fraction!r}")
+        positive("optim.eps", self.eps)
+        at_least("optim.weight_decay", self.weight_decay, 0)
+        at_least("optim.warmup_steps", self.warmup_steps, 0)
+        in_range("optim.min_lr_ratio", self.min_lr_ratio, 0, 1)
+        in_range("optim.decay_fraction", self.decay_fraction, 0, 1)

@@ -4,8 +4,8 @@ The root `Config` has one section per component; each component is handed only i
 dataclass instance made by `OmegaConf.to_object` so every `__post_init__` check has run. Struct mode
 makes a misspelled key or a value of the wrong type fail at composition, naming the full key path.
 
-OmegaConf 2.3 has no Literal support: closed sets are `str` fields checked in `__post_init__`, which
-raise ValueError naming the key and the bad value.
+OmegaConf 2.3 has no Literal support: closed sets are `choice_field`s (config_checks.py) checked in `__post_init__`,
+which raise ValueError naming the key and the bad value.
 """
 
 from __future__ import annotations
@@ -13,19 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+from config_checks import at_least, check_choices, choice_field, positive
 from data.config import DataConfig
 from model.config import ModelConfig
 from optim.config import OptimConfig
-
-
-def _choice(key: str, value: str, options: tuple[str, ...]) -> None:
-    if value not in options:
-        raise ValueError(f"{key} must be one of {list(options)}, got {value!r}")
-
-
-def _at_least(key: str, value: int | float, low: int | float) -> None:
-    if value < low:
-        raise ValueError(f"{key} must be >= {low}, got {value!r}")
 
 
 @dataclass
@@ -40,9 +31,9 @@ class TrainerConfig:
     seed: int = 0
     """weights are initialised from `seed` on every rank (each piece of the model from its own seed derived from
     it, so every layout starts from the same values); per-rank randomness from seed + rank"""
-    device: str = "auto"  # auto, cpu, cuda
+    device: str = choice_field("auto", ("auto", "cpu", "cuda"))
     """auto: cuda when available, else cpu"""
-    precision: str = "auto"  # auto, bf16, fp32
+    precision: str = choice_field("auto", ("auto", "bf16", "fp32"))
     """auto: bf16 autocast on GPU, fp32 on CPU. Parameters and optimiser state stay fp32 either way"""
     num_threads: int = 0
     """CPU threads per process; 0 = the cores divided by the processes on this node"""
@@ -58,15 +49,14 @@ class TrainerConfig:
     launcher's grace period (Slurm's --signal lead time, torchrun's 30 s after it is itself signalled)"""
 
     def __post_init__(self) -> None:
-        _at_least("trainer.max_steps", self.max_steps, 1)
-        _at_least("trainer.max_bad_steps", self.max_bad_steps, 1)
-        _at_least("trainer.stop_deadline_s", self.stop_deadline_s, 0.0)
-        _at_least("trainer.grad_accum", self.grad_accum, 1)
-        _at_least("trainer.grad_clip", self.grad_clip, 0.0)
-        _at_least("trainer.num_threads", self.num_threads, 0)
-        _at_least("trainer.peak_flops", self.peak_flops, 0.0)
-        _choice("trainer.device", self.device, ("auto", "cpu", "cuda"))
-        _choice("trainer.precision", self.precision, ("auto", "bf16", "fp32"))
+        at_least("trainer.max_steps", self.max_steps, 1)
+        at_least("trainer.max_bad_steps", self.max_bad_steps, 1)
+        at_least("trainer.stop_deadline_s", self.stop_deadline_s, 0.0)
+        at_least("trainer.grad_accum", self.grad_accum, 1)
+        at_least("trainer.grad_clip", self.grad_clip, 0.0)
+        at_least("trainer.num_threads", self.num_threads, 0)
+        at_least("trainer.peak_flops", self.peak_flops, 0.0)
+        check_choices(self, "trainer")
 
 
 ENGRAM_SHARD_AXES = ("dp_replicate", "dp_shard", "ep", "cp")  # the axes of Meshes.dp_ep_cp, in mesh order
@@ -108,7 +98,7 @@ class ParallelConfig:
     pp_virtual: int = 1
     """stages per pipeline rank: pp * pp_virtual stages in all (Megatron --virtual-pipeline-model-parallel-size);
     1F1B needs 1, ZBVZeroBubble needs 2"""
-    pp_schedule: str = "1F1B"  # 1F1B, Interleaved1F1B, InterleavedZeroBubble, ZBVZeroBubble
+    pp_schedule: str = choice_field("1F1B", PP_SCHEDULES)
     """torch.distributed.pipelining schedule: 1F1B (Megatron's default), Interleaved1F1B (Megatron's schedule
     when virtual stages are set), InterleavedZeroBubble or ZBVZeroBubble (zero-bubble schedules, no Megatron-LM
     core equivalent)"""
@@ -134,7 +124,7 @@ class ParallelConfig:
     engram_host_memory: bool = False
     """with engram_shard: keep each rank's block of Engram rows and its AdamW state in (pinned) host memory, rows and
     row gradients crossing to the device per micro-batch (DeepSeek's Engram cpu_offload)"""
-    activation_checkpoint: str = "none"  # none, full
+    activation_checkpoint: str = choice_field("none", ACTIVATION_CHECKPOINT_MODES)
     """full: every transformer block keeps only its inputs for the backward and recomputes its forward there (one
     more forward per step, collectives included; trainer/parallel/activation_checkpoint.py); none: every block keeps
     its activations (Megatron --recompute-granularity full --recompute-method uniform --recompute-num-layers 1)"""
@@ -146,11 +136,9 @@ class ParallelConfig:
         if self.dp_replicate == 0 or self.dp_replicate < -1:
             raise ValueError(f"parallel.dp_replicate must be >= 1 or -1 (fill), got {self.dp_replicate}")
         for name in ("dp_shard", "tp", "pp", "pp_virtual", "ep", "cp"):
-            _at_least(f"parallel.{name}", getattr(self, name), 1)
-        _choice("parallel.pp_schedule", self.pp_schedule, PP_SCHEDULES)
-        _choice("parallel.activation_checkpoint", self.activation_checkpoint, ACTIVATION_CHECKPOINT_MODES)
-        if not self.timeout_s > 0:
-            raise ValueError(f"parallel.timeout_s must be > 0, got {self.timeout_s!r}")
+            at_least(f"parallel.{name}", getattr(self, name), 1)
+        check_choices(self, "parallel")
+        positive("parallel.timeout_s", self.timeout_s)
         if self.pp_schedule == "1F1B" and self.pp_virtual != 1:
             raise ValueError(f"parallel.pp_schedule=1F1B runs one stage per pipeline rank, got "
                              f"parallel.pp_virtual={self.pp_virtual}: set parallel.pp_schedule=Interleaved1F1B "
@@ -218,7 +206,7 @@ class ParallelDims:
 
 @dataclass
 class StageConfig:
-    name: str = "pretrain"  # pretrain, sft, rl, distill, dspark
+    name: str = choice_field("pretrain", ("pretrain", "sft", "rl", "distill", "dspark"))
     """the training stage (SPEC 2); only pretrain runs in this version"""
     fp4_qat: bool = False
     """hook: fake-quantise the main KV to FP4 during training (post-training, SPEC 1.4)"""
@@ -226,12 +214,12 @@ class StageConfig:
     """hook: simulate SWA bounded replay during training (post-training, SPEC 1.5)"""
 
     def __post_init__(self) -> None:
-        _choice("stage.name", self.name, ("pretrain", "sft", "rl", "distill", "dspark"))
+        check_choices(self, "stage")
 
 
 @dataclass
 class WandbConfig:
-    mode: str = "offline"  # offline, online, disabled
+    mode: str = choice_field("offline", ("offline", "online", "disabled"))
     """offline writes the run under <run dir>/wandb/ (sync later with `wandb sync`); never needs the network"""
     project: str = "cedar"
     """W&B project"""
@@ -243,7 +231,7 @@ class WandbConfig:
     """W&B run tags"""
 
     def __post_init__(self) -> None:
-        _choice("logger.wandb.mode", self.mode, ("offline", "online", "disabled"))
+        check_choices(self, "logger.wandb")
 
 
 @dataclass
@@ -256,7 +244,7 @@ class LoggerConfig:
     wandb: WandbConfig = field(default_factory=WandbConfig)
 
     def __post_init__(self) -> None:
-        _at_least("logger.log_every", self.log_every, 1)
+        at_least("logger.log_every", self.log_every, 1)
 
 
 @dataclass
@@ -271,8 +259,8 @@ class CheckpointConfig:
     """also save at trainer.max_steps"""
 
     def __post_init__(self) -> None:
-        _at_least("checkpoint.interval", self.interval, 0)
-        _at_least("checkpoint.keep_last", self.keep_last, 1)
+        at_least("checkpoint.interval", self.interval, 0)
+        at_least("checkpoint.keep_last", self.keep_last, 1)
         if not self.resume:
             raise ValueError("checkpoint.resume must be 'auto', 'none' or a checkpoint path, got ''")
 

@@ -48,7 +48,7 @@ Communication, bytes each rank sends per optimiser step (received volumes are th
 - ep: per MoE layer and micro-batch, forward the token rows (fp32 streams + the packed routing weight) out and the
   bf16 results back, the backward the same again (trainer/parallel/expert.py), (ep - 1) / ep of it off-rank;
 - pp: per micro-batch the forward state across the stage's output cut and the gradient across its input cut
-  (trainer/parallel/pipeline.boundary_slots; top-k and pool as the Triton path's int32 ids unless model.kernels is
+  (trainer/parallel/pipeline_wire.boundary_slots; top-k and pool as the Triton path's int32 ids unless model.kernels is
   reference);
 - cp: per Full layer the entry all-gather and its reduce-scatter, per layer the SWA halo both ways, the token ids
   once per forward (trainer/parallel/context.py's table);
@@ -391,7 +391,7 @@ def _ring(size: int) -> float:
 
 def rank_communication(model, lay: Layout, bounds: list[int], params: list[dict], stages: list[int]) -> dict:
     """Bytes pipeline rank `stages`' ranks send per optimiser step, by dimension (see the module docstring)."""
-    from trainer.parallel.pipeline import boundary_slots
+    from trainer.parallel.pipeline_wire import boundary_slots
 
     cfg = model.cfg
     M, B = lay.grad_accum, lay.batch_size

@@ -12,7 +12,7 @@ dp_shard > 1, then build the optimiser over the local parameters.
 One optimiser step (`compute_gradients`, then the update): each data rank (dp_replicate x dp_shard x ep) reads
 trainer.grad_accum micro-batches of its own; context-parallel ranks keep their chunk of every sequence; the
 micro-batches run one after the other (gradient accumulation) or through the pipeline schedule; gradients are
-reduced by the rules of trainer/parallel/data_parallel.py, the loss is averaged over the ranks that saw different
+reduced by the rules of trainer/parallel/gradients.py, the loss is averaged over the ranks that saw different
 tokens, the gradient norm is clipped over every axis that shards parameters, and after the update the MoE loads
 of all data ranks move the balancing biases. Every rank ends a step with the same loss and norm; rank 0 logs.
 """
@@ -46,7 +46,7 @@ from trainer.preemption import StopRequest
 from trainer.run_lock import RunLock
 from trainer.metrics import MetricsLogger, device_peak_flops, memory_mb
 from trainer.parallel.apply import ParallelModel, describe, materialize, parallelize, validate_layout
-from trainer.parallel.data_parallel import (
+from trainer.parallel.gradients import (
     clip_grad_norm_,
     mean_over_data,
     reduce_gradients,

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from kernels import mhc_coeffs_triton, mhc_triton
+from model import kernels as kern
 from model import mhc
 from model.config import MHCConfig
 
@@ -42,6 +43,7 @@ def cases(sweep: bool = False) -> list[dict]:
     n = NUM_STREAMS
     row = DIM * 2  # one bf16 D-wide row
     mix = mhc.mix_matrix(pre_lag, coeffs.post, coeffs.comb).reshape(N, n + 1, n + 1).contiguous()
+    site_kw = dict(dim=site.dim, norm_eps=site.norm_eps, eps=site.eps, sinkhorn_iters=site.sinkhorn_iters)
     y2, S3, fn = y.reshape(N, DIM), S.reshape(N, n, DIM), site.fn.detach()
 
     def baseline_kernel():  # the reference's fused formulation, from the same mix matrix
@@ -54,12 +56,12 @@ def cases(sweep: bool = False) -> list[dict]:
     out = [
         {"name": "mhc/step_fwd_kernel", "fn_triton": lambda: mhc_triton.mhc_step_fwd(y2, S3, mix, fn),
          "fn_baseline": baseline_kernel, "bytes": fwd_bytes},
-        {"name": "mhc/single_pass", "fn_triton": lambda: mhc_triton.single_pass(y, S, coeffs, pre_lag, site),
+        {"name": "mhc/single_pass", "fn_triton": lambda: kern.mhc_single_pass(y, S, coeffs, pre_lag, site),
          "fn_baseline": lambda: mhc.single_pass(y, S, coeffs, pre_lag, site), "bytes": fwd_bytes},
     ]
     # Backward: graphs built once, each timed call replays only the backward.
     grads = {}
-    for impl, step in (("triton", mhc_triton.single_pass), ("reference", mhc.single_pass)):
+    for impl, step in (("triton", kern.mhc_single_pass), ("reference", mhc.single_pass)):
         leaves = [t.detach().requires_grad_() for t in (y, S)]
         s_new, x, c = step(leaves[0], leaves[1], coeffs, pre_lag, site)
         outs = (s_new, x, c.pre, c.post, c.comb)
@@ -81,12 +83,12 @@ def cases(sweep: bool = False) -> list[dict]:
         # The next site's coefficients from the statistics: one Triton launch each way vs the PyTorch ops.
         _, _, sumsq, raw = mhc_triton.mhc_step_fwd(y2, S3, mix, fn)
         with torch.no_grad():  # forward only, no graph: the cases below time the backward
-            c_fwd = (lambda: mhc_coeffs_triton.next_coeffs(raw, sumsq, site),
+            c_fwd = (lambda: mhc_coeffs_triton.next_coeffs(raw, sumsq, site.scale, site.base, **site_kw),
                      lambda: site.coeffs_from_logits(raw * torch.rsqrt(sumsq[:, None] / (n * DIM) + site.norm_eps)))
         out.append({"name": "mhc/coeffs_fwd", "fn_triton": torch.no_grad()(c_fwd[0]),
                     "fn_baseline": torch.no_grad()(c_fwd[1]), "sweep": True, "bytes": N * (M + 1 + M) * 4})
         raw, sumsq = raw.requires_grad_(), sumsq.requires_grad_()
-        c_tri = mhc_coeffs_triton.next_coeffs(raw, sumsq, site)
+        c_tri = mhc_coeffs_triton.next_coeffs(raw, sumsq, site.scale, site.base, **site_kw)
         c_ref = site.coeffs_from_logits(raw * torch.rsqrt(sumsq[:, None] / (n * DIM) + site.norm_eps))
         g_c = [torch.randn_like(t) for t in c_ref]
         leaves_c = [raw, sumsq, site.scale, site.base]

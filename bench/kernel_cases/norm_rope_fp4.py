@@ -38,6 +38,11 @@ def _unfused(x, norm, cos, sin, quant):
     return fp4.fake_quant(r, block, scale_fmt, impl="triton")
 
 
+def _norm(norm) -> dict:
+    """An RMSNorm module as the kernels take it: its weight and eps (nothing without a norm)."""
+    return {} if norm is None else dict(weight=norm.weight, eps=norm.eps)
+
+
 def _inputs(shape, with_norm, g):
     x = torch.randn(shape, device=DEVICE, generator=g).to(torch.bfloat16)
     norm = None
@@ -71,7 +76,7 @@ def cases(sweep: bool = False) -> list[dict]:
         rows = x.numel() // x.shape[-1]
         out.append({
             "name": f"norm_rope/{name}",
-            "fn_triton": lambda: nr.norm_rope_fake_quant(x, norm, cos, sin, quant=quant, return_normed=normed,
+            "fn_triton": lambda: nr.norm_rope_fake_quant(x, cos, sin, **_norm(norm), quant=quant, return_normed=normed,
                                                          impl="triton"),
             "fn_baseline": lambda: _unfused(x, norm, cos, sin, quant),
             "bytes": rows * _row_bytes(x.shape[-1], quant, True, normed)})
@@ -92,14 +97,15 @@ def cases(sweep: bool = False) -> list[dict]:
             base = lambda b=block, f=scale_fmt: fp4.quantize(  # noqa: E731
                 apply_rope(norm(x), cos, sin), b, f, impl="triton")
         out.append({"name": f"norm_rope/record_{quant}",
-                    "fn_triton": lambda q=quant: nr.norm_rope_quantize(x, norm, cos, sin, quant=q, impl="triton"),
+                    "fn_triton": lambda q=quant: nr.norm_rope_quantize(x, cos, sin, **_norm(norm), quant=q,
+                                                                       impl="triton"),
                     "fn_baseline": base, "bytes": rows * _row_bytes(DIM, quant, False)})
 
     # Backward of the main-KV site: graphs built once, each timed call replays only the backward (dx and dw).
     grads = {}
     for impl in ("triton", "reference"):
         leaf = x.detach().requires_grad_()
-        q = nr.norm_rope_fake_quant(leaf, norm, cos, sin, quant="fp4", impl=impl)
+        q = nr.norm_rope_fake_quant(leaf, cos, sin, **_norm(norm), quant="fp4", impl=impl)
         grads[impl] = (q, leaf, torch.randn_like(q))
 
     def backward(impl):

@@ -2,10 +2,14 @@
 and merges into it (a misspelled key is refused, a bad value raises ValueError naming data.<field>);
 ensure_prepared prepares a missing directory when allowed (a user corpus uncapped), does nothing when shards
 exist, and otherwise fails naming the path and `python -m data.prepare`; build_dataloader returns a loader whose
-ids fit the tokenizer it reports, and refuses a tokenizer other than the one the shards were made with."""
+ids fit the tokenizer it reports, and refuses a tokenizer other than the one the shards were made with. The schema
+lives in data/schema.py, which data/prepare.py imports at the top: no import cycle, and `python -m data.prepare`
+loads neither data.config nor torch."""
 
 import dataclasses
 import os
+import subprocess
+import sys
 from itertools import islice
 from pathlib import Path
 
@@ -42,6 +46,19 @@ def test_misspelled_key_and_bad_values():
     merged = OmegaConf.merge(OmegaConf.structured(DataConfig), {"seq_len": -3})
     with pytest.raises(ValueError, match="data.seq_len must be > 0, got -3"):
         OmegaConf.to_object(merged)
+
+
+def test_prepare_cli_imports_neither_data_config_nor_torch():
+    import data.prepare
+    import data.schema
+
+    assert DataConfig is data.schema.DataConfig is data.prepare.DataConfig
+    probe = ("import sys, runpy; sys.argv = ['data.prepare', '--help']\n"
+             "try:\n    runpy.run_module('data.prepare', run_name='__main__')\n"
+             "except SystemExit:\n    pass\n"
+             "print(sorted(m for m in sys.modules if m == 'torch' or m == 'data.config'))")
+    r = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "--vocab-size" in r.stdout and r.stdout.splitlines()[-1] == "[]", r.stdout + r.stderr
 
 
 def _cfg(tmp_path, corpus, **kw):

@@ -5,8 +5,9 @@
   kernels.fp8.dequantize_fp8 does; ids outside the table give NaN rows instead of reading out of bounds;
 - the table gradient equals F.embedding's (rows read several times accumulate; untouched rows stay 0), both as a
   dense gradient (atomics) and as a sparse one holding only the touched rows;
-- the fused gate + update equals Engram.forward (fp32 to ~1e-6, bf16 to a bf16 rounding), dead tokens get a 0 gate
-  and keep their streams unchanged, and the gate equals the reference formula;
+- the fused gate + update, composed with the gather and wkv as model.kernels.engram_forward does, equals
+  Engram.forward (fp32 to ~1e-6, bf16 to a bf16 rounding), dead tokens get a 0 gate and keep their streams
+  unchanged, and the gate equals the reference formula;
 - gradients w.r.t. S, the table, wkv and q/k weights match the reference's autograd, with awkward sizes
   (N = 14 tokens, D = 40, C = 6 sub-tables, Dh = 96) and n = 4 or 3 streams;
 - every output and gradient element is written (allocations are NaN-poisoned);
@@ -27,6 +28,7 @@ if not torch.cuda.is_available():
 
 from kernels import engram_triton as et  # noqa: E402
 from kernels.fp8 import dequantize_fp8, quantize_fp8  # noqa: E402
+from model import kernels as kern  # noqa: E402
 from model.config import CSA2Config, EngramConfig, MHCConfig, ModelConfig  # noqa: E402
 from model.engram import Engram  # noqa: E402
 
@@ -50,7 +52,8 @@ def _engram(n: int, dtype: torch.dtype) -> Engram:
     ecfg = EngramConfig(layers=[1], max_ngram=3, num_heads=3, head_dim=96, prime_start=50,
                         compressed_vocab_size=300, pad_id=2)
     cfg = ModelConfig(vocab_size=300, dim=40, num_layers=2, num_encoder_layers=1, norm_eps=1e-6,
-                      csa2=CSA2Config(compress_ratios=[0, 0]), mhc=MHCConfig(num_streams=n), engram=ecfg)
+                      csa2=CSA2Config(compress_ratios=[0, 0]), mhc=MHCConfig(num_streams=n), engram=ecfg,
+                      kernels="reference")  # its forward is the reference, on a GPU too
     m = Engram(cfg, 1)
     g = torch.Generator().manual_seed(n)
     with torch.no_grad():
@@ -139,7 +142,8 @@ def test_forward_and_backward_match_engram(poisoned, n, dtype):
         S = torch.randn(B, T, n, D, generator=torch.Generator().manual_seed(9)).to(dtype).to(DEVICE)
         S.requires_grad_()
         m.zero_grad()
-        out = et.engram_forward(m, S, ids, dead, impl=impl)
+        # the triton side: the kernels as model.kernels composes them into Engram.forward
+        out = m(S, ids, dead) if impl == "reference" else kern.engram_forward(m, S, ids, dead)
         weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(10)).to(DEVICE)
         (out.float() * weight).sum().backward()
         results[impl] = {"out": out.detach(), "S": S.grad, "table": m.table.grad, "wkv": m.wkv.weight.grad,

@@ -1,4 +1,6 @@
-"""Proves the Triton single-pass mHC step (kernels/mhc_triton.py) computes model.mhc.single_pass, forward and backward:
+"""Proves the Triton single-pass mHC step (kernels/mhc_triton.py, with the coefficient kernel of
+kernels/mhc_coeffs_triton.py, composed as model.kernels.mhc_single_pass does) computes model.mhc.single_pass, forward
+and backward:
 
 - S', x and the next site's coefficients (pre, post, Sinkhorn comb, from the in-kernel sum of squares and fn
   projection) match the reference for fp32 and bf16 streams, with n = 4 and n = 3 streams, token counts and model
@@ -29,6 +31,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports the kernels
 
 from kernels import mhc_coeffs_triton, mhc_triton  # noqa: E402
+from model import kernels as kern  # noqa: E402
 from model import mhc  # noqa: E402
 from model.config import MHCConfig  # noqa: E402
 
@@ -96,7 +99,7 @@ def test_forward_matches_reference(poisoned, n, dtype):
     coeffs = mhc.Coeffs(None, post, comb)
     nxt = _site(D, n, seed=1)
     ref = mhc.single_pass(y, S, coeffs, pre_lag, nxt)
-    got = mhc_triton.single_pass(y, S, coeffs, pre_lag, nxt)
+    got = kern.mhc_single_pass(y, S, coeffs, pre_lag, nxt)
     assert got[0].dtype == dtype and got[1].dtype == dtype
     # fp32: rounding of a differently ordered fp32 sum; bf16: at most one bf16 rounding step apart.
     rel = 1e-6 if dtype == torch.float32 else 2.0**-7
@@ -133,7 +136,7 @@ def test_last_layer_has_no_next_site(poisoned):
     y, S, post, comb, pre_lag = _inputs(1, 5, 4, 24, torch.float32, seed=3)
     coeffs = mhc.Coeffs(None, post, comb)
     ref = mhc.single_pass(y, S, coeffs, pre_lag, None)
-    got = mhc_triton.single_pass(y, S, coeffs, pre_lag, None)
+    got = kern.mhc_single_pass(y, S, coeffs, pre_lag, None)
     assert got[2] is None
     _assert_close_rel(got[0], ref[0], 1e-6, "S'")
     _assert_close_rel(got[1], ref[1], 1e-6, "x")
@@ -159,7 +162,7 @@ def _grads(step, dtype, n, with_stats_loss=True):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_backward_matches_reference(poisoned, n, dtype):
     ref = _grads(mhc.single_pass, dtype, n)
-    got = _grads(mhc_triton.single_pass, dtype, n)
+    got = _grads(kern.mhc_single_pass, dtype, n)
     for name in ref:
         assert got[name].dtype == ref[name].dtype, name
         # y, S gradients are stored in bf16 for bf16 streams: a few roundings apart (the reference rounds
@@ -171,19 +174,14 @@ def test_backward_matches_reference(poisoned, n, dtype):
 def test_backward_without_gradient_on_coefficients(poisoned):
     """Only S' and x carry gradient: the statistics' gradients arrive as None and count as zero."""
     ref = _grads(mhc.single_pass, torch.float32, 4, with_stats_loss=False)
-    got = _grads(mhc_triton.single_pass, torch.float32, 4, with_stats_loss=False)
+    got = _grads(kern.mhc_single_pass, torch.float32, 4, with_stats_loss=False)
     for name in ref:
         _assert_close_rel(got[name], ref[name], 5e-5, f"grad {name}")
     assert got["fn"].abs().max() == 0 and got["y"].abs().max() > 0
 
 
-def test_impl_switch_and_bad_inputs():
+def test_bad_inputs():
     y, S, post, comb, pre_lag = _inputs(1, 3, 4, 16, torch.float32, seed=4)
-    coeffs = mhc.Coeffs(None, post, comb)
-    ref = mhc_triton.single_pass(y, S, coeffs, pre_lag, None, impl="reference")
-    assert torch.equal(ref[0], mhc.single_pass(y, S, coeffs, pre_lag, None)[0])
-    with pytest.raises(ValueError, match="impl"):
-        mhc_triton.single_pass(y, S, coeffs, pre_lag, None, impl="cuda")
     S3, y3 = S.reshape(3, 4, 16), y.reshape(3, 16)
     mix = torch.zeros(3, 5, 5, device=DEVICE)
     with pytest.raises(ValueError, match="y must be"):
@@ -196,6 +194,13 @@ def test_impl_switch_and_bad_inputs():
         mhc_triton.mhc_step_fwd(y3.half(), S3, mix, None)
     with pytest.raises(ValueError, match="contiguous"):
         mhc_triton.mhc_step_fwd(y3, S3.transpose(0, 1).contiguous().transpose(0, 1), mix, None)
+    site = _site(16, 4, seed=4)
+    kw = dict(dim=16, norm_eps=site.norm_eps, eps=site.eps, sinkhorn_iters=site.sinkhorn_iters)
+    raw, sumsq = torch.zeros(3, 24, device=DEVICE), torch.ones(3, device=DEVICE)
+    with pytest.raises(ValueError, match="base must be"):
+        mhc_coeffs_triton.next_coeffs(raw, sumsq, site.scale, site.base[:23], **kw)
+    with pytest.raises(ValueError, match="raw must be"):
+        mhc_coeffs_triton.next_coeffs(raw[:, :15], sumsq, site.scale, site.base, **kw)
 
 
 def test_forward_configs_reach_every_switch():
@@ -243,8 +248,8 @@ def test_coefficient_kernel_matches_site(poisoned, n):
     g = torch.Generator().manual_seed(9)
     raw = (torch.randn(N, 2 * n + n * n, generator=g) * 3).to(DEVICE).requires_grad_()
     sumsq = (torch.rand(N, generator=g) * n * D + 1).to(DEVICE).requires_grad_()
-    assert mhc_triton.next_coeffs is mhc_coeffs_triton.next_coeffs  # the old import path still works
-    got = mhc_coeffs_triton.next_coeffs(raw, sumsq, site)
+    got = mhc_coeffs_triton.next_coeffs(raw, sumsq, site.scale, site.base, dim=site.dim, norm_eps=site.norm_eps,
+                                        eps=site.eps, sinkhorn_iters=site.sinkhorn_iters)
     ref = site.coeffs_from_logits(raw * torch.rsqrt(sumsq[:, None] / (n * D) + site.norm_eps))
     for name, a, b in zip(("pre", "post", "comb"), got, ref):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
@@ -267,7 +272,7 @@ def test_coefficient_kernel_matches_site(poisoned, n):
 def test_pytorch_coefficient_path_still_matches():
     y, S, post, comb, pre_lag = _inputs(1, 5, 4, 24, torch.float32, seed=6)
     coeffs, nxt = mhc.Coeffs(None, post, comb), _site(24, 4, seed=3)
-    a = mhc_triton.single_pass(y, S, coeffs, pre_lag, nxt, coeff_kernel=False)[2]
-    b = mhc_triton.single_pass(y, S, coeffs, pre_lag, nxt)[2]
+    a = kern.mhc_single_pass(y, S, coeffs, pre_lag, nxt, coeff_kernel=False)[2]
+    b = kern.mhc_single_pass(y, S, coeffs, pre_lag, nxt)[2]
     for name, u, v in zip(("pre", "post", "comb"), a, b):
         torch.testing.assert_close(u, v, rtol=1e-5, atol=1e-6, msg=name)

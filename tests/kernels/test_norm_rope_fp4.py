@@ -76,6 +76,11 @@ def _exact_rows(shape, seed: int, binades: int = 20) -> torch.Tensor:
     return (m * torch.exp2(e.double())).to(DEVICE)
 
 
+def _norm(norm: RMSNorm | None) -> dict:
+    """An RMSNorm module as the kernels take it: its weight and eps (nothing without a norm)."""
+    return {} if norm is None else dict(weight=norm.weight, eps=norm.eps)
+
+
 def _setup(shape, dtype, seed, *, with_norm=True, rope_dim=64, exact=True, eps=1e-6):
     """x, an RMSNorm with a random weight (or None), and rope tables [T, rope_dim / 2] rounded to x's dtype."""
     g = torch.Generator().manual_seed(seed + 1)
@@ -97,9 +102,9 @@ def _setup(shape, dtype, seed, *, with_norm=True, rope_dim=64, exact=True, eps=1
                          + [(torch.float16, None), (torch.float16, "fp4")])
 def test_forward_bit_exact(poisoned, dtype, quant):
     x, norm, cos, sin = _setup((2, 151, 512), dtype, seed=3)
-    q, y = nr.norm_rope_fake_quant(x, norm, cos, sin, quant=quant, return_normed=True, impl="triton",
+    q, y = nr.norm_rope_fake_quant(x, cos, sin, **_norm(norm), quant=quant, return_normed=True, impl="triton",
                                    rows_per_prog=RPP)
-    ref_q, ref_y = nr.norm_rope_fake_quant(x, norm, cos, sin, quant=quant, return_normed=True)
+    ref_q, ref_y = nr.norm_rope_fake_quant(x, cos, sin, **_norm(norm), quant=quant, return_normed=True)
     _assert_same_bits(y, ref_y, "normed")
     _assert_same_bits(q, ref_q, "fake quant")
     if quant is not None:  # the reference side really is the model's passes
@@ -113,14 +118,14 @@ def test_forward_bit_exact(poisoned, dtype, quant):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_record_bit_exact(poisoned, dtype, quant):
     x, norm, cos, sin = _setup((1, 203, 512), dtype, seed=5)
-    codes, scales, y = nr.norm_rope_quantize(x, norm, cos, sin, quant=quant, return_normed=True, impl="triton",
-                                             rows_per_prog=RPP)
-    ref_codes, ref_scales, ref_y = nr.norm_rope_quantize(x, norm, cos, sin, quant=quant, return_normed=True)
+    codes, scales, y = nr.norm_rope_quantize(x, cos, sin, **_norm(norm), quant=quant, return_normed=True,
+                                             impl="triton", rows_per_prog=RPP)
+    ref_codes, ref_scales, ref_y = nr.norm_rope_quantize(x, cos, sin, **_norm(norm), quant=quant, return_normed=True)
     _assert_same_bits(codes, ref_codes, "codes")
     _assert_same_bits(scales, ref_scales, "scales")
     _assert_same_bits(y, ref_y, "normed")
     # and the record decodes to the fake-quantised rows
-    fake = nr.norm_rope_fake_quant(x, norm, cos, sin, quant=quant, impl="triton", rows_per_prog=RPP)
+    fake = nr.norm_rope_fake_quant(x, cos, sin, **_norm(norm), quant=quant, impl="triton", rows_per_prog=RPP)
     deq = fp8.dequantize_fp8(codes, scales) if quant == "fp8" else fp4.dequantize(codes, scales, nr.QUANTS[quant][0])
     _assert_same_bits(deq.to(dtype), fake, "dequantised record")
 
@@ -131,21 +136,21 @@ def test_generic_rows_differ_only_in_the_norm_statistic(dtype):
     given the kernel's own y, RoPE and the quantiser are bit-exact."""
     x, norm, cos, sin = _setup((2, 97, 512), dtype, seed=7, exact=False)
     for quant in ("fp4", "fp8"):
-        q, y = nr.norm_rope_fake_quant(x, norm, cos, sin, quant=quant, return_normed=True, impl="triton",
+        q, y = nr.norm_rope_fake_quant(x, cos, sin, **_norm(norm), quant=quant, return_normed=True, impl="triton",
                                        rows_per_prog=RPP)
         ref_y = norm(x)
         # two fp32 sums of 512 squares differ by a few ulps, rstd by half that: fp32 y moves by a few ulps, bf16 y by
         # at most one bf16 rounding
         tol = (4 if dtype == torch.float32 else 1) * torch.finfo(dtype).eps * ref_y.float().abs()
         assert ((y.float() - ref_y.float()).abs() <= tol).all()
-        _assert_same_bits(q, nr.norm_rope_fake_quant(y, None, cos, sin, quant=quant), f"{quant} given y")
+        _assert_same_bits(q, nr.norm_rope_fake_quant(y, cos, sin, quant=quant), f"{quant} given y")
 
 
 def _grads(x, norm, cos, sin, quant, dq, impl, wrt_x=True, rows_per_prog=RPP):
     x = x.detach().clone().requires_grad_(wrt_x)
     if norm is not None:
         norm.weight.grad = None
-    q = nr.norm_rope_fake_quant(x, norm, cos, sin, quant=quant, impl=impl, rows_per_prog=rows_per_prog)
+    q = nr.norm_rope_fake_quant(x, cos, sin, **_norm(norm), quant=quant, impl=impl, rows_per_prog=rows_per_prog)
     q.backward(dq)
     return x.grad, None if norm is None else norm.weight.grad.clone()
 
@@ -177,9 +182,9 @@ def test_no_norm_heads_any_input_bit_exact(poisoned, dtype):
     _, _, cos, sin = _setup((B, T, D), dtype, seed=11, with_norm=False)
     cos[:2], sin[:2] = 1.0, 0.0
     for quant in QUANTS:
-        q = nr.norm_rope_fake_quant(x, None, cos, sin, quant=quant, impl="triton", rows_per_prog=16)
-        _assert_same_bits(q, nr.norm_rope_fake_quant(x, None, cos, sin, quant=quant), str(quant))
-    codes, scales = nr.norm_rope_quantize(x, None, cos, sin, quant="fp4_ue8m0", impl="triton", rows_per_prog=16)
+        q = nr.norm_rope_fake_quant(x, cos, sin, quant=quant, impl="triton", rows_per_prog=16)
+        _assert_same_bits(q, nr.norm_rope_fake_quant(x, cos, sin, quant=quant), str(quant))
+    codes, scales = nr.norm_rope_quantize(x, cos, sin, quant="fp4_ue8m0", impl="triton", rows_per_prog=16)
     ref_codes, ref_scales = fp4.quantize(apply_rope(x, cos, sin), 32, "ue8m0")
     _assert_same_bits(codes, ref_codes, "codes")
     _assert_same_bits(scales, ref_scales, "scales")
@@ -216,7 +221,8 @@ def test_backward_weight_only_and_normed_output_has_no_gradient():
     torch.testing.assert_close(dw, _grads(x, norm, cos, sin, "fp4_ue8m0", dq, "reference", wrt_x=False)[1],
                                rtol=1e-5, atol=1e-6)
     xg = x.clone().requires_grad_()
-    q, y = nr.norm_rope_fake_quant(xg, norm, cos, sin, quant="fp4_ue8m0", return_normed=True, impl="triton")
+    q, y = nr.norm_rope_fake_quant(xg, cos, sin, **_norm(norm), quant="fp4_ue8m0", return_normed=True,
+                                   impl="triton")
     assert q.requires_grad and not y.requires_grad
 
 
@@ -225,16 +231,16 @@ def test_default_tiles_awkward_dims(poisoned, dim, rope_dim, quant):
     """Default rows per program (2048 / D: partial last tile), a padded block axis (D = 96: 6 or 3 blocks), RoPE
     over every channel or one pair, forward and backward."""
     x, norm, cos, sin = _setup((3, 7, dim), torch.bfloat16, seed=19, rope_dim=rope_dim)
-    q, y = nr.norm_rope_fake_quant(x, norm, cos, sin, quant=quant, return_normed=True, impl="triton")
-    ref_q, ref_y = nr.norm_rope_fake_quant(x, norm, cos, sin, quant=quant, return_normed=True)
+    q, y = nr.norm_rope_fake_quant(x, cos, sin, **_norm(norm), quant=quant, return_normed=True, impl="triton")
+    ref_q, ref_y = nr.norm_rope_fake_quant(x, cos, sin, **_norm(norm), quant=quant, return_normed=True)
     _assert_same_bits(y, ref_y, "normed")
     _assert_same_bits(q, ref_q, "fake quant")
     dq = torch.randn(x.shape, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16).to(DEVICE)
     x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
-    nr.norm_rope_fake_quant(x1, norm, cos, sin, quant=quant, impl="triton").backward(dq)
+    nr.norm_rope_fake_quant(x1, cos, sin, **_norm(norm), quant=quant, impl="triton").backward(dq)
     dw = norm.weight.grad.clone()
     norm.weight.grad = None
-    nr.norm_rope_fake_quant(x2, norm, cos, sin, quant=quant).backward(dq)
+    nr.norm_rope_fake_quant(x2, cos, sin, **_norm(norm), quant=quant).backward(dq)
     torch.testing.assert_close(x1.grad, x2.grad, rtol=2.0**-7, atol=1e-6 * x2.grad.abs().max().item())
     torch.testing.assert_close(dw, norm.weight.grad, rtol=1e-5, atol=1e-5 * norm.weight.grad.abs().max().item())
 
@@ -243,11 +249,11 @@ def test_no_rows():
     """A Full layer before its first group closes compresses nothing: E = 0 rows, forward and backward."""
     x, norm, cos, sin = _setup((2, 0, 128), torch.bfloat16, seed=29, exact=False)
     x.requires_grad_()
-    q, y = nr.norm_rope_fake_quant(x, norm, cos, sin, quant="fp4", return_normed=True, impl="triton")
+    q, y = nr.norm_rope_fake_quant(x, cos, sin, **_norm(norm), quant="fp4", return_normed=True, impl="triton")
     assert q.shape == y.shape == x.shape
     q.sum().backward()
     assert x.grad.shape == x.shape and torch.equal(norm.weight.grad, torch.zeros_like(norm.weight))
-    codes, scales = nr.norm_rope_quantize(x, norm, cos, sin, quant="fp4", impl="triton")
+    codes, scales = nr.norm_rope_quantize(x, cos, sin, **_norm(norm), quant="fp4", impl="triton")
     assert codes.shape == (2, 0, 64) and scales.shape == (2, 0, 8)
 
 
@@ -255,18 +261,19 @@ def test_bad_arguments_raise():
     x, norm, cos, sin = _setup((2, 4, 64), torch.float32, seed=23, rope_dim=16)
     run = nr.norm_rope_fake_quant
     with pytest.raises(ValueError, match="quant must be one of"):
-        run(x, norm, cos, sin, quant="fp6", impl="triton")
+        run(x, cos, sin, **_norm(norm), quant="fp6", impl="triton")
     with pytest.raises(ValueError, match="impl must be one of"):
-        run(x, norm, cos, sin, quant="fp4", impl="cuda")
+        run(x, cos, sin, **_norm(norm), quant="fp4", impl="cuda")
     with pytest.raises(ValueError, match="must be contiguous"):
-        run(x.transpose(0, 1), norm, cos[:2], sin[:2], quant="fp4", impl="triton")
+        run(x.transpose(0, 1), cos[:2], sin[:2], **_norm(norm), quant="fp4", impl="triton")
     with pytest.raises(ValueError, match="cos and sin must both be"):
-        run(x, norm, cos[:3], sin[:3], quant="fp4", impl="triton")
+        run(x, cos[:3], sin[:3], **_norm(norm), quant="fp4", impl="triton")
     with pytest.raises(ValueError, match="divisible by the fp4_ue8m0 block"):
-        run(x[..., :48].contiguous(), RMSNorm(48, 1e-6).to(DEVICE), cos, sin, quant="fp4_ue8m0", impl="triton")
+        run(x[..., :48].contiguous(), cos, sin, **_norm(RMSNorm(48, 1e-6).to(DEVICE)), quant="fp4_ue8m0",
+            impl="triton")
     with pytest.raises(TypeError, match="x must be a bf16, fp16 or fp32"):
-        run(x.double(), norm, cos, sin, quant="fp4", impl="triton")
+        run(x.double(), cos, sin, **_norm(norm), quant="fp4", impl="triton")
     with pytest.raises(ValueError, match="weight must be"):
-        run(x, RMSNorm(32, 1e-6).to(DEVICE), cos, sin, quant="fp4", impl="triton")
+        run(x, cos, sin, **_norm(RMSNorm(32, 1e-6).to(DEVICE)), quant="fp4", impl="triton")
     with pytest.raises(ValueError, match="quant must be 'fp4'"):
-        nr.norm_rope_quantize(x, norm, cos, sin, quant=None, impl="triton")
+        nr.norm_rope_quantize(x, cos, sin, **_norm(norm), quant=None, impl="triton")

@@ -57,9 +57,10 @@ ENTRIES = {
     "candidate_pool": ("kernels.indexer", "candidate_pool"),
     "index_scores_pool": ("kernels.indexer", "index_scores_pool"),
     "select_topk": ("kernels.indexer", "select_topk"),
-    "mhc": ("kernels.mhc_triton", "single_pass"),
-    "engram": ("kernels.engram_triton", "engram_forward"),
+    "mhc": ("kernels.mhc_triton", "mhc_step"),
+    "engram": ("kernels.engram_triton", "gate_update"),
 }
+# Entries without an `impl` argument (the mHC step, the Engram gate) are Triton only: their calls count as "triton".
 
 
 # QAT settings by name: all three on, all off, and FP4 main KV alone (the others then run unquantised)
@@ -128,7 +129,7 @@ class Launches:
 
     def _spy(self, entry, real):
         def spy(*args, **kwargs):
-            self.calls[(entry, kwargs.get("impl"))] += 1
+            self.calls[(entry, kwargs.get("impl", "triton"))] += 1
             out = real(*args, **kwargs)
             if entry in ("fp4", "fp8") or (entry == "norm_rope" and kwargs["quant"] is not None):
                 self.quantised.append((out[0] if isinstance(out, tuple) else out).detach().clone())

@@ -45,7 +45,7 @@ from tests.distributed import run_distributed
 from tests.parallel import test_layouts as layouts
 from trainer.checkpoint import Checkpointer, TrainState
 from trainer.config import CheckpointConfig, ParallelConfig, TrainerConfig
-from trainer.parallel.data_parallel import full_named_tensors, update_router_biases
+from trainer.parallel.gradients import full_named_tensors, update_router_biases
 from trainer.train import build_model, compute_gradients, freeze_all_but, setup_runtime, trainable_parameters
 
 STEPS = layouts.STEPS

@@ -38,8 +38,9 @@ from model.layer_plan import build_layer_plan
 from tests.distributed import run_distributed
 from tests.helpers import EVERY_ROLE_SEQ_LEN, every_role_config, load_config
 from trainer.config import ParallelDims
+from trainer.parallel.apply import ParallelModel
 from trainer.parallel.context import apply_cp, check_sequence_length, sequence_shard, shard_sequence
-from trainer.parallel.expert import clip_grad_norm_, reduce_gradients, reduce_load_counts
+from trainer.parallel.gradients import clip_grad_norm_, reduce_gradients, update_router_biases
 from trainer.parallel.mesh import build_mesh
 
 # --- the exchanges alone --------------------------------------------------------------------------------------------
@@ -123,6 +124,12 @@ def _config(kernels: str = "reference", base=None):
     return dataclasses.replace(base, moe=moe)
 
 
+def _parallel_model(model, meshes=None) -> ParallelModel:
+    """What the trainer's gradient functions take: the single process (meshes None) or cp-only, no FSDP."""
+    dims = ParallelDims(dp_replicate=1, dp_shard=1, tp=1, pp=1, ep=1, cp=1 if meshes is None else meshes.cp.size())
+    return ParallelModel(model, meshes, dims, False)
+
+
 def _build(cp_mesh=None, kernels: str = "reference", base=None):
     torch.manual_seed(SEED)
     with torch.device("meta"):
@@ -177,7 +184,7 @@ def _rounding_twin(model, batch) -> dict[str, torch.Tensor]:
             p.copy_(torch.nextafter(p, torch.where(torch.rand(p.shape, generator=gen) < 0.5, -torch.inf, torch.inf)))
     model.zero_grad(set_to_none=True)
     sum(_losses(model, *batch).values()).backward()
-    clip_grad_norm_(model.parameters(), MAX_NORM)
+    clip_grad_norm_(model.parameters(), MAX_NORM, _parallel_model(model))
     twin = _grads(model)
     with torch.no_grad():
         for n, p in model.named_parameters():
@@ -191,19 +198,20 @@ def _rounding_twin(model, batch) -> dict[str, torch.Tensor]:
 
 def _single_run() -> dict:
     model = _build()
+    pm = _parallel_model(model)
     opt = _optimizer(model)
     out = {"losses": [], "grad_norm": [], "grads": [], "twin_grads": []}
     for step in range(STEPS):
         opt.zero_grad(set_to_none=True)
         losses = _losses(model, *_batch(step))
         sum(losses.values()).backward()
-        out["grad_norm"].append(float(clip_grad_norm_(model.parameters(), MAX_NORM)))
+        out["grad_norm"].append(float(clip_grad_norm_(model.parameters(), MAX_NORM, pm)))
         out["losses"].append({k: float(v.detach()) for k, v in losses.items()})
         out["grads"].append(_grads(model))
         # From the second step on the layouts' weights differ by rounding: measure what that alone does.
         out["twin_grads"].append(_rounding_twin(model, _batch(step)) if step > 0 else None)
         opt.step()
-        model.update_router_biases()
+        update_router_biases(pm)
     out["params"], out["biases"] = _state(model)
     with torch.no_grad():
         out["final_loss"] = float(sum(_losses(model, *_batch(0)).values()))
@@ -221,6 +229,7 @@ def _cp_worker(rank: int, world: int) -> dict:
     meshes = build_mesh(ParallelDims(dp_replicate=1, dp_shard=1, tp=1, pp=1, ep=1, cp=world), "cpu")
     cp_group = meshes.cp.get_group()
     model = _build(meshes.cp)
+    pm = _parallel_model(model, meshes)
     opt = _optimizer(model)
     out = {"losses": [], "grad_norm": [], "grads": []}
     for step in range(STEPS):
@@ -229,12 +238,12 @@ def _cp_worker(rank: int, world: int) -> dict:
         assert input_ids.shape == (ROWS_GLOBAL, SEQ_LEN // world)
         losses = _losses(model, input_ids, labels)
         sum(losses.values()).backward()
-        reduce_gradients(model, meshes)  # mean over dp x ep x cp = the cp ranks here
-        out["grad_norm"].append(float(clip_grad_norm_(model.parameters(), MAX_NORM)))
+        reduce_gradients(pm)  # mean over dp x ep x cp = the cp ranks here
+        out["grad_norm"].append(float(clip_grad_norm_(model.parameters(), MAX_NORM, pm)))
         out["losses"].append(_rank_mean(losses, cp_group))
         out["grads"].append(_grads(model))
         opt.step()
-        model.update_router_biases(counts=reduce_load_counts(model, meshes))
+        update_router_biases(pm)
     out["params"], out["biases"] = _state(model)
 
     # The same forward with one piece of CP switched off at a time: each must visibly change the loss.
@@ -351,7 +360,7 @@ def _cp_triton_worker(rank: int, world: int) -> dict:
     batch = tuple(shard_sequence(t, meshes.cp)[:1] for t in _batch(0, TRITON_SEQ_LEN))  # one short row: the interpreter
     losses = _losses(model, *batch)
     sum(losses.values()).backward()
-    reduce_gradients(model, meshes)
+    reduce_gradients(_parallel_model(model, meshes))
     return {"losses": _rank_mean(losses, meshes.cp.get_group()), "grads": _grads(model), "calls": sorted(set(calls))}
 
 

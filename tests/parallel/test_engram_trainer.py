@@ -42,7 +42,7 @@ from tests.distributed import run_distributed
 from tests.parallel import test_layouts as layouts
 from trainer.checkpoint import Checkpointer, TrainState, step_dir_name
 from trainer.config import CheckpointConfig, ParallelConfig, TrainerConfig
-from trainer.parallel.data_parallel import update_router_biases
+from trainer.parallel.gradients import update_router_biases
 from trainer.train import build_model, compute_gradients, setup_runtime, trainable_parameters
 
 LAYOUTS = {

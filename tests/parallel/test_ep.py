@@ -35,15 +35,9 @@ from model.moe import MoE
 from tests.distributed import run_distributed
 from tests.helpers import load_config
 from trainer.config import ParallelDims
-from trainer.parallel.expert import (
-    AllToAllDispatcher,
-    _pack,
-    _unpack,
-    apply_ep,
-    clip_grad_norm_,
-    reduce_gradients,
-    reduce_load_counts,
-)
+from trainer.parallel.apply import ParallelModel
+from trainer.parallel.expert import AllToAllDispatcher, _pack, _unpack, apply_ep
+from trainer.parallel.gradients import clip_grad_norm_, reduce_gradients, update_router_biases
 from trainer.parallel.mesh import build_mesh
 
 # --- dispatch / combine alone ---------------------------------------------------------------------------------
@@ -218,27 +212,32 @@ def _state(model) -> tuple[dict, dict]:
 
 def _single_run() -> dict:
     model = _build()
+    # The trainer's functions, as a single-process job runs them (no meshes: no collectives).
+    pm = ParallelModel(model, None, ParallelDims(dp_replicate=1, dp_shard=1, tp=1, pp=1, ep=1, cp=1), False)
     opt = _optimizer(model)
     out = {"loss": [], "grad_norm": [], "grads": []}
     for step in range(STEPS):
         opt.zero_grad(set_to_none=True)
         loss = _loss(model, *_batch(step))
         loss.backward()
-        # Our clip without a mesh is torch's clip_grad_norm_ with a more accurate norm.
+        # The trainer's clip on one process is torch's clip_grad_norm_ with a more accurate (fp64) norm.
         torch_norm = float(torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None]))
-        out["grad_norm"].append(float(clip_grad_norm_(model.parameters(), MAX_NORM)))
+        out["grad_norm"].append(float(clip_grad_norm_(model.parameters(), MAX_NORM, pm)))
         assert out["grad_norm"][-1] == pytest.approx(torch_norm, rel=1e-5)
         out["loss"].append(float(loss.detach()))
         out["grads"].append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
         opt.step()
-        model.update_router_biases()
+        update_router_biases(pm)
     out["params"], out["biases"] = _state(model)
     return out
 
 
 def _ep_worker(rank: int, world: int, dp_shard: int, ep: int, ckpt_dir: str | None) -> dict:
-    meshes = build_mesh(ParallelDims(dp_replicate=1, dp_shard=dp_shard, tp=1, pp=1, ep=ep, cp=1), "cpu")
+    dims = ParallelDims(dp_replicate=1, dp_shard=dp_shard, tp=1, pp=1, ep=ep, cp=1)
+    meshes = build_mesh(dims, "cpu")
     model = _build(meshes)
+    # The trainer's gradient functions on the replicated path (fsdp False: plain averaging over dp stands in).
+    pm = ParallelModel(model, meshes, dims, False)
     num_experts = model.cfg.moe.num_experts
     for moe in model.moe_layers():
         assert isinstance(moe.dispatcher, AllToAllDispatcher)
@@ -252,14 +251,14 @@ def _ep_worker(rank: int, world: int, dp_shard: int, ep: int, ckpt_dir: str | No
         input_ids, labels = _batch(step)
         loss = _loss(model, input_ids[rows], labels[rows])
         loss.backward()
-        reduce_gradients(model, meshes)
-        out["grad_norm"].append(float(clip_grad_norm_(model.parameters(), MAX_NORM, meshes.ep)))
+        reduce_gradients(pm)
+        out["grad_norm"].append(float(clip_grad_norm_(model.parameters(), MAX_NORM, pm)))
         mean_loss = loss.detach().clone()
         dist.all_reduce(mean_loss, group=meshes.data.get_group())
         out["loss"].append(float(mean_loss) / data_size)
         out["grads"].append({n: _full(p.grad).clone() for n, p in model.named_parameters() if p.grad is not None})
         opt.step()
-        model.update_router_biases(counts=reduce_load_counts(model, meshes))
+        update_router_biases(pm)
     out["params"], out["biases"] = _state(model)
     if ckpt_dir is not None:
         dcp.save(model.state_dict(), checkpoint_id=ckpt_dir)

@@ -64,7 +64,7 @@ from tests.distributed import run_distributed
 from tests.helpers import EVERY_ROLE_SEQ_LEN, every_role_config, load_config
 from trainer.config import ParallelConfig, TrainerConfig
 from trainer.parallel.apply import validate_layout
-from trainer.parallel.data_parallel import full_named_tensors, update_router_biases
+from trainer.parallel.gradients import full_named_tensors, update_router_biases
 from trainer.train import build_model, compute_gradients, setup_runtime, trainable_parameters
 
 SEED, ROWS, SEQ_LEN, MICROBATCHES, STEPS, LR, MAX_NORM = 0, 1, 64, 4, 2, 0.1, 0.5

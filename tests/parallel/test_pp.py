@@ -38,19 +38,17 @@ from model.layer_plan import build_layer_plan
 from tests.distributed import run_distributed
 from tests.helpers import EVERY_ROLE_SEQ_LEN, every_role_config, load_config
 from trainer.config import ParallelDims
+from trainer.parallel.apply import ParallelModel, StageGroup
+from trainer.parallel.gradients import clip_grad_norm_, update_router_biases
 from trainer.parallel.mesh import build_mesh
 from trainer.parallel.pipeline import (
     allowed_cuts,
-    boundary_bytes,
-    boundary_slots,
     build_pipeline,
-    clip_grad_norm_,
-    pack_bits,
     split_model,
     split_points,
     stage_ids_for_rank,
-    unpack_bits,
 )
+from trainer.parallel.pipeline_wire import boundary_bytes, boundary_slots, pack_bits, unpack_bits
 
 SEED, MICROBATCHES, ROWS, SEQ_LEN, STEPS, LR, MAX_NORM = 0, 4, 1, 32, 2, 0.5, 0.5
 
@@ -289,6 +287,8 @@ def _biases(named_buffers) -> dict:
 
 def _single_run() -> dict:
     model = _build()
+    # The trainer's clip and bias update as a single-process job runs them (no meshes: no collectives).
+    pm = ParallelModel(model, None, ParallelDims(dp_replicate=1, dp_shard=1, tp=1, pp=1, ep=1, cp=1), False)
     opt = _optimizer(model.parameters())
     out = {"loss": [], "whole_batch_loss": [], "grad_norm": [], "grads": []}
     for step in range(STEPS):
@@ -311,10 +311,10 @@ def _single_run() -> dict:
             (mb_loss / MICROBATCHES).backward()
             loss += float(mb_loss.detach()) / MICROBATCHES
         out["loss"].append(loss)
-        out["grad_norm"].append(float(clip_grad_norm_(model.parameters(), MAX_NORM)))
+        out["grad_norm"].append(float(clip_grad_norm_(model.parameters(), MAX_NORM, pm)))
         out["grads"].append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
         opt.step()
-        model.update_router_biases()
+        update_router_biases(pm)
     out["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
     out["biases"] = _biases(model.named_buffers())
     return out
@@ -334,16 +334,19 @@ def _pp_train(rank: int, world: int, meshes, schedule: str) -> dict:
     pp_group = meshes.pp.get_group()
     pipe = build_pipeline(stages, pp_group, schedule=schedule, n_microbatches=MICROBATCHES, microbatch_size=ROWS,
                           seq_len=SEQ_LEN, device=torch.device("cpu"))
+    # What `parallelize` gives this rank (apply.py): its stages as one StageGroup, for the trainer's gradient functions.
+    dims = ParallelDims(dp_replicate=1, dp_shard=1, tp=1, pp=world, ep=1, cp=1)
+    pm = ParallelModel(StageGroup(stages), meshes, dims, False, stages=stages, pipeline=pipe)
     opt = _optimizer(list(pipe.parameters()))
     out = {"cuts": cuts, "loss": [], "grad_norm": [], "grads": []}
     for step in range(STEPS):
         opt.zero_grad(set_to_none=True)
         out["loss"].append(pipe.step(*_batch(step)))
-        out["grad_norm"].append(float(clip_grad_norm_(pipe.parameters(), MAX_NORM, pp_group)))
+        out["grad_norm"].append(float(clip_grad_norm_(pipe.parameters(), MAX_NORM, pm)))
         out["grads"].append({n: p.grad.clone() for stage in stages for n, p in stage.named_parameters()
                              if p.grad is not None})
         opt.step()
-        pipe.update_router_biases()
+        update_router_biases(pm)
     out["params"] = {n: p.detach().clone() for stage in stages for n, p in stage.named_parameters()}
     out["biases"] = _biases((n, b) for stage in stages for n, b in stage.named_buffers())
     return out

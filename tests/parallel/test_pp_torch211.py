@@ -1,5 +1,6 @@
-"""Proves the float wire of trainer/parallel/pipeline.py (`_FLOAT_WIRE`, on for torch < 2.13: torch 2.11's
-PipelineStage cannot receive integer tensors) is exact, on whichever torch runs the tests.
+"""Proves the float wire (trainer/parallel/pipeline.py `_FLOAT_WIRE`, on for torch < 2.13: torch 2.11's
+PipelineStage cannot receive integer tensors; the carriers are trainer/parallel/pipeline_wire.py's) is exact, on
+whichever torch runs the tests.
 
 - Every non-floating slot dtype the stages ship (int32 ids, int64 Engram rows, uint8 bit-packed masks, dead / image
   masks and KV dtype codes; bool and int16 for completeness) survives `to_carrier` -> `from_carrier` bit for bit at
@@ -26,7 +27,7 @@ from tests.parallel.test_pp import _check, _config, _one_thread, _pp_train, _sin
 from trainer.config import ParallelDims
 from trainer.parallel import pipeline
 from trainer.parallel.mesh import build_mesh
-from trainer.parallel.pipeline import _carrier_shape, boundary_slots, from_carrier, to_carrier
+from trainer.parallel.pipeline_wire import _carrier_shape, boundary_slots, from_carrier, to_carrier
 
 SCHEDULES = ("1F1B", "ZBVZeroBubble")
 

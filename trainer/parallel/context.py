@@ -34,7 +34,7 @@ What crosses chunks, and how:
 
 Loss and gradients (what the trainer does): each rank's LM loss is the mean over its own T_c tokens of every row, so
 the mean over cp ranks is the mean over all tokens (equal chunk sizes; with ignored labels use a token-count-weighted
-mean instead). Gradients of replicated weights are averaged over dp x ep x cp (`trainer.parallel.expert.
+mean instead). Gradients of replicated weights are averaged over dp x ep x cp (`trainer.parallel.gradients.
 reduce_gradients`): the collectives' backwards above already deliver to each rank the gradient of the SUM of all
 ranks' losses with respect to its own activations, so the average is the gradient of the mean loss. MoE load counts
 are summed over dp x ep x cp (`reduce_load_counts`): cp ranks route different tokens.

@@ -50,10 +50,10 @@ contribution; the job's loss is the mean of `num_loss_ranks` per-rank losses, so
 that (and first summed over `replica_group`, ranks outside the group that hold the same block and read other
 tokens). The usual group is `Meshes.dp_ep_cp`: every rank of one pipeline stage and tp rank, which are exactly the
 ranks whose losses are averaged, so `reduce_engram_gradients(model, meshes.dp_ep_cp.size())`.
-`trainer.parallel.expert.reduce_gradients` would all-reduce these blocks as if replicated, and its
-`clip_grad_norm_` sums DTensor squares over ep only: a trainer must keep `engram_tables(model)` out of the first and
-sum their squares over the group in the second. FSDP must leave them alone too (fully_shard(...,
-ignored_params=set(engram_tables(model)))): it would all-gather whole tables.
+trainer/parallel/gradients.py's `reduce_gradients` keeps `engram_tables(model)` out of the replicated all-reduce
+(it would reduce these blocks as if replicated), and its `clip_grad_norm_` sums their squares over the group (their
+Shard axis). FSDP must leave them alone too (fully_shard(..., ignored_params=set(engram_tables(model)))): it would
+all-gather whole tables.
 """
 
 from __future__ import annotations

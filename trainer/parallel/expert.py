@@ -18,7 +18,7 @@ So about 2 * N * K * D elements leave and arrive per rank and layer in the forwa
 (W - 1) / W of them cross the network), and as much again in the backward. Dropless: nothing is capped or
 dropped, so the split sizes go through the host (one sync per layer, in the forward; the backward reuses them).
 
-Gradients (`reduce_gradients`, the plain data-parallel path; FSDP takes over this role when it is applied):
+Gradients (trainer/parallel/gradients.py `reduce_gradients`, which also holds the clip and the router-bias update):
 every rank's loss is the mean over its own tokens, and the job's loss is the mean over the ranks that read
 different tokens (dp x ep x cp). A non-expert gradient is therefore averaged over those ranks. An expert's local
 gradient already holds the contributions of every ep peer whose tokens it served (they came back through the
@@ -35,7 +35,6 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from model.common import local
 from model.moe import GroupedExperts, LocalDispatcher, MoE
 
 _EXPERT_WEIGHTS = ("w1", "w3", "w2")
@@ -194,90 +193,3 @@ def apply_ep(model: nn.Module, ep_mesh: DeviceMesh) -> nn.Module:
 def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
     """The routed experts' weights (sharded over ep by apply_ep)."""
     return [p for m in model.modules() if isinstance(m, GroupedExperts) for p in m.parameters()]
-
-
-# --- load counts, gradients, gradient norm -------------------------------------------------------------------------
-
-def reduce_load_counts(model: nn.Module, meshes) -> list[torch.Tensor]:
-    """Every MoE layer's [2, E] load counts summed over the ranks that route different tokens through the same
-    layers (dp_replicate x dp_shard x ep x cp: `meshes.dp_ep_cp`), for Transformer.update_router_biases(counts=).
-
-    Every rank then applies the same sign update, so the balancing biases stay identical everywhere and equal
-    the single process's. cp is included because context-parallel ranks route different parts of a sequence.
-    """
-    counts = torch.stack([moe.load_counts() for moe in moe_layers(model)])  # [L, 2, E]
-    group = meshes.dp_ep_cp.get_group()
-    if dist.get_world_size(group) > 1:
-        dist.all_reduce(counts, group=group)
-    return list(counts)
-
-
-def all_reduce_flat(grads: list[torch.Tensor], groups: list, scale: float) -> None:
-    """grads = scale * (the sum over each group in turn), through one flat buffer."""
-    if not grads:
-        return
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    for group in groups:
-        if dist.get_world_size(group) > 1:
-            dist.all_reduce(flat, group=group)
-    flat *= scale
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
-        offset += g.numel()
-
-
-@torch.no_grad()
-def reduce_gradients(model: nn.Module, meshes, exclude=()) -> None:
-    """Average gradients the way the single process on the whole batch would have them (plain data-parallel
-    path, without FSDP). Non-expert weights: mean over dp x ep x cp. Expert weights: sum over their replicas
-    (dp, then cp) divided by dp x ep x cp, since the all-to-all backward already summed over the ep peers.
-    `exclude`: parameters reduced elsewhere (row-sharded Engram tables: trainer/parallel/engram.py).
-
-    A parameter that got no gradient on some rank (experts no local token chose) is reduced as zeros there,
-    the rows the single process's full gradient holds; one that got none on any rank keeps grad None, as in
-    the single process.
-    """
-    skip = {id(p) for p in exclude}
-    experts = [p for p in expert_parameters(model) if p.requires_grad]
-    expert_ids = {id(p) for p in experts} | skip
-    others = [p for p in model.parameters() if p.requires_grad and id(p) not in expert_ids]
-    data = meshes.dp_ep_cp.get_group()
-    used = torch.tensor([p.grad is not None for p in others + experts], dtype=torch.int32)
-    if dist.get_world_size(data) > 1:  # every rank holding a part of a parameter votes
-        dist.all_reduce(used, op=dist.ReduceOp.MAX, group=data)
-    live = [p for p, u in zip(others + experts, used.tolist()) if u]
-    for p in live:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    live_ids = {id(p) for p in live}
-    scale = 1.0 / meshes.dp_ep_cp.size()
-    all_reduce_flat([local(p.grad) for p in others if id(p) in live_ids], [data], scale)
-    all_reduce_flat([local(p.grad) for p in experts if id(p) in live_ids],
-                     [meshes.dp.get_group(), meshes.cp.get_group()], scale)
-
-
-@torch.no_grad()
-def clip_grad_norm_(params, max_norm: float, ep_mesh: DeviceMesh | None = None) -> torch.Tensor:
-    """torch.nn.utils.clip_grad_norm_ (L2) for a parameter list that mixes plain tensors with ep-sharded
-    experts (torch's refuses the mix), called after reduce_gradients. Plain gradients are identical on every
-    rank; each ep rank holds different expert rows, so their squared norms are summed over ep. Without a mesh
-    (or with one rank) it is the single-process computation. Returns the total norm, the same on every rank.
-
-    Squares are summed with torch's pairwise `sum`, not per-tensor fp32 `vector_norm` as torch does: on the
-    tiny model that is 2e-7 instead of 4e-6 away from the fp64 norm, which keeps layouts comparable at 1e-5.
-    """
-    grads = [p.grad for p in params if p.grad is not None]
-    plain = [g for g in grads if not isinstance(g, DTensor)]
-    sharded = [local(g) for g in grads if isinstance(g, DTensor)]
-    zero = torch.zeros((), device=grads[0].device if grads else None)
-    sq_sharded = sum((g.float().pow(2).sum() for g in sharded), zero)
-    if ep_mesh is not None and ep_mesh.size() > 1:
-        dist.all_reduce(sq_sharded, group=ep_mesh.get_group())
-    sq_plain = sum((g.float().pow(2).sum() for g in plain), zero)
-    total = (sq_plain + sq_sharded).sqrt()
-    # Same coefficient as torch's: max_norm / (norm + 1e-6), never above 1.
-    coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
-    for g in plain + sharded:
-        g.mul_(coef.to(g.dtype))
-    return total

@@ -1,6 +1,9 @@
 """What happens between backward and the optimiser step in every layout: gradient reduction, the clipped global
 gradient norm, the MoE balancing update and the job-wide mean of per-rank numbers.
 
+The one place these rules live: the trainer (trainer/train.py) and the layout tests (tests/parallel/) call the
+same functions, with a ParallelModel (trainer/parallel/apply.py; meshes None for a single process).
+
 The rules (the job's loss is the mean over the ranks that see different tokens, dp x ep x cp, of each rank's mean
 loss; see trainer/parallel/expert.py and context.py for why each rule gives the single process's gradient):
 - non-expert gradients: mean over dp_replicate x dp_shard x ep x cp;
@@ -9,7 +12,7 @@ loss; see trainer/parallel/expert.py and context.py for why each rule gives the 
 - tp and pp ranks hold different parameters (or identical replicas computed from the same tokens): no reduction
   over them, except that sequence parallelism leaves the replicated norms and mHC sites a Partial gradient (each
   tp rank saw only its tokens), completed over tp first.
-Without FSDP (dp_shard = 1) all of it is trainer/parallel/expert.py's `reduce_gradients`. With FSDP, the
+Without FSDP all of it is `_reduce_replicated` below (one flat all-reduce per rule). With FSDP, the
 reduce-scatter in the backward already averaged every gradient over dp (and HSDP's all-reduce over dp_replicate);
 what is left is a sum over ep x cp (non-experts) or cp (experts) of the local shards, times 1 / (ep x cp).
 Row-sharded Engram tables (parallel.engram_shard) take neither path: the row exchange's backward already summed
@@ -18,8 +21,14 @@ every group rank's contribution into the owner's block, which is only divided by
 
 The clip norm sums squares over every axis that shards a parameter: for each gradient, the mesh axes on which its
 placement is Shard (tp, ep, dp_shard, and dp x ep x cp for a row-sharded Engram table; a plain tensor is whole),
-then over pp (each pipeline rank holds other layers). Squares are summed in fp64 (as trainer/parallel/pipeline.py's
-clip), so per-rank partial sums added in any order agree with the single process far below fp32 rounding.
+then over pp (each pipeline rank holds other layers). Squares are summed in fp64: the layouts add per-rank partial
+sums, the single process one running sum, and the two orders then agree far below fp32 rounding, so the fp32 norm
+and clip coefficient match (torch's fp32 norms differ in the last bits, which the Engram gates amplify to 1e-4
+relative in the next step's gradients).
+
+MoE balancing (`update_router_biases`): every MoE layer's load counts are summed over the ranks that route
+different tokens through the same layers (dp x ep x cp, `reduce_load_counts`; tp peers routed the same ones), so
+every rank applies the same sign update and the biases stay identical everywhere and equal the single process's.
 """
 
 from __future__ import annotations
@@ -29,10 +38,13 @@ import torch.distributed as dist
 from torch import nn
 
 from model.common import local as local_shard
-from trainer.parallel.expert import all_reduce_flat
 from trainer.parallel.apply import ParallelModel
+from trainer.parallel.expert import expert_parameters, moe_layers
 
-__all__ = ["reduce_gradients", "clip_grad_norm_", "update_router_biases", "mean_over_data", "sum_over_data"]
+__all__ = [
+    "reduce_gradients", "all_reduce_flat", "clip_grad_norm_", "update_router_biases",
+    "reduce_load_counts", "mean_over_data", "sum_over_data", "full_named_tensors",
+]
 
 
 def _is_dtensor(t) -> bool:
@@ -47,8 +59,6 @@ def reduce_gradients(pm: ParallelModel) -> None:
     if pm.meshes is None:
         return
     from trainer.parallel.engram import engram_tables, reduce_engram_gradients
-    from trainer.parallel.expert import expert_parameters
-    from trainer.parallel.expert import reduce_gradients as reduce_replicated
 
     tables = engram_tables(pm.module) if pm.engram is not None else []
     if tables:
@@ -58,7 +68,7 @@ def reduce_gradients(pm: ParallelModel) -> None:
             from model.parallelize import reduce_partial_grads
 
             reduce_partial_grads(pm.module)
-        reduce_replicated(pm.module, pm.meshes, exclude=tables)
+        _reduce_replicated(pm.module, pm.meshes, exclude=tables)
         return
     dims = pm.dims
     if dims.ep * dims.cp == 1:
@@ -72,6 +82,51 @@ def reduce_gradients(pm: ParallelModel) -> None:
     scale = 1.0 / (dims.ep * dims.cp)
     all_reduce_flat([local_shard(p.grad) for p in params if id(p) not in experts], [pm.ep_cp.get_group()], scale)
     all_reduce_flat([local_shard(p.grad) for p in params if id(p) in experts], [pm.meshes.cp.get_group()], scale)
+
+
+def all_reduce_flat(grads: list[torch.Tensor], groups: list, scale: float) -> None:
+    """grads = scale * (the sum over each group in turn), through one flat buffer."""
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    for group in groups:
+        if dist.get_world_size(group) > 1:
+            dist.all_reduce(flat, group=group)
+    flat *= scale
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+@torch.no_grad()
+def _reduce_replicated(model: nn.Module, meshes, exclude=()) -> None:
+    """The path without FSDP (reduce_gradients' part once sequence parallelism's Partial gradients are complete).
+    Non-expert weights: mean over dp x ep x cp. Expert weights: sum over their replicas (dp, then cp) divided by
+    dp x ep x cp, since the all-to-all backward already summed over the ep peers. `exclude`: parameters reduced
+    elsewhere (row-sharded Engram tables: trainer/parallel/engram.py).
+
+    A parameter that got no gradient on some rank (experts no local token chose) is reduced as zeros there,
+    the rows the single process's full gradient holds; one that got none on any rank keeps grad None, as in
+    the single process.
+    """
+    skip = {id(p) for p in exclude}
+    experts = [p for p in expert_parameters(model) if p.requires_grad]
+    expert_ids = {id(p) for p in experts} | skip
+    others = [p for p in model.parameters() if p.requires_grad and id(p) not in expert_ids]
+    data = meshes.dp_ep_cp.get_group()
+    used = torch.tensor([p.grad is not None for p in others + experts], dtype=torch.int32)
+    if dist.get_world_size(data) > 1:  # every rank holding a part of a parameter votes
+        dist.all_reduce(used, op=dist.ReduceOp.MAX, group=data)
+    live = [p for p, u in zip(others + experts, used.tolist()) if u]
+    for p in live:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    live_ids = {id(p) for p in live}
+    scale = 1.0 / meshes.dp_ep_cp.size()
+    all_reduce_flat([local_shard(p.grad) for p in others if id(p) in live_ids], [data], scale)
+    all_reduce_flat([local_shard(p.grad) for p in experts if id(p) in live_ids],
+                    [meshes.dp.get_group(), meshes.cp.get_group()], scale)
 
 
 def _shard_groups(g: torch.Tensor) -> tuple:
@@ -118,8 +173,6 @@ def clip_grad_norm_(params, max_norm: float, pm: ParallelModel) -> torch.Tensor:
 def update_router_biases(pm: ParallelModel) -> float:
     """Aux-loss-free balancing after the optimiser step, from the load counts of every rank that routed different
     tokens (dp x ep x cp; tp peers routed the same ones); returns the worst max/mean expert load of the model."""
-    from trainer.parallel.expert import moe_layers, reduce_load_counts
-
     moes = moe_layers(pm.module)
     if pm.meshes is None:
         counts = [moe.load_counts() for moe in moes]
@@ -133,6 +186,17 @@ def update_router_biases(pm: ParallelModel) -> float:
         dist.all_reduce(worst_t, op=dist.ReduceOp.MAX, group=pm.meshes.pp.get_group())
         worst = float(worst_t)
     return worst
+
+
+def reduce_load_counts(model: nn.Module, meshes) -> list[torch.Tensor]:
+    """Every MoE layer's [2, E] load counts summed over the ranks that route different tokens through the same
+    layers (dp_replicate x dp_shard x ep x cp: `meshes.dp_ep_cp`); cp is included because context-parallel ranks
+    route different parts of a sequence."""
+    counts = torch.stack([moe.load_counts() for moe in moe_layers(model)])  # [L, 2, E]
+    group = meshes.dp_ep_cp.get_group()
+    if dist.get_world_size(group) > 1:
+        dist.all_reduce(counts, group=group)
+    return list(counts)
 
 
 def _reduce_over(pm: ParallelModel, values: list[float], mesh_name: str, mean: bool) -> list[float]:
