@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import dataclasses
 import errno
-import hashlib
 import json
 import logging
 import os
@@ -67,6 +66,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from data.shards import file_sha256
 from trainer.config import CheckpointConfig
 
 log = logging.getLogger(__name__)
@@ -259,14 +259,6 @@ def _world() -> tuple[int, int]:
     return 0, 1
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def _gather(local: dict) -> dict:
     """The union of every rank's dict (on every rank)."""
     rank, world = _world()
@@ -282,7 +274,7 @@ def file_checksums(path: Path) -> dict[str, dict]:
     share; every rank of the job must call it."""
     rank, world = _world()
     names = sorted(f.name for f in Path(path).iterdir() if f.is_file() and f.name != COMPLETE_MARKER)
-    mine = {n: {"size": (Path(path) / n).stat().st_size, "sha256": _sha256(Path(path) / n)}
+    mine = {n: {"size": (Path(path) / n).stat().st_size, "sha256": file_sha256(Path(path) / n)}
             for i, n in enumerate(names) if i % world == rank}
     return _gather(mine)
 
@@ -303,7 +295,7 @@ def verify(path: Path) -> list[str]:
             problems[name] = f"{name} is missing"
         elif f.stat().st_size != want["size"]:
             problems[name] = f"{name} has {f.stat().st_size} bytes, {want['size']} were written"
-        elif _sha256(f) != want["sha256"]:
+        elif file_sha256(f) != want["sha256"]:
             problems[name] = f"{name} does not match its sha256"
     problems = _gather(problems)
     return [problems[k] for k in sorted(problems)]
