@@ -8,7 +8,7 @@ Usage: .venv/bin/python bench/activation_checkpoint.py [--model v41_tiny] [--bat
 Per mode (none, full), one line:
 - kept: the activation bytes one micro-batch holds between its forward and its backward, a device-independent count:
   the distinct storages of every tensor autograd saves outside a checkpointed block (saved_tensors_hooks; inside
-  one, checkpoint's own hooks drop them), plus what each block is handed (streams, `pre`, and the ForwardContext's
+  one, checkpoint's own hooks drop them), plus what each block is handed (streams, `pre`, and the ForwardState's
   tensors: compressed KV, top-k, pool, h_{L/2}), which a checkpointed block keeps instead; parameters and buffers
   excluded. With checkpointing the peak adds one block's activations while it is recomputed and differentiated.
 - on CUDA also: kept as the allocator sees it (memory_allocated after the forward minus before) and the step's
@@ -41,7 +41,7 @@ _MB = 2**20
 
 
 def _tensors(obj):
-    """The tensors in a block's arguments, the ForwardContext's fields included."""
+    """The tensors in a block's arguments, the ForwardState's fields included."""
     if isinstance(obj, torch.Tensor):
         yield obj
     elif isinstance(obj, dict):
@@ -78,13 +78,13 @@ def kept_bytes(module: torch.nn.Module, input_ids: torch.Tensor, labels: torch.T
     hooks = [layer.register_forward_pre_hook(on_block) for layer in module.layers]
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast():
-            logits, aux = module(input_ids, return_aux=True)
+            fwd = module(input_ids, outputs=True)
+            logits, aux = fwd.logits, fwd.aux
         total = sum(t.untyped_storage().nbytes() for t in held.values())
     finally:
         for h in hooks:
             h.remove()
     held.clear()
-    aux.pop("metrics")
     (F.cross_entropy(logits.float().flatten(0, 1), labels.flatten()) + sum(aux.values())).backward()
     module.zero_grad(set_to_none=True)
     return total
@@ -129,7 +129,8 @@ class Job:
             torch.cuda.synchronize()
             before = torch.cuda.memory_allocated()
             with self.autocast():
-                logits, aux = self.pm.module(self.x, return_aux=True)
+                fwd = self.pm.module(self.x, outputs=True)
+                logits, aux = fwd.logits, fwd.aux
             out["kept_cuda"] = torch.cuda.memory_allocated() - before
             del logits, aux
             torch.cuda.reset_peak_memory_stats()

@@ -21,6 +21,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tests.helpers import build_tiny, load_config  # noqa: E402
+from trainer.parallel.apply import ParallelModel  # noqa: E402
+from trainer.parallel.gradients import update_router_biases  # noqa: E402
 
 
 def time_variant(name: str, overrides: dict, batch: int, seq: int, steps: int) -> dict:
@@ -31,12 +33,13 @@ def time_variant(name: str, overrides: dict, batch: int, seq: int, steps: int) -
     times = []
     for i in range(steps + 2):  # two warm-up steps
         t0 = time.perf_counter()
-        logits, aux = m(ids[:, :-1], return_aux=True)
+        fwd = m(ids[:, :-1], outputs=True)
+        logits, aux = fwd.logits, fwd.aux
         loss = F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten()) + aux.get("indexer_kl", 0)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        m.update_router_biases()
+        update_router_biases(ParallelModel.local(m))
         if i >= 2:
             times.append(time.perf_counter() - t0)
     step = statistics.median(times)

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from kernels import fp4
+from model.parallelize import block_shard_dims
 
 
 def _numel(params) -> int:
@@ -219,18 +220,6 @@ def train_flops_per_token(model: nn.Module, seq_len: int) -> float:
 # the same code) against these terms.
 # ---------------------------------------------------------------------------------------------------------------------
 
-_TP_SPLIT = ("attn.wq_b.weight", "attn.attn_sink", "attn.wo_a.weight", "attn.wo_b.weight",
-             "ffn.shared_experts.w1.weight", "ffn.shared_experts.w3.weight", "ffn.shared_experts.w2.weight")
-
-
-def tp_split(name: str) -> bool:
-    """Whether tensor parallelism splits the parameter `name` (a model parameter path) over tp ranks: the plan of
-    model/parallelize.py (query heads, output groups, the shared expert's width; routed experts along their width;
-    embedding and head column-wise). Everything else is replicated over tp."""
-    return (name.endswith(_TP_SPLIT) or ".ffn.experts." in name
-            or name in ("embed.weight", "head.weight"))
-
-
 def _matmul_weights(layer) -> list[tuple[str, torch.Tensor]]:
     skip = {id(p) for m in layer.modules() if hasattr(m, "fn") for p in [m.fn]}
     if layer.engram is not None:
@@ -250,8 +239,9 @@ def layer_activation_bytes(layer, tokens: int, context: int, *, stream_bytes: in
     q_lora, o_groups, o_lora = attn.wq_a.out_features, cfg.attention.o_groups, cfg.attention.o_lora_rank
     iters = cfg.mhc.sinkhorn_iters
     casts = 0.0
+    tp_dims = block_shard_dims(layer)  # what apply_tp splits over tp (model/parallelize.py)
     for name, p in _matmul_weights(layer):
-        split = (tp if tp_split("layers.0." + name) else 1) * (ep if name.startswith("ffn.experts.") else 1)
+        split = (tp if name in tp_dims else 1) * (ep if name.startswith("ffn.experts.") else 1)
         casts += p.numel() / split
     per_token: dict[str, float] = {
         "streams": n * dim * (2 * s + 4) + 4 * dim,

@@ -7,8 +7,8 @@ Per layer (REFERENCE A2-A5):
 - its own query (low-rank: wq_a -> q_norm -> wq_b, RoPE on the last R channels) and its own SWA KV
   (wkv -> kv_norm -> RoPE, FP8 fake-quant when enabled); K = V (one latent shared by all heads);
 - Full layers build the main KV (compressor, RoPE at the group's first token, FP4 fake-quant when enabled) and the
-  indexer keys, and publish both in the forward context; Reuse/Reindex layers read them from their KV source;
-- index sources (Full, Reindex) score visible entries, optionally restricted to the hierarchical pool, and publish
+  indexer keys and return both; Reuse/Reindex layers read them from their KV source's entry in the ForwardState;
+- index sources (Full, Reindex) score visible entries, optionally restricted to the hierarchical pool, and return
   their top-k; Reuse layers read the top-k of their index source;
 - logits q.k / sqrt(D) over [window keys ; compressed entries], a per-head sink in the softmax denominator only,
   inverse RoPE on the output at the query position, grouped output projection wo_a (block diagonal) then wo_b.
@@ -17,8 +17,14 @@ The indexer learns from a KL loss only (top-k has no gradient): target = this la
 compressed entries, summed over heads and renormalised on the indexer's search domain, detached; the indexer's inputs
 are detached so the loss never reaches the backbone.
 
-Kernels (ModelConfig.kernels, resolved in model/kernels.py, which also says when the reference path stays): on the
-Triton path the indexer scores, pools and picks with `kernels.indexer` and publishes int32 top-k ids, and the
+State: a layer reads what earlier layers made from the ForwardState and returns what it makes (`LayerOutputs`); it
+writes nothing that outlives its call. The loop that runs the layers records the outputs (`ForwardState.record`),
+so a recomputation under activation checkpointing, which calls a block's forward again and drops its result,
+changes nothing and needs no special case.
+
+Kernels (ModelConfig.kernels, resolved once per module when it is placed on a device, `kernels.KernelPath`, which
+also says when the reference path stays): on the
+Triton path the indexer scores, pools and picks with `kernels.indexer` and returns int32 top-k ids, and the
 attention runs `kernels.sparse_attention` over them, which also returns the KL target (top-k probabilities summed
 over heads); `attend` and the [B, T, E] masks are the reference path. Each norm -> RoPE -> fake-quant chain (SWA
 KV, main KV, indexer keys; RoPE -> fake-quant for the indexer queries) is one `kern.norm_rope_quant` call, a single
@@ -34,7 +40,7 @@ import torch
 from torch import nn
 
 from model import kernels as kern
-from model.common import RMSNorm, init_linear, linear, local, recomputing
+from model.common import RMSNorm, init_linear, linear, local
 from model.config import ModelConfig
 from model.csa2 import Compressor, Indexer, candidate_pool, index_scores, select_topk, visible_mask
 from model.layer_plan import LayerSpec
@@ -75,10 +81,27 @@ _WHOLE = SequenceShard()  # one process holds whole sequences (no context parall
 
 
 @dataclass
-class ForwardContext:
-    """State one forward shares across layers (per sequence batch). Pipeline stages carry it along. Each entry is
-    written once, by the layer that owns it; a recomputation under activation checkpointing only reads it
-    (model.common.recomputing)."""
+class LayerOutputs:
+    """What one block adds to its forward, returned by the block and recorded by the loop that runs the blocks
+    (`ForwardState.record`); None where the layer makes no such thing."""
+
+    kv: tuple[torch.Tensor, torch.Tensor] | None = None  # Full: (main KV [B, E, D], indexer keys [B, E, Di])
+    # index source: its top-k, [B, T, E] bool (reference path) or [B, T, K] int32 entry ids, -1 = empty (Triton
+    # path, model/kernels.py)
+    selection: torch.Tensor | None = None
+    pool: torch.Tensor | None = None  # pool builder: [B, T, E] bool, or [B, T, P] int32 block ids (Triton)
+    indexer_kl: torch.Tensor | None = None  # index source: scalar KL (a loss term)
+    expert_load: torch.Tensor | None = None  # [2, E] int64: tokens routed to each expert (text, image rows)
+    balance_loss: torch.Tensor | None = None  # the MoE sequence-wise balance loss (a loss term; None when off)
+
+
+@dataclass
+class ForwardState:
+    """What the layers of one forward share (per sequence batch). Layers only read it; the loop that runs them
+    (model.transformer.forward_blocks) writes each layer's `LayerOutputs` into it, so it is the forward's explicit
+    record: what later layers read (KV, top-k, pool, h_{L/2}) and what the loss and the trainer read (indexer KL,
+    balance loss, expert loads). Made fresh for every training forward (model.transformer.new_state); pipeline
+    stages carry what later stages read across each cut (trainer/parallel/pipeline_wire.py)."""
 
     positions: torch.Tensor  # [T] absolute positions: offset, offset + 1, ...
     phase: str  # indexer phase: "sparse" or "dense_warmup"
@@ -86,18 +109,28 @@ class ForwardContext:
     shard: SequenceShard = field(default_factory=SequenceShard)
     h_mid: torch.Tensor | None = None  # [B, T, dim] the encoder's output (collapsed streams), CED
     kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # source -> (main, index keys)
-    # index source -> its top-k: [B, T, E] bool (reference path) or [B, T, K] int32 entry ids, -1 = empty (Triton
-    # path, model/kernels.py)
-    selection: dict[int, torch.Tensor] = field(default_factory=dict)
-    pool: torch.Tensor | None = None  # the candidate pool: [B, T, E] bool, or [B, T, P] int32 block ids (Triton)
+    selection: dict[int, torch.Tensor] = field(default_factory=dict)  # index source -> its top-k
+    pool: torch.Tensor | None = None  # the candidate pool (one builder per model)
     indexer_kl: dict[int, torch.Tensor] = field(default_factory=dict)  # index source -> scalar KL
-    _rope: dict = field(default_factory=dict)
+    balance_loss: dict[int, torch.Tensor] = field(default_factory=dict)  # MoE layer -> sequence-balance loss
+    expert_load: dict[int, torch.Tensor] = field(default_factory=dict)  # MoE layer -> [2, E] int64 loads
+    hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [B, T, dim] (forward_blocks' hidden_layers)
+    _rope: dict = field(default_factory=dict)  # a cache of pure functions of the positions
 
     def rope(self, cfg, kind: str, positions: torch.Tensor, dtype: torch.dtype, key=None):
         key = (kind, key, dtype)
         if key not in self._rope:
             self._rope[key] = rope_tables(cfg, kind, positions, dtype)
         return self._rope[key]
+
+    def record(self, layer: int, out: LayerOutputs) -> None:
+        """Keep what layer `layer` made (its `LayerOutputs`) for the layers after it and for the loss."""
+        for name in ("kv", "selection", "indexer_kl", "balance_loss", "expert_load"):
+            value = getattr(out, name)
+            if value is not None:
+                getattr(self, name)[layer] = value
+        if out.pool is not None:
+            self.pool = out.pool
 
 
 def attend(q, kv_win, kv_cmp, win_mask, cmp_mask, sink):
@@ -158,11 +191,12 @@ def indexer_kl(attn_mass: torch.Tensor, scores: torch.Tensor, domain: torch.Tens
     return kl.sum(-1)[rows].sum() / num_rows
 
 
-class CSA2Attention(nn.Module):
+class CSA2Attention(kern.KernelPath, nn.Module):
     def __init__(self, cfg: ModelConfig, spec: LayerSpec):
         super().__init__()
         a, c = cfg.attention, cfg.csa2
         self.cfg, self.spec = cfg, spec
+        self.kernels = cfg.kernels
         self.num_heads, self.head_dim = a.num_heads, a.head_dim
         eps = cfg.norm_eps
         self.wq_a = linear(cfg.dim, a.q_lora_rank)
@@ -180,6 +214,10 @@ class CSA2Attention(nn.Module):
             if spec.owns_indexer else None
         )
         self.head_sum = HeadSum()
+        self._resolve_kernel_path()
+
+    def _kernel_device(self) -> torch.device:
+        return self.wq_a.weight.device
 
     def init_weights(self) -> None:
         std = self.cfg.init_std
@@ -194,8 +232,9 @@ class CSA2Attention(nn.Module):
             self.indexer.init_weights(std)
 
     # -- pieces ------------------------------------------------------------------------------------------------------
-    def _publish_kv(self, kv_in: torch.Tensor, ctx: ForwardContext, path: str) -> None:
-        """Full layer: compress, rotate at each group's first token, fake-quantise, publish (main, index keys)."""
+    def _compress(self, kv_in: torch.Tensor, state: ForwardState, path: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """Full layer: compress, rotate at each group's first token, fake-quantise; returns (main, index keys) of
+        every chunk of the sequence."""
         a, q = self.cfg.attention, self.cfg.quant
         m = self.spec.ratio
         # The fused kernel applies the compressor's norm where it may read its weight (model/kernels.py); the
@@ -203,120 +242,117 @@ class CSA2Attention(nn.Module):
         norm = self.compressor.norm if kern.fuses_norm(self.compressor.norm, path) else None
         latent = self.compressor(kv_in, norm=norm is None)  # [B, E, D] (this chunk's groups under context parallelism)
         E = latent.shape[1]
-        pos = (torch.arange(E, device=latent.device) + ctx.offset // m) * m  # each group's first token
-        cos, sin = ctx.rope(a, "compress", pos, latent.dtype, key=("entries", m))
+        pos = (torch.arange(E, device=latent.device) + state.offset // m) * m  # each group's first token
+        cos, sin = state.rope(a, "compress", pos, latent.dtype, key=("entries", m))
         main, latent = kern.norm_rope_quant(latent, norm, cos, sin, "fp4" if q.main_kv == "fp4" else None, path,
                                             return_normed=True)  # latent: normed, pre-RoPE, detached
         # k_norm is a module of its own (a tensor-parallel plan hooks it): the composed path calls it
         keys = kern.norm_rope_quant(self.indexer.keys(latent, norm=False), self.indexer.k_norm, cos, sin,
                                     "fp4_ue8m0" if q.index == "fp4" else None, path)
         # Context parallelism: chunks align with groups, so each compresses its own and all exchange the entries.
-        entries = ctx.shard.gather_entries(main, keys)
-        if not recomputing():  # a recomputation reads back the entries the forward published (model.common)
-            ctx.kv[self.spec.index] = entries
+        return state.shard.gather_entries(main, keys)
 
-    def _select(self, x, q_res, keys, E, ctx: ForwardContext, path: str):
-        """Index source: score visible entries (in the pool, if restricted), publish top-k; return (scores, domain).
-        path: the kernel switch (on "triton", `_select_triton` says what it returns)."""
+    def _select(self, x, q_res, keys, E, state: ForwardState, path: str):
+        """Index source: score visible entries (in the pool, if restricted) and pick the top-k. Returns (scores,
+        domain, top-k, pool or None: what a pool builder makes). path: the kernel switch (on "triton",
+        `_select_triton` says what it returns). Top-k and pool carry no gradient."""
         a, c, q = self.cfg.attention, self.cfg.csa2, self.cfg.quant
         T = x.shape[1]
         qi = self.indexer.queries(q_res.detach())
-        cos, sin = ctx.rope(a, "compress", ctx.positions, qi.dtype)
+        cos, sin = state.rope(a, "compress", state.positions, qi.dtype)
         qi = kern.norm_rope_quant(qi, None, cos, sin, "fp4_ue8m0" if q.index == "fp4" else None, path)
         w = self.indexer.head_weights(x.detach())
-        if self.spec.uses_pool and ctx.pool is None:
-            raise RuntimeError(f"layer {self.spec.index}: Reindex layer found no candidate pool in the context")
+        if self.spec.uses_pool and state.pool is None:
+            raise RuntimeError(f"layer {self.spec.index}: Reindex layer found no candidate pool in the forward state")
         if path == "triton":
-            return self._select_triton(qi, w, keys, E, ctx)
-        domain = visible_mask(T, E, self.spec.ratio, x.device, ctx.offset).expand(x.shape[0], T, E)
+            return self._select_triton(qi, w, keys, E, state)
+        domain = visible_mask(T, E, self.spec.ratio, x.device, state.offset).expand(x.shape[0], T, E)
         if self.spec.uses_pool:
-            domain = domain & ctx.pool
+            domain = domain & state.pool
         scores = index_scores(qi, w, keys)
         masked = scores.masked_fill(~domain, float("-inf"))
-        if recomputing():  # pool and top-k carry no gradient: the recomputation reads the forward's
-            return scores, domain
+        pool = None
         if self.spec.builds_pool:
-            ctx.pool = candidate_pool(masked.detach(), self.spec.ratio, c.candidate_block_size,
-                                      c.candidate_topk_blocks, ctx.offset)
+            pool = candidate_pool(masked.detach(), self.spec.ratio, c.candidate_block_size, c.candidate_topk_blocks,
+                                  state.offset)
         with torch.no_grad():
-            ctx.selection[self.spec.index] = select_topk(masked, c.index_topk)
-        return scores, domain
+            selection = select_topk(masked, c.index_topk)
+        return scores, domain, selection, pool
 
-    def _select_triton(self, qi, w, keys, E, ctx: ForwardContext):
-        """`_select` on the indexer kernels. Returns (scores, pos): scores [B, T, E] (dense) or [B, T, S] (the pool's
-        slots, in a pool-restricted layer), -inf outside the search domain; pos [B, T, K] int32, the top-k's
-        positions in scores' last dim (-1 = empty). Publishes the top-k as entry ids and the pool as block ids."""
+    def _select_triton(self, qi, w, keys, E, state: ForwardState):
+        """`_select` on the indexer kernels. Returns (scores, pos, top-k, pool): scores [B, T, E] (dense) or
+        [B, T, S] (the pool's slots, in a pool-restricted layer), -inf outside the search domain; pos [B, T, K]
+        int32, the top-k's positions in scores' last dim (-1 = empty); the top-k as entry ids; the pool as block
+        ids (a pool builder; None otherwise)."""
         c, spec = self.cfg.csa2, self.spec
         bs = c.candidate_block_size
-        publish = not recomputing()  # a recomputation reads back the forward's pool and top-k (model.common)
         if E == 0:  # no group complete yet: nothing to score, an empty top-k (and pool)
             pos = torch.full((*qi.shape[:2], 0), -1, dtype=torch.int32, device=qi.device)
-            if publish:
-                ctx.pool = pos if spec.builds_pool else ctx.pool
-                ctx.selection[spec.index] = pos
-            return w.new_zeros(*qi.shape[:2], 0), pos
+            return w.new_zeros(*qi.shape[:2], 0), pos, pos, pos if spec.builds_pool else None
+        pool = None
         if spec.uses_pool:
-            scores = kern.index_scores_pool(qi, w, keys, ctx.pool, spec.ratio, bs, ctx.offset)
+            scores = kern.index_scores_pool(qi, w, keys, state.pool, spec.ratio, bs, state.offset)
         else:
-            scores = kern.index_scores(qi, w, keys, spec.ratio, ctx.offset)
-            if spec.builds_pool and publish:
-                ctx.pool = kern.candidate_pool(scores.detach(), spec.ratio, bs, c.candidate_topk_blocks, ctx.offset)
+            scores = kern.index_scores(qi, w, keys, spec.ratio, state.offset)
+            if spec.builds_pool:
+                pool = kern.candidate_pool(scores.detach(), spec.ratio, bs, c.candidate_topk_blocks, state.offset)
         # pos is recomputed: the KL gathers the scores at it (a saved index)
         pos = kern.select_topk(scores.detach(), c.index_topk)
-        if publish:
-            ctx.selection[spec.index] = kern.slot_entries(pos, ctx.pool, bs) if spec.uses_pool else pos
-        return scores, pos
+        selection = kern.slot_entries(pos, state.pool, bs) if spec.uses_pool else pos
+        return scores, pos, selection, pool
 
     # -- forward -----------------------------------------------------------------------------------------------------
-    def forward(self, x: torch.Tensor, ctx: ForwardContext, kv_in: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, state: ForwardState,
+                kv_in: torch.Tensor | None = None) -> tuple[torch.Tensor, LayerOutputs]:
         """x [B, T, dim] normalised attention input; kv_in: the compressor input of a Full layer (x in the encoder,
-        the layer's norm of h_{L/2} in the decoder). Returns [B, T, dim]."""
+        the layer's norm of h_{L/2} in the decoder). Returns ([B, T, dim], what this layer made: its KV, top-k,
+        pool and indexer KL, as its role has them)."""
         a, qc = self.cfg.attention, self.cfg.quant
         spec = self.spec
         B, T, _ = x.shape
         kind = spec.rope
-        path = kern.resolve(self.cfg.kernels, x.device)
-        cos, sin = ctx.rope(a, kind, ctx.positions, x.dtype)
+        path = self.kernel_path
+        made = LayerOutputs()
+        cos, sin = state.rope(a, kind, state.positions, x.dtype)
 
         q_res = self.q_norm(self.wq_a(x))
         q = apply_rope(self.wq_b(q_res).unflatten(-1, (-1, self.head_dim)), cos, sin)  # [B, T, H, D] (H/tp under tp)
         kv = kern.norm_rope_quant(self.wkv(x), self.kv_norm, cos, sin, "fp8" if qc.swa_kv == "fp8" else None, path)
         # Window keys: under context parallelism the previous chunk's last rows come first (a halo of h rows).
-        kv_keys = ctx.shard.window_halo(kv)  # [B, h + T, D]
+        kv_keys = state.shard.window_halo(kv)  # [B, h + T, D]
         h = kv_keys.shape[1] - T
 
         kv_cmp = cmp_mask = scores = domain = None
         if spec.ratio > 0:
             if spec.owns_kv:
-                self._publish_kv(kv_in if kv_in is not None else x, ctx, path)
-            kv_cmp, keys = ctx.kv[spec.kv_source]
+                made.kv = self._compress(kv_in if kv_in is not None else x, state, path)
+            kv_cmp, keys = made.kv if spec.owns_kv else state.kv[spec.kv_source]
             E = kv_cmp.shape[1]
             if spec.owns_indexer:
-                scores, domain = self._select(x, q_res, keys, E, ctx, path)
-            if ctx.phase == "dense_warmup":
-                cmp_mask = visible_mask(T, E, spec.ratio, x.device, ctx.offset).expand(B, T, E)
+                scores, domain, made.selection, made.pool = self._select(x, q_res, keys, E, state, path)
+            if state.phase == "dense_warmup":
+                cmp_mask = visible_mask(T, E, spec.ratio, x.device, state.offset).expand(B, T, E)
             else:
-                cmp_mask = ctx.selection[spec.index_source]
+                cmp_mask = made.selection if spec.owns_indexer else state.selection[spec.index_source]
             if E == 0:
                 kv_cmp = None
 
         sink = local(self.attn_sink)
-        if path == "triton" and (ctx.phase == "sparse" or kv_cmp is None):
+        if path == "triton" and (state.phase == "sparse" or kv_cmp is None):
             # Window + top-k ids (cmp_mask is [B, T, K] int32 here). For an index source the kernel also returns
             # the KL target on the sparse phase's domain, the top-k itself: each slot's probability summed over heads.
             # Under context parallelism the halo rows that hold tokens (none before token 0) lead the window keys.
-            lead = min(h, ctx.offset)
+            lead = min(h, state.offset)
             out, p_top = kern.sparse_attention(q, kv_keys[:, h - lead:], kv_cmp, cmp_mask, sink, a.window,
                                                topk_probs=scores is not None, lead=lead)
             if p_top is not None:
                 # `domain` holds the top-k's positions in scores; HeadSum sums a unit head axis (the kernel summed
                 # the heads) and stays the hook a tensor-parallel plan completes the sum at
-                kl = indexer_kl(self.head_sum(p_top[:, None]), scores.gather(-1, domain.clamp_min(0).long()),
-                                domain >= 0, ctx.shard.chunk_mean)
-                if not recomputing():  # the loss already holds the forward's KL
-                    ctx.indexer_kl[spec.index] = kl
+                made.indexer_kl = indexer_kl(self.head_sum(p_top[:, None]),
+                                             scores.gather(-1, domain.clamp_min(0).long()), domain >= 0,
+                                             state.shard.chunk_mean)
         else:
-            p = ctx.positions
+            p = state.positions
             k_pos = torch.cat((torch.arange(-h, 0, device=p.device) + p[0], p))  # [h + T]; < 0: no token (1st chunk)
             win_mask = (k_pos[None, :] <= p[:, None]) & (k_pos[None, :] > p[:, None] - a.window) & (k_pos >= 0)[None]
             out, p_cmp = attend(q, kv_keys, kv_cmp, win_mask, cmp_mask, sink)
@@ -325,17 +361,15 @@ class CSA2Attention(nn.Module):
                 if path == "triton":
                     # dense warm-up on the indexer kernels' scores: -inf marks the domain (visible, in the pool)
                     if spec.uses_pool:
-                        slots = kern.pool_entries(ctx.pool, self.cfg.csa2.candidate_block_size)
+                        slots = kern.pool_entries(state.pool, self.cfg.csa2.candidate_block_size)
                         mass = mass.gather(-1, slots.clamp(0, E - 1))  # [B, T, S]
                     domain = scores > float("-inf")
-                elif ctx.phase == "sparse":
+                elif state.phase == "sparse":
                     domain = domain & cmp_mask
-                kl = indexer_kl(mass, scores, domain, ctx.shard.chunk_mean)
-                if not recomputing():  # the loss already holds the forward's KL
-                    ctx.indexer_kl[spec.index] = kl
+                made.indexer_kl = indexer_kl(mass, scores, domain, state.shard.chunk_mean)
 
         out = apply_rope(out, cos, sin, inverse=True)  # [B, T, H, D]
         w = local(self.wo_a.weight).unflatten(0, (-1, a.o_lora_rank))  # [G, o_lora_rank, H / G * D]
         grouped = out.flatten(2).unflatten(-1, (w.shape[0], -1))  # [B, T, G, H / G * D]: groups are head blocks
         y = torch.einsum("btgi,goi->btgo", grouped, w).flatten(2)
-        return self.wo_b(y)
+        return self.wo_b(y), made

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import threading
-
 import torch
 from torch import nn
 
@@ -60,37 +58,3 @@ def init_normal(t: torch.Tensor, std: float) -> None:
 
 def init_linear(module: nn.Linear, std: float) -> None:
     init_normal(module.weight, std)
-
-
-class _Recompute(threading.local):
-    active = False
-
-
-# Thread-local, like torch's grad mode: a recomputation runs on the thread executing the backward (a device thread
-# on CUDA) and must not reach a forward running elsewhere.
-_RECOMPUTE = _Recompute()
-
-
-def recomputing() -> bool:
-    """True while activation checkpointing re-runs a block's forward in the backward to rebuild its saved tensors
-    (trainer/parallel/activation_checkpoint.py). Every side effect of a forward checks it: a recomputation computes
-    what the forward computed (every tensor autograd saved, in the same order) but writes nothing, neither the
-    ForwardContext (KV, top-k, pool, indexer KL) nor module state (MoE load counts and sequence-balance loss), so it
-    counts nothing twice and reads back the very tensors the forward published."""
-    return _RECOMPUTE.active
-
-
-class recomputation:  # noqa: N801 (used like a function: `with recomputation():`)
-    """The context a recomputation runs in (`recomputing()` is True inside). Re-enterable: checkpoint makes one per
-    block forward, and a zero-bubble schedule's weight pass (a second autograd call) recomputes the block again."""
-
-    def __init__(self):
-        self._previous: list[bool] = []
-
-    def __enter__(self):
-        self._previous.append(_RECOMPUTE.active)
-        _RECOMPUTE.active = True
-        return self
-
-    def __exit__(self, *exc) -> None:
-        _RECOMPUTE.active = self._previous.pop()

@@ -69,7 +69,7 @@ def init_table_rows_(rows: torch.Tensor, first_row: int, std: float, seed: int) 
         rows[lo - first_row:hi - first_row].copy_(block[lo - b * _INIT_BLOCK_ROWS:hi - b * _INIT_BLOCK_ROWS])
 
 
-class Engram(nn.Module):
+class Engram(kern.KernelPath, nn.Module):
     """The Engram of model layer `layer_id`. forward(S [B, T, n, D], row_ids [B, T, C], dead [B, T]) -> S'."""
 
     def __init__(self, cfg: ModelConfig, layer_id: int):
@@ -97,6 +97,10 @@ class Engram(nn.Module):
         # module, so the state dict is unchanged) with `__call__(table, row_ids) -> rows` and `first_row` (the global
         # index of this process's first row, which `init_weights` needs).
         self.row_reader = None
+        self._resolve_kernel_path()
+
+    def _kernel_device(self) -> torch.device:
+        return self.q_weight.device  # the compute device (the table may live in host memory)
 
     @torch.no_grad()
     def init_weights(self) -> None:
@@ -132,7 +136,7 @@ class Engram(nn.Module):
 
     def forward(self, S: torch.Tensor, row_ids: torch.Tensor, dead: torch.Tensor | None = None) -> torch.Tensor:
         """S [B, T, n, D] streams, row_ids [B, T, C] int64, dead [B, T] bool -> S' [B, T, n, D] (S's dtype)."""
-        if (kern.resolve(self.kernels, S.device) == "triton" and self.row_reader is None
+        if (self.kernel_path == "triton" and self.row_reader is None
                 and kern.plain(S, self.table, self.wkv.weight)):
             # The Triton gather and fused gate (model/kernels.py). It reads the whole table by global row id, so a
             # sharded table (a row_reader) and a tensor-parallel plan's DTensors stay on this reference path.

@@ -6,8 +6,10 @@ block, S = P * BS pool slots, Hi/Di indexer heads/dims, H query heads, D latent 
 "reference" runs the plain-PyTorch code in the model files; "triton" runs the Triton kernels of `kernels/`, which
 take tensors and numbers only (the module-aware glue that reads a module's parameters and settings is here) and
 compute the same functions (each is proven against its reference in tests/kernels, the whole model in
-tests/model/test_kernels_switch.py); "auto" is triton on CUDA and reference elsewhere. Every site resolves the switch
-from its config string and the device of its activations (`resolve`), so one forward takes one path everywhere.
+tests/model/test_kernels_switch.py); "auto" is triton on CUDA and reference elsewhere. The switch is resolved once
+per module (`KernelPath`: the attention, the block's mHC step, the Engram), from its config string and the device
+of its parameters, whenever the module is placed (built, `.to()`, `.to_empty()`); forwards read `kernel_path`, so
+one forward takes one path everywhere.
 
 Where the Triton path does not apply yet, the site keeps the reference path (correct, only slower); the reasons:
 | site | Triton kernel | stays on the reference when |
@@ -43,7 +45,7 @@ Where the Triton path does not apply yet, the site keeps the reference path (cor
 - Engram: the kernel gathers rows by global id from the whole table, so a table sharded by a `row_reader` stays on
   the reference lookup.
 The Triton attention path keeps the selection as int32 top-k ids [B, T, K] (-1 = empty) and the pool as int32
-block ids [B, T, P] in the ForwardContext; the reference path keeps [B, T, E] bool masks. Pipeline stages ship
+block ids [B, T, P] in the ForwardState; the reference path keeps [B, T, E] bool masks. Pipeline stages ship
 whichever form their path keeps (trainer/parallel/pipeline_wire.py `boundary_slots`: bit-packed masks or the int32 ids).
 Exact ties in the indexer scores (0 where every head's ReLU is 0) are broken by torch.topk on the reference path
 (unspecified which) and by the Triton top-k (kernels.topk: the lowest positions) on the Triton path, over the entry
@@ -61,6 +63,7 @@ from torch.distributed.tensor import DTensor
 __all__ = [
     "CHOICES",
     "resolve",
+    "KernelPath",
     "plain",
     "fake_quant_fp4",
     "fake_quant_fp8",
@@ -101,6 +104,40 @@ def resolve(kernels: str, device: torch.device | str) -> str:
         raise RuntimeError(f"model.kernels='triton' needs CUDA tensors (or TRITON_INTERPRET=1 for the CPU "
                            f"interpreter), got tensors on {kind}")
     return kernels
+
+
+class KernelPath:
+    """Mixin (before nn.Module in the bases) for a module with a kernel switch: `kernel_path` ("triton" or
+    "reference") is `resolve(self.kernels, device)` for the device of `self._kernel_device()` (a parameter the
+    module computes with), set at the end of __init__ (`_resolve_kernel_path`) and again after every `_apply`
+    (`.to()`, `.to_empty()`, `.cuda()`), the calls that place a module. A meta-built model resolves to the
+    reference and re-resolves when materialised. A module placed where its switch cannot run (kernels="triton" on
+    the CPU without the interpreter, e.g. built there before `.cuda()`) raises `resolve`'s error when a forward reads
+    `kernel_path`, not when it is built."""
+
+    kernels: str = "reference"  # ModelConfig.kernels
+    _kernel_path: str = "reference"
+    _kernel_error: str | None = None
+
+    def _kernel_device(self) -> torch.device:
+        raise NotImplementedError
+
+    def _resolve_kernel_path(self) -> None:
+        try:
+            self._kernel_path, self._kernel_error = resolve(self.kernels, self._kernel_device()), None
+        except RuntimeError as e:
+            self._kernel_path, self._kernel_error = "reference", str(e)
+
+    @property
+    def kernel_path(self) -> str:
+        if self._kernel_error is not None:
+            raise RuntimeError(self._kernel_error)
+        return self._kernel_path
+
+    def _apply(self, fn, recurse=True):
+        out = super()._apply(fn, recurse)
+        self._resolve_kernel_path()
+        return out
 
 
 def plain(*tensors: torch.Tensor | None) -> bool:

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model.common import init_normal, local, recomputing
+from model.common import init_normal, local
 from model.config import MoEConfig
 
 # Normalisation guard of the routing weights, as in the reference.
@@ -218,12 +218,14 @@ class SharedExpert(nn.Module):
 
 
 class MoE(nn.Module):
-    """Routed experts + shared expert; forward(x [B, T, D], image_mask [B, T] | None) -> [B, T, D].
+    """Routed experts + shared expert; forward(x [B, T, D], image_mask [B, T] | None) -> (y [B, T, D], load [2, E]
+    int64 tokens routed to each expert (text row, image row), the sequence-wise balance loss or None when
+    seq_aux_loss_coef is 0).
 
-    Side effects of a forward: per-expert token counts are added to `load_text` / `load_image` (for
-    `update_bias`), and `aux_loss` holds the sequence-wise balance loss (None when seq_aux_loss_coef is 0) for
-    the trainer to add to the loss. A recomputation under activation checkpointing (model.common.recomputing)
-    has neither: the tokens were counted, and the loss read, in the forward.
+    A forward has no side effect: the loop that runs the blocks (model.transformer.forward_blocks) keeps the load
+    and the loss in its ForwardState, and the caller that trains adds the loads to the balancing counters
+    `load_text` / `load_image` (`add_load`, read by `update_bias`). A recomputation under activation checkpointing
+    calls the forward again and drops its result, so nothing is counted twice.
     """
 
     def __init__(self, dim: int, cfg: MoEConfig, init_std: float) -> None:
@@ -243,7 +245,6 @@ class MoE(nn.Module):
         # Tokens routed to each expert since the last update_bias (each of a token's K picks counts once).
         self.register_buffer("load_text", torch.zeros(cfg.num_experts, dtype=torch.int64), persistent=False)
         self.register_buffer("load_image", torch.zeros(cfg.num_experts, dtype=torch.int64), persistent=False)
-        self.aux_loss: torch.Tensor | None = None
         # The mean of a per-sequence statistic over the chunks of the sequence, no gradient: the identity when one
         # process holds whole sequences; context parallelism (trainer/parallel/context.py) installs its own.
         self.chunk_mean = _same
@@ -271,35 +272,39 @@ class MoE(nn.Module):
 
     # --- forward --------------------------------------------------------------------------------------
 
-    def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None = None):
         b, t, d = x.shape
         x_flat = x.reshape(b * t, d)  # [N, D]
         img = None if image_mask is None else image_mask.reshape(b * t).to(torch.bool)
         weights, topk_idx, scores = self.gate(x_flat, img)  # [N, K], [N, K], [N, E]
-        # computed in a recomputation too: its saved tensors are what the forward's loss term differentiates
-        aux_loss = self.sequence_balance_loss(scores, topk_idx, b, t) if self.cfg.seq_aux_loss_coef > 0 else None
-        if not recomputing():
-            self._record_load(topk_idx, img)
-            self.aux_loss = aux_loss
+        balance = self.sequence_balance_loss(scores, topk_idx, b, t) if self.cfg.seq_aux_loss_coef > 0 else None
+        load = self.count_load(topk_idx, img)
         x_sorted, w_sorted, tokens_per_expert, order = self.dispatch(x_flat, topk_idx, weights)
         y_sorted = self.experts_forward(x_sorted, w_sorted, tokens_per_expert)  # [S, D]
         out = self.combine(y_sorted, order, b * t)  # [N, D] fp32
         if self.shared_experts is not None:
             out = out + self.shared_experts(x_flat).float()
-        return out.to(x.dtype).view(b, t, d)
+        return out.to(x.dtype).view(b, t, d), load, balance
 
     # --- balancing ------------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def _record_load(self, topk_idx: torch.Tensor, image_mask: torch.Tensor | None) -> None:
+    def count_load(self, topk_idx: torch.Tensor, image_mask: torch.Tensor | None) -> torch.Tensor:
+        """topk_idx [N, K], image_mask [N] bool or None -> [2, E] int64 picks per expert (text row, image row)."""
         e = self.num_experts
         if image_mask is None:
-            self.load_text += torch.bincount(topk_idx.reshape(-1), minlength=e)
-            return
+            text = torch.bincount(topk_idx.reshape(-1), minlength=e)
+            return torch.stack([text, torch.zeros_like(text)])
         text_idx = topk_idx.masked_fill(image_mask[:, None], e)  # image tokens land in an overflow bin
         image_idx = topk_idx.masked_fill(~image_mask[:, None], e)
-        self.load_text += torch.bincount(text_idx.reshape(-1), minlength=e + 1)[:e]
-        self.load_image += torch.bincount(image_idx.reshape(-1), minlength=e + 1)[:e]
+        return torch.stack([torch.bincount(text_idx.reshape(-1), minlength=e + 1)[:e],
+                            torch.bincount(image_idx.reshape(-1), minlength=e + 1)[:e]])
+
+    @torch.no_grad()
+    def add_load(self, load: torch.Tensor) -> None:
+        """Add a forward's [2, E] loads (its output) to the counters `update_bias` reads."""
+        self.load_text += load[0]
+        self.load_image += load[1]
 
     def load_counts(self) -> torch.Tensor:
         """[2, E] int64 (row 0 text, row 1 image): a copy a distributed trainer all-reduces (sum) and hands to

@@ -10,7 +10,9 @@ heads, G output groups, E compressed entries (T / m), K experts per token, F exp
 Tensor parallelism (`apply_tp`), decisions
 ------------------------------------------
 Every parameter becomes a DTensor on the tp mesh, Shard where it is split and Replicate elsewhere (torchtitan's
-NoParallel), so optimisers, gradient clipping, FSDP2 and checkpoints see one kind of parameter.
+NoParallel), so optimisers, gradient clipping, FSDP2 and checkpoints see one kind of parameter. Which parameters are
+split, and along which dim, is read off the same plan objects by `tp_shard_dims` (the planner's and the accounting's
+source), never listed a second time.
 
 - Attention: query heads split. wq_b column-wise (each rank owns H/tp heads), the per-head sink sharded with them,
   wo_a's groups split (group g is the head block g*H/G.., so rank r's G/tp groups are exactly its heads; the
@@ -90,7 +92,7 @@ from torch.distributed.tensor.parallel.style import ParallelStyle
 from torch.distributed.tensor.placement_types import Placement
 from torch.utils._pytree import tree_map_only
 
-__all__ = ["apply_tp", "reduce_partial_grads"]
+__all__ = ["apply_tp", "block_shard_dims", "reduce_partial_grads", "tp_shard_dims"]
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -246,7 +248,7 @@ def _block_plan(block: nn.Module, seq: Placement) -> dict[str, ParallelStyle]:
         "ffn_norm": ReplicateParallel(input_layouts=(seq,)),
         "hc_attn": ReplicateParallel(input_layouts=(seq,)),
         "hc_ffn": ReplicateParallel(input_layouts=(seq,)),
-        # attention: forward(x, ctx, kv_in)
+        # attention: forward(x, state, kv_in)
         "attn": _Chain(GatherInputs((seq, None, seq)), DistributeParams({"attn_sink": Shard(0)})),
         "attn.wq_a": ReplicateParallel(),
         "attn.q_norm": ReplicateParallel(),
@@ -256,9 +258,11 @@ def _block_plan(block: nn.Module, seq: Placement) -> dict[str, ParallelStyle]:
         "attn.wo_a": DistributeParams({"weight": Shard(0)}),  # G/tp groups = this rank's heads
         "attn.wo_b": _no_scatter(RowwiseParallel(output_layouts=seq)),
         "attn.head_sum": PrepareModuleOutput(output_layouts=Partial(), desired_output_layouts=Replicate()),
-        # MoE: forward(x, image_mask); experts and shared expert return partial sums, reduced once at the output
+        # MoE: forward(x, image_mask) -> (y, load, balance loss); experts and shared expert return partial sums of y,
+        # reduced once at the output; load and loss are the same on every tp rank (all route the same tokens)
         "ffn": _Chain(GatherInputs((seq, None)),
-                      PrepareModuleOutput(output_layouts=Partial(), desired_output_layouts=seq)),
+                      PrepareModuleOutput(output_layouts=(Partial(), None, None),
+                                          desired_output_layouts=(seq, None, None))),
         "ffn.gate": DistributeParams({"weight": Replicate()}),
         "ffn.experts": _Chain(DistributeParams({"w1": Shard(1), "w3": Shard(1), "w2": Shard(2)}),
                               PartialGradInputs()),
@@ -296,6 +300,17 @@ def _check_tp(model: nn.Module, tp: int) -> None:
             raise ValueError(f"tensor parallelism: model.{name}={size} is not divisible by tp={tp}")
 
 
+def _top_plan(seq: Placement, loss_parallel: bool) -> dict[str, ParallelStyle]:
+    """The TP plan of the modules outside the blocks (embedding, final norm, head), keyed by module path."""
+    return {
+        "embed": _no_scatter(ColwiseParallel(input_layouts=Replicate(), output_layouts=seq)),
+        "norm": ReplicateParallel(input_layouts=(seq,)),
+        "head": _no_scatter(ColwiseParallel(input_layouts=seq,
+                                            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                                            use_local_output=not loss_parallel)),
+    }
+
+
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool, *, loss_parallel: bool = True) -> None:
     """Tensor (and sequence) parallelism for a `model.transformer.Transformer`, in place; see the module docstring.
 
@@ -309,13 +324,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool, *, 
     seq = Shard(1) if sequence_parallel else Replicate()
     for block in model.layers:
         parallelize_module(block, tp_mesh, _block_plan(block, seq))
-    parallelize_module(model, tp_mesh, {
-        "embed": _no_scatter(ColwiseParallel(input_layouts=Replicate(), output_layouts=seq)),
-        "norm": ReplicateParallel(input_layouts=(seq,)),
-        "head": _no_scatter(ColwiseParallel(input_layouts=seq,
-                                            output_layouts=Shard(-1) if loss_parallel else Replicate(),
-                                            use_local_output=not loss_parallel)),
-    })
+    parallelize_module(model, tp_mesh, _top_plan(seq, loss_parallel))
     if sequence_parallel:
         def check_length(_, args, kwargs):
             T = (args[0] if args else kwargs["input_ids"]).shape[1]
@@ -323,6 +332,65 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool, *, 
                 raise ValueError(f"sequence parallelism: sequence length {T} is not divisible by tp={tp}")
 
         model.register_forward_pre_hook(check_length, with_kwargs=True)
+
+
+def _style_placements(style: ParallelStyle, module: nn.Module) -> dict[str, Placement]:
+    """The placement `style` gives the parameters below `module` (names relative to it) when applied to it; the
+    parameters it leaves alone are absent. Torch's ColwiseParallel / RowwiseParallel are read as their
+    `_partition_*_fn` place them. A style not listed here is an error rather than "no parameters", so a new style in
+    the plans cannot silently drop out of `tp_shard_dims`."""
+    if isinstance(style, _Chain):
+        out: dict[str, Placement] = {}
+        for s in style.styles:
+            out.update(_style_placements(s, module))
+        return out
+    if isinstance(style, DistributeParams):
+        return dict(style.placements)
+    if isinstance(style, ReplicateParallel):
+        return {name: Replicate() for name, _ in module.named_parameters()}
+    if isinstance(style, (ColwiseParallel, RowwiseParallel)):
+        if not isinstance(module, (nn.Linear, nn.Embedding)):
+            raise TypeError(f"{type(style).__name__} on {type(module).__name__}: torch supports Linear and Embedding")
+        linear = isinstance(module, nn.Linear)
+        if isinstance(style, ColwiseParallel):  # Linear: output rows (weight and bias); Embedding: channels
+            return {name: Shard(0 if linear else 1) for name, _ in module.named_parameters()}
+        if linear:  # input columns; the bias is replicated
+            return {name: Shard(1) if name == "weight" else Replicate() for name, _ in module.named_parameters()}
+        return {name: Shard(0) for name, _ in module.named_parameters()}  # Embedding: vocabulary rows
+    if isinstance(style, (GatherInputs, PartialGradInputs, PrepareModuleInput, PrepareModuleOutput)):
+        return {}
+    raise TypeError(f"tp_shard_dims: no parameter placements known for {type(style).__name__}")
+
+
+def _plan_shard_dims(root: nn.Module, plan: dict[str, ParallelStyle]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for path, style in plan.items():
+        module = root.get_submodule(path)
+        for name, placement in _style_placements(style, module).items():
+            if isinstance(placement, Shard):
+                full = f"{path}.{name}" if path else name
+                out[full] = placement.dim % module.get_parameter(name).ndim
+    return out
+
+
+def block_shard_dims(block: nn.Module) -> dict[str, int]:
+    """`tp_shard_dims` of one transformer block, names relative to the block (`attn.wq_b.weight`): what a
+    per-layer count (model/accounting.py) needs. The layout of activations does not move parameters, so the plan is
+    read without sequence parallelism."""
+    return _plan_shard_dims(block, _block_plan(block, Replicate()))
+
+
+def tp_shard_dims(model: nn.Module) -> dict[str, int]:
+    """Every parameter tensor parallelism splits (full names, as `model.named_parameters()` gives them) -> the dim it
+    splits along, read off the plans `apply_tp` applies (`_block_plan`, `_top_plan`), so the planner and the
+    accounting (trainer/plan.py, model/accounting.py) count the very layout the trainer builds. Parameters not
+    listed are replicated over tp. Pure: reads only the model's structure (a meta-device model is fine), no process
+    group."""
+    dims: dict[str, int] = {}
+    for key, block in model.layers.named_children():
+        dims.update({f"layers.{key}.{name}": d for name, d in block_shard_dims(block).items()})
+    dims.update(_plan_shard_dims(model, _top_plan(Replicate(), loss_parallel=True)))
+    return dims
 
 
 def reduce_partial_grads(model: nn.Module) -> None:

@@ -8,17 +8,25 @@ site predicts its coefficients from the updated streams and the FFN reads them c
 `pre`. That lag is what lets residual update, input mixing and coefficient prediction run as one pass (model/mhc.py).
 
 CED: the collapsed output of the last encoder layer is h_{L/2}; decoder Full layers compress their global KV from
-their own norm of it, never from their own stream. It travels in the ForwardContext (and across pipeline stages).
+their own norm of it, never from their own stream. It travels in the ForwardState (and across pipeline stages).
+
+State (model/attention.py `ForwardState`): a block reads what earlier blocks made from the state and returns what
+it makes (`LayerOutputs`); `forward_blocks`, the one loop over blocks (the whole model's and every pipeline
+stage's), records it. `Transformer.forward(..., outputs=True)` returns a `ModelOutput`: logits, the final hidden
+states (and chosen layers'), the auxiliary losses and the state.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Collection
 
 import torch
 from torch import nn
 
 from model import kernels as kern
 from model import mhc
-from model.attention import CSA2Attention, ForwardContext, SequenceShard
+from model.attention import CSA2Attention, ForwardState, SequenceShard
 from model.common import RMSNorm, init_normal
 from model.config import ModelConfig
 from model.engram import Engram, EngramHasher
@@ -26,7 +34,7 @@ from model.layer_plan import LayerSpec, build_layer_plan
 from model.moe import MoE
 
 
-class Block(nn.Module):
+class Block(kern.KernelPath, nn.Module):
     def __init__(self, cfg: ModelConfig, spec: LayerSpec):
         super().__init__()
         self.spec = spec
@@ -40,6 +48,10 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.ffn = MoE(cfg.dim, cfg.moe, cfg.init_std)
         self.init_std = cfg.init_std
+        self._resolve_kernel_path()
+
+    def _kernel_device(self) -> torch.device:
+        return self.attn_norm.weight.device
 
     def init_weights(self) -> None:
         if self.engram is not None:
@@ -51,9 +63,9 @@ class Block(nn.Module):
         self.attn.init_weights()
         self.ffn.init_weights()
 
-    def forward(self, S, pre_prev, ctx: ForwardContext, engram_in=None, image_mask=None):
-        """S [B, T, n, dim] streams; pre_prev [B, T, n] (or [n]) the previous site's `pre`.
-        Returns (S, pre) for the next block."""
+    def forward(self, S, pre_prev, state: ForwardState, engram_in=None, image_mask=None):
+        """S [B, T, n, dim] streams; pre_prev [B, T, n] (or [n]) the previous site's `pre`; state: what earlier
+        blocks made (read only). Returns (S, pre) for the next block and this block's `LayerOutputs`."""
         if self.engram is not None:
             row_ids, dead = engram_in
             S = self.engram(S, row_ids, dead)
@@ -61,34 +73,34 @@ class Block(nn.Module):
         x = mhc.collapse(S, pre_prev)
         kv_in = None
         if self.spec.owns_kv and self.spec.kv_input == "h_mid":
-            kv_in = self.attn_norm(ctx.h_mid)
-        y = self.attn(self.attn_norm(x), ctx, kv_in)
-        S, x, cf = mhc.mhc_step(self.impl, y, S, ca, ca.pre, self.hc_ffn, kern.resolve(self.kernels, S.device))
-        y = self.ffn(self.ffn_norm(x), image_mask)
+            kv_in = self.attn_norm(state.h_mid)
+        y, made = self.attn(self.attn_norm(x), state, kv_in)
+        S, x, cf = mhc.mhc_step(self.impl, y, S, ca, ca.pre, self.hc_ffn, self.kernel_path)
+        y, made.expert_load, made.balance_loss = self.ffn(self.ffn_norm(x), image_mask)
         S = mhc.expand(y, S, cf.post, cf.comb)
-        return S, cf.pre
+        return S, cf.pre, made
 
 
-# The pieces of the forward (context, embedding, blocks, head), shared by `Transformer.forward` and the pipeline
+# The pieces of the forward (state, embedding, blocks, head), shared by `Transformer.forward` and the pipeline
 # stages (trainer/parallel/pipeline.py), so a stage computes exactly what the same layers compute in the whole model.
 
 
-def new_context(cfg: ModelConfig, input_ids: torch.Tensor, shard: SequenceShard, hasher: EngramHasher | None = None,
-                image_mask: torch.Tensor | None = None) -> tuple[ForwardContext, dict | None]:
-    """The ForwardContext of one forward on input_ids [B, T], and the Engram row ids of its tokens ({layer: (row_ids
+def new_state(cfg: ModelConfig, input_ids: torch.Tensor, shard: SequenceShard, hasher: EngramHasher | None = None,
+              image_mask: torch.Tensor | None = None) -> tuple[ForwardState, dict | None]:
+    """The fresh ForwardState of one forward on input_ids [B, T], and the Engram row ids of its tokens ({layer: (row_ids
     [B, T, C], dead [B, T])}, None without Engram). Under context parallelism input_ids is this process's chunk:
     positions start at shard.index * T, and since an n-gram reaches back max_ngram - 1 tokens, possibly into the
     previous chunk, the ids are hashed on the whole sequence (`shard.gather_tokens`: ids are cheap), then sliced."""
     T = input_ids.shape[1]
     offset = shard.index * T
-    ctx = ForwardContext(positions=torch.arange(T, device=input_ids.device) + offset, phase=cfg.indexer.phase,
+    state = ForwardState(positions=torch.arange(T, device=input_ids.device) + offset, phase=cfg.indexer.phase,
                          offset=offset, shard=shard)
     if hasher is None:
-        return ctx, None
+        return state, None
     image_mask = None if image_mask is None else shard.gather_tokens(image_mask)
     rows = hasher.for_tokens(shard.gather_tokens(input_ids), image_mask)
     mine = slice(offset, offset + T)
-    return ctx, {layer: (row_ids[:, mine], dead[:, mine]) for layer, (row_ids, dead) in rows.items()}
+    return state, {layer: (row_ids[:, mine], dead[:, mine]) for layer, (row_ids, dead) in rows.items()}
 
 
 def embed_streams(embed: nn.Embedding, input_ids: torch.Tensor, num_streams: int):
@@ -97,23 +109,57 @@ def embed_streams(embed: nn.Embedding, input_ids: torch.Tensor, num_streams: int
     return mhc.init_streams(h, num_streams), mhc.first_pre(num_streams, device=h.device)
 
 
-def forward_blocks(blocks, S, pre, ctx: ForwardContext, num_encoder_layers: int, engram_in=None, image_mask=None):
-    """Run consecutive blocks (any contiguous slice of the layers) on (S, pre); returns (S, pre) after the last.
+def forward_blocks(blocks, S, pre, state: ForwardState, num_encoder_layers: int, engram_in=None, image_mask=None,
+                   hidden_layers: Collection[int] = ()):
+    """Run consecutive blocks (any contiguous slice of the layers) on (S, pre); returns (S, pre) after the last and
+    records every block's `LayerOutputs` in `state` (the only writer of the state during a forward).
 
     h_{L/2} is collapsed on entry to the first decoder layer (index num_encoder_layers) when that layer is in the
-    slice; a slice that starts later reads it from ctx.h_mid, as do the KV, top-k and pool its layers reuse.
-    engram_in: {layer index: (row_ids, dead)} for the Engram layers of the slice."""
+    slice; a slice that starts later reads it from state.h_mid, as do the KV, top-k and pool its layers reuse.
+    engram_in: {layer index: (row_ids, dead)} for the Engram layers of the slice. hidden_layers: layers whose
+    hidden states (the streams collapsed as the next layer's attention reads them, before its norm) go to
+    state.hidden."""
     for layer in blocks:
-        if layer.spec.index == num_encoder_layers:
-            ctx.h_mid = mhc.collapse(S, pre)
-        e_in = engram_in[layer.spec.index] if layer.engram is not None else None
-        S, pre = layer(S, pre, ctx, e_in, image_mask)
+        i = layer.spec.index
+        if i == num_encoder_layers:
+            state.h_mid = mhc.collapse(S, pre)
+        e_in = engram_in[i] if layer.engram is not None else None
+        S, pre, made = layer(S, pre, state, e_in, image_mask)
+        state.record(i, made)
+        if i in hidden_layers:
+            state.hidden[i] = mhc.collapse(S, pre)
     return S, pre
+
+
+def add_expert_loads(blocks, state: ForwardState) -> None:
+    """Add the forward's expert loads (state.expert_load) to the balancing counters of `blocks`' MoE layers (what
+    `update_bias` reads after the optimiser step)."""
+    for layer in blocks:
+        load = state.expert_load.get(layer.spec.index)
+        if load is not None:
+            layer.ffn.add_load(load)
+
+
+def final_hidden(norm: RMSNorm, S: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    """Collapse with the last layer's `pre`, then the final norm: [B, T, dim], what the head reads."""
+    return norm(mhc.collapse(S, pre))
 
 
 def head_logits(norm: RMSNorm, head: nn.Linear, S: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
     """Collapse with the last layer's `pre`, norm, head: logits [B, T, V] in fp32."""
-    return head(norm(mhc.collapse(S, pre))).float()
+    return head(final_hidden(norm, S, pre)).float()
+
+
+@dataclass
+class ModelOutput:
+    """What `Transformer.forward(..., outputs=True)` returns."""
+
+    logits: torch.Tensor  # [B, T, V] fp32
+    hidden: torch.Tensor  # [B, T, dim] the final hidden states: after the final norm, what the head reads
+    aux: dict[str, torch.Tensor]  # weighted auxiliary losses to add to the LM loss ("indexer_kl", "moe_seq_balance")
+    metrics: dict[str, float]  # their unweighted values
+    state: ForwardState  # the forward's record: KV, top-k, pool, per-layer losses and loads, `hidden` of chosen layers
+    layer_hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # hidden_layers' [B, T, dim] (state.hidden)
 
 
 class Transformer(nn.Module):
@@ -165,40 +211,36 @@ class Transformer(nn.Module):
     def moe_layers(self) -> list[MoE]:
         return [layer.ffn for layer in self.layers]
 
-    @torch.no_grad()
-    def update_router_biases(self, counts: list[torch.Tensor] | None = None) -> float:
-        """Aux-loss-free balancing after an optimiser step; `counts` (per layer, e.g. all-reduced across ranks)
-        override the local loads. Returns the worst max/mean expert-load ratio seen since the last update."""
-        worst = 0.0
-        for i, moe in enumerate(self.moe_layers()):
-            worst = max(worst, float(moe.imbalance()))
-            moe.update_bias(counts=None if counts is None else counts[i])
-        return worst
-
     # -- forward -------------------------------------------------------------------------------------------------------
-    def forward(self, input_ids: torch.Tensor, *, image_mask: torch.Tensor | None = None, return_aux: bool = False):
-        """input_ids [B, T] -> logits [B, T, V] (fp32); with return_aux, (logits, aux) where aux holds the weighted
-        auxiliary losses to add to the LM loss and aux["metrics"] their unweighted values."""
+    def forward(self, input_ids: torch.Tensor, *, image_mask: torch.Tensor | None = None, outputs: bool = False,
+                hidden_layers: Collection[int] = ()):
+        """input_ids [B, T] -> logits [B, T, V] (fp32); with outputs=True, a `ModelOutput` (logits, final hidden
+        states, the auxiliary losses to add to the LM loss, the forward state), with the hidden states of
+        `hidden_layers` too. The forward's expert loads are added to the MoE balancing counters."""
         cfg = self.cfg
-        ctx, engram_in = new_context(cfg, input_ids, self.sequence_shard, self.hasher, image_mask)
+        state, engram_in = new_state(cfg, input_ids, self.sequence_shard, self.hasher, image_mask)
         S, pre = embed_streams(self.embed, input_ids, cfg.mhc.num_streams)
-        S, pre = forward_blocks(self.layers, S, pre, ctx, cfg.num_encoder_layers, engram_in, image_mask)
-        logits = head_logits(self.norm, self.head, S, pre)
-        if not return_aux:
+        S, pre = forward_blocks(self.layers, S, pre, state, cfg.num_encoder_layers, engram_in, image_mask,
+                                hidden_layers)
+        add_expert_loads(self.layers, state)
+        hidden = final_hidden(self.norm, S, pre)
+        logits = self.head(hidden).float()
+        if not outputs:
             return logits
-        return logits, self._aux(ctx)
+        aux, metrics = self.aux_losses(state)
+        return ModelOutput(logits, hidden, aux, metrics, state, dict(state.hidden))
 
-    def _aux(self, ctx: ForwardContext) -> dict:
+    def aux_losses(self, state: ForwardState) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+        """The weighted auxiliary losses of a forward ({name: scalar}) and their unweighted values: the mean indexer
+        KL over index sources times indexer.loss_coef, the MoE sequence-balance losses summed over layers."""
         metrics: dict[str, float] = {}
         aux: dict = {}
-        if ctx.indexer_kl:
-            kl = torch.stack(list(ctx.indexer_kl.values())).mean()
+        if state.indexer_kl:
+            kl = torch.stack(list(state.indexer_kl.values())).mean()
             aux["indexer_kl"] = self.cfg.indexer.loss_coef * kl
             metrics["indexer_kl"] = float(kl.detach())
-        seq = [m.aux_loss for m in self.moe_layers() if getattr(m, "aux_loss", None) is not None]
-        if seq:
-            total = torch.stack([s for s in seq]).sum()
+        if state.balance_loss:
+            total = torch.stack(list(state.balance_loss.values())).sum()
             aux["moe_seq_balance"] = total
             metrics["moe_seq_balance"] = float(total.detach())
-        aux["metrics"] = metrics
-        return aux
+        return aux, metrics

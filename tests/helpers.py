@@ -50,7 +50,7 @@ def every_role_config(**overrides) -> ModelConfig:
     than the pool holds (v41_tiny: window 32, top-k 16, pool 32 entries, for 48 to 128 tokens). 5 Sinkhorn iterations,
     as the trainer tests' micro model (tests/trainer/harness.py), not 20: the mHC kernel's backward recomputes the
     iterations, O(iters^2) steps a token, the interpreter's largest single cost at 20 (tests/kernels/test_mhc_triton.py
-    and tests/model/test_kernels_switch.py run 20)."""
+    runs 20; tests/model/test_kernels_switch.py 5 too)."""
     base = load_config("v41_tiny")
     cfg = dataclasses.replace(
         base,

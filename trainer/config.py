@@ -11,7 +11,7 @@ which raise ValueError naming the key and the bad value.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import List, Optional
 
 from config_checks import at_least, check_choices, choice_field, positive
 from data.config import DataConfig
@@ -47,6 +47,9 @@ class TrainerConfig:
     """after SIGTERM / SIGUSR1 (preemption, a time limit) the run finishes its step, saves and exits 0; if that has
     not happened this many seconds after the signal, it exits with status 143 (0 = no deadline). Keep it below the
     launcher's grace period (Slurm's --signal lead time, torchrun's 30 s after it is itself signalled)"""
+    callbacks: List[str] = field(default_factory=list)
+    """extra trainer/callbacks.py callbacks, by import path ("package.module:Class"), run after the router-bias
+    update and the stage's, before the metrics record and the checkpoint, e.g. trainer.callbacks='[mypkg.hooks:Probe]'"""
 
     def __post_init__(self) -> None:
         at_least("trainer.max_steps", self.max_steps, 1)

@@ -19,7 +19,7 @@ Per rank and pipeline rank r (a rank's figures depend only on its pipeline posit
 except Engram rows, where the figure is the largest block):
 - parameters by kind (embed, head, dense, routed_experts, engram_tables): the meta model's parameters of the layers
   the rank's stages hold (cuts: parallel.pp_cuts or trainer.parallel.pipeline.split_points), each divided the way the
-  plans divide it: TP (model.accounting.tp_split, the plan of model/parallelize.py), EP (routed experts / ep), FSDP2
+  plans divide it: TP (model.parallelize.tp_shard_dims, read off apply_tp's plan), EP (routed experts / ep), FSDP2
   (dim 0 of what is left / dp_shard, rounded up, as fully_shard pads), Engram rows, with parallel.engram_shard, over
   the Engram group (dp x ep x cp: every rank of the stage and tp rank, trainer/parallel/engram.py; largest block =
   ceil(rows / group)), else whole on every rank.
@@ -232,28 +232,16 @@ def param_kind(name: str) -> str:
     return "dense"
 
 
-def _tp_dim(name: str, ndim: int) -> int:
-    """The dim tensor parallelism splits (model/parallelize.py): output rows of column-wise weights, input columns
-    of row-wise ones, the experts' width F, the embedding's channels."""
-    if ".ffn.experts." in name:
-        return 2 if name.endswith("w2") else 1
-    if name.endswith(("wo_b.weight", "shared_experts.w2.weight")) or name == "embed.weight":
-        return 1
-    return 0
-
-
-def local_numel(name: str, shape: tuple[int, ...], lay: Layout) -> int:
-    """Elements of parameter `name` on the rank holding the largest share of it in layout `lay`."""
-    from model.accounting import tp_split
-
+def local_numel(name: str, shape: tuple[int, ...], lay: Layout, tp_dims: dict[str, int]) -> int:
+    """Elements of parameter `name` on the rank holding the largest share of it in layout `lay`. tp_dims: the
+    model's `model.parallelize.tp_shard_dims` (the dim tp splits, for the parameters it splits)."""
     shape = list(shape)
     kind = param_kind(name)
     if kind == "engram_tables" and lay.engram_shard:
         # Row blocks over the Engram group; excluded from FSDP (an FSDP table would be all-gathered whole).
         return -(-shape[0] // lay.engram_group) * math.prod(shape[1:])
-    if lay.tp > 1 and tp_split(name):
-        d = _tp_dim(name, len(shape))
-        shape[d] //= lay.tp
+    if lay.tp > 1 and name in tp_dims:
+        shape[tp_dims[name]] //= lay.tp
     if kind == "routed_experts":
         shape[0] //= lay.ep
     if lay.dp_shard > 1:
@@ -271,9 +259,12 @@ def _stage_of(name: str, bounds: list[int]) -> int:
 def stage_parameters(model, lay: Layout, bounds: list[int]) -> list[dict[str, dict[str, int]]]:
     """Per pipeline stage and kind: {"numel": local elements, "bytes": in the parameters' dtypes,
     "low_precision_numel": elements not stored in fp32 (they get an fp32 master copy)}."""
+    from model.parallelize import tp_shard_dims
+
     out = [{k: {"numel": 0, "bytes": 0, "low_precision_numel": 0} for k in _KINDS} for _ in range(len(bounds) - 1)]
+    tp_dims = tp_shard_dims(model)
     for name, p in model.named_parameters():
-        n = local_numel(name, tuple(p.shape), lay)
+        n = local_numel(name, tuple(p.shape), lay, tp_dims)
         rec = out[_stage_of(name, bounds)][param_kind(name)]
         rec["numel"] += n
         rec["bytes"] += n * p.element_size()
@@ -321,8 +312,10 @@ def _stage_memory(model, lay: Layout, bounds: list[int], stage: int) -> dict:
     working = grads_of_layer + transient + (4 * tokens * vocab if is_last else 0.0)
     if lay.dp_shard > 1:
         # FSDP2 holds a block's unsharded (fp32) parameters while it runs, and prefetches the next block's.
-        whole = dataclasses.replace(lay, dp_shard=1)
-        blocks = [sum(local_numel(f"layers.{i}.{n}", tuple(p.shape), whole) * p.element_size()
+        from model.parallelize import tp_shard_dims
+
+        whole, tp_dims = dataclasses.replace(lay, dp_shard=1), tp_shard_dims(model)
+        blocks = [sum(local_numel(f"layers.{i}.{n}", tuple(p.shape), whole, tp_dims) * p.element_size()
                       for n, p in model.layers[i].named_parameters() if not n.endswith("engram.table"))
                   for i in layers]
         working += 2 * max(blocks, default=0)

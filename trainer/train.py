@@ -25,7 +25,6 @@ import logging
 import math
 import os
 import random
-import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -34,26 +33,20 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 import model as model_pkg
-from data.config import build_dataloader, ensure_prepared
 from model.config import ModelConfig
 from optim import LRScheduler, build_optimizer
+from trainer.callbacks import Callbacks, load_callbacks, ordered
 from trainer.checkpoint import Checkpointer, RankLocalState, TrainState
 from trainer.config import Config, ParallelConfig, ParallelDims, StageConfig, TrainerConfig
+from trainer.loss import LMLoss, StepTokens, valid_tokens
+from trainer.metrics import MetricsLogger, device_peak_flops
+from trainer.parallel.apply import ParallelModel, describe, materialize, parallelize, validate_layout
+from trainer.parallel.gradients import clip_grad_norm_, mean_over_data, reduce_gradients, sum_over_data
 from trainer.preemption import StopRequest
 from trainer.run_lock import RunLock
-from trainer.metrics import MetricsLogger, device_peak_flops, memory_mb
-from trainer.parallel.apply import ParallelModel, describe, materialize, parallelize, validate_layout
-from trainer.parallel.gradients import (
-    clip_grad_norm_,
-    mean_over_data,
-    reduce_gradients,
-    sum_over_data,
-    update_router_biases,
-)
-from trainer.progress import Progress
+from trainer.stage import Stage, build_stage, indexer_or_all_parameters
 
 if TYPE_CHECKING:
     from trainer.parallel.mesh import Meshes
@@ -116,15 +109,8 @@ def setup_runtime(cfg: TrainerConfig, parallel: ParallelConfig, dims: ParallelDi
 
 
 def apply_stage_hooks(model_cfg: ModelConfig, stage: StageConfig) -> ModelConfig:
-    """Stage switches that change what the model computes (SPEC 2: post-training hooks)."""
-    if stage.name != "pretrain":
-        raise ValueError(f"stage.name={stage.name!r} is not implemented yet; only 'pretrain' runs")
-    if stage.bounded_replay:
-        raise ValueError("stage.bounded_replay=true needs the model's replay simulation, which is not there yet")
-    if stage.fp4_qat:  # FP4 fake-quant of the main KV in every forward (SPEC 1.4)
-        quant = dataclasses.replace(model_cfg.quant, main_kv="fp4")
-        model_cfg = dataclasses.replace(model_cfg, quant=quant)
-    return model_cfg
+    """The model config the stage trains (its hooks applied: SPEC 2's post-training switches), trainer/stage.py."""
+    return build_stage(stage).model_config(model_cfg)
 
 
 def build_model(cfg: ModelConfig, rt: Runtime, parallel: ParallelConfig, seed: int, *, batch_size: int,
@@ -141,12 +127,9 @@ def build_model(cfg: ModelConfig, rt: Runtime, parallel: ParallelConfig, seed: i
 
 
 def trainable_parameters(module: torch.nn.Module, cfg: ModelConfig) -> list[torch.nn.Parameter]:
-    """What the optimiser owns of `module` (a Transformer or a pipeline StageGroup): every parameter, or only
-    the indexers in the dense warm-up phase (Transformer.trainable_parameters' rule)."""
-    if cfg.indexer.phase == "dense_warmup":
-        layers = module.layers.values() if isinstance(module.layers, torch.nn.ModuleDict) else module.layers
-        return [p for layer in layers if layer.attn.indexer is not None for p in layer.attn.indexer.parameters()]
-    return [p for p in module.parameters() if p.requires_grad]
+    """What the pretraining optimiser owns of `module` (a Transformer or a pipeline StageGroup): every parameter,
+    or only the indexers in the dense warm-up phase (trainer/stage.py)."""
+    return indexer_or_all_parameters(module, cfg)
 
 
 def install_canonical_vocab(model: torch.nn.Module, cfg: ModelConfig, tokenizer_path: str) -> None:
@@ -201,15 +184,27 @@ class Job:
     peak_flops: float
     run_dir: Path
     flops_per_token: object  # seq_len -> training FLOPs per token of the whole model (model/accounting.py)
+    stage: Stage  # what is trained, on which batches, with which loss (trainer/stage.py)
+    loss: LMLoss
+    callbacks: Callbacks  # trainer/callbacks.py: the built-ins, the stage's, trainer.callbacks'
     batches: object = None  # the live iterator over `loader`
     stop: StopRequest | None = None  # installed by `fit`
     outcome: str = ""  # set by train_loop: "finished", "already_finished" or "stopped"
     last_checkpoint: Path | None = None
+    last_checkpoint_step: int = -1
 
     @property
     def model(self) -> torch.nn.Module:
         """This rank's parameters under the whole model's names (the Transformer, or its pipeline stages)."""
         return self.pm.module
+
+    def save_checkpoint(self, step: int) -> Path:
+        """Save the run at `step` (every rank; a collective), then tell the callbacks."""
+        self.last_checkpoint = self.checkpointer.save(step, self.ckpt_states,
+                                                      extra={"skipped_steps": self.state.skipped_steps})
+        self.last_checkpoint_step = step
+        self.callbacks.on_checkpoint(self, step, self.last_checkpoint)
+        return self.last_checkpoint
 
 
 def hyperparameter_changes(marker: dict, loaded_groups: list[dict], cfg: Config) -> list[tuple[str, object, object]]:
@@ -233,16 +228,17 @@ def hyperparameter_changes(marker: dict, loaded_groups: list[dict], cfg: Config)
 
 
 def build(cfg: Config, run_dir: Path) -> Job:
-    model_cfg = apply_stage_hooks(cfg.model, cfg.stage)
+    stage = build_stage(cfg.stage)
+    model_cfg = stage.model_config(cfg.model)
+    user_callbacks = load_callbacks(cfg.trainer.callbacks)  # a bad import path fails before any process group
     # Every layout rule before any process group exists (the model's first, then the world size): a bad layout
     # fails at once, on every rank alike, naming the key to change.
     validate_layout(cfg.parallel, model_cfg, seq_len=cfg.data.seq_len, grad_accum=cfg.trainer.grad_accum)
     dims = cfg.parallel.resolve(int(os.environ.get("WORLD_SIZE", "1")))
     rt = setup_runtime(cfg.trainer, cfg.parallel, dims)
     RunLock.acquire(run_dir, rt.rank)  # held since Hydra's callback when launched through trainer.main
-    ensure_prepared(cfg.data, progress=rt.rank == 0)  # node-safe: one process prepares, the others wait
     data_rank = rt.meshes.data.get_local_rank() if rt.meshes is not None else 0
-    loader, tokenizer = build_dataloader(cfg.data, data_rank, dims.data)
+    loader, tokenizer = stage.batches(cfg, data_rank, dims.data, progress=rt.rank == 0)
     if tokenizer.vocab_size > model_cfg.vocab_size:
         raise ValueError(
             f"model.vocab_size={model_cfg.vocab_size} is smaller than the tokenizer's {tokenizer.vocab_size} ids "
@@ -258,7 +254,7 @@ def build(cfg: Config, run_dir: Path) -> Job:
                      seq_len=cfg.data.seq_len, grad_accum=cfg.trainer.grad_accum)
     log.info("parallel layout: %s", describe(pm))
     install_canonical_vocab(pm.module, model_cfg, tokenizer.path)
-    trainable = trainable_parameters(pm.module, model_cfg)
+    trainable = stage.trainable_parameters(pm.module, model_cfg)
     freeze_all_but(pm.module, trainable)
     optimizer = build_optimizer(trainable, cfg.optim)
     scheduler = LRScheduler(optimizer, cfg.optim, total_steps=cfg.trainer.max_steps)
@@ -282,17 +278,20 @@ def build(cfg: Config, run_dir: Path) -> Job:
         loader=loader, checkpointer=checkpointer, ckpt_states=ckpt_states, metrics=metrics,
         log_every=cfg.logger.log_every, progress_bar=cfg.logger.progress_bar,
         peak_flops=device_peak_flops(rt.device, cfg.trainer.peak_flops), run_dir=run_dir,
-        flops_per_token=flops_per_token,
+        flops_per_token=flops_per_token, stage=stage, loss=stage.loss(),
+        callbacks=ordered([*stage.callbacks(), *user_callbacks]),
     )
 
 
 def _to_device(batch: dict, device: torch.device):
-    """A loader batch -> (input_ids [B, T], labels [B, T], image_mask [B, T] or None) on `device`."""
-    mask = batch.get("image_mask")
+    """A loader batch -> (input_ids [B, T], labels [B, T], image_mask [B, T] or None, loss_weights [B, T] or None)
+    on `device`."""
+    mask, weights = batch.get("image_mask"), batch.get("loss_weights")
     return (
         batch["input_ids"].to(device, non_blocking=True),
         batch["labels"].to(device, non_blocking=True),
         None if mask is None else mask.to(device, non_blocking=True),
+        None if weights is None else weights.to(device, non_blocking=True),
     )
 
 
@@ -300,7 +299,7 @@ def _to_device(batch: dict, device: torch.device):
 class MicroBatches:
     """What one optimiser step's micro-batches produced on this rank."""
 
-    loss: float  # mean LM loss over the micro-batches
+    loss: float  # this rank's part of the step's LM loss (trainer/loss.py): the global token mean after mean_over_data
     aux: dict[str, float]  # means of "aux/<name>" (weighted terms added to the loss), "aux_metric/<name>" (raw)
     tokens: int  # input tokens this data rank read (whole sequences, before any context-parallel split)
     seq_len: int
@@ -321,11 +320,23 @@ def _local_chunk(pm: ParallelModel, *tensors):
     return tuple(None if t is None else shard_sequence(t, pm.meshes.cp) for t in tensors)
 
 
-def forward_backward(pm: ParallelModel, batches: list[dict], autocast_dtype: torch.dtype | None) -> MicroBatches:
+def step_tokens(pm: ParallelModel, batches: list[dict]) -> StepTokens:
+    """The step's loss normalisation (trainer/loss.py): valid labels of the global batch (summed over the ranks that
+    read different data: one all-reduce), the ranks the gradient mean runs over (dp x ep x cp), the micro-batches."""
+    (total,) = sum_over_data(pm, [sum(valid_tokens(b["labels"]) for b in batches)])
+    return StepTokens(int(round(total)), pm.dims.data * pm.dims.cp, len(batches))
+
+
+def forward_backward(pm: ParallelModel, batches: list[dict], autocast_dtype: torch.dtype | None,
+                     loss: LMLoss | None = None) -> MicroBatches:
     """Forward and backward over this data rank's micro-batches (loader batches of whole sequences), one after the
-    other or through the pipeline schedule; the gradient of the mean loss over them accumulates in .grad."""
+    other or through the pipeline schedule; the gradient of the step's loss (`loss`, set for this step by
+    `LMLoss.begin_step`; default: this rank's tokens alone) accumulates in .grad."""
+    if loss is None:
+        loss = LMLoss()
+        loss.begin_step(StepTokens(sum(valid_tokens(b["labels"]) for b in batches), 1, len(batches)))
     if pm.pipeline is not None:
-        return _pipeline_forward_backward(pm, batches)
+        return _pipeline_forward_backward(pm, batches, loss)
     accum, device = len(batches), _device(pm)
     if pm.loss_parallel:  # the logits are vocab-sharded DTensors: cross-entropy and backward under loss_parallel
         from torch.distributed.tensor.parallel import loss_parallel as loss_context
@@ -333,44 +344,46 @@ def forward_backward(pm: ParallelModel, batches: list[dict], autocast_dtype: tor
         loss_context = contextlib.nullcontext
     loss_sum, aux_sums, tokens = 0.0, {}, 0
     for batch in batches:
-        input_ids, labels, image_mask = _to_device(batch, device)
+        input_ids, labels, image_mask, weights = _to_device(batch, device)
         tokens += input_ids.numel()
         seq_len = input_ids.shape[1]
-        input_ids, labels, image_mask = _local_chunk(pm, input_ids, labels, image_mask)
+        input_ids, labels, image_mask, weights = _local_chunk(pm, input_ids, labels, image_mask, weights)
         if pm.engram is not None:
             # Row ids depend only on token ids: the rows' exchange goes out before the forward and travels while
             # the layers in front of each Engram layer compute. Not issued earlier (during the previous micro-
             # batch's backward): a recomputed Engram forward (activation checkpointing) would consume it.
             pm.engram.prefetch(input_ids, image_mask)
         with torch.autocast(device.type, dtype=autocast_dtype or torch.float32, enabled=autocast_dtype is not None):
-            logits, aux = pm.module(input_ids, image_mask=image_mask, return_aux=True)
-        raw = aux.pop("metrics", {})
+            out = pm.module(input_ids, image_mask=image_mask, outputs=True)
         with loss_context():
-            lm_loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100)
-            if pm.loss_parallel:  # a replicated DTensor: the same value on every tp rank
-                lm_loss = lm_loss.full_tensor()
-            # each micro-batch's loss is divided by accum so the accumulated gradient is the mean over micro-batches
-            ((lm_loss + sum(aux.values())) / accum).backward()
-        loss_sum += float(lm_loss.detach())
-        values = {f"aux/{k}": float(v.detach()) for k, v in aux.items()}
-        values.update({f"aux_metric/{k}": v for k, v in raw.items()})
+            # each micro-batch's loss is divided by accum: the accumulated gradient is the mean over micro-batches
+            # of terms already weighted by their share of the step's valid tokens (trainer/loss.py)
+            (loss(out.logits, labels, weights, aux=sum(out.aux.values())) / accum).backward()
+        loss_sum += float(loss.lm_terms[-1])
+        values = {f"aux/{k}": float(v.detach()) for k, v in out.aux.items()}
+        values.update({f"aux_metric/{k}": v for k, v in out.metrics.items()})
         for name, value in values.items():
             aux_sums[name] = aux_sums.get(name, 0.0) + value / accum
     return MicroBatches(loss_sum / accum, aux_sums, tokens, seq_len)
 
 
-def _pipeline_forward_backward(pm: ParallelModel, batches: list[dict]) -> MicroBatches:
+def _pipeline_forward_backward(pm: ParallelModel, batches: list[dict], loss: LMLoss) -> MicroBatches:
     """The micro-batches as one [M*B, T] batch through the schedule; the last stage's loss terms reach every
     pipeline rank (Pipeline.step). Row-sharded Engram lookups go unprefetched here: the schedule runs the
     micro-batches' forwards itself, and stages past the first receive their row ids across the cut."""
     device = _device(pm)
     parts = [_to_device(batch, device) for batch in batches]
-    if any(mask is not None for _, _, mask in parts):
+    if any(p[2] is not None for p in parts):
         raise ValueError("pipeline parallelism: batches with an image mask are not wired into the pipeline yet")
     input_ids, labels = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+    weights = None
+    if any(p[3] is not None for p in parts):
+        weights = torch.cat([p[3] if p[3] is not None else torch.ones_like(p[1], dtype=torch.float32)
+                             for p in parts])
     tokens, seq_len = input_ids.numel(), input_ids.shape[1]
-    input_ids, labels = _local_chunk(pm, input_ids, labels)
-    pm.pipeline.step(input_ids, labels)
+    input_ids, labels, weights = _local_chunk(pm, input_ids, labels, weights)
+    pm.pipeline.loss.lm = loss  # the stage's loss computes the last stage's LM term
+    pm.pipeline.step(input_ids, labels, weights=weights, tokens=loss.tokens)
     terms, cfg, aux = pm.pipeline.metrics, pm.cfg, {}
     if cfg.csa2.index_source_layers:  # the same keys the whole model's aux dict has
         aux["aux/indexer_kl"] = cfg.indexer.loss_coef * terms["indexer_kl"]
@@ -384,11 +397,13 @@ def _pipeline_forward_backward(pm: ParallelModel, batches: list[dict]) -> MicroB
 class StepStats:
     """One optimiser step's numbers, the same on every rank."""
 
-    loss: float  # LM loss, mean over every token of the global batch (equal-length rows)
+    loss: float  # LM loss, the mean over every valid token of the global batch (trainer/loss.py)
     grad_norm: float  # before clipping; nan when the loss was not finite (the norm is then not computed)
     aux: dict[str, float] = field(default_factory=dict)
     tokens: int = 0  # tokens of the global batch
     seq_len: int = 0
+    lr: float = math.nan  # the lr the step applied with (set by the loop)
+    extra: dict[str, float] = field(default_factory=dict)  # callbacks' numbers for this step's metrics record
 
     @property
     def finite(self) -> bool:
@@ -397,11 +412,14 @@ class StepStats:
 
 
 def compute_gradients(pm: ParallelModel, batches: list[dict], params: list[torch.nn.Parameter], max_norm: float,
-                      autocast_dtype: torch.dtype | None = None, step: int = 0) -> StepStats:
+                      autocast_dtype: torch.dtype | None = None, step: int = 0, loss: LMLoss | None = None) -> StepStats:
     """Forward, backward, gradient reduction and clipping of one optimiser step; leaves the clipped gradients in
-    .grad. A non-finite loss or norm (`StepStats.finite` false, the same on every rank: both are job-wide
-    reductions) leaves gradients the caller must drop instead of applying."""
-    micro = forward_backward(pm, batches, autocast_dtype)
+    .grad. loss: the stage's (default `LMLoss`), normalised over the step's global valid tokens (`step_tokens`).
+    A non-finite loss or norm (`StepStats.finite` false, the same on every rank: both are job-wide reductions)
+    leaves gradients the caller must drop instead of applying."""
+    loss = loss or LMLoss()
+    loss.begin_step(step_tokens(pm, batches))
+    micro = forward_backward(pm, batches, autocast_dtype, loss)
     reduce_gradients(pm)
     names = sorted(micro.aux)
     loss, *aux = mean_over_data(pm, [micro.loss, *(micro.aux[n] for n in names)])
@@ -411,28 +429,30 @@ def compute_gradients(pm: ParallelModel, batches: list[dict], params: list[torch
 
 
 def train_loop(job: Job) -> None:
-    """Optimiser steps from the resumed step to trainer.max_steps; logs, checkpoints, skips non-finite steps (and
-    stops after trainer.max_bad_steps in a row), and stops after the step in flight when a stop signal arrives
-    (`job.stop`), with a checkpoint. Sets `job.outcome`."""
-    cfg, state, rt = job.trainer, job.state, job.rt
+    """Optimiser steps from the resumed step to trainer.max_steps, the same loop for every stage: gradients, the
+    update (or its skip: a non-finite step is not applied, and the run stops after trainer.max_bad_steps in a row),
+    the step count; the callbacks do the rest (trainer/callbacks.py: balancing, metrics, checkpoints). A stop
+    signal (`job.stop`) ends the run after the step in flight, with a checkpoint. Sets `job.outcome`."""
+    cfg, state, rt, callbacks = job.trainer, job.state, job.rt, job.callbacks
     if state.step >= cfg.max_steps:
         job.outcome = "already_finished"
         return
     params = [p for group in job.optimizer.param_groups for p in group["params"]]
     max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
-    flops_cache: dict[int, float] = {}
     job.batches = iter(job.loader)
     job.model.train()
-    progress = Progress(rt.rank == 0, state.step, cfg.max_steps, bar=job.progress_bar, log_every=job.log_every)
-    window_tokens, window_start = 0, time.perf_counter()
     bad_streak: list[tuple[int, StepStats]] = []
+    callbacks.on_train_start(job)
     try:
         while state.step < cfg.max_steps:
             step = state.step + 1
             lr = job.optimizer.param_groups[0]["lr"]
+            callbacks.on_step_start(job, step)
             batches = [next(job.batches) for _ in range(cfg.grad_accum)]
-            stats = compute_gradients(job.pm, batches, params, max_norm, rt.autocast_dtype, step)
+            stats = compute_gradients(job.pm, batches, params, max_norm, rt.autocast_dtype, step, job.loss)
+            stats.lr = lr
             if stats.finite:
+                callbacks.on_before_optimizer_step(job, step, stats)
                 job.optimizer.step()
                 bad_streak.clear()
             else:  # no update: the weights, and so every checkpoint, stay those of the last good step
@@ -444,38 +464,18 @@ def train_loop(job: Job) -> None:
                             step, stats.loss, stats.grad_norm, len(bad_streak), cfg.max_bad_steps)
             job.scheduler.step()  # the lr follows the step count, applied or not
             job.optimizer.zero_grad(set_to_none=True)
-            imbalance = update_router_biases(job.pm) if stats.finite else math.nan
+            callbacks.on_after_optimizer_step(job, step, stats)
             state.step = step
             state.tokens_seen += stats.tokens
-            window_tokens += stats.tokens
-            tokens_per_s = window_tokens / max(time.perf_counter() - window_start, 1e-9)
-            mfu = _mfu(job, flops_cache, stats.seq_len, tokens_per_s)
-            progress.update(step, stats.loss, lr, tokens_per_s, mfu)
-
-            if step % job.log_every == 0 or step == cfg.max_steps or not stats.finite:
-                (skipped,) = sum_over_data(job.pm, [job.loader.skipped_shards])
-                record = {
-                    "loss": stats.loss, "lr": lr, "grad_norm": stats.grad_norm, "tokens_per_s": tokens_per_s,
-                    "tokens_seen": state.tokens_seen, "mfu": mfu, "expert_imbalance": imbalance,
-                    "memory_mb": memory_mb(rt.device), "skipped_shards": int(skipped),
-                    "skipped_steps": state.skipped_steps, **dict(sorted(stats.aux.items())),
-                }
-                job.metrics.log(step, record)
-                window_tokens, window_start = 0, time.perf_counter()
-
-            stopping = job.stop is not None and job.stop.agreed(rt.distributed)
-            # No periodic save inside a run of bad steps: if they end the run, the newest checkpoint is a good step's.
-            if stopping or (stats.finite and job.checkpointer.due(step, cfg.max_steps)):
-                job.last_checkpoint = job.checkpointer.save(step, job.ckpt_states,
-                                                            extra={"skipped_steps": state.skipped_steps})
-                progress.write(f"checkpoint saved: {job.last_checkpoint}")
-                window_tokens, window_start = 0, time.perf_counter()  # keep save time out of tokens/s
-            if stopping:
+            callbacks.on_step_end(job, step, stats)
+            if job.stop is not None and job.stop.agreed(rt.distributed):
+                if job.last_checkpoint_step != step:
+                    job.save_checkpoint(step)
                 job.outcome = "stopped"
                 return
         job.outcome = "finished"
     finally:
-        progress.close()
+        callbacks.on_train_end(job)
 
 
 def _diverged_message(streak: list[tuple[int, StepStats]], limit: int, last_checkpoint: Path | None) -> str:
@@ -485,13 +485,6 @@ def _diverged_message(streak: list[tuple[int, StepStats]], limit: int, last_chec
     where = f"; the newest checkpoint of this launch is {last_checkpoint}" if last_checkpoint else ""
     return (f"{what} at step {first_step}: {len(streak)} non-finite step(s) in a row ({steps}, "
             f"trainer.max_bad_steps={limit}), none of them applied or saved{where}")
-
-
-def _mfu(job: Job, cache: dict[int, float], seq_len: int, tokens_per_s: float) -> float:
-    """Model FLOPs utilisation of the whole job: global tokens/s x FLOPs per token over every device's peak."""
-    if seq_len not in cache:
-        cache[seq_len] = job.flops_per_token(seq_len)
-    return cache[seq_len] * tokens_per_s / (job.peak_flops * job.rt.world_size)
 
 
 def fit(job: Job) -> str:

@@ -1,14 +1,14 @@
 """Proves the model's kernel switch (`ModelConfig.kernels`, model/kernels.py):
 
 - the whole tiny model (v41_tiny shrunk to 6 layers that keep every layer role: SWA, encoder Full m=2, Reuse with
-  Engram, decoder Full m=1 fed from h_{L/2} that builds the candidate pool, pool-restricted Reindex, Reuse) with
-  kernels="triton" equals kernels="reference" in fp32: logits, the indexer KL loss and the gradient of every
-  parameter within tight fp32 tolerance, in both indexer phases, with QAT (FP4 main KV and indexer q/k, FP8 SWA KV)
-  on, and in the sparse phase with FP4 main KV alone (the SWA KV and the indexer keys then fuse norm + RoPE only,
-  the indexer queries take plain RoPE). The triton run goes through every Triton entry point (fused norm + RoPE +
-  fake-quant, sparse attention, indexer scores, candidate pool, pool scores, top-k, single-pass mHC, Engram) the
-  expected number of times and, the fused kernel covering every QAT site, never through the stand-alone FP4/FP8
-  fake-quant; the reference run through none of them;
+  Engram, decoder Full m=1 fed from h_{L/2} that builds the candidate pool, pool-restricted Reindex, Reuse; 5
+  Sinkhorn iterations, not 20) with kernels="triton" equals kernels="reference" in fp32: logits, the indexer KL loss
+  and the gradient of every parameter within tight fp32 tolerance, in both indexer phases, with QAT (FP4 main KV and
+  indexer q/k, FP8 SWA KV) on, and in the sparse phase with FP4 main KV alone (the SWA KV and the indexer keys then
+  fuse norm + RoPE only, the indexer queries take plain RoPE). The triton run goes through every Triton entry point
+  (fused norm + RoPE + fake-quant, sparse attention, indexer scores, candidate pool, pool scores, top-k, single-pass
+  mHC, Engram) the expected number of times and, the fused kernel covering every QAT site, never through the
+  stand-alone FP4/FP8 fake-quant; the reference run through none of them;
 - under bf16 autocast the Triton run is as close to the fp32 reference as the bf16 reference run is (logits,
   indexer KL, all gradients together); bf16 noise flips top-k, FP4 codes and expert routing, so per-tensor
   agreement is not expected there, only equal accuracy;
@@ -84,6 +84,10 @@ def _overrides(phase: str = "sparse", qat: str = "qat", **extra) -> dict:
             index_num_heads=8),
         indexer=dataclasses.replace(base.indexer, phase=phase),
         engram=dataclasses.replace(base.engram, layers=[2]),
+        # 5 Sinkhorn iterations, not v41_tiny's 20, as tests/helpers.py's every_role_config: under the interpreter the
+        # mHC coefficient kernel's backward (which recomputes the iterations, O(iters^2) steps a token) took a quarter
+        # to a third of a Triton step at 20; the kernel at 20 is tests/kernels/test_mhc_triton.py's
+        mhc=dataclasses.replace(base.mhc, sinkhorn_iters=5),
         quant=dataclasses.replace(base.quant, **QUANT[qat]),
         **extra,
     )
@@ -105,7 +109,8 @@ def _step(m, ids, autocast: bool = False) -> dict[str, torch.Tensor]:
     """Forward + backward of LM loss + indexer KL; returns logits, the KL and every parameter's gradient."""
     m.zero_grad(set_to_none=True)
     with torch.autocast(DEVICE, dtype=torch.bfloat16, enabled=autocast):
-        logits, aux = m(ids, return_aux=True)
+        fwd = m(ids, outputs=True)
+        logits, aux = fwd.logits, fwd.aux
         loss = F.cross_entropy(logits.flatten(0, 1), ids.roll(-1, dims=1).flatten()) + aux["indexer_kl"]
     loss.backward()
     out = {"logits": logits.detach().float(), "indexer_kl": aux["indexer_kl"].detach().float()}
@@ -227,8 +232,11 @@ def test_shrunk_plan_keeps_every_role():
 
 # (phase, QAT settings, ids seed: ids whose reference run sits on no edge, see `Edges`). On a GPU (minutes, not the
 # interpreter's) also without QAT: its rounding edges move with the GPU's summation order, so that case stays
-# conclusive if a QAT case meets one there.
-CASES = [("sparse", "qat", 4), ("dense_warmup", "qat", 4), ("sparse", "main_kv", 5)] + (
+# conclusive if a QAT case meets one there. Seed 3 on CPU since the model runs 5 Sinkhorn iterations: with 4, an FP4
+# code of the QAT cases sits on a rounding edge (flipped by fp32 noise, then later sites follow); of the seeds 0 to 7
+# only 0, 1 and 3 sit on no edge there, and 3 keeps the widest margins in all three cases (top-k gap >= 7.6e-4 of the
+# row's largest score, Engram |s| >= 1.3e-2; `Edges` asks for 1e-5 and 1e-3).
+CASES = [("sparse", "qat", 3), ("dense_warmup", "qat", 3), ("sparse", "main_kv", 3)] + (
     [("sparse", "none", 4)] if DEVICE == "cuda" else [])
 
 

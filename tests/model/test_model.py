@@ -23,7 +23,7 @@ def _ids(seed=0, B=2):
 
 def _layer_outputs(m, ids):
     outs = {}
-    hooks = [layer.attn.register_forward_hook(lambda mod, a, o, i=i: outs.__setitem__(i, o.detach()))
+    hooks = [layer.attn.register_forward_hook(lambda mod, a, o, i=i: outs.__setitem__(i, o[0].detach()))
              for i, layer in enumerate(m.layers)]
     logits = m(ids)
     for h in hooks:
@@ -107,13 +107,14 @@ def test_decoder_kv_comes_from_h_mid(tiny):
     h2 = last_enc.register_forward_hook(lambda mod, args, out: seen.__setitem__("enc", out))
     tiny(_ids())
     h1.remove(), h2.remove()
-    S, pre = seen["enc"]
+    S, pre, _ = seen["enc"]
     expect = dec_full.attn_norm(mhc.collapse(S, pre))
     torch.testing.assert_close(seen["in"], expect)
 
 
 def _loss_parts(m, ids):
-    logits, aux = m(ids, return_aux=True)
+    fwd = m(ids, outputs=True)
+    logits, aux = fwd.logits, fwd.aux
     lm = F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
     return lm, aux
 
@@ -127,7 +128,7 @@ def _grads(m, loss):
 def test_gradients_flow_where_they_should(tiny):
     ids = _ids()
     lm, aux = _loss_parts(tiny, ids)
-    assert set(aux) >= {"indexer_kl", "metrics"} and aux["indexer_kl"] > 0
+    assert set(aux) >= {"indexer_kl"} and aux["indexer_kl"] > 0
     g_lm = _grads(tiny, lm)
     g_kl = _grads(tiny, aux["indexer_kl"])
     for name, p in tiny.named_parameters():
@@ -162,3 +163,59 @@ def test_meta_build_and_forward_shapes(tiny):
     logits = tiny(_ids(B=3))
     assert logits.shape == (3, T, 4096) and logits.dtype == torch.float32
     assert torch.isfinite(logits).all()
+
+
+def test_outputs_carry_hidden_states_losses_and_the_forward_state(tiny):
+    """outputs=True: the final hidden states are what the head reads, a chosen layer's hidden state is the streams
+    collapsed as the next layer reads them (after the last encoder layer: h_{L/2}, which the state holds too), the
+    state records every source's KV and top-k and every MoE layer's load, and the logits equal the plain call's."""
+    ids = _ids()
+    last_encoder = tiny.cfg.num_encoder_layers - 1
+    with torch.no_grad():
+        out = tiny(ids, outputs=True, hidden_layers=(0, last_encoder))
+        plain = tiny(ids)
+    assert torch.equal(out.logits, plain)
+    assert torch.equal(tiny.head(out.hidden).float(), out.logits)
+    assert out.hidden.shape == (2, T, tiny.cfg.dim)
+    assert sorted(out.layer_hidden) == [0, last_encoder]
+    assert torch.equal(out.layer_hidden[last_encoder], out.state.h_mid)
+    state = out.state
+    assert sorted(state.kv) == [s.index for s in tiny.plan if s.role == "full"]
+    assert sorted(state.selection) == [s.index for s in tiny.plan if s.role in ("full", "reindex")]
+    assert sorted(state.expert_load) == list(range(tiny.cfg.num_layers))
+    assert all(int(load.sum()) == 2 * T * tiny.cfg.moe.experts_per_token for load in state.expert_load.values())
+    assert set(out.aux) == {"indexer_kl"} and out.metrics["indexer_kl"] > 0
+
+
+def test_the_kernel_switch_is_resolved_when_a_module_is_placed():
+    """model.kernels is read once per module (kernels.KernelPath), not per call: a meta-built model takes the
+    reference path, and materialising it re-resolves (triton here: the tests run the CPU interpreter)."""
+    from model import kernels as kern
+    from tests.helpers import load_config
+    import model as model_pkg
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # the interpreter runs the kernels on CPU
+    cfg = load_config("v41_tiny", kernels="triton")
+    with torch.device("meta"):
+        m = model_pkg.build(cfg)
+    switched = [mod for mod in m.modules() if isinstance(mod, kern.KernelPath)]
+    assert len(switched) == 2 * cfg.num_layers + len(cfg.engram.layers)  # attention + block per layer, Engrams
+    assert {mod.kernel_path for mod in switched} == {"reference"}
+    m.to_empty(device=device)
+    assert {mod.kernel_path for mod in switched} == {"triton"}
+    auto = build_tiny(kernels="auto")  # on CPU
+    assert {mod.kernel_path for mod in auto.modules() if isinstance(mod, kern.KernelPath)} == {"reference"}
+
+
+def test_a_triton_model_built_where_triton_cannot_run_fails_at_its_forward(monkeypatch):
+    """Building with kernels="triton" on the CPU without the interpreter is allowed (it may move to a GPU next); a
+    forward there fails, naming the switch."""
+    from model import kernels as kern
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    m = build_tiny(kernels="triton")  # on CPU
+    with pytest.raises(RuntimeError, match="model.kernels='triton' needs CUDA tensors"):
+        m(_ids(B=1))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    m.float()  # re-placing the module resolves again
+    assert {mod.kernel_path for mod in m.modules() if isinstance(mod, kern.KernelPath)} == {"triton"}

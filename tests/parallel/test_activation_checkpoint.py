@@ -8,13 +8,14 @@ model with Engram (layers 1 and 4), the indexer KL and the MoE sequence-balance 
 drive the bias update, the balancing biases and the parameters after the steps with full checkpointing are BITWISE
 equal to the run without it. Three models: as configured; with QAT fake-quant (main KV FP4, indexer FP4, SWA KV
 FP8); in the indexer's dense warm-up phase (only the indexers train, so the blocks' inputs carry no gradient).
-Bitwise because the recomputation replays the same fp32 CPU operations on the same inputs, and reads the forward's
-own top-k, pool and published KV back from the context instead of recomputed copies.
+Bitwise because the recomputation replays the same fp32 CPU operations on the same inputs (the top-k and pool
+too, which it recomputes).
 
 Not vacuous: the checkpointed run recomputes every block once per micro-batch (in the warm-up, every block with an
-indexer: the others save nothing), and with the recomputation guard switched off (model.common.recomputing always
-False) the expert load counts come out doubled, the side effect the guard exists to stop (the bias update's sign
-would hide it; the counts themselves, logged as expert imbalance and all-reduced across data ranks, must be exact).
+indexer: the others save nothing), and a block's forward leaves the ForwardState and the MoE counters as it found
+them (it returns what it makes; model.transformer.forward_blocks records it), which is why the recomputation, whose
+return value checkpoint drops, counts no expert load twice (the bias update's sign would hide that; the counts
+themselves, logged as expert imbalance and all-reduced across data ranks, must be exact).
 
 Distributed (gloo, one spawn of 2 ranks): pp 2 with 1F1B (compressed KV, top-k, pool and Engram rows cross the cut,
 the stages' backward recomputes), ep 2 (all-to-alls in the recomputation), tp 2 (DTensor collectives in the
@@ -30,15 +31,13 @@ and a checkpoint (trainer.checkpoint, DCP) saved by a checkpointed model loads i
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import traceback
 
 import pytest
 import torch
 
-import model.attention
-import model.moe
+import model.transformer
 import trainer.parallel.activation_checkpoint as ac
 from optim import LRScheduler, OptimConfig, build_optimizer
 from tests.distributed import run_distributed
@@ -123,23 +122,29 @@ def _assert_bitwise(got: dict, ref: dict, what: str) -> None:
         assert not bad, f"{what}: {key} differ: {bad}"
 
 
+def _count_block_calls(monkeypatch) -> list[int]:
+    """Count every call of Block.forward: the forwards and, under checkpointing, the recomputations (checkpoint
+    calls the original function again)."""
+    calls: list[int] = []
+    real = model.transformer.Block.forward
+
+    def counted(self, *args, **kwargs):
+        calls.append(self.spec.index)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(model.transformer.Block, "forward", counted)
+    return calls
+
+
 @pytest.mark.parametrize("case", ["plain", "qat", "dense_warmup"])
 def test_single_process_is_bitwise_equal(case, monkeypatch):
-    recomputed = []
-    real = ac.recomputation
-
-    @contextlib.contextmanager
-    def counted():  # entered when a block is recomputed (checkpoint's context_fn builds it at the forward)
-        recomputed.append(1)
-        with real():
-            yield
-
-    monkeypatch.setattr(ac, "recomputation", counted)
+    calls = _count_block_calls(monkeypatch)
     got = _run(case, "full")
     cfg = _model_config(case)
+    forwards = STEPS * layouts.MICROBATCHES * cfg.num_layers
     # every block once per micro-batch; in the warm-up only those with an indexer save anything to recompute
     blocks = len(cfg.csa2.index_source_layers) if case == "dense_warmup" else cfg.num_layers
-    assert len(recomputed) == STEPS * layouts.MICROBATCHES * blocks
+    assert len(calls) - forwards == STEPS * layouts.MICROBATCHES * blocks
     _assert_bitwise(got, _reference(case), case)
 
 
@@ -153,12 +158,38 @@ def test_reference_is_not_vacuous():
     assert all(".indexer." in n for n in warmup["grads"][0])  # only the indexers learn in the warm-up
 
 
-def test_without_the_guard_the_recomputation_counts_experts_twice(monkeypatch):
-    for module in (model.attention, model.moe):
-        monkeypatch.setattr(module, "recomputing", lambda: False)
-    got = _run("plain", "full")
-    ref = _reference("plain")
-    assert torch.equal(got["counts"][0], 2 * ref["counts"][0])
+def test_a_block_forward_writes_nothing():
+    """What makes the recomputation safe without a guard: calling a block again (as checkpoint's recomputation
+    does) on the state of a finished forward returns what the forward recorded and changes neither the state nor
+    the MoE counters."""
+    cfg = _model_config("plain")
+    m = model.transformer.Transformer(cfg)
+    torch.manual_seed(0)
+    m.init_weights()
+    ids = torch.randint(0, cfg.vocab_size, (2, layouts.SEQ_LEN))
+    out = m(ids, outputs=True)
+    state = out.state
+    counters = [(moe.load_text.clone(), moe.load_image.clone()) for moe in m.moe_layers()]
+    snapshot = {k: dict(getattr(state, k)) for k in ("kv", "selection", "indexer_kl", "balance_loss", "expert_load")}
+    pool = state.pool
+    S, pre = model.transformer.embed_streams(m.embed, ids, cfg.mhc.num_streams)
+    _, engram_in = model.transformer.new_state(cfg, ids, m.sequence_shard, m.hasher)
+    checked = 0
+    for layer in m.layers:
+        e_in = engram_in[layer.spec.index] if layer.engram is not None else None
+        S, pre, made = layer(S, pre, state, e_in)  # the second call of every block, on the recorded state
+        for name, recorded in snapshot.items():
+            value = getattr(made, name)
+            if value is not None:
+                first = recorded[layer.spec.index]
+                for a, b in zip(value if isinstance(value, tuple) else (value,),
+                                first if isinstance(first, tuple) else (first,)):
+                    assert torch.equal(a, b), (layer.spec.index, name)
+                checked += 1
+    assert checked >= cfg.num_layers  # every block returned its expert load at least
+    assert {k: dict(getattr(state, k)) for k in snapshot} == snapshot and state.pool is pool
+    for moe, (text, image) in zip(m.moe_layers(), counters):
+        assert torch.equal(moe.load_text, text) and torch.equal(moe.load_image, image)
 
 
 # --- distributed --------------------------------------------------------------------------------------------------

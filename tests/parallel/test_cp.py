@@ -148,8 +148,8 @@ def _batch(step: int, seq_len: int = SEQ_LEN):
 
 
 def _losses(model, input_ids, labels) -> dict[str, torch.Tensor]:
-    logits, aux = model(input_ids, return_aux=True)
-    aux.pop("metrics")
+    fwd = model(input_ids, outputs=True)
+    logits, aux = fwd.logits, fwd.aux
     assert set(aux) == {"indexer_kl", "moe_seq_balance"}
     return {"lm": F.cross_entropy(logits.flatten(0, 1), labels.flatten()), **aux}
 

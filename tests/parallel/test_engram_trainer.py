@@ -1,19 +1,19 @@
 """Proves parallel.engram_shard in the trainer: Engram tables row-sharded over Meshes.dp_ep_cp train exactly like the
 single process, hold only their block, and checkpoint across layouts.
 
-- Layouts, through the trainer's own code path (tests/parallel/test_layouts.py's `_train`: build_model ->
-  compute_gradients -> SGD, fixed random global batches split over the data ranks, the tiny model in fp32 with
-  Engram at layers 1 and 4), compared with the single process by test_layouts' `_check` (initial values exactly;
-  losses, auxiliary losses, clipped norms, every gradient and the parameters after two steps within 1e-5; the MoE
-  biases exactly; see its docstring for the tolerance and the Engram gate's signed square root): dp_replicate 2, ep 2,
-  dp_shard 2 (FSDP2, the tables kept out of fully_shard), pp 2 cut at layer 2 (layer 1's table on stage 0, layer
-  4's on stage 1, each sharded over its stage's ranks: a group of one here), tp 2 (Engram in DTensor form, its
-  prefetched ids checked against the DTensor lookup's; a group of one per tp rank) and dp_replicate 2 with activation
-  checkpointing (the recomputed lookups exchange rows again), all with engram_shard, in one 2-rank spawn; on 4 ranks,
-  pp 2 x dp_replicate 2 cut at layer 2 (a group of 2 per stage, exchanges under the 1F1B schedule) and dp_shard 2 x
-  ep 2 with engram_host_memory too (FSDP over expert-parallel experts, a group of 4 ranks, each block moved to host
-  memory before fully_shard: plain CPU memory on this machine, so only the code path, not a second device, is
-  exercised).
+- Layouts, through the trainer's own code path (tests/parallel/test_layouts.py's `_train_small`: build_model ->
+  compute_gradients -> SGD, fixed random global batches split over the data ranks, test_layouts' small model in
+  fp32 with Engram at layers 0 and 4, see below), compared with the single process by test_layouts' `_check`
+  (initial values exactly; losses, auxiliary losses, clipped norms, every gradient and the parameters after two
+  steps within 1e-5; the MoE biases exactly; see its docstring for the tolerance and the Engram gate's signed square
+  root): dp_replicate 2, ep 2, dp_shard 2 (FSDP2, the tables kept out of fully_shard), pp 2 cut at layer 2 (layer
+  0's table on stage 0, layer 4's on stage 1, each sharded over its stage's ranks: a group of one here), tp 2 (Engram
+  in DTensor form, its prefetched ids checked against the DTensor lookup's; a group of one per tp rank) and
+  dp_replicate 2 with activation checkpointing (the recomputed lookups exchange rows again), all with engram_shard,
+  in one 2-rank spawn; on 4 ranks, pp 2 x dp_replicate 2 cut at layer 2 (a group of 2 per stage, exchanges under the
+  1F1B schedule) and dp_shard 2 x ep 2 with engram_host_memory too (FSDP over expert-parallel experts, a group of 4
+  ranks, each block moved to host memory before fully_shard: plain CPU memory on this machine, so only the code
+  path, not a second device, is exercised).
 - Each rank holds only its block: every table is a DTensor Shard(0) over the group, the global shape the whole
   table's, the local rows ceil(rows / group) (the last rank the remainder), the group's blocks adding up to the table.
 - Prefetch: without a pipeline every micro-batch's exchange is issued by EngramSharding.prefetch before its forward
@@ -25,6 +25,13 @@ single process, hold only their block, and checkpoint across layouts.
   (resharded: the same losses within 1e-5). Step 3 follows the step-2 update, so AdamW's moments came back too. The
   sharded layout's optimiser runs the per-tensor step (DTensor blocks beside plain weights; optim/builder.py).
 - parallel.engram_host_memory without parallel.engram_shard is refused, naming both keys.
+
+The model, for the layouts and the checkpoint runs alike, is test_layouts' `_small_config()` on EVERY_ROLE_SEQ_LEN
+(24) tokens: tests/helpers.py's every-role config (v41_tiny shrunk to 6 layers that keep every layer role, its
+window, top-k and pool scaled to the 24 tokens) with Engram at layers 0 and 4 (an SWA and a compressed layer, as
+v41_tiny's 1 and 4; test_layouts' docstring says why there: the gate's signed square root). The per-layer DTensor,
+FSDP and pipeline work shrinks with the layers, the rest with the tokens: the 2-rank spawn takes half the time it did
+on v41_tiny at 64 tokens (the 4-rank one is mostly its processes' start-up).
 
 Cost: one 2-rank spawn (every 2-rank layout and the checkpoint runs), one 4-rank spawn, one thread per rank.
 """
@@ -39,6 +46,7 @@ import torch
 
 from optim import LRScheduler, OptimConfig, build_optimizer
 from tests.distributed import run_distributed
+from tests.helpers import EVERY_ROLE_SEQ_LEN
 from tests.parallel import test_layouts as layouts
 from trainer.checkpoint import Checkpointer, TrainState, step_dir_name
 from trainer.config import CheckpointConfig, ParallelConfig, TrainerConfig
@@ -116,7 +124,7 @@ class _Observed:
 def _layout(fields: dict) -> dict:
     observed = _Observed()
     try:
-        result = layouts._train(fields)
+        result = layouts._train_small(fields)
     finally:
         observed.close()
     readers = len(observed.pm.engram.readers)
@@ -133,8 +141,8 @@ def _adamw_run(fields: dict, last_step: int, *, save: str | None = None, load: s
     rt = setup_runtime(TrainerConfig(device="cpu", precision="fp32", num_threads=1), parallel)
     data_rank, data_size = (0, 1) if rt.meshes is None else (rt.meshes.data.get_local_rank(), rt.meshes.data.size())
     accum = layouts.MICROBATCHES // data_size
-    cfg = layouts._config()
-    pm = build_model(cfg, rt, parallel, layouts.SEED, batch_size=layouts.ROWS, seq_len=layouts.SEQ_LEN,
+    cfg = layouts._small_config()
+    pm = build_model(cfg, rt, parallel, layouts.SEED, batch_size=layouts.ROWS, seq_len=EVERY_ROLE_SEQ_LEN,
                      grad_accum=accum)
     params = trainable_parameters(pm.module, cfg)
     optimizer = build_optimizer(params, OPTIM)
@@ -147,7 +155,7 @@ def _adamw_run(fields: dict, last_step: int, *, save: str | None = None, load: s
     pm.module.train()
     while state.step < last_step:
         step = state.step + 1
-        mine = layouts._global_batch(step - 1)[data_rank * accum:(data_rank + 1) * accum]
+        mine = layouts._global_batch(step - 1, EVERY_ROLE_SEQ_LEN)[data_rank * accum:(data_rank + 1) * accum]
         losses[step] = compute_gradients(pm, mine, params, layouts.MAX_NORM, step=step).loss
         optimizer.step()
         scheduler.step()
@@ -200,7 +208,7 @@ def _one_thread(fn, *args, **kwargs):
 
 @pytest.fixture(scope="module")
 def single():
-    return _one_thread(layouts._train, {})
+    return _one_thread(layouts._train_small, {})
 
 
 @pytest.fixture(scope="module")
@@ -261,7 +269,7 @@ def _check_blocks(name: str, ranks: list[dict]) -> None:
             assert b["device"] == "cpu"
             per_table.setdefault((b["name"], b["pp_rank"]), {})[b["group_rank"]] = b["local"][0]
     tables = {n for n, _ in per_table}
-    assert tables == {"layers.1.engram.table", "layers.4.engram.table"}, name
+    assert tables == {"layers.0.engram.table", "layers.4.engram.table"}, name
     for (table, _), blocks in per_table.items():
         whole = next(b["rows"] for r in ranks for b in r["blocks"] if b["name"] == table)
         assert sum(blocks.values()) == whole, (name, table, blocks)
@@ -278,7 +286,7 @@ def test_pipeline_layouts_put_the_tables_on_different_stages(two_ranks, four_ran
     for results, name, group in ((two_ranks, "pp2", 1), (four_ranks, "pp2_dp_replicate2", 2)):
         ranks = _ranks(results, name)
         stages = {b["name"]: r["train"]["pp_rank"] for r in ranks for b in r["blocks"]}
-        assert stages == {"layers.1.engram.table": 0, "layers.4.engram.table": 1}, name
+        assert stages == {"layers.0.engram.table": 0, "layers.4.engram.table": 1}, name
         assert {b["group"] for r in ranks for b in r["blocks"]} == {group}, name
 
 

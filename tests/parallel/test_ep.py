@@ -194,8 +194,8 @@ def _batch(step: int):
 
 
 def _loss(model, input_ids, labels):
-    logits, aux = model(input_ids, return_aux=True)
-    aux.pop("metrics")
+    fwd = model(input_ids, outputs=True)
+    logits, aux = fwd.logits, fwd.aux
     assert set(aux) == {"indexer_kl", "moe_seq_balance"}
     return F.cross_entropy(logits.flatten(0, 1), labels.flatten()) + sum(aux.values())
 

@@ -37,8 +37,8 @@ encoder Full + Reuse, the decoder Full that builds the candidate pool, Reuse, th
 window, top-k and pool scaled down to the 24 tokens; the per-layer DTensor, FSDP and pipeline work, not the tokens,
 is what a layout costs here. The pipeline's default cuts (3; and 1, 3, 5 for four stages) ship what v41_tiny's (6;
 and 2, 6, 10) did: the streams, Engram's row ids, and at 5 a Full layer's KV and keys and the candidate pool.
-The harness itself (`_train`, `single`, `_global_batch`) defaults to v41_tiny on 64 tokens: test_zero_bubble.py,
-test_activation_checkpoint.py and test_engram_trainer.py train that through it.
+The harness itself (`_train`, `single`, `_global_batch`) defaults to v41_tiny on 64 tokens: test_zero_bubble.py and
+test_activation_checkpoint.py train that through it (test_engram_trainer.py the small model, `_train_small`).
 
 Engram is on (layers 0 and 4: an SWA and a compressed layer, as v41_tiny's 1 and 4). Its gate takes a signed square
 root of a score, steep where the score nears 0: test_ep.py, test_tp.py and test_cp.py met batches where that
@@ -115,10 +115,23 @@ def _small_config():
 
 
 def _global_batch(step: int, seq_len: int = SEQ_LEN) -> list[dict]:
-    """The step's MICROBATCHES micro-batches of ROWS x seq_len tokens, as the loader hands them out."""
+    """The step's MICROBATCHES micro-batches of ROWS x seq_len tokens, as the loader hands them out.
+
+    Unequal valid-token counts, so that every layout must normalise the loss over the global batch's valid tokens
+    (trainer/loss.py) to match the single process: micro-batch k has its first k / 4 of the labels masked (-100;
+    under cp 2 the third micro-batch's first chunk has none valid), and the second step carries per-token loss
+    weights in [0.5, 1.5)."""
     gen = torch.Generator().manual_seed(100 + step)
     ids = torch.randint(0, 4096, (MICROBATCHES, ROWS, seq_len + 1), generator=gen)
-    return [{"input_ids": mb[:, :-1], "labels": mb[:, 1:]} for mb in ids]
+    out = []
+    for k, mb in enumerate(ids):
+        labels = mb[:, 1:].clone()
+        labels[:, :k * seq_len // MICROBATCHES] = -100
+        batch = {"input_ids": mb[:, :-1], "labels": labels}
+        if step == 1:
+            batch["loss_weights"] = 0.5 + torch.rand(ROWS, seq_len, generator=gen)
+        out.append(batch)
+    return out
 
 
 def _biases(module) -> dict:

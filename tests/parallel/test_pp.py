@@ -194,7 +194,8 @@ def test_stage_modules_chained_equal_the_whole_model(autocast, image_mask, split
     mask = (torch.rand(2, SEQ_LEN, generator=gen) < 0.2) if image_mask else None
     model = _build()
     with torch.autocast("cpu", dtype=autocast or torch.float32, enabled=autocast is not None):
-        ref, aux = model(input_ids, image_mask=mask, return_aux=True)
+        fwd = model(input_ids, image_mask=mask, outputs=True)
+        ref, aux = fwd.logits, fwd.aux
     names = set(model.state_dict())
     for cuts in splits:
         stages = split_model(model, cuts, range(len(cuts) + 1), image_mask=image_mask)
@@ -238,7 +239,8 @@ def test_stage_modules_on_the_triton_path_carry_ids():
     gen = torch.Generator().manual_seed(1)
     input_ids = torch.randint(0, 4096, (1, seq_len), generator=gen)
     model = _build(cfg=cfg)
-    ref, aux = model(input_ids, return_aux=True)
+    fwd = model(input_ids, outputs=True)
+    ref, aux = fwd.logits, fwd.aux
     (ref.square().mean() + aux["indexer_kl"]).backward()
     ref_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
@@ -294,8 +296,8 @@ def _single_run() -> dict:
     for step in range(STEPS):
         input_ids, labels = _batch(step)
         with torch.no_grad():  # one forward of the whole batch: the loss the micro-batched run must match
-            logits, aux = model(input_ids, return_aux=True)
-            aux.pop("metrics")
+            fwd = model(input_ids, outputs=True)
+            logits, aux = fwd.logits, fwd.aux
             out["whole_batch_loss"].append(float(F.cross_entropy(logits.flatten(0, 1), labels.flatten())
                                                  + sum(aux.values())))
         for moe in model.moe_layers():  # that forward counted loads; only the step's may count
@@ -305,8 +307,8 @@ def _single_run() -> dict:
         loss = 0.0
         for mb in range(MICROBATCHES):  # the trainer's grad_accum loop
             rows = slice(mb * ROWS, (mb + 1) * ROWS)
-            logits, aux = model(input_ids[rows], return_aux=True)
-            aux.pop("metrics")
+            fwd = model(input_ids[rows], outputs=True)
+            logits, aux = fwd.logits, fwd.aux
             mb_loss = F.cross_entropy(logits.flatten(0, 1), labels[rows].flatten()) + sum(aux.values())
             (mb_loss / MICROBATCHES).backward()
             loss += float(mb_loss.detach()) / MICROBATCHES

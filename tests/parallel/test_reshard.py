@@ -1,15 +1,18 @@
-"""Proves checkpoints move between layouts: saved under tp 2 x pp 2 (4 gloo ranks, torchrun), resumed by one
-process, and the reverse, through the real CLI (trainer.main) with AdamW, the micro model with Engram on.
+"""Proves checkpoints move between layouts: saved by one process, resumed under tp 2 x pp 2 (4 gloo ranks, torchrun),
+and the reverse, through the real CLI (trainer.main) with AdamW, the micro model with Engram on.
 
-- A: tp 2 x pp 2 trains steps 1-4, saving at 2 and 4; every rank writes its part (its stages, its tp shards, under
-  the whole model's names).
-- B: one process resumes from A's step-2 checkpoint and trains steps 3-6, saving at 4 and 6: it logs A's losses and
-  gradient norms at steps 3 and 4 (1e-5 relative). Step 4 depends on the step-3 update, so AdamW's moments and
-  step count, the LR schedule, the data position and the MoE balancing biases all came back; step 3 alone shows the
-  weights and the data position.
-- C: tp 2 x pp 2 resumes from B's step-4 checkpoint (written by one process) and logs B's steps 5 and 6.
+- A: one process trains steps 1-4, saving at 2 and 4.
+- B: tp 2 x pp 2 resumes from A's step-2 checkpoint and trains steps 3-6, saving at 4 and 6; every rank writes its
+  part (its stages, its tp shards, under the whole model's names). It logs A's losses and gradient norms at steps 3
+  and 4 (1e-5 relative). Step 4 depends on the step-3 update, so AdamW's moments and step count, the LR schedule,
+  the data position and the MoE balancing biases all came back; step 3 alone shows the weights and the data
+  position.
+- C: one process resumes from B's step-4 checkpoint (written by the 4 ranks) and logs B's steps 5 and 6, the same
+  way.
 - Resuming with a model whose parameters differ (another model.dim) fails before training, exit status 2, naming
   the key, both values and the override to use.
+One 4-rank launch between two single-process ones, not two around one: a launch's cost is mostly its processes'
+start-up (torchrun, the preflight and four ranks on two cores), the steps of the micro model are a few seconds.
 That the layouts train alike from the start is test_layouts.py's proof (with SGD; see there why).
 """
 
@@ -61,9 +64,9 @@ def runs(tmp_path_factory, small_data):
     root = tmp_path_factory.mktemp("reshard")
     out = {}
     for name, ranks, layout, steps, source in (
-        ("tp2_pp2", 4, TP2_PP2, 4, None),
-        ("single_from_tp2_pp2", 1, [], 6, ("tp2_pp2", 2)),
-        ("tp2_pp2_from_single", 4, TP2_PP2, 6, ("single_from_tp2_pp2", 4)),
+        ("single", 1, [], 4, None),
+        ("tp2_pp2_from_single", 4, TP2_PP2, 6, ("single", 2)),
+        ("single_from_tp2_pp2", 1, [], 6, ("tp2_pp2_from_single", 4)),
     ):
         extra = [*layout, f"trainer.max_steps={steps}"]
         if source is not None:
@@ -79,24 +82,24 @@ def runs(tmp_path_factory, small_data):
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_tp2_pp2_checkpoint_resumes_in_one_process(runs):
-    files = sorted(p.name for p in (runs["tp2_pp2"] / "checkpoints" / "step_00000002").glob("*.distcp"))
+    files = sorted(p.name for p in (runs["tp2_pp2_from_single"] / "checkpoints" / "step_00000004").glob("*.distcp"))
     assert files == [f"__{r}_0.distcp" for r in range(4)]  # every rank wrote its part
-    resumed, source = _steps(runs["single_from_tp2_pp2"]), _steps(runs["tp2_pp2"])
-    assert sorted(source) == [1, 2, 3, 4] and sorted(resumed) == [3, 4, 5, 6]
-    _assert_close(resumed, source, [3, 4])
-
-
-@pytest.mark.slow
-@pytest.mark.distributed
-def test_single_process_checkpoint_resumes_under_tp2_pp2(runs):
-    resumed, source = _steps(runs["tp2_pp2_from_single"]), _steps(runs["single_from_tp2_pp2"])
+    resumed, source = _steps(runs["single_from_tp2_pp2"]), _steps(runs["tp2_pp2_from_single"])
     assert sorted(resumed) == [5, 6]
     _assert_close(resumed, source, [5, 6])
 
 
 @pytest.mark.slow
+@pytest.mark.distributed
+def test_single_process_checkpoint_resumes_under_tp2_pp2(runs):
+    resumed, source = _steps(runs["tp2_pp2_from_single"]), _steps(runs["single"])
+    assert sorted(source) == [1, 2, 3, 4] and sorted(resumed) == [3, 4, 5, 6]
+    _assert_close(resumed, source, [3, 4])
+
+
+@pytest.mark.slow
 def test_incompatible_model_config_fails_before_training(runs, small_data, tmp_path):
-    ckpt = runs["tp2_pp2"] / "checkpoints" / "step_00000002"
+    ckpt = runs["tp2_pp2_from_single"] / "checkpoints" / "step_00000004"  # the 4 ranks' parts
     args = [a.replace("model.dim=32", "model.dim=64")
             for a in _args(tmp_path, small_data, "trainer.max_steps=4", f"checkpoint.resume={ckpt}")]
     r = run_cli(args)

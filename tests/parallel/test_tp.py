@@ -48,6 +48,8 @@ from model.layer_plan import build_layer_plan
 from model.parallelize import apply_tp, reduce_partial_grads
 from tests.distributed import run_distributed
 from tests.helpers import EVERY_ROLE_SEQ_LEN, every_role_config, load_config
+from trainer.parallel.apply import ParallelModel
+from trainer.parallel.gradients import update_router_biases
 
 TP = 2
 B, T = 2, 48  # T > window (32) and > the decoder's candidate pool (32 entries); T % tp == 0 for SP
@@ -124,7 +126,8 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 
 def _loss(model, ids, targets, image_mask=None):
-    logits, aux = model(ids, image_mask=image_mask, return_aux=True)
+    fwd = model(ids, image_mask=image_mask, outputs=True)
+    logits, aux = fwd.logits, fwd.aux
     return _full(F.cross_entropy(logits.flatten(0, 1), targets.flatten())) + aux["indexer_kl"]
 
 
@@ -144,7 +147,8 @@ def _train(model, loss_context, passes: int = PASSES, rows: int = B, seq_len: in
         assert not any(isinstance(p.grad, DTensor) and p.grad.placements[0].is_partial() for p in model.parameters())
         if i < passes - 1:
             opt.step()
-            model.update_router_biases()
+            # the trainer's update; tp peers route the same tokens, so no counts cross ranks (meshes=None)
+            update_router_biases(ParallelModel.local(model))
     biases = {n: b.clone() for n, b in model.named_buffers() if n.endswith(("gate.bias", "gate.bias_image"))}
     return {"loss": losses, "grads": grads, "biases": biases}
 

@@ -67,9 +67,9 @@ def _nan_at(steps: set[int], loss_too: bool = True) -> None:
     original = train.forward_backward
     calls = {"n": 0}
 
-    def forward_backward(pm, batches, autocast_dtype):
+    def forward_backward(pm, batches, *args, **kwargs):
         calls["n"] += 1
-        micro = original(pm, batches, autocast_dtype)
+        micro = original(pm, batches, *args, **kwargs)
         if calls["n"] in steps:
             if loss_too:
                 micro.loss = math.nan

@@ -12,6 +12,8 @@ The training plan (per rank memory and communication):
   dp x ep x cp, the planner's parameter elements and bytes by kind for each rank's pipeline position equal the
   local shards of the real tiny model after the trainer's plans (trainer.parallel.apply.parallelize, apply_engram_
   sharding, fully_shard), walked on the meta device (Engram: the largest block, which group rank 0 holds);
+- what the planner and the accounting count as split by tp, and along which dim (model.parallelize.tp_shard_dims),
+  is exactly the Shard placements apply_tp gives the tiny model's parameters at tp 2 (fake process group);
 - the activation terms of model/accounting.py for the MoE (with its norm), the Engram and an mHC site equal, within
   2%, the bytes autograd actually saves for them on CPU under bf16 autocast (the same code as on CUDA);
 - the flagship layout conf/parallel/flagship_256xh200.yaml (256 ranks) fits in 141 GB per H200 at 4K tokens with
@@ -226,6 +228,39 @@ def test_activation_terms_match_saved_tensors():
     assert engram == pytest.approx(est["engram"] + casts["engram"], rel=0.02)
     # one site: the streams and their normalised fp32 copy (2 of the per-token stream terms) and its coefficients
     assert site == pytest.approx(B * T * 8 * n_dim + (est["mhc_coefficients"] - B * T * 4 * 25) / 2, rel=0.02)
+
+
+# What the planner and the accounting count as tp-split (model.parallelize.tp_shard_dims) against apply_tp's DTensors.
+
+
+def test_tp_shard_dims_are_apply_tps_placements():
+    """apply_tp on a meta model moves no data (every rank keeps its own slice), so a tp mesh of 2 on torch's fake
+    process group (one process, no peers) gives the placements 2 gloo ranks get, at a tenth of the cost of spawning
+    them."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    import model as model_pkg
+    from model.parallelize import apply_tp, tp_shard_dims
+
+    with torch.device("meta"):
+        model = model_pkg.build(load_config("v41_tiny"))
+    want = tp_shard_dims(model)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        apply_tp(model, init_device_mesh("cpu", (2,)), sequence_parallel=False)
+    finally:
+        dist.destroy_process_group()
+    got = {name: next((pl.dim for pl in p.placements if isinstance(pl, Shard)), None) if isinstance(p, DTensor)
+           else "plain" for name, p in model.named_parameters()}
+    assert "plain" not in got.values()
+    assert {name: d for name, d in got.items() if d is not None} == want
+    # every kind of split is in there: column-wise, row-wise, embedding channels, expert width, custom placements
+    assert (want["embed.weight"], want["head.weight"], want["layers.0.attn.wq_b.weight"]) == (1, 0, 0)
+    assert (want["layers.0.attn.wo_b.weight"], want["layers.0.ffn.experts.w2"], want["layers.0.attn.attn_sink"]) == \
+        (1, 2, 0)
 
 
 # The planner's per-rank parameters against the real sharded tiny model (meta device, 4 gloo ranks).

@@ -10,6 +10,7 @@ switches; only the parameters the optimiser owns get gradients; a 2-rank torchru
 within the collective timeout, and one whose rank 1 hangs (SIGSTOP) has rank 0 raise a timeout error after
 parallel.timeout_s instead of waiting forever."""
 
+import json
 import math
 import os
 import re
@@ -21,13 +22,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from model.config import ModelConfig
 from tests.trainer.harness import (
     REPO, env, losses, micro_overrides, read_metrics, run_cli, run_faulty, wandb_history,
 )
+from tests.trainer.test_stage import expected_probe
 from trainer.checkpoint import Checkpointer, complete_checkpoints
-from trainer.config import StageConfig
-from trainer.train import apply_stage_hooks, freeze_all_but
+from trainer.train import freeze_all_but
 
 METRIC_KEYS = {
     "step", "loss", "lr", "grad_norm", "tokens_per_s", "tokens_seen", "mfu", "expert_imbalance", "memory_mb",
@@ -131,11 +131,15 @@ def _adam_steps(checkpoint: Path) -> int:
 
 @pytest.mark.slow
 def test_non_finite_steps_are_skipped_and_counted(tmp_path, small_data):
-    args = micro_overrides(tmp_path, small_data, "trainer.max_steps=8", "checkpoint.interval=0")
+    args = micro_overrides(tmp_path, small_data, "trainer.max_steps=8", "checkpoint.interval=0",
+                           "trainer.callbacks=[tests.trainer.test_stage:Probe]")  # the callbacks' points, below
     r = run_faulty("nan_at=3,nan_grad_at=5+6", args)  # the loss at step 3, the gradient at steps 5 and 6
     assert r.returncode == 0, r.stderr
     rows = read_metrics(tmp_path)
     assert [row["step"] for row in rows] == list(range(1, 9))
+    probe = [json.loads(line) for line in (tmp_path / "probe.jsonl").read_text().splitlines()]
+    assert probe == expected_probe(8, skipped={3, 5, 6}, checkpoints={8})
+    assert [row["probe"] for row in rows] == list(range(1, 9))  # a callback's stats.extra reaches the metrics
     assert [row["loss"] is None for row in rows] == [False, False, True, False, False, False, False, False]
     assert [row["grad_norm"] is None for row in rows] == [False, False, True, False, True, True, False, False]
     assert [row["skipped_steps"] for row in rows] == [0, 0, 1, 1, 2, 3, 3, 3]
@@ -169,16 +173,6 @@ def test_the_progress_bar_shows_mfu_on_a_terminal(monkeypatch, capsys):
     progress.bar.refresh()
     progress.close()
     assert "mfu=12.3%" in capsys.readouterr().err
-
-
-def test_stage_hooks():
-    base = ModelConfig()
-    assert apply_stage_hooks(base, StageConfig()) == base
-    assert apply_stage_hooks(base, StageConfig(fp4_qat=True)).quant.main_kv == "fp4"
-    with pytest.raises(ValueError, match="stage.bounded_replay"):
-        apply_stage_hooks(base, StageConfig(bounded_replay=True))
-    with pytest.raises(ValueError, match="stage.name='sft' is not implemented yet"):
-        apply_stage_hooks(base, StageConfig(name="sft"))
 
 
 def test_only_optimised_parameters_get_gradients():

@@ -30,8 +30,10 @@ offset); fully_shard of an initialised block keeps each rank's slice of the valu
 unsharded block on top of the sharded rest.
 
 Activation checkpointing keeps module names (it swaps each block's class, as fully_shard does), so it composes with
-FSDP, the pipeline's StageGroup and checkpoints; how a recomputation avoids repeating the blocks' writes into the
-shared ForwardContext and MoE state is in trainer/parallel/activation_checkpoint.py.
+FSDP, the pipeline's StageGroup and checkpoints. Blocks write no shared state (they return what they make, and the
+loop records it: model/attention.py `ForwardState`), so a recomputation needs no special case and FSDP's pre-forward
+hook may hand a block a rebuilt copy of the state (it does: it rebuilds dataclasses and dicts to hook their
+tensors), which the block only reads.
 """
 
 from __future__ import annotations
@@ -177,6 +179,12 @@ class ParallelModel:
     engram: EngramSharding | None = None  # parallel.engram_shard: this rank's Engram row readers (prefetch handle)
     activation_checkpoint: str = "none"  # parallel.activation_checkpoint the blocks were wrapped with
 
+    @classmethod
+    def local(cls, module: nn.Module) -> ParallelModel:
+        """A module one process runs with no plan that reduces across ranks (a plain model, or one whose plan needs
+        no cross-rank reduction of gradients or loads, e.g. tensor parallelism alone)."""
+        return cls(module, None, ParallelDims(1, 1, 1, 1, 1, 1), sequence_parallel=False)
+
     @property
     def loss_parallel(self) -> bool:
         """The logits come back vocab-sharded (a DTensor): cross-entropy under tensor.parallel.loss_parallel."""
@@ -295,24 +303,6 @@ def _pieces(module: nn.Module) -> list[tuple[int, nn.Module, object]]:
     return out
 
 
-def _keep_context(block: nn.Module) -> None:
-    """FSDP2's pre-forward hook re-builds the block's inputs to hook the gradient of every tensor in them, and
-    rebuilds dataclasses and dicts on the way (dataclasses.replace): the block would then write its KV, top-k and
-    pool into a copy of the ForwardContext that later layers never see. Hand the block the caller's context
-    object again after FSDP's hook (the copies' tensors only carried FSDP's post-backward trigger, which the
-    block's other inputs, the streams, still carry)."""
-    saved: list = []
-
-    def grab(_, args, kwargs):  # runs before FSDP's pre-forward hook (prepended after it)
-        saved.append(args[2])
-
-    def restore(_, args, kwargs):  # runs after it
-        return (*args[:2], saved.pop(), *args[3:]), kwargs
-
-    block.register_forward_pre_hook(grab, prepend=True, with_kwargs=True)
-    block.register_forward_pre_hook(restore, with_kwargs=True)
-
-
 def _engram_tables(module: nn.Module) -> set[nn.Parameter] | None:
     """Row-sharded Engram tables FSDP must leave alone: it would all-gather whole tables (trainer/parallel/engram.py).
     None without any (an empty set would change which parameterless modules fully_shard manages)."""
@@ -348,7 +338,6 @@ def materialize(pm: ParallelModel, device: torch.device, seed: int, *, microbatc
                 pm.engram.to_host(module)  # the block's initialised rows to host memory, before FSDP sees it
             if pm.fsdp and piece >= 4:  # a block: its own FSDP unit
                 fully_shard(module, mesh=mesh, mp_policy=mp_policy, ignored_params=_engram_tables(module))
-                _keep_context(module)
     left = [n for n, t in [*pm.module.named_parameters(), *pm.module.named_buffers()] if t.is_meta]
     if left:  # a tensor outside the pieces _pieces knows (a new top-level part of the model)
         raise RuntimeError(f"materialize: {left} are still on the meta device; add their piece to _pieces")

@@ -253,7 +253,7 @@ class EngramSharding:
 
     def prefetch_row_ids(self, row_ids: dict[int, torch.Tensor]) -> None:
         """Issue the exchange of every sharded Engram for {model layer: row ids [B, T, C]} (the ids its forward will
-        look up, e.g. from `model.transformer.new_context`)."""
+        look up, e.g. from `model.transformer.new_state`)."""
         for layer, reader in self.readers.items():
             reader.prefetch(self._engram(layer).table, row_ids[layer])
 
@@ -262,13 +262,13 @@ class EngramSharding:
         forward hashes them (its hasher and sequence shard). A pipeline stage without the hasher (Engram layers
         behind the first stage get their row ids across the cut) uses `prefetch_row_ids`."""
         from model.attention import SequenceShard
-        from model.transformer import new_context
+        from model.transformer import new_state
 
         hasher = getattr(self.model, "hasher", None)
         if hasher is None:
             raise ValueError("EngramSharding.prefetch: this module has no Engram hasher; use prefetch_row_ids")
         shard = getattr(self.model, "sequence_shard", None) or SequenceShard()
-        _, engram_in = new_context(self.model.cfg, input_ids, shard, hasher, image_mask)
+        _, engram_in = new_state(self.model.cfg, input_ids, shard, hasher, image_mask)
         self.prefetch_row_ids({layer: engram_in[layer][0] for layer in self.readers})
 
 

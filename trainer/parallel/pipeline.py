@@ -55,7 +55,6 @@ from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.pipelining import (
     Schedule1F1B,
@@ -64,12 +63,11 @@ from torch.distributed.pipelining import (
     ScheduleZBVZeroBubble,
 )
 
-from model import kernels as kern
-from model.attention import ForwardContext
+from model.attention import ForwardState
 from model.config import ModelConfig
 from model.layer_plan import LayerSpec
 from model.moe import MoE
-from model.transformer import Transformer, embed_streams, forward_blocks, head_logits, new_context
+from model.transformer import Transformer, add_expert_loads, embed_streams, forward_blocks, head_logits, new_state
 from trainer.parallel.pipeline_wire import (
     KV_SLOTS,
     Slot,
@@ -222,8 +220,7 @@ class PipelineStageModule(nn.Module):
         act = act_dtype or (self.embed if self.is_first else next(iter(self.layers.values())).attn_norm).weight.dtype
         self.act_dtype, self.autocast_dtype = act, autocast_dtype
         # The Triton attention path keeps the top-k and the pool as int32 ids; they cross as such (model/kernels.py)
-        device = next(iter(self.parameters())).device
-        path = kern.resolve(self.cfg.kernels, device)
+        path = next(iter(self.layers.values())).attn.kernel_path
         kw = dict(act_dtype=act, autocast_dtype=autocast_dtype, image_mask=self.uses_image_mask,
                   context_len=context_len, ids=path == "triton", sequence_shards=sequence_shards)
         self.float_wire = _FLOAT_WIRE  # fixed here: the metadata, _pack and _unpack must agree
@@ -298,22 +295,23 @@ class PipelineStageModule(nn.Module):
         if self.is_first:
             input_ids = inputs[0]
             image_mask = inputs[1] if self.uses_image_mask else None
-            ctx, engram_in = new_context(cfg, input_ids, self.sequence_shard, self.hasher, image_mask)
+            state, engram_in = new_state(cfg, input_ids, self.sequence_shard, self.hasher, image_mask)
             S, pre = embed_streams(self.embed, input_ids, cfg.mhc.num_streams)
             aux = torch.zeros(3, device=input_ids.device)
         else:
-            S, pre, ctx, engram_in, image_mask, aux = self._unpack(inputs)
-        S, pre = forward_blocks(self.layers.values(), S, pre, ctx, cfg.num_encoder_layers, engram_in, image_mask)
-        aux = aux + self._aux(ctx, S.device)
+            S, pre, state, engram_in, image_mask, aux = self._unpack(inputs)
+        S, pre = forward_blocks(self.layers.values(), S, pre, state, cfg.num_encoder_layers, engram_in, image_mask)
+        add_expert_loads(self.layers.values(), state)
+        aux = aux + self._aux(state, S.device)
         if self.is_last:
             return head_logits(self.norm, self.head, S, pre), aux
-        return self._pack(S, pre, ctx, engram_in, image_mask, aux)
+        return self._pack(S, pre, state, engram_in, image_mask, aux)
 
-    def _aux(self, ctx: ForwardContext, device) -> torch.Tensor:
+    def _aux(self, state: ForwardState, device) -> torch.Tensor:
         """[indexer KL sum, number of KL terms, MoE sequence-balance sum] of this stage's layers."""
         zero = torch.zeros((), device=device)
-        kl = list(ctx.indexer_kl.values())
-        seq = [m.aux_loss for m in self.moe_layers() if m.aux_loss is not None]
+        kl = list(state.indexer_kl.values())
+        seq = list(state.balance_loss.values())
         return torch.stack([sum(kl, zero), torch.tensor(float(len(kl)), device=device), sum(seq, zero)])
 
     def _unpack(self, inputs):
@@ -323,31 +321,31 @@ class PipelineStageModule(nn.Module):
         got = dict(zip(((s.name, s.layer) for s in self._in), inputs))
         entries = {(s.name, s.layer): s.entries for s in self._in}
         S, pre, aux = got[("streams", None)], got[("pre", None)], got[("aux", None)]
-        # Positions (and the context-parallel chunk) as the whole model has them: without a hasher, new_context
+        # Positions (and the context-parallel chunk) as the whole model has them: without a hasher, new_state
         # reads only the token tensor's shape and device. The whole micro-batch's tokens, not S's: under sequence
         # parallelism S is this tp rank's sequence shard, and attention reads positions of the gathered sequence.
         ids = S.new_empty((S.shape[0], self.seq_len), dtype=torch.int64)
-        ctx, _ = new_context(cfg, ids, self.sequence_shard)
-        ctx.h_mid = got.get(("h_mid", None))
+        state, _ = new_state(cfg, ids, self.sequence_shard)
+        state.h_mid = got.get(("h_mid", None))
         codes = got[("kv_dtypes", None)].tolist() if ("kv_dtypes", None) in got else None
         kv = [(key, t) for key, t in got.items() if key[0] in KV_SLOTS]
         for i, (key, t) in enumerate(kv):  # back to the dtype the sender's layers made (see boundary_slots)
             got[key] = t.to(self.autocast_dtype) if codes is not None and codes[i] else t
         for (name, layer), t in got.items():
             if name == "kv_main":
-                ctx.kv[layer] = (t, got[("kv_keys", layer)])
+                state.kv[layer] = (t, got[("kv_keys", layer)])
             elif name == "topk":
-                ctx.selection[layer] = t if t.dtype == torch.int32 else unpack_bits(t, entries[(name, layer)])
+                state.selection[layer] = t if t.dtype == torch.int32 else unpack_bits(t, entries[(name, layer)])
             elif name == "pool":
-                ctx.pool = t if t.dtype == torch.int32 else unpack_bits(t, entries[(name, layer)])
+                state.pool = t if t.dtype == torch.int32 else unpack_bits(t, entries[(name, layer)])
         engram_in = None
         if ("engram_dead", None) in got:  # rows of this stage's Engram layers and of later stages' (passed on)
             dead = got[("engram_dead", None)].bool()
             engram_in = {layer: (t, dead) for (name, layer), t in got.items() if name == "engram_rows"}
         image_mask = got[("image_mask", None)].bool() if ("image_mask", None) in got else None
-        return S, pre, ctx, engram_in, image_mask, aux
+        return S, pre, state, engram_in, image_mask, aux
 
-    def _pack(self, S, pre, ctx: ForwardContext, engram_in, image_mask, aux) -> tuple[torch.Tensor, ...]:
+    def _pack(self, S, pre, state: ForwardState, engram_in, image_mask, aux) -> tuple[torch.Tensor, ...]:
         out, kv_codes = [], []
         for s in self._out:
             if s.name == "streams":
@@ -355,19 +353,19 @@ class PipelineStageModule(nn.Module):
             elif s.name == "pre":
                 t = pre
             elif s.name == "h_mid":
-                t = ctx.h_mid
+                t = state.h_mid
             elif s.name in KV_SLOTS:
-                t = ctx.kv[s.layer][KV_SLOTS.index(s.name)]
+                t = state.kv[s.layer][KV_SLOTS.index(s.name)]
                 kv_codes.append(int(t.dtype == self.autocast_dtype and t.dtype != s.dtype))
                 if kv_codes[-1]:
                     t = t.to(s.dtype)  # exact: the autocast dtype is the narrower one
             elif s.name == "kv_dtypes":
                 t = torch.tensor(kv_codes, dtype=torch.uint8, device=S.device)
             elif s.name == "topk":
-                t = ctx.selection[s.layer]
+                t = state.selection[s.layer]
                 t = t if s.dtype == torch.int32 else pack_bits(t)
             elif s.name == "pool":
-                t = ctx.pool if s.dtype == torch.int32 else pack_bits(ctx.pool)
+                t = state.pool if s.dtype == torch.int32 else pack_bits(state.pool)
             elif s.name == "engram_rows":
                 t = engram_in[s.layer][0]
             elif s.name == "engram_dead":
@@ -412,17 +410,24 @@ def split_model(model: Transformer, cuts: Sequence[int], stage_ids: Sequence[int
 
 
 class PipelineLoss:
-    """The last stage's loss per micro-batch: cross-entropy + coef * mean indexer KL + MoE sequence balance, the
-    terms forward_backward adds in the unpipelined trainer (and, like its grad_accum, a mean over micro-batches of
-    per-micro-batch means). Keeps each micro-batch's detached terms for logging."""
+    """The last stage's loss per micro-batch: the LM term of trainer/loss.py's `LMLoss` (the plain path's loss, the
+    same code) + coef * mean indexer KL + MoE sequence balance, as the unpipelined trainer adds them. The target is
+    the labels [B, T], or labels and per-token weights stacked as float64 [B, T, 2] (`Pipeline.step`: the schedule
+    splits one target tensor into micro-batches). Keeps each micro-batch's detached terms for logging."""
 
     def __init__(self, cfg: ModelConfig):
+        from trainer.loss import LMLoss
+
         self.coef = cfg.indexer.loss_coef
+        self.lm = LMLoss()
         self.terms: list[torch.Tensor] = []  # [lm, kl mean (unweighted), seq balance] per micro-batch
 
-    def __call__(self, output, labels: torch.Tensor) -> torch.Tensor:
+    def __call__(self, output, target: torch.Tensor) -> torch.Tensor:
         logits, aux = output
-        lm = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+        labels, weights = target, None
+        if target.dim() == 3:  # (label, weight) pairs; labels are exact in float64
+            labels, weights = target[..., 0].long(), target[..., 1]
+        lm = self.lm.lm(logits, labels, weights)
         kl_sum, kl_count, seq = aux.unbind()
         kl = kl_sum / kl_count.clamp_min(1.0)  # no KL term at all without index sources (count 0, sum 0)
         self.terms.append(torch.stack([lm, kl, seq]).detach())
@@ -434,9 +439,10 @@ class Pipeline:
     of one optimiser step; gradients land (averaged over micro-batches) in the stage modules' .grad."""
 
     def __init__(self, stages: list[PipelineStageModule], schedule, loss: PipelineLoss, group, image_mask: bool,
-                 rows: int):
+                 rows: int, n_microbatches: int):
         self.stages, self.schedule, self.loss, self.group = stages, schedule, loss, group
         self.rows = rows  # M x B rows per step
+        self.n_microbatches = n_microbatches
         self.has_first = any(s.is_first for s in stages)
         self.has_last = any(s.is_last for s in stages)
         self.image_mask = image_mask
@@ -454,10 +460,12 @@ class Pipeline:
         return [m for stage in self.stages for m in stage.moe_layers()]
 
     def step(self, input_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
-             image_mask: torch.Tensor | None = None) -> float:
-        """input_ids / labels [M*B, T] (input_ids needed where the first stage lives, labels where the last does).
-        Returns the mean loss over the micro-batches (a float, the same on every rank of the pipeline group); sets
-        `metrics` (means of lm, unweighted indexer_kl and moe_seq_balance)."""
+             image_mask: torch.Tensor | None = None, *, weights: torch.Tensor | None = None,
+             tokens=None) -> float:
+        """input_ids / labels [M*B, T] (input_ids needed where the first stage lives, labels where the last does);
+        weights [M*B, T]: per-token loss weights (None: 1); tokens: the step's `trainer.loss.StepTokens` (default:
+        this rank's valid labels, no data ranks). Returns the mean loss over the micro-batches (a float, the same on
+        every rank of the pipeline group); sets `metrics` (means of lm, unweighted indexer_kl and moe_seq_balance)."""
         for name, t in (("input_ids", input_ids), ("labels", labels)):
             if t is not None and t.shape[0] != self.rows:
                 raise ValueError(f"pipeline: {name} has {t.shape[0]} rows, the static micro-batch layout expects "
@@ -467,6 +475,12 @@ class Pipeline:
             args = (input_ids, image_mask) if self.image_mask else (input_ids,)
             args = tuple(a.contiguous() for a in args)
         self.loss.terms.clear()
+        if self.has_last:
+            from trainer.loss import StepTokens, valid_tokens
+
+            self.loss.lm.begin_step(tokens or StepTokens(valid_tokens(labels), 1, self.n_microbatches))
+            if weights is not None:
+                labels = torch.stack([labels.double(), weights.double()], dim=-1)
         self.schedule.step(*args, target=labels if self.has_last else None, return_outputs=False)
         device = next(iter(self.stages[0].parameters())).device
         terms = torch.zeros(3, device=device)
@@ -525,4 +539,5 @@ def build_pipeline(stages: list[PipelineStageModule], pp_group, *, schedule: str
         sched = cls(pipeline_stages[0], n_microbatches=n_microbatches, loss_fn=loss)
     else:
         sched = cls(pipeline_stages, n_microbatches=n_microbatches, loss_fn=loss)
-    return Pipeline(stages, sched, loss, pp_group, stages[0].uses_image_mask, n_microbatches * microbatch_size)
+    return Pipeline(stages, sched, loss, pp_group, stages[0].uses_image_mask, n_microbatches * microbatch_size,
+                    n_microbatches)

@@ -1,0 +1,131 @@
+"""trainer/stage.py and trainer/callbacks.py, the seams a new stage plugs into.
+
+- stage.name picks the Stage; an unimplemented one fails naming the implemented ones; pretraining's hooks (FP4 QAT,
+  bounded replay refused) are the Stage's model-config transform.
+- docs/data_flow.md's example stage runs as printed: registered, built by name, and its loader masks the prompt
+  while keeping the wrapped loader's resume state.
+- trainer.callbacks: import paths load Callback instances; a bad path or a non-Callback fails naming it.
+- The callbacks run at their points of the loop, in order, through a real run (tests/trainer/harness.py's micro
+  model): the hooks see every step, the optimiser step only on applied steps, and the periodic checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from trainer.callbacks import Callback, load_callbacks
+from trainer.config import StageConfig
+from trainer.stage import STAGES, Pretrain, build_stage
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_stage_name_picks_the_stage_and_pretrain_applies_its_hooks():
+    from model.config import ModelConfig
+
+    stage = build_stage(StageConfig())
+    assert isinstance(stage, Pretrain) and stage.name == "pretrain"
+    base = ModelConfig()
+    assert stage.model_config(base) == base
+    assert build_stage(StageConfig(fp4_qat=True)).model_config(base).quant.main_kv == "fp4"
+    with pytest.raises(ValueError, match="bounded_replay"):
+        build_stage(StageConfig(bounded_replay=True)).model_config(base)
+    with pytest.raises(ValueError, match=r"stage.name='sft' is not implemented yet; only \['pretrain'\] run"):
+        build_stage(StageConfig(name="sft"))
+
+
+class _Loader:
+    """A loader with a resume state, as PackedLoader has."""
+
+    skipped_shards = 0
+
+    def __iter__(self):
+        for _ in range(2):
+            ids = torch.arange(33).view(1, 33)
+            yield {"input_ids": ids[:, :-1], "labels": ids[:, 1:]}
+
+    def state_dict(self):
+        return {"position": 7}
+
+
+def test_the_documented_example_stage_runs(monkeypatch):
+    doc = (ROOT / "docs" / "data_flow.md").read_text()
+    code = re.search(r"## A 20-line example stage.*?```python\n(.*?)```", doc, re.S).group(1)
+    assert len(code.strip().splitlines()) <= 30
+    monkeypatch.setattr("trainer.stage.STAGES", dict(STAGES))
+    namespace: dict = {}
+    exec(compile(code, "docs/data_flow.md", "exec"), namespace)
+    import trainer.stage
+
+    cls = trainer.stage.STAGES["answers_only"]
+    stage_cfg = StageConfig()
+    object.__setattr__(stage_cfg, "name", "answers_only")  # the example's own name (a real stage adds it to the set)
+    stage = build_stage(stage_cfg)
+    assert isinstance(stage, cls)
+    monkeypatch.setattr(Pretrain, "batches", lambda self, cfg, r, n, progress=False: (_Loader(), "tok"))
+    loader, tok = stage.batches(None, 0, 1)
+    batches = list(loader)
+    assert tok == "tok" and len(batches) == 2
+    assert (batches[0]["labels"][:, :16] == -100).all() and (batches[0]["labels"][:, 16:] >= 0).all()
+    assert loader.state_dict() == {"position": 7} and loader.skipped_shards == 0
+
+
+class Probe(Callback):
+    """Writes the hooks a run calls to <run dir>/probe.jsonl (loaded by import path in tests/trainer/test_train.py's
+    skipped-steps run, which checks the order) and puts `probe` in every step's metrics."""
+
+    def _note(self, job, *event):
+        with open(job.run_dir / "probe.jsonl", "a") as f:
+            f.write(json.dumps(list(event)) + "\n")
+
+    def on_train_start(self, job):
+        self._note(job, "start", job.state.step)
+
+    def on_step_start(self, job, step):
+        self._note(job, "step_start", step)
+
+    def on_before_optimizer_step(self, job, step, stats):
+        self._note(job, "before_opt", step)
+
+    def on_after_optimizer_step(self, job, step, stats):
+        assert "expert_imbalance" in stats.extra  # the built-in RouterBalance ran first
+        self._note(job, "after_opt", step)
+
+    def on_step_end(self, job, step, stats):
+        assert job.state.step == step
+        stats.extra["probe"] = float(step)
+        self._note(job, "step_end", step)
+
+    def on_checkpoint(self, job, step, path):
+        self._note(job, "checkpoint", step)
+
+    def on_train_end(self, job):
+        self._note(job, "end", job.state.step)
+
+
+def expected_probe(steps: int, skipped: set[int], checkpoints: set[int]) -> list[list]:
+    """The hook sequence a run of `steps` steps with those skipped and saved must call."""
+    out = [["start", 0]]
+    for step in range(1, steps + 1):
+        out.append(["step_start", step])
+        if step not in skipped:
+            out.append(["before_opt", step])
+        out += [["after_opt", step], ["step_end", step]]  # before the built-in metrics and checkpoint
+        if step in checkpoints:
+            out.append(["checkpoint", step])
+    return out + [["end", steps]]
+
+
+def test_trainer_callbacks_load_by_import_path():
+    (probe,) = load_callbacks([f"{__name__}:Probe"])
+    assert isinstance(probe, Probe)
+    assert isinstance(load_callbacks([f"{__name__}.Probe"])[0], Probe)
+    with pytest.raises(ValueError, match="cannot import 'nowhere.at_all:Nothing'"):
+        load_callbacks(["nowhere.at_all:Nothing"])
+    with pytest.raises(ValueError, match="is not a trainer.callbacks.Callback"):
+        load_callbacks([f"{__name__}:_Loader"])

@@ -1,0 +1,193 @@
+"""The callback seam: what the training loop (trainer/train.py `train_loop`) does around each step, as objects.
+
+The loop itself only computes gradients, applies or skips the update, advances the step and honours a stop
+request; everything else runs in callbacks, at these points, in list order (`Callbacks`):
+
+| hook | when | built-in use |
+| --- | --- | --- |
+| on_train_start(job) | after `build`, before the first step of this launch | progress bar |
+| on_step_start(job, step) | before the step's batches are read | |
+| on_before_optimizer_step(job, step, stats) | gradients reduced and clipped; finite steps only | |
+| on_after_optimizer_step(job, step, stats) | after the update (or the skip) and zero_grad | router-bias update |
+| on_step_end(job, step, stats) | state.step == step | metrics, periodic checkpoint |
+| on_checkpoint(job, step, path) | after a checkpoint is written | progress line |
+| on_train_end(job) | the loop ended (finished, stopped or raised) | progress bar closed |
+
+The order (`ordered`): `RouterBalance` (aux-loss-free MoE balancing from the step's expert loads,
+trainer/parallel/gradients.py), then the stage's callbacks (trainer/stage.py) and those named in `trainer.callbacks`
+(import paths "package.module:Class" or "package.module.Class", built without arguments), then `MetricsLog`
+(progress, the metrics file and W&B) and `PeriodicCheckpoint` (checkpoint.interval) last, so that a step's record
+holds what every other callback put in `stats.extra` and a checkpoint holds what they changed.
+Callbacks read and write `stats.extra` (numbers for this step's metrics record) and the Job; they run on every
+rank, so a callback that issues a collective does so on every rank at the same point.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from trainer.train import Job, StepStats
+
+__all__ = ["Callback", "Callbacks", "RouterBalance", "MetricsLog", "PeriodicCheckpoint", "ordered",
+           "load_callbacks"]
+
+
+class Callback:
+    """Every hook a no-op: override the ones you need."""
+
+    def on_train_start(self, job: Job) -> None:
+        pass
+
+    def on_step_start(self, job: Job, step: int) -> None:
+        pass
+
+    def on_before_optimizer_step(self, job: Job, step: int, stats: StepStats) -> None:
+        pass
+
+    def on_after_optimizer_step(self, job: Job, step: int, stats: StepStats) -> None:
+        pass
+
+    def on_step_end(self, job: Job, step: int, stats: StepStats) -> None:
+        pass
+
+    def on_checkpoint(self, job: Job, step: int, path: Path) -> None:
+        pass
+
+    def on_train_end(self, job: Job) -> None:
+        pass
+
+
+class Callbacks(Callback):
+    """A list of callbacks called in order."""
+
+    def __init__(self, callbacks: list[Callback]):
+        self.callbacks = list(callbacks)
+
+    def on_train_start(self, job):
+        for cb in self.callbacks:
+            cb.on_train_start(job)
+
+    def on_step_start(self, job, step):
+        for cb in self.callbacks:
+            cb.on_step_start(job, step)
+
+    def on_before_optimizer_step(self, job, step, stats):
+        for cb in self.callbacks:
+            cb.on_before_optimizer_step(job, step, stats)
+
+    def on_after_optimizer_step(self, job, step, stats):
+        for cb in self.callbacks:
+            cb.on_after_optimizer_step(job, step, stats)
+
+    def on_step_end(self, job, step, stats):
+        for cb in self.callbacks:
+            cb.on_step_end(job, step, stats)
+
+    def on_checkpoint(self, job, step, path):
+        for cb in self.callbacks:
+            cb.on_checkpoint(job, step, path)
+
+    def on_train_end(self, job):
+        for cb in self.callbacks:
+            cb.on_train_end(job)
+
+
+class RouterBalance(Callback):
+    """After an applied update, move the MoE balancing biases from the step's expert loads (summed over the ranks
+    that routed different tokens) and put the worst max/mean load in the metrics as `expert_imbalance`; a skipped
+    step moves nothing (nan)."""
+
+    def on_after_optimizer_step(self, job, step, stats):
+        from trainer.parallel.gradients import update_router_biases
+
+        stats.extra["expert_imbalance"] = update_router_biases(job.pm) if stats.finite else math.nan
+
+
+class MetricsLog(Callback):
+    """Rank 0's progress (bar or plain lines) every step and a metrics record every logger.log_every steps, at the
+    last step and at every skipped step: loss, lr, gradient norm, tokens/s and MFU over the window since the last
+    record, tokens seen, memory, skipped shards and steps, the aux terms and every callback's `stats.extra`."""
+
+    def __init__(self):
+        self.progress = None
+        self.window_tokens, self.window_start = 0, time.perf_counter()
+        self._flops: dict[int, float] = {}
+
+    def on_train_start(self, job):
+        from trainer.progress import Progress
+
+        self.progress = Progress(job.rt.rank == 0, job.state.step, job.trainer.max_steps, bar=job.progress_bar,
+                                 log_every=job.log_every)
+        self.window_tokens, self.window_start = 0, time.perf_counter()
+
+    def _mfu(self, job, seq_len: int, tokens_per_s: float) -> float:
+        """Model FLOPs utilisation of the whole job: global tokens/s x FLOPs per token over every device's peak."""
+        if seq_len not in self._flops:
+            self._flops[seq_len] = job.flops_per_token(seq_len)
+        return self._flops[seq_len] * tokens_per_s / (job.peak_flops * job.rt.world_size)
+
+    def on_step_end(self, job, step, stats):
+        from trainer.metrics import memory_mb
+        from trainer.parallel.gradients import sum_over_data
+
+        self.window_tokens += stats.tokens
+        tokens_per_s = self.window_tokens / max(time.perf_counter() - self.window_start, 1e-9)
+        mfu = self._mfu(job, stats.seq_len, tokens_per_s)
+        self.progress.update(step, stats.loss, stats.lr, tokens_per_s, mfu)
+        if step % job.log_every == 0 or step == job.trainer.max_steps or not stats.finite:
+            (skipped,) = sum_over_data(job.pm, [job.loader.skipped_shards])
+            record = {
+                "loss": stats.loss, "lr": stats.lr, "grad_norm": stats.grad_norm, "tokens_per_s": tokens_per_s,
+                "tokens_seen": job.state.tokens_seen, "mfu": mfu,
+                **{k: v for k, v in stats.extra.items() if k == "expert_imbalance"},
+                "memory_mb": memory_mb(job.rt.device), "skipped_shards": int(skipped),
+                "skipped_steps": job.state.skipped_steps, **dict(sorted(stats.aux.items())),
+                **{k: v for k, v in stats.extra.items() if k != "expert_imbalance"},
+            }
+            job.metrics.log(step, record)
+            self.window_tokens, self.window_start = 0, time.perf_counter()
+
+    def on_checkpoint(self, job, step, path):
+        self.progress.write(f"checkpoint saved: {path}")
+        self.window_tokens, self.window_start = 0, time.perf_counter()  # keep save time out of tokens/s
+
+    def on_train_end(self, job):
+        if self.progress is not None:
+            self.progress.close()
+
+
+class PeriodicCheckpoint(Callback):
+    """A checkpoint every checkpoint.interval steps and at the last step; none inside a run of skipped steps (if they
+    end the run, the newest checkpoint is a good step's)."""
+
+    def on_step_end(self, job, step, stats):
+        if stats.finite and job.checkpointer.due(step, job.trainer.max_steps):
+            job.save_checkpoint(step)
+
+
+def ordered(extra: list[Callback]) -> Callbacks:
+    """The built-ins around the stage's and the user's callbacks (`extra`), in the order the module docstring gives."""
+    return Callbacks([RouterBalance(), *extra, MetricsLog(), PeriodicCheckpoint()])
+
+
+def load_callbacks(paths: list[str]) -> list[Callback]:
+    """Instances of the callback classes named by import path ("pkg.module:Class" or "pkg.module.Class"), each
+    built without arguments; a path that does not resolve to a Callback raises a ValueError naming it."""
+    out = []
+    for path in paths:
+        module_name, _, attr = path.partition(":") if ":" in path else path.rpartition(".")
+        try:
+            cls = getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError, ValueError) as e:
+            raise ValueError(f"trainer.callbacks: cannot import {path!r} ({type(e).__name__}: {e}); give "
+                             "'package.module:Class' of a trainer.callbacks.Callback subclass") from None
+        instance = cls()
+        if not isinstance(instance, Callback):
+            raise ValueError(f"trainer.callbacks: {path!r} is not a trainer.callbacks.Callback subclass")
+        out.append(instance)
+    return out

@@ -1,0 +1,88 @@
+"""The loss seam: one language-model loss for the plain and the pipeline paths, normalised over the global batch.
+
+What a step minimises: the sum, over every valid token of the global batch (label != IGNORE_INDEX, on every data
+rank and micro-batch), of the token's cross-entropy times its weight (1 unless the batch carries per-token
+`loss_weights`, e.g. RL advantages), divided by the number of valid tokens, plus the model's auxiliary losses
+(indexer KL, MoE sequence balance: per micro-batch means, as they were). A mean of per-micro-batch means would give
+a micro-batch with few valid tokens (a masked SFT batch) the weight of a full one; this does not.
+
+How the normalisation is spread over the step. The trainer counts the step's valid tokens before the forward
+(`StepTokens.count`: N over the ranks that read different data, one all-reduce of one number); every micro-batch's
+loss is its own mean over its n valid tokens times its share n * D * M / N (D the ranks the gradient mean runs over,
+dp x ep x cp; M the micro-batches per rank). Gradient accumulation divides by M and the reduction by D
+(trainer/parallel/gradients.py), so the step's gradient is the gradient of (sum of token losses) / N. With equal
+valid counts everywhere (pretraining) every share is exactly 1.0 (an exact integer quotient), so the loss and every
+gradient are bitwise those of the plain mean of means (tests/trainer/test_reference_curve.py). A micro-batch
+without valid tokens contributes an exact zero (its mean would be 0 / 0) and still runs its backward, so every rank
+issues the same collectives.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["IGNORE_INDEX", "StepTokens", "LMLoss", "valid_tokens"]
+
+IGNORE_INDEX = -100  # a label that takes no part in the loss (prompt tokens, padding)
+
+
+def valid_tokens(labels: torch.Tensor) -> int:
+    """Tokens of `labels` that count in the loss (label != IGNORE_INDEX)."""
+    return int((labels != IGNORE_INDEX).sum())
+
+
+@dataclass(frozen=True)
+class StepTokens:
+    """One optimiser step's normalisation: `total` valid tokens over the global batch, `ranks` over which the
+    gradient is averaged (dp x ep x cp), `micro_batches` per rank."""
+
+    total: int
+    ranks: int = 1
+    micro_batches: int = 1
+
+    def share(self, valid: torch.Tensor) -> torch.Tensor:
+        """A micro-batch's weight relative to an equal share of the step (1.0 exactly when every micro-batch of
+        every rank holds the same number of valid tokens). valid: its valid-token count (a 0-dim tensor)."""
+        return (valid.double() * (self.ranks * self.micro_batches) / max(self.total, 1)).float()
+
+
+class LMLoss:
+    """Cross-entropy over the valid tokens of one micro-batch, weighted per token if asked, times the micro-batch's
+    share of the step (`StepTokens.share`), plus the auxiliary losses it is handed. Set the step with
+    `begin_step`; each call returns the micro-batch's loss to differentiate (before gradient accumulation's 1 / M)
+    and keeps its detached LM term in `lm_terms` (their mean over the step's micro-batches, averaged over data
+    ranks, is the global token mean)."""
+
+    def __init__(self) -> None:
+        self.tokens = StepTokens(total=0)
+        self.lm_terms: list[torch.Tensor] = []
+
+    def begin_step(self, tokens: StepTokens) -> None:
+        self.tokens = tokens
+        self.lm_terms = []
+
+    def lm(self, logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+        """logits [B, T, V] (a vocab-sharded DTensor under loss_parallel), labels [B, T], weights [B, T] or None
+        -> this micro-batch's LM term: its (weighted) mean over valid tokens times its share."""
+        flat_logits, flat_labels = logits.float().flatten(0, 1), labels.flatten()
+        valid = (flat_labels != IGNORE_INDEX).sum()
+        if weights is None:
+            mean = F.cross_entropy(flat_logits, flat_labels, ignore_index=IGNORE_INDEX)
+        else:
+            per_token = F.cross_entropy(flat_logits, flat_labels, ignore_index=IGNORE_INDEX, reduction="none")
+            if hasattr(per_token, "full_tensor"):  # loss_parallel: the per-token losses, replicated over tp
+                per_token = per_token.full_tensor()
+            mean = (per_token * weights.flatten().to(per_token.dtype)).sum() / valid.clamp_min(1)
+        if hasattr(mean, "full_tensor"):  # loss_parallel: a replicated DTensor, the same value on every tp rank
+            mean = mean.full_tensor()
+        # 0 / 0 where nothing is valid: an exact zero instead, whose backward is zero too
+        term = torch.where(valid > 0, mean * self.tokens.share(valid), torch.zeros_like(mean))
+        self.lm_terms.append(term.detach())
+        return term
+
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor | None = None,
+                 aux: torch.Tensor | float = 0.0) -> torch.Tensor:
+        return self.lm(logits, labels, weights) + aux
