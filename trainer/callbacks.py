@@ -63,38 +63,35 @@ class Callback:
 
 
 class Callbacks(Callback):
-    """A list of callbacks called in order."""
+    """A list of callbacks, each hook called on each of them in order."""
 
     def __init__(self, callbacks: list[Callback]):
         self.callbacks = list(callbacks)
 
-    def on_train_start(self, job):
+    def _each(self, hook: str, *args) -> None:
         for cb in self.callbacks:
-            cb.on_train_start(job)
+            getattr(cb, hook)(*args)
+
+    def on_train_start(self, job):
+        self._each("on_train_start", job)
 
     def on_step_start(self, job, step):
-        for cb in self.callbacks:
-            cb.on_step_start(job, step)
+        self._each("on_step_start", job, step)
 
     def on_before_optimizer_step(self, job, step, stats):
-        for cb in self.callbacks:
-            cb.on_before_optimizer_step(job, step, stats)
+        self._each("on_before_optimizer_step", job, step, stats)
 
     def on_after_optimizer_step(self, job, step, stats):
-        for cb in self.callbacks:
-            cb.on_after_optimizer_step(job, step, stats)
+        self._each("on_after_optimizer_step", job, step, stats)
 
     def on_step_end(self, job, step, stats):
-        for cb in self.callbacks:
-            cb.on_step_end(job, step, stats)
+        self._each("on_step_end", job, step, stats)
 
     def on_checkpoint(self, job, step, path):
-        for cb in self.callbacks:
-            cb.on_checkpoint(job, step, path)
+        self._each("on_checkpoint", job, step, path)
 
     def on_train_end(self, job):
-        for cb in self.callbacks:
-            cb.on_train_end(job)
+        self._each("on_train_end", job)
 
 
 class RouterBalance(Callback):
@@ -141,14 +138,15 @@ class MetricsLog(Callback):
         self.progress.update(step, stats.loss, stats.lr, tokens_per_s, mfu)
         if step % job.log_every == 0 or step == job.trainer.max_steps or not stats.finite:
             (skipped,) = sum_over_data(job.pm, [job.loader.skipped_shards])
+            extra = dict(stats.extra)
             record = {
                 "loss": stats.loss, "lr": stats.lr, "grad_norm": stats.grad_norm, "tokens_per_s": tokens_per_s,
                 "tokens_seen": job.state.tokens_seen, "mfu": mfu,
-                **{k: v for k, v in stats.extra.items() if k == "expert_imbalance"},
-                "memory_mb": memory_mb(job.rt.device), "skipped_shards": int(skipped),
-                "skipped_steps": job.state.skipped_steps, **dict(sorted(stats.aux.items())),
-                **{k: v for k, v in stats.extra.items() if k != "expert_imbalance"},
             }
+            if "expert_imbalance" in extra:  # beside the throughput, where the records always had it
+                record["expert_imbalance"] = extra.pop("expert_imbalance")
+            record.update({"memory_mb": memory_mb(job.rt.device), "skipped_shards": int(skipped),
+                           "skipped_steps": job.state.skipped_steps, **dict(sorted(stats.aux.items())), **extra})
             job.metrics.log(step, record)
             self.window_tokens, self.window_start = 0, time.perf_counter()
 

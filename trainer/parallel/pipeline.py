@@ -68,6 +68,7 @@ from model.config import ModelConfig
 from model.layer_plan import LayerSpec
 from model.moe import MoE
 from model.transformer import Transformer, add_expert_loads, embed_streams, forward_blocks, head_logits, new_state
+from trainer.loss import LMLoss, StepTokens, valid_tokens
 from trainer.parallel.pipeline_wire import (
     KV_SLOTS,
     Slot,
@@ -416,8 +417,6 @@ class PipelineLoss:
     splits one target tensor into micro-batches). Keeps each micro-batch's detached terms for logging."""
 
     def __init__(self, cfg: ModelConfig):
-        from trainer.loss import LMLoss
-
         self.coef = cfg.indexer.loss_coef
         self.lm = LMLoss()
         self.terms: list[torch.Tensor] = []  # [lm, kl mean (unweighted), seq balance] per micro-batch
@@ -476,8 +475,6 @@ class Pipeline:
             args = tuple(a.contiguous() for a in args)
         self.loss.terms.clear()
         if self.has_last:
-            from trainer.loss import StepTokens, valid_tokens
-
             self.loss.lm.begin_step(tokens or StepTokens(valid_tokens(labels), 1, self.n_microbatches))
             if weights is not None:
                 labels = torch.stack([labels.double(), weights.double()], dim=-1)
