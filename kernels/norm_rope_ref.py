@@ -23,11 +23,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     """Rotate the trailing 2 * cos.shape[-1] channels of x.
 
-    x: [B, T, D] or [B, T, H, D]; cos/sin: [T, R/2]. Returns a tensor of x's dtype.
+    x: [B, T, D] or [B, T, H, D]; cos/sin: [T, R/2], or [B, T, R/2] (a position per row: the inference cache).
+    Returns a tensor of x's dtype.
     """
     half = cos.shape[-1]
     if x.dim() == 4:
-        cos, sin = cos[:, None, :], sin[:, None, :]
+        cos, sin = cos[..., None, :], sin[..., None, :]
     c, s = cos.float(), sin.float()
     if inverse:
         s = -s

@@ -96,16 +96,21 @@ def kv_cache_layout(model: nn.Module) -> list[dict]:
     with the prefix cache), one SWA ring per layer (short-lived DRAM pool, never persisted)."""
     records = []
     q = model.cfg.quant
+    itemsize = model.embed.weight.element_size()  # format "none" stores the compute (parameter) dtype
+
+    def record(dim: int, fmt: str) -> int:
+        return dim * itemsize if fmt == "none" else fp4.record_bytes(dim, fmt)
+
     for layer in model.layers:
         a, spec = layer.attn, layer.spec
         if spec.owns_kv:
             records.append(dict(layer=spec.index, kind="main_kv", entries_per_token=1 / spec.ratio,
-                                bytes_per_entry=fp4.record_bytes(a.head_dim, q.cache_main_kv), persistent=True))
+                                bytes_per_entry=record(a.head_dim, q.cache_main_kv), persistent=True))
             fmt = "fp4_ue8m0" if q.cache_index == "fp4" else q.cache_index
             records.append(dict(layer=spec.index, kind="index_k", entries_per_token=1 / spec.ratio,
-                                bytes_per_entry=fp4.record_bytes(a.indexer.head_dim, fmt), persistent=True))
+                                bytes_per_entry=record(a.indexer.head_dim, fmt), persistent=True))
         records.append(dict(layer=spec.index, kind="swa_kv", window=model.cfg.attention.window,
-                            bytes_per_entry=fp4.record_bytes(a.head_dim, q.cache_swa_kv), persistent=False))
+                            bytes_per_entry=record(a.head_dim, q.cache_swa_kv), persistent=False))
     return records
 
 

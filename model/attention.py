@@ -91,6 +91,7 @@ class LayerOutputs:
     selection: torch.Tensor | None = None
     pool: torch.Tensor | None = None  # pool builder: [B, T, E] bool, or [B, T, P] int32 block ids (Triton)
     indexer_kl: torch.Tensor | None = None  # index source: scalar KL (a loss term)
+    experts: torch.Tensor | None = None  # [B, T, K] int64 the MoE's chosen experts (kept with state.keep_routing)
     expert_load: torch.Tensor | None = None  # [2, E] int64: tokens routed to each expert (text, image rows)
     balance_loss: torch.Tensor | None = None  # the MoE sequence-wise balance loss (a loss term; None when off)
 
@@ -115,7 +116,22 @@ class ForwardState:
     balance_loss: dict[int, torch.Tensor] = field(default_factory=dict)  # MoE layer -> sequence-balance loss
     expert_load: dict[int, torch.Tensor] = field(default_factory=dict)  # MoE layer -> [2, E] int64 loads
     hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [B, T, dim] (forward_blocks' hidden_layers)
+    # -- serving and replay (model/cache.py, model/serving.py, model/routing.py) --
+    cache: object | None = None  # the inference cache (KVCache): positions are then [B, T], a position per row
+    call_start: torch.Tensor | None = None  # [B] the cache's length per row when the call began
+    routing: object | None = None  # RoutingRecords: recorded top-k and experts to use instead of choosing (R3)
+    keep_routing: bool = False  # record every index source's top-k and every MoE layer's experts
+    experts: dict[int, torch.Tensor] = field(default_factory=dict)  # MoE layer -> [B, T, K] (keep_routing)
+    # bounded-replay simulation (model/replay.py): layer -> [B, T] the first key position each query's window may
+    # read (-1: all), and KV source -> (main, keys, [B] entries) the cached global KV the replayed rows keep
+    window_floor: dict[int, torch.Tensor] = field(default_factory=dict)
+    kv_fixed: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     _rope: dict = field(default_factory=dict)  # a cache of pure functions of the positions
+
+    def set_rows(self, positions: torch.Tensor) -> None:
+        """Continue with other query rows (a bounded-replay prefill trims the decoder's rows)."""
+        self.positions = positions
+        self._rope.clear()
 
     def rope(self, cfg, kind: str, positions: torch.Tensor, dtype: torch.dtype, key=None):
         key = (kind, key, dtype)
@@ -125,7 +141,7 @@ class ForwardState:
 
     def record(self, layer: int, out: LayerOutputs) -> None:
         """Keep what layer `layer` made (its `LayerOutputs`) for the layers after it and for the loss."""
-        for name in ("kv", "selection", "indexer_kl", "balance_loss", "expert_load"):
+        for name in ("kv", "selection", "indexer_kl", "balance_loss", "expert_load", "experts"):
             value = getattr(out, name)
             if value is not None:
                 getattr(self, name)[layer] = value
@@ -137,14 +153,15 @@ def attend(q, kv_win, kv_cmp, win_mask, cmp_mask, sink):
     """Reference sparse shared-KV attention (the Triton kernel must equal this).
 
     q [B, T, H, D]; kv_win [B, S, D] window keys (S = T, or h + T with a context-parallel halo of h earlier rows
-    first); kv_cmp [B, E, D] or None; win_mask [T, S] bool; cmp_mask [B, T, E] bool; sink [H] fp32.
+    first, or the cache's ring then the new rows); kv_cmp [B, E, D] or None; win_mask [T, S] or [B, T, S] bool;
+    cmp_mask [B, T, E] bool; sink [H] fp32.
     Returns out [B, T, H, D] (q's dtype) and the fp32 probabilities over compressed entries [B, H, T, E] (None
     without compressed entries).
     """
     D = q.shape[-1]
     scale = D ** -0.5
     logits = torch.einsum("bthd,bsd->bhts", q, kv_win).float() * scale
-    logits = logits.masked_fill(~win_mask, float("-inf"))
+    logits = logits.masked_fill(~(win_mask[:, None] if win_mask.dim() == 3 else win_mask), float("-inf"))
     if kv_cmp is not None:
         lc = torch.einsum("bthd,bed->bhte", q, kv_cmp).float() * scale
         lc = lc.masked_fill(~cmp_mask[:, None], float("-inf"))
@@ -152,11 +169,11 @@ def attend(q, kv_win, kv_cmp, win_mask, cmp_mask, sink):
     # the sink joins the max and the denominator only (a learned "attend to nothing" column)
     sink_col = sink.float()[None, :, None, None].expand(*logits.shape[:-1], 1)
     probs = torch.cat((logits, sink_col), dim=-1).softmax(dim=-1)[..., :-1]
-    T = kv_win.shape[1]
-    out = torch.einsum("bhts,bsd->bthd", probs[..., :T].to(kv_win.dtype), kv_win)
+    S = kv_win.shape[1]
+    out = torch.einsum("bhts,bsd->bthd", probs[..., :S].to(kv_win.dtype), kv_win)
     p_cmp = None
     if kv_cmp is not None:
-        p_cmp = probs[..., T:]
+        p_cmp = probs[..., S:]
         out = out + torch.einsum("bhte,bed->bthd", p_cmp.to(kv_cmp.dtype), kv_cmp)
     return out.to(q.dtype), p_cmp
 
@@ -250,7 +267,12 @@ class CSA2Attention(kern.KernelPath, nn.Module):
         keys = kern.norm_rope_quant(self.indexer.keys(latent, norm=False), self.indexer.k_norm, cos, sin,
                                     "fp4_ue8m0" if q.index == "fp4" else None, path)
         # Context parallelism: chunks align with groups, so each compresses its own and all exchange the entries.
-        return state.shard.gather_entries(main, keys)
+        main, keys = state.shard.gather_entries(main, keys)
+        if self.spec.index in state.kv_fixed:  # bounded-replay simulation: the prefix's cached entries stay
+            fixed_main, fixed_keys, n = state.kv_fixed[self.spec.index]
+            keep = (torch.arange(main.shape[1], device=main.device)[None] < n[:, None])[..., None]
+            main, keys = torch.where(keep, fixed_main, main), torch.where(keep, fixed_keys, keys)
+        return main, keys
 
     def _select(self, x, q_res, keys, E, state: ForwardState, path: str):
         """Index source: score visible entries (in the pool, if restricted) and pick the top-k. Returns (scores,
@@ -277,6 +299,10 @@ class CSA2Attention(kern.KernelPath, nn.Module):
                                   state.offset)
         with torch.no_grad():
             selection = select_topk(masked, c.index_topk)
+        if state.routing is not None:  # RL index replay: the rollout's recorded top-k (model/routing.py)
+            from model.serving import forced_selection
+
+            selection = forced_selection(state, self.spec.index, selection)
         return scores, domain, selection, pool
 
     def _select_triton(self, qi, w, keys, E, state: ForwardState):
@@ -307,11 +333,18 @@ class CSA2Attention(kern.KernelPath, nn.Module):
         """x [B, T, dim] normalised attention input; kv_in: the compressor input of a Full layer (x in the encoder,
         the layer's norm of h_{L/2} in the decoder). Returns ([B, T, dim], what this layer made: its KV, top-k,
         pool and indexer KL, as its role has them)."""
+        if state.cache is not None:  # serving: attention over the inference cache, filling it (model/serving.py)
+            from model.serving import cached_attention
+
+            out, cos, sin, made = cached_attention(self, x, state, kv_in)
+            return self._project_out(out, cos, sin), made
         a, qc = self.cfg.attention, self.cfg.quant
         spec = self.spec
         B, T, _ = x.shape
         kind = spec.rope
         path = self.kernel_path
+        if state.routing is not None or state.keep_routing or spec.index in state.window_floor:
+            path = "reference"  # recorded top-k and truncated windows are the reference path's masks
         made = LayerOutputs()
         cos, sin = state.rope(a, kind, state.positions, x.dtype)
 
@@ -355,6 +388,9 @@ class CSA2Attention(kern.KernelPath, nn.Module):
             p = state.positions
             k_pos = torch.cat((torch.arange(-h, 0, device=p.device) + p[0], p))  # [h + T]; < 0: no token (1st chunk)
             win_mask = (k_pos[None, :] <= p[:, None]) & (k_pos[None, :] > p[:, None] - a.window) & (k_pos >= 0)[None]
+            if spec.index in state.window_floor:
+                # bounded-replay simulation: a replayed query's window starts at its replayed span
+                win_mask = win_mask & (k_pos[None, None, :] >= state.window_floor[spec.index][..., None])
             out, p_cmp = attend(q, kv_keys, kv_cmp, win_mask, cmp_mask, sink)
             if scores is not None and p_cmp is not None:
                 mass = self.head_sum(p_cmp.detach())  # [B, T, E]
@@ -368,8 +404,12 @@ class CSA2Attention(kern.KernelPath, nn.Module):
                     domain = domain & cmp_mask
                 made.indexer_kl = indexer_kl(mass, scores, domain, state.shard.chunk_mean)
 
+        return self._project_out(out, cos, sin), made
+
+    def _project_out(self, out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """[B, T, H, D] attention output -> [B, T, dim]: inverse RoPE at the query position, grouped wo_a, wo_b."""
         out = apply_rope(out, cos, sin, inverse=True)  # [B, T, H, D]
-        w = local(self.wo_a.weight).unflatten(0, (-1, a.o_lora_rank))  # [G, o_lora_rank, H / G * D]
+        w = local(self.wo_a.weight).unflatten(0, (-1, self.cfg.attention.o_lora_rank))  # [G, o_lora_rank, H / G * D]
         grouped = out.flatten(2).unflatten(-1, (w.shape[0], -1))  # [B, T, G, H / G * D]: groups are head blocks
         y = torch.einsum("btgi,goi->btgo", grouped, w).flatten(2)
-        return self.wo_b(y), made
+        return self.wo_b(y)

@@ -163,10 +163,13 @@ class QuantConfig:
     """indexer q and k fake-quant: FP4 E2M1, UE8M0 scale per 32"""
     swa_kv: str = choice_field("none", ("none", "fp8"))
     """SWA KV fake-quant: FP8 E4M3, UE8M0 scale per 32"""
-    cache_main_kv: str = choice_field("fp4", ("fp4", "fp8", "bf16"))
-    """storage format of the inference cache, used for byte accounting (SPEC 1.4)"""
-    cache_index: str = choice_field("fp4", ("fp4", "fp8", "bf16"))
-    cache_swa_kv: str = choice_field("fp8", ("fp8", "bf16"))
+    cache_main_kv: str = choice_field("fp4", ("fp4", "fp8", "bf16", "none"))
+    """storage format of the inference cache's main KV (model/cache.py) and of its byte accounting (SPEC 1.4);
+    none = the compute dtype (serving then computes exactly what the training forward computes)"""
+    cache_index: str = choice_field("fp4", ("fp4", "fp8", "bf16", "none"))
+    """storage of the indexer keys: fp4 = E2M1 with a UE8M0 scale per 32"""
+    cache_swa_kv: str = choice_field("fp8", ("fp8", "bf16", "none"))
+    """storage of the SWA ring: fp8 = E4M3 with a UE8M0 scale per 32"""
 
     def __post_init__(self) -> None:
         check_choices(self, "model.quant")

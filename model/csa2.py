@@ -105,31 +105,52 @@ def index_scores(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor) -> torch.Ten
 
 def select_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
     """[B, T, E] masked scores (-inf = not allowed) -> [B, T, E] bool selection of the top min(k, E) allowed entries.
-    Picks that land on -inf (fewer than k allowed entries) are dropped."""
+    Picks that land on -inf (fewer than k allowed entries) are dropped. Ties at the k-th value go to the lowest
+    entry ids (the Triton kernel's rule, kernels/topk.py): the choice depends on the scores alone, not on how many
+    invisible entries trail them, so the inference cache (fewer entries so far) picks what the full forward picks."""
     k = min(k, scores.shape[-1])
     sel = torch.zeros_like(scores, dtype=torch.bool)
     if k == 0:
         return sel
-    vals, idx = scores.topk(k, dim=-1)
-    return sel.scatter_(-1, idx, vals > float("-inf"))
+    vals, idx = scores.sort(dim=-1, descending=True, stable=True)
+    return sel.scatter_(-1, idx[..., :k], vals[..., :k] > float("-inf"))
+
+
+def selected_ids(selection: torch.Tensor, k: int) -> torch.Tensor:
+    """[B, T, E] bool selection -> [B, T, k] int32 entry ids in increasing order, -1 past the selected ones (the
+    record an RL rollout keeps of an index source's choice)."""
+    E = selection.shape[-1]
+    if E < k:
+        selection = nn.functional.pad(selection, (0, k - E))
+    taken, idx = selection.to(torch.int8).sort(dim=-1, descending=True, stable=True)
+    return torch.where(taken[..., :k] > 0, idx[..., :k], -1).to(torch.int32)
+
+
+def ids_to_selection(ids: torch.Tensor, num_entries: int) -> torch.Tensor:
+    """`selected_ids`' inverse: [B, T, K] int32 ids (-1 = none) -> [B, T, E] bool."""
+    sel = torch.zeros(*ids.shape[:-1], num_entries + 1, dtype=torch.bool, device=ids.device)
+    where = torch.where((ids >= 0) & (ids < num_entries), ids.long(), num_entries)
+    return sel.scatter_(-1, where, True)[..., :num_entries]
 
 
 def candidate_pool(scores: torch.Tensor, ratio: int, block_size: int, topk_blocks: int,
-                   q_offset: int = 0) -> torch.Tensor:
+                   q_offset: int = 0, positions: torch.Tensor | None = None) -> torch.Tensor:
     """The hierarchical candidate pool (SPEC 1.3, REFERENCE A4): [B, T, E] masked scores -> [B, T, E] bool.
 
     Blocks of `block_size` entries score the max inside the block; the block holding the query's newest visible entry
     is always kept; the best min(topk_blocks, n_blocks) blocks with a finite score form the pool. Query i sits at
-    position q_offset + i (as in `visible_mask`)."""
+    position q_offset + i (as in `visible_mask`), or at positions[b, i] when given ([B, T]: the inference cache)."""
     B, T, E = scores.shape
     nb = -(-E // block_size)
     pad = nb * block_size - E
     s = nn.functional.pad(scores, (0, pad), value=float("-inf")) if pad else scores
     block = s.view(B, T, nb, block_size).amax(-1)  # [B, T, nb]
-    newest = (torch.arange(T, device=scores.device) + q_offset + 1) // ratio - 1  # newest visible entry, -1 if none
+    if positions is None:
+        positions = (torch.arange(T, device=scores.device) + q_offset)[None].expand(B, T)
+    newest = (positions + 1) // ratio - 1  # [B, T] newest visible entry, -1 if none
     has = newest >= 0
-    nb_idx = (newest.clamp(min=0) // block_size)[None, :, None].expand(B, T, 1)
-    forced = torch.where(has[None, :, None], float("inf"), block.gather(-1, nb_idx))
+    nb_idx = (newest.clamp(min=0) // block_size)[..., None]
+    forced = torch.where(has[..., None], float("inf"), block.gather(-1, nb_idx))
     block = block.scatter(-1, nb_idx, forced)
     keep = select_topk(block, topk_blocks)  # [B, T, nb]
     return keep.repeat_interleave(block_size, dim=-1)[..., :E]

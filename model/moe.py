@@ -77,9 +77,10 @@ class Router(nn.Module):
         return F.softplus(logits).clamp_min(torch.finfo(torch.float32).tiny).sqrt()
 
     def forward(
-        self, x: torch.Tensor, image_mask: torch.Tensor | None = None
+        self, x: torch.Tensor, image_mask: torch.Tensor | None = None, experts: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [N, D], image_mask [N] bool or None -> (weights [N, K] fp32, topk_idx [N, K] int64, scores [N, E])."""
+        """x [N, D], image_mask [N] bool or None -> (weights [N, K] fp32, topk_idx [N, K] int64, scores [N, E]).
+        experts [N, K] int64: recorded choices to route by instead (RL's routing replay, R3; a row of -1 chooses)."""
         scores = self.scores(x)
         if image_mask is None:
             bias = self.bias
@@ -87,6 +88,8 @@ class Router(nn.Module):
             bias = torch.where(image_mask[:, None], self.bias_image, self.bias)  # [N, E]
         # The bias is a constant of selection: top-k indices carry no gradient, so detaching is implicit.
         topk_idx = torch.topk(scores + bias, self.topk, dim=-1, sorted=False).indices  # [N, K]
+        if experts is not None:
+            topk_idx = torch.where((experts >= 0).all(-1, keepdim=True), experts.long(), topk_idx)
         weights = scores.gather(1, topk_idx)  # unbiased scores
         weights = weights / (weights.sum(-1, keepdim=True) + _WEIGHT_EPS) * self.routed_scale
         return weights, topk_idx, scores
@@ -272,11 +275,15 @@ class MoE(nn.Module):
 
     # --- forward --------------------------------------------------------------------------------------
 
-    def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None = None):
+    def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None = None, experts: torch.Tensor | None = None,
+                *, return_experts: bool = False):
+        """experts [B, T, K]: recorded routing to replay (a row of -1 routes freely); return_experts: also return
+        the chosen experts [B, T, K] (a rollout's record)."""
         b, t, d = x.shape
         x_flat = x.reshape(b * t, d)  # [N, D]
         img = None if image_mask is None else image_mask.reshape(b * t).to(torch.bool)
-        weights, topk_idx, scores = self.gate(x_flat, img)  # [N, K], [N, K], [N, E]
+        forced = None if experts is None else experts.reshape(b * t, -1)
+        weights, topk_idx, scores = self.gate(x_flat, img, forced)  # [N, K], [N, K], [N, E]
         balance = self.sequence_balance_loss(scores, topk_idx, b, t) if self.cfg.seq_aux_loss_coef > 0 else None
         load = self.count_load(topk_idx, img)
         x_sorted, w_sorted, tokens_per_expert, order = self.dispatch(x_flat, topk_idx, weights)
@@ -284,7 +291,10 @@ class MoE(nn.Module):
         out = self.combine(y_sorted, order, b * t)  # [N, D] fp32
         if self.shared_experts is not None:
             out = out + self.shared_experts(x_flat).float()
-        return out.to(x.dtype).view(b, t, d), load, balance
+        y = out.to(x.dtype).view(b, t, d)
+        if return_experts:
+            return y, load, balance, topk_idx.view(b, t, -1)
+        return y, load, balance
 
     # --- balancing ------------------------------------------------------------------------------------
 

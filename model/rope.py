@@ -48,6 +48,7 @@ def inv_freq(cfg: AttentionConfig, kind: str, device=None) -> torch.Tensor:
 
 
 def rope_tables(cfg: AttentionConfig, kind: str, positions: torch.Tensor, dtype: torch.dtype):
-    """cos, sin of shape [T, rope_dim / 2] for integer positions [T], rounded to `dtype`."""
-    angles = positions.to(torch.float32)[:, None] * inv_freq(cfg, kind, positions.device)[None, :]
+    """cos, sin of shape [..., rope_dim / 2] for integer positions [...] ([T], or [B, T] with a position per row),
+    rounded to `dtype`."""
+    angles = positions.to(torch.float32)[..., None] * inv_freq(cfg, kind, positions.device)
     return angles.cos().to(dtype), angles.sin().to(dtype)

@@ -76,7 +76,12 @@ class Block(kern.KernelPath, nn.Module):
             kv_in = self.attn_norm(state.h_mid)
         y, made = self.attn(self.attn_norm(x), state, kv_in)
         S, x, cf = mhc.mhc_step(self.impl, y, S, ca, ca.pre, self.hc_ffn, self.kernel_path)
-        y, made.expert_load, made.balance_loss = self.ffn(self.ffn_norm(x), image_mask)
+        experts = None if state.routing is None else state.routing.expert_rows(self.spec.index, state)
+        if state.keep_routing:
+            y, made.expert_load, made.balance_loss, made.experts = self.ffn(self.ffn_norm(x), image_mask, experts,
+                                                                           return_experts=True)
+        else:
+            y, made.expert_load, made.balance_loss = self.ffn(self.ffn_norm(x), image_mask, experts)
         S = mhc.expand(y, S, cf.post, cf.comb)
         return S, cf.pre, made
 
@@ -121,7 +126,7 @@ def forward_blocks(blocks, S, pre, state: ForwardState, num_encoder_layers: int,
     state.hidden."""
     for layer in blocks:
         i = layer.spec.index
-        if i == num_encoder_layers:
+        if i == num_encoder_layers and state.h_mid is None:  # (a trimmed prefill sets it on every row first)
             state.h_mid = mhc.collapse(S, pre)
         e_in = engram_in[i] if layer.engram is not None else None
         S, pre, made = layer(S, pre, state, e_in, image_mask)
@@ -160,6 +165,7 @@ class ModelOutput:
     metrics: dict[str, float]  # their unweighted values
     state: ForwardState  # the forward's record: KV, top-k, pool, per-layer losses and loads, `hidden` of chosen layers
     layer_hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # hidden_layers' [B, T, dim] (state.hidden)
+    routing: object | None = None  # RoutingRecords of the forward's choices (keep_routing=True)
 
 
 class Transformer(nn.Module):
@@ -212,13 +218,39 @@ class Transformer(nn.Module):
         return [layer.ffn for layer in self.layers]
 
     # -- forward -------------------------------------------------------------------------------------------------------
+    def new_cache(self, batch_size: int, max_len: int, replay: str = "halo", **kw):
+        """An inference cache (model/cache.py) for `batch_size` requests of up to `max_len` tokens. replay: "none"
+        (full-depth prefill), "window" or "halo" (decoder bounded replay; "halo", the default, is exact: see
+        KVCache). On a meta-device model it allocates meta buffers: byte accounting without weights."""
+        from model.cache import KVCache
+
+        return KVCache(self, batch_size, max_len, replay, **kw)
+
     def forward(self, input_ids: torch.Tensor, *, image_mask: torch.Tensor | None = None, outputs: bool = False,
-                hidden_layers: Collection[int] = ()):
+                hidden_layers: Collection[int] = (), cache=None, routing=None, keep_routing: bool = False,
+                replay_cuts=None):
         """input_ids [B, T] -> logits [B, T, V] (fp32); with outputs=True, a `ModelOutput` (logits, final hidden
         states, the auxiliary losses to add to the LM loss, the forward state), with the hidden states of
-        `hidden_layers` too. The forward's expert loads are added to the MoE balancing counters."""
+        `hidden_layers` too. The forward's expert loads are added to the MoE balancing counters.
+
+        cache: an inference cache (`new_cache`): the logits of the given tokens, which are appended to it (the first
+        call is the prefill, later ones decode one or more tokens); no balancing counts. routing: RoutingRecords
+        to replay instead of choosing (model/routing.py); keep_routing: record the choices (ModelOutput.routing).
+        replay_cuts: model/replay.py's ReplayCuts, the bounded-replay simulation (training only)."""
         cfg = self.cfg
+        if cache is not None:
+            from model.serving import routing_records, serve_forward
+
+            logits, state = serve_forward(self, input_ids, cache, image_mask=image_mask, routing=routing,
+                                          keep_routing=keep_routing)
+            if not outputs:
+                return logits
+            return ModelOutput(logits, None, {}, {}, state,
+                               routing=routing_records(self, state) if keep_routing else None)
         state, engram_in = new_state(cfg, input_ids, self.sequence_shard, self.hasher, image_mask)
+        state.routing, state.keep_routing = routing, keep_routing
+        if replay_cuts is not None:
+            self._simulate_replay(state, input_ids, image_mask, replay_cuts)
         S, pre = embed_streams(self.embed, input_ids, cfg.mhc.num_streams)
         S, pre = forward_blocks(self.layers, S, pre, state, cfg.num_encoder_layers, engram_in, image_mask,
                                 hidden_layers)
@@ -228,7 +260,35 @@ class Transformer(nn.Module):
         if not outputs:
             return logits
         aux, metrics = self.aux_losses(state)
-        return ModelOutput(logits, hidden, aux, metrics, state, dict(state.hidden))
+        routing_out = None
+        if keep_routing:
+            from model.serving import routing_records
+
+            routing_out = routing_records(self, state)
+        return ModelOutput(logits, hidden, aux, metrics, state, dict(state.hidden), routing_out)
+
+    def _simulate_replay(self, state: ForwardState, input_ids, image_mask, cuts) -> None:
+        """Bounded-replay simulation (model/replay.py): truncated windows at the cuts; for encoder (prefix-cache)
+        cuts, the global KV of the cached prefix from an exact forward without gradient."""
+        from model.replay import window_floors
+
+        if self.sequence_shard != SequenceShard():
+            raise ValueError("bounded-replay simulation does not run under context parallelism (cp > 1)")
+        state.window_floor = window_floors(self.cfg, cuts, state.positions)
+        if cuts.encoder is not None and bool((cuts.encoder >= 0).any()):
+            with torch.no_grad():
+                exact = self(input_ids, image_mask=image_mask, outputs=True).state
+            self._unadd_loads(exact)
+            for src, (main, keys) in exact.kv.items():
+                n = torch.where(cuts.encoder >= 0, cuts.encoder // self.plan[src].ratio, 0)
+                state.kv_fixed[src] = (main, keys, n)
+
+    def _unadd_loads(self, state: ForwardState) -> None:
+        """Take back the balancing counts of a forward that was only a simulation's helper pass."""
+        for layer in self.layers:
+            load = state.expert_load.get(layer.spec.index)
+            if load is not None:
+                layer.ffn.add_load(-load)
 
     def aux_losses(self, state: ForwardState) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
         """The weighted auxiliary losses of a forward ({name: scalar}) and their unweighted values: the mean indexer

@@ -53,6 +53,55 @@ def indexer_or_all_parameters(module: torch.nn.Module, cfg: ModelConfig) -> list
     return [p for p in module.parameters() if p.requires_grad]
 
 
+def apply_model_hooks(stage: StageConfig, cfg: ModelConfig) -> ModelConfig:
+    """The model config with the stage's hooks on (SPEC 2: post-training switches). fp4_kv_qat fake-quantises
+    each cached tensor in the format its cache stores (a bf16 or unquantised store has no fake-quant to mirror);
+    hierarchical_indexer turns the candidate pool on."""
+    if stage.fp4_kv_qat:
+        q = cfg.quant
+        cfg = dataclasses.replace(cfg, quant=dataclasses.replace(
+            q, main_kv="fp4" if q.cache_main_kv == "fp4" else q.main_kv,
+            index="fp4" if q.cache_index == "fp4" else q.index,
+            swa_kv="fp8" if q.cache_swa_kv == "fp8" else q.swa_kv))
+    if stage.hierarchical_indexer:
+        cfg = dataclasses.replace(cfg, csa2=dataclasses.replace(cfg.csa2, hierarchical_pool=True))
+        from model.layer_plan import build_layer_plan
+
+        build_layer_plan(cfg)  # the pool's rules (a Full source layer, top-k within the pool) fail here, named
+    return cfg
+
+
+class _ReplayCutBatches:
+    """A loader whose batches carry `replay_cuts` (model/replay.py), drawn from each sequence's tokens."""
+
+    def __init__(self, loader, stage: StageConfig, window: int, seed: int):
+        self.loader, self.stage, self.window, self.seed = loader, stage, window, seed
+
+    def __iter__(self):
+        from model.replay import sample_cuts
+
+        for batch in self.loader:
+            batch = dict(batch)
+            batch["replay_cuts"] = sample_cuts(batch["input_ids"], self.window, self.stage.replay_sim_prob,
+                                               tuple(self.stage.replay_sim_kinds), self.seed)
+            yield batch
+
+    def __getattr__(self, name):  # state_dict, load_state_dict, tokenizer ...: the loader's
+        return getattr(self.loader, name)
+
+
+def with_replay_cuts(loader, stage: StageConfig, cfg: Config):
+    """The stage's loader, its batches with sampled replay cuts when stage.bounded_replay_sim is on."""
+    if not stage.bounded_replay_sim:
+        return loader
+    if cfg.parallel.pp > 1 or cfg.parallel.cp > 1:
+        raise ValueError("stage.bounded_replay_sim=true runs without pipeline or context parallelism "
+                         f"(parallel.pp={cfg.parallel.pp}, parallel.cp={cfg.parallel.cp})")
+    if isinstance(loader, tuple):
+        return (_ReplayCutBatches(loader[0], stage, cfg.model.attention.window, cfg.trainer.seed), *loader[1:])
+    return _ReplayCutBatches(loader, stage, cfg.model.attention.window, cfg.trainer.seed)
+
+
 class Pretrain:
     """Next-token prediction on packed webdataset shards (data/), every parameter trained (the indexers alone in
     the dense warm-up phase)."""
@@ -63,17 +112,14 @@ class Pretrain:
         self.stage = stage
 
     def model_config(self, cfg: ModelConfig) -> ModelConfig:
-        if self.stage.bounded_replay:
-            raise ValueError("stage.bounded_replay=true needs the model's replay simulation, which is not there yet")
-        if self.stage.fp4_qat:  # FP4 fake-quant of the main KV in every forward (SPEC 1.4)
-            return dataclasses.replace(cfg, quant=dataclasses.replace(cfg.quant, main_kv="fp4"))
-        return cfg
+        return apply_model_hooks(self.stage, cfg)
 
     def batches(self, cfg: Config, data_rank: int, data_ranks: int, *, progress: bool = False):
         from data.config import build_dataloader, ensure_prepared
 
         ensure_prepared(cfg.data, progress=progress)  # node-safe: one process prepares, the others wait
-        return build_dataloader(cfg.data, data_rank, data_ranks)
+        loader = build_dataloader(cfg.data, data_rank, data_ranks)
+        return with_replay_cuts(loader, self.stage, cfg)
 
     def loss(self) -> LMLoss:
         from trainer.loss import LMLoss

@@ -295,6 +295,17 @@ def _to_device(batch: dict, device: torch.device):
     )
 
 
+def _model_extras(batch: dict, device: torch.device) -> dict:
+    """The forward's optional inputs a stage's batches carry: `replay_cuts` (the bounded-replay simulation hook,
+    model/replay.py) and `routing` (a rollout's recorded choices to replay, model/routing.py)."""
+    extras = {}
+    if batch.get("replay_cuts") is not None:
+        extras["replay_cuts"] = batch["replay_cuts"].to(device)
+    if batch.get("routing") is not None:
+        extras["routing"] = batch["routing"].to(device)
+    return extras
+
+
 @dataclass
 class MicroBatches:
     """What one optimiser step's micro-batches produced on this rank."""
@@ -354,7 +365,7 @@ def forward_backward(pm: ParallelModel, batches: list[dict], autocast_dtype: tor
             # batch's backward): a recomputed Engram forward (activation checkpointing) would consume it.
             pm.engram.prefetch(input_ids, image_mask)
         with torch.autocast(device.type, dtype=autocast_dtype or torch.float32, enabled=autocast_dtype is not None):
-            out = pm.module(input_ids, image_mask=image_mask, outputs=True)
+            out = pm.module(input_ids, image_mask=image_mask, outputs=True, **_model_extras(batch, device))
         with loss_context():
             # each micro-batch's loss is divided by accum: the accumulated gradient is the mean over micro-batches
             # of terms already weighted by their share of the step's valid tokens (trainer/loss.py)

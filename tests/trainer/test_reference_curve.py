@@ -1,7 +1,10 @@
 """Numerics do not drift: the default job (`make train`'s config: v41_tiny on the embedded standard-library corpus,
 8 x 128 tokens, AdamW with warmup + cosine) reproduces, bit for bit, the loss and gradient-norm curve of its first
-`STEPS` (30) steps stored in tests/assets/default_job_curve.json, recorded on the code before issue 13 (commit
-446a7c5; the 60-step curve of issue 12's code was the same, byte for byte, as that commit's).
+`STEPS` (30) steps stored in tests/assets/default_job_curve.json. Recorded on the code before issue 13 (commit
+446a7c5; the 60-step curve of issue 12's code was the same, byte for byte), re-recorded in issue 14 for one
+deliberate change: the model's top-k gives ties at the k-th score to the lowest entry ids (the Triton kernel's rule;
+torch.topk's was unspecified), which the inference cache needs to pick what the full forward picks. With torch.topk
+restored, issue 14's code reproduced the old curve bit for bit, so nothing else moved.
 
 The curve depends on the corpus, which is the running interpreter's standard library: the asset records the
 prepared data's fingerprint (tokenizer and shard hashes), and a different one fails naming both, since the curve then

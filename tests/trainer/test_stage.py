@@ -11,6 +11,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import re
 from pathlib import Path
@@ -32,9 +34,12 @@ def test_stage_name_picks_the_stage_and_pretrain_applies_its_hooks():
     assert isinstance(stage, Pretrain) and stage.name == "pretrain"
     base = ModelConfig()
     assert stage.model_config(base) == base
-    assert build_stage(StageConfig(fp4_qat=True)).model_config(base).quant.main_kv == "fp4"
-    with pytest.raises(ValueError, match="bounded_replay"):
-        build_stage(StageConfig(bounded_replay=True)).model_config(base)
+    q = build_stage(StageConfig(fp4_kv_qat=True)).model_config(base).quant
+    assert (q.main_kv, q.index, q.swa_kv) == ("fp4", "fp4", "fp8")  # as the cache stores them (fp4, fp4, fp8)
+    off = dataclasses.replace(base, csa2=dataclasses.replace(base.csa2, hierarchical_pool=False))
+    assert build_stage(StageConfig(hierarchical_indexer=True)).model_config(off).csa2.hierarchical_pool
+    with pytest.raises(ValueError, match="replay_sim_kinds"):
+        StageConfig(replay_sim_kinds=["sometimes"])
     with pytest.raises(ValueError, match=r"stage.name='sft' is not implemented yet; only \['pretrain'\] run"):
         build_stage(StageConfig(name="sft"))
 

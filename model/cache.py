@@ -1,0 +1,248 @@
+"""The inference cache: what serving keeps per request between forwards (SPEC 1.4-1.5, REFERENCE B2).
+
+Shape legend: B cache rows (requests), N stored rows of one buffer, D channels, W window, E entries, m compression
+ratio, Di indexer key width.
+
+Per layer (`LayerCache`):
+- Full (KV-source) layers: the global KV, persistent: every compressed entry's main KV (D channels) and indexer key
+  (Di channels), `max_len // m` entries per request, in the formats `model.quant.cache_main_kv` / `cache_index`
+  name. These are the bytes the prefix cache keeps and `trainer.plan` counts (890 B/token at flagship dims).
+  A compression group whose last token has not arrived is held as its tokens' fp32 projections (the compressor's kv
+  and gate rows, vLLM's compressor state ring) until it closes; not persistent.
+- Every layer: its SWA KV, a ring of `window` rows (row of position p at slot p % W) in `cache_swa_kv`'s format;
+  short-lived (REFERENCE B2: DeepSeek keeps it in a DRAM pool with a time-to-live), never persisted.
+
+Storage formats (`Store`): "none" keeps the compute dtype (the forward's values exactly), "bf16", "fp8" (E4M3
+values, one UE8M0 scale per 32 channels), "fp4" (packed E2M1 codes, one E4M3 scale per 16: main KV) and
+"fp4_ue8m0" (packed E2M1, one UE8M0 scale per 32: indexer keys). When the forward fake-quantises a tensor in the
+same format as its store (QAT: `model.quant.main_kv=fp4` with `cache_main_kv=fp4`, ...), the store quantises the
+same pre-quantisation values with the same quantiser (kernels/fp4.py, kernels/fp8.py), so what it dequantises is
+bit for bit what the training forward used; otherwise it quantises the value the forward computed.
+
+Per request the cache tracks `lengths` (tokens appended), `swa_start` (the first position whose SWA rows are in
+the ring: > 0 after a prefix-cache hit whose SWA state expired and was rebuilt by bounded replay), `entries` per
+KV source (global entries stored; a replayed span never rewrites them) and the token ids (Engram's n-gram history,
+the prefix cache's block hashes).
+
+`KVCache.rows(i, j)` is a view of requests i..j-1 sharing the buffers: the engine prefills one request at a time
+into its row and decodes all rows together.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+
+import torch
+
+from kernels import fp4, fp8
+
+__all__ = ["Store", "LayerCache", "KVCache", "CacheError", "STORE_FORMATS", "model_fingerprint"]
+
+# format -> (channels per scale, bytes per scale); the values' bytes come from the format's dtype
+STORE_FORMATS = ("none", "bf16", "fp8", "fp4", "fp4_ue8m0")
+_FP4_SCALE = {"fp4": (16, "e4m3"), "fp4_ue8m0": (32, "ue8m0")}
+
+
+class CacheError(ValueError):
+    """A cache that does not fit the call: another model or batch size, too short, bad rows."""
+
+
+def model_fingerprint(cfg) -> str:
+    """A short hash of a model config: a cache is only valid for the model config it was made for."""
+    text = json.dumps(dataclasses.asdict(cfg), sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+class Store:
+    """Rows of D channels in one storage format: logically [B, N, D], physically the format's buffers."""
+
+    def __init__(self, fmt: str, batch: int, rows: int, dim: int, dtype: torch.dtype, device, *, buffers=None):
+        if fmt not in STORE_FORMATS:
+            raise ValueError(f"cache storage format must be one of {list(STORE_FORMATS)}, got {fmt!r}")
+        self.fmt, self.dim, self.dtype = fmt, dim, dtype
+        if buffers is not None:
+            self.buffers = buffers
+            return
+        shape = (batch, rows)
+        if fmt == "none":
+            self.buffers = (torch.zeros(*shape, dim, dtype=dtype, device=device),)
+        elif fmt == "bf16":
+            self.buffers = (torch.zeros(*shape, dim, dtype=torch.bfloat16, device=device),)
+        elif fmt == "fp8":
+            self.buffers = (torch.zeros(*shape, dim, dtype=torch.float8_e4m3fn, device=device),
+                            torch.full((*shape, dim // 32), 127, dtype=torch.uint8, device=device)
+                            .view(torch.float8_e8m0fnu))
+        else:
+            block, scale_fmt = _FP4_SCALE[fmt]
+            scale = (torch.ones((*shape, dim // block), dtype=torch.float32, device=device)
+                     .to(torch.float8_e4m3fn) if scale_fmt == "e4m3" else
+                     torch.full((*shape, dim // block), 127, dtype=torch.uint8, device=device)
+                     .view(torch.float8_e8m0fnu))
+            self.buffers = (torch.zeros(*shape, dim // 2, dtype=torch.uint8, device=device), scale)
+
+    def rows(self, i: int, j: int) -> "Store":
+        return Store(self.fmt, 0, 0, self.dim, self.dtype, None, buffers=tuple(b[i:j] for b in self.buffers))
+
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers)
+
+    def bytes_per_row(self) -> int:
+        return sum(b[0, 0].numel() * b.element_size() for b in self.buffers)
+
+    def encode(self, value: torch.Tensor, pre: torch.Tensor | None, pre_fmt: str | None) -> tuple:
+        """value [..., D]: what the forward computed; pre: the same before its fake-quant, pre_fmt that fake-quant's
+        format (None: no fake-quant). Returns the stored parts."""
+        src = pre if (pre is not None and pre_fmt == self.fmt) else value
+        if self.fmt == "none":
+            return (value.to(self.dtype),)
+        if self.fmt == "bf16":
+            return (value.to(torch.bfloat16),)
+        if self.fmt == "fp8":
+            return fp8.quantize_fp8(src, 32)
+        block, scale_fmt = _FP4_SCALE[self.fmt]
+        return fp4.quantize(src, block, scale_fmt)
+
+    def decode(self, parts: tuple) -> torch.Tensor:
+        """Stored parts [..., *] -> values [..., D] in the compute dtype."""
+        if self.fmt in ("none", "bf16"):
+            return parts[0].to(self.dtype)
+        if self.fmt == "fp8":
+            return fp8.dequantize_fp8(parts[0], parts[1], 32).to(self.dtype)
+        return fp4.dequantize(parts[0], parts[1], _FP4_SCALE[self.fmt][0]).to(self.dtype)
+
+    def write(self, batch_idx: torch.Tensor, row_idx: torch.Tensor, parts: tuple) -> None:
+        """Store parts[k][n] at (batch_idx[n], row_idx[n]) for the n selected rows (parts: [n, ...])."""
+        for buf, part in zip(self.buffers, parts):
+            _bytes(buf)[batch_idx, row_idx] = _bytes(part.to(buf.dtype))
+
+    def read(self, idx: torch.Tensor) -> torch.Tensor:
+        """idx [B, K] row indices (in range) -> [B, K, D] decoded."""
+        b = torch.arange(idx.shape[0], device=idx.device)[:, None]
+        return self.decode(tuple(_bytes(buf)[b, idx.long()].view(buf.dtype) for buf in self.buffers))
+
+    def read_prefix(self, n: int) -> torch.Tensor:
+        """The first n rows of every request, decoded: [B, n, D]."""
+        return self.decode(tuple(buf[:, :n] for buf in self.buffers))
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """A one-byte float (float8) tensor as uint8, so indexing runs on every device; others unchanged."""
+    return t.view(torch.uint8) if t.dtype in (torch.float8_e4m3fn, torch.float8_e8m0fnu) else t
+
+
+@dataclasses.dataclass
+class LayerCache:
+    """One layer's part of the cache (see the module docstring)."""
+
+    swa: Store  # [B, W, D] ring
+    main: Store | None = None  # Full layers: [B, max_len // m, D]
+    keys: Store | None = None  # Full layers: [B, max_len // m, Di]
+    pending: torch.Tensor | None = None  # Full layers with m > 1: [B, m - 1, 2, D] fp32 (kv, gate) of an open group
+    entries: torch.Tensor | None = None  # Full layers: [B] int64 global entries stored
+
+    def rows(self, i: int, j: int) -> "LayerCache":
+        return LayerCache(self.swa.rows(i, j), None if self.main is None else self.main.rows(i, j),
+                          None if self.keys is None else self.keys.rows(i, j),
+                          None if self.pending is None else self.pending[i:j],
+                          None if self.entries is None else self.entries[i:j])
+
+
+class KVCache:
+    """The cache of `batch_size` requests of up to `max_len` tokens each (model.transformer.Transformer.new_cache).
+
+    replay: how the first forward on a request (its prefill) builds the decoder's SWA state (SPEC 1.5, REFERENCE
+    B1): "none" runs every prompt row through every layer; "window" runs the decoder (after its first layer, which
+    stays exact) on the prompt's last `window` rows only (vLLM's "last window rows", the report's serving path: an
+    approximation the model learns to tolerate with the `bounded_replay_sim` hook); "halo" keeps the last
+    W + (n - 1)(W - 1) rows, n the decoder layers after the first, enough that every layer's last W rows and the last
+    row's logits are exact (vLLM's "exact halo"). Rows the decoder skipped get NaN logits.
+    """
+
+    REPLAYS = ("none", "window", "halo")
+
+    def __init__(self, model, batch_size: int, max_len: int, replay: str = "halo", *, dtype=None, device=None,
+                 _view=None):
+        cfg = model.cfg
+        self.cfg = cfg
+        self.fingerprint = model_fingerprint(cfg)
+        self.replay = replay
+        if _view is not None:
+            (self.batch_size, self.max_len, self.layers, self.lengths, self.swa_start, self.tokens,
+             self.prefilled) = _view
+            return
+        if replay not in self.REPLAYS:
+            raise CacheError(f"new_cache: replay must be one of {list(self.REPLAYS)}, got {replay!r}")
+        if batch_size < 1 or max_len < 1:
+            raise CacheError(f"new_cache: batch_size and max_len must be >= 1, got {batch_size} and {max_len}")
+        weight = model.embed.weight
+        dtype = dtype or weight.dtype
+        device = device or weight.device
+        self.batch_size, self.max_len = batch_size, max_len
+        a, c, q = cfg.attention, cfg.csa2, cfg.quant
+        index_fmt = "fp4_ue8m0" if q.cache_index == "fp4" else q.cache_index
+        self.layers: dict[int, LayerCache] = {}
+        for spec in model.plan:
+            lc = LayerCache(Store(q.cache_swa_kv, batch_size, a.window, a.head_dim, dtype, device))
+            if spec.owns_kv:
+                n = max_len // spec.ratio
+                lc.main = Store(q.cache_main_kv, batch_size, n, a.head_dim, dtype, device)
+                lc.keys = Store(index_fmt, batch_size, n, c.index_head_dim, dtype, device)
+                lc.entries = torch.zeros(batch_size, dtype=torch.long, device=device)
+                if spec.ratio > 1:
+                    lc.pending = torch.zeros(batch_size, spec.ratio - 1, 2, a.head_dim, dtype=torch.float32,
+                                             device=device)
+            self.layers[spec.index] = lc
+        self.lengths = torch.zeros(batch_size, dtype=torch.long, device=device)
+        self.swa_start = torch.zeros(batch_size, dtype=torch.long, device=device)
+        self.tokens = torch.zeros(batch_size, max_len, dtype=torch.long, device=device)
+        self.prefilled = torch.zeros(batch_size, dtype=torch.bool, device=device)
+
+    # -- views and bookkeeping -----------------------------------------------------------------------------------
+    def rows(self, i: int, j: int) -> "KVCache":
+        """Requests i..j-1 as a cache of their own that shares this one's buffers (writes land here)."""
+        if not 0 <= i < j <= self.batch_size:
+            raise CacheError(f"cache rows [{i}, {j}) are outside the cache's {self.batch_size} rows")
+        view = (j - i, self.max_len, {k: v.rows(i, j) for k, v in self.layers.items()}, self.lengths[i:j],
+                self.swa_start[i:j], self.tokens[i:j], self.prefilled[i:j])
+        out = KVCache.__new__(KVCache)
+        out.cfg, out.fingerprint, out.replay = self.cfg, self.fingerprint, self.replay
+        (out.batch_size, out.max_len, out.layers, out.lengths, out.swa_start, out.tokens, out.prefilled) = view
+        return out
+
+    def reset(self) -> None:
+        """Forget every request (the buffers stay allocated)."""
+        self.lengths.zero_()
+        self.swa_start.zero_()
+        self.prefilled.zero_()
+        for lc in self.layers.values():
+            if lc.entries is not None:
+                lc.entries.zero_()
+
+    def nbytes(self, persistent: bool | None = None) -> int:
+        """Bytes of the allocated buffers: persistent=True the global KV (main KV + indexer keys, what a prefix
+        cache keeps), False the short-lived state (SWA rings, open compression groups), None all of it."""
+        total = 0
+        for lc in self.layers.values():
+            glob = sum(s.nbytes() for s in (lc.main, lc.keys) if s is not None)
+            short = lc.swa.nbytes() + (0 if lc.pending is None else lc.pending.numel() * 4)
+            total += glob if persistent else short if persistent is False else glob + short
+        return total
+
+    def check(self, model, input_ids: torch.Tensor) -> None:
+        """One-line errors for a call that does not fit: another model, batch size, too many tokens."""
+        if self.fingerprint != model_fingerprint(model.cfg):
+            raise CacheError(f"this cache was made for another model config (model {self.cfg.name!r}, fingerprint "
+                             f"{self.fingerprint}); make one with this model's new_cache")
+        if input_ids.dim() != 2 or input_ids.shape[0] != self.batch_size:
+            raise CacheError(f"input_ids of shape {tuple(input_ids.shape)} do not fit a cache of batch size "
+                             f"{self.batch_size}: pass [{self.batch_size}, T]")
+        if input_ids.shape[1] == 0:
+            raise CacheError("input_ids has no tokens (an empty prompt)")
+        room = self.max_len - self.lengths
+        over = (room < input_ids.shape[1]).nonzero().flatten().tolist()
+        if over:
+            b = over[0]
+            raise CacheError(f"cache row {b} holds {int(self.lengths[b])} of max_len={self.max_len} tokens: "
+                             f"{input_ids.shape[1]} more do not fit")

@@ -1,0 +1,312 @@
+"""The serving path of one CSA2 layer: attention over the inference cache (model/cache.py), filling it as it goes.
+
+Shape legend: B cache rows, T new rows of this layer (a prompt, a decode token, a chunk), Tk rows of the whole call
+(the compressor's input: more than T when a bounded-replay prefill trims the decoder), W window, E entries stored
+so far (the longest row's), m compression ratio, D latent width, Di indexer key width, K top-k.
+
+It computes what `CSA2Attention.forward` computes for the same tokens of a whole sequence (the teacher-forced
+forward), from what the cache keeps of the earlier ones:
+- window keys: the ring's rows (positions before the call, from `swa_start` on) then the new rows, each query
+  seeing the last W positions; every key is what the cache stores, decoded (so a new row's own key is its stored
+  value too);
+- Full layers: the compressor's projections of the new rows join the open group's (held in `pending`); every group
+  that closes in this call becomes an entry (norm, RoPE at its first token, the store's format) written at its id,
+  unless a global entry is already stored there (a prefix-cache hit replaying its last window keeps its cached
+  global KV); the indexer key likewise;
+- index sources score every stored entry visible to each query (the pool builder publishing its pool), pick the
+  top-k with the same tie rule; Reuse layers read them; the attention runs the reference `attend`.
+Per-row positions ([B, T]) let requests of different lengths decode together. This path runs the reference
+operations on every device (fused serving kernels are issue 16's).
+
+A layer writes the cache while it runs: later layers of the same call read this layer's entries through the
+ForwardState (kv, selection, pool), as in the training forward.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from model import kernels as kern
+from model.common import local
+from model.csa2 import candidate_pool, ids_to_selection, index_scores, select_topk, selected_ids
+from model.rope import apply_rope
+
+REF = "reference"
+
+
+def visible_rows(positions: torch.Tensor, num_entries: int, ratio: int) -> torch.Tensor:
+    """positions [B, T] -> [B, T, E] bool: entry t visible to the query at p iff t < (p + 1) // ratio."""
+    t = torch.arange(num_entries, device=positions.device)
+    return t < ((positions + 1) // ratio)[..., None]
+
+
+def _fake_quant(x: torch.Tensor, fmt: str | None) -> torch.Tensor:
+    if fmt is None:
+        return x
+    if fmt == "fp8":
+        return kern.fake_quant_fp8(x, 32, REF)
+    return kern.fake_quant_fp4(x, *kern._QUANTS[fmt], REF)
+
+
+def _stored(store, pre: torch.Tensor, fmt: str | None) -> tuple[tuple, torch.Tensor]:
+    """Encode rows (pre: before the forward's fake-quant of format fmt) -> (stored parts, their decoded values)."""
+    value = _fake_quant(pre, fmt)
+    parts = store.encode(value, pre, fmt)
+    return parts, store.decode(parts)
+
+
+def _compress_new(layer, kv_src: torch.Tensor, lc, call_start: torch.Tensor):
+    """Full layer: the entries the call's rows close. kv_src [B, Tk, dim] (rows at call_start + 0..Tk-1).
+    Returns (latent [B, G, D] normed pre-RoPE, entry ids [B, G], closed [B, G] bool) and updates `lc.pending`."""
+    comp = layer.compressor
+    m = comp.ratio
+    B, Tk, _ = kv_src.shape
+    if m == 1:
+        ids = call_start[:, None] + torch.arange(Tk, device=kv_src.device)
+        return comp.norm(comp.wkv(kv_src)), ids, torch.ones_like(ids, dtype=torch.bool)
+    kv = nn.functional.linear(kv_src.float(), comp.wkv.weight.float())  # [B, Tk, D], as Compressor.forward
+    gate = nn.functional.linear(kv_src.float(), comp.wgate.weight.float())
+    new = torch.stack((kv, gate), dim=2)  # [B, Tk, 2, D]
+    held = call_start % m  # [B] tokens of the open group before the call
+    both = torch.cat((lc.pending, new), dim=1)  # [B, m - 1 + Tk, 2, D]: held rows first (left-aligned), then new
+    G = -(-(m - 1 + Tk) // m)
+    j = torch.arange(G * m, device=kv_src.device)
+    src = torch.where(j < held[:, None], j, m - 1 + j - held[:, None])  # [B, G*m] row of `both` at group slot j
+    src = src.clamp(max=both.shape[1] - 1)
+    rows = both.gather(1, src[..., None, None].expand(-1, -1, 2, both.shape[-1]))  # [B, G*m, 2, D]
+    kv_g, gate_g = rows[:, :, 0].view(B, G, m, -1), rows[:, :, 1].view(B, G, m, -1)
+    latent = comp.norm((gate_g.softmax(dim=2) * kv_g).sum(dim=2).to(kv_src.dtype))
+    first = (call_start - held) // m  # [B] id of the group the call starts in
+    ids = first[:, None] + torch.arange(G, device=kv_src.device)
+    closed = (torch.arange(1, G + 1, device=kv_src.device) * m)[None] <= (held + Tk)[:, None]
+    # the open group after the call: its rows, left-aligned
+    end = held + Tk  # [B] rows of `both` that hold tokens (from the group start)
+    rem = end % m
+    k = torch.arange(m - 1, device=kv_src.device)
+    keep = (end - rem)[:, None] + k  # slot index (in group-slot space) of each held row
+    keep_src = torch.where(keep < held[:, None], keep, m - 1 + keep - held[:, None]).clamp(0, both.shape[1] - 1)
+    lc.pending.copy_(torch.where((k[None] < rem[:, None])[..., None, None],
+                                 both.gather(1, keep_src[..., None, None].expand(-1, -1, 2, both.shape[-1])), 0.0))
+    return latent, ids, closed
+
+
+def _write_entries(layer, lc, state, kv_src: torch.Tensor):
+    """Full layer: write the closed groups' main KV and indexer keys; return every stored entry, decoded."""
+    a, qc = layer.cfg.attention, layer.cfg.quant
+    call_start = state.call_start
+    latent, ids, closed = _compress_new(layer, kv_src, lc, call_start)
+    m = layer.spec.ratio
+    cos, sin = state.rope(a, "compress", ids * m, latent.dtype, key=("cache_entries", m))
+    main_pre = apply_rope(latent, cos, sin)
+    keys_pre = apply_rope(layer.indexer.keys(latent), cos, sin)
+    main_parts, _ = _stored(lc.main, main_pre, "fp4" if qc.main_kv == "fp4" else None)
+    key_parts, _ = _stored(lc.keys, keys_pre, "fp4_ue8m0" if qc.index == "fp4" else None)
+    # a stored entry stays (prefix-cache replay recomputes rows whose global KV is cached)
+    write = closed & (ids >= lc.entries[:, None]) & (ids < lc.main.buffers[0].shape[1])
+    b, g = write.nonzero(as_tuple=True)
+    lc.main.write(b, ids[b, g], tuple(p[b, g] for p in main_parts))
+    lc.keys.write(b, ids[b, g], tuple(p[b, g] for p in key_parts))
+    total = (call_start + kv_src.shape[1]) // m
+    lc.entries.copy_(torch.maximum(lc.entries, total))
+    E = int(lc.entries.max())
+    return lc.main.read_prefix(E), lc.keys.read_prefix(E)
+
+
+def cached_attention(layer, x: torch.Tensor, state, kv_in: torch.Tensor | None):
+    """`CSA2Attention.forward` on the inference cache: x [B, T, dim] the new rows' attention input (positions
+    state.positions [B, T]); kv_in the compressor input of a Full layer over the whole call. Returns (the attention
+    output before the output projection [B, T, H, D], cos, sin, LayerOutputs)."""
+    from model.attention import LayerOutputs, attend
+
+    a, qc = layer.cfg.attention, layer.cfg.quant
+    spec = layer.spec
+    lc = state.cache.layers[spec.index]
+    B, T, _ = x.shape
+    pos = state.positions  # [B, T]
+    W = a.window
+    made = LayerOutputs()
+    cos, sin = state.rope(a, spec.rope, pos, x.dtype)
+
+    q_res = layer.q_norm(layer.wq_a(x))
+    q = apply_rope(layer.wq_b(q_res).unflatten(-1, (-1, layer.head_dim)), cos, sin)  # [B, T, H, D]
+    swa_pre = apply_rope(layer.kv_norm(layer.wkv(x)), cos, sin)
+    swa_parts, kv_new = _stored(lc.swa, swa_pre, "fp8" if qc.swa_kv == "fp8" else None)
+
+    # window keys: the ring's last W positions before the call (those from swa_start on), then the new rows
+    start = state.call_start
+    ring_pos = start[:, None] - W + torch.arange(W, device=x.device)  # [B, W]
+    ring_ok = (ring_pos >= state.cache.swa_start[:, None]) & (ring_pos >= 0)
+    ring = lc.swa.read(ring_pos % W)
+    keys = torch.cat((ring, kv_new), dim=1)  # [B, W + T, D]
+    k_pos = torch.cat((ring_pos, pos), dim=1)
+    k_ok = torch.cat((ring_ok, torch.ones_like(pos, dtype=torch.bool)), dim=1)
+    win_mask = (k_pos[:, None] <= pos[..., None]) & (k_pos[:, None] > pos[..., None] - W) & k_ok[:, None]
+    n = min(T, W)  # the ring keeps the last W rows
+    b = torch.arange(B, device=x.device)[:, None].expand(B, n)
+    lc.swa.write(b.flatten(), (pos[:, T - n:] % W).flatten(), tuple(p[:, T - n:].flatten(0, 1) for p in swa_parts))
+
+    kv_cmp = cmp_mask = None
+    if spec.ratio > 0:
+        if spec.owns_kv:
+            made.kv = _write_entries(layer, lc, state, kv_in if kv_in is not None else x)
+        kv_cmp, idx_keys = made.kv if spec.owns_kv else state.kv[spec.kv_source]
+        E = kv_cmp.shape[1]
+        visible = visible_rows(pos, E, spec.ratio)
+        if spec.owns_indexer:
+            made.selection, made.pool = _select(layer, x, q_res, idx_keys, visible, state)
+        if state.phase == "dense_warmup":
+            cmp_mask = visible
+        else:
+            cmp_mask = made.selection if spec.owns_indexer else state.selection[spec.index_source]
+        if E == 0:
+            kv_cmp = None
+    out, _ = attend(q, keys, kv_cmp, win_mask, cmp_mask, local(layer.attn_sink))
+    return out, cos, sin, made
+
+
+def _select(layer, x, q_res, keys, visible, state):
+    """Index source on the cache: (top-k [B, T, E] bool, pool or None). A recorded choice (state.routing, RL's
+    index replay) replaces the computed one for the rows it covers."""
+    a, c, qc = layer.cfg.attention, layer.cfg.csa2, layer.cfg.quant
+    spec = layer.spec
+    cos, sin = state.rope(a, "compress", state.positions, q_res.dtype)
+    qi = _fake_quant(apply_rope(layer.indexer.queries(q_res), cos, sin), "fp4_ue8m0" if qc.index == "fp4" else None)
+    w = layer.indexer.head_weights(x)
+    domain = visible
+    if spec.uses_pool:
+        if state.pool is None:
+            raise RuntimeError(f"layer {spec.index}: Reindex layer found no candidate pool in the forward state")
+        domain = domain & state.pool
+    masked = index_scores(qi, w, keys).masked_fill(~domain, float("-inf"))
+    pool = None
+    if spec.builds_pool:
+        pool = candidate_pool(masked, spec.ratio, c.candidate_block_size, c.candidate_topk_blocks,
+                              positions=state.positions)
+    selection = select_topk(masked, c.index_topk)
+    return forced_selection(state, spec.index, selection), pool
+
+
+def forced_selection(state, layer: int, selection: torch.Tensor) -> torch.Tensor:
+    """The recorded top-k of `layer` where state.routing has one for the row (a row of -1 has none), else
+    `selection` ([B, T, E] bool)."""
+    routing = state.routing
+    if routing is None or layer not in routing.topk:
+        return selection
+    ids = routing.topk_rows(layer, state)
+    if ids is None:
+        return selection
+    has = (ids >= 0).any(-1, keepdim=True)
+    return torch.where(has, ids_to_selection(ids, selection.shape[-1]), selection)
+
+
+__all__ = ["cached_attention", "visible_rows", "forced_selection", "selected_ids"]
+
+
+# -- the whole model on the cache -----------------------------------------------------------------------------------
+def _kept_rows(cache, model, T: int) -> int:
+    """Rows the decoder (after its first layer) runs on in this prefill: T without replay, else the replay's span."""
+    cfg = model.cfg
+    W = cfg.attention.window
+    if cache.replay == "none":
+        return T
+    if cache.replay == "window":
+        return min(T, W)
+    n = cfg.num_layers - cfg.num_encoder_layers - 1  # decoder layers after the first: each shrinks the exact rows
+    return min(T, W + max(n - 1, 0) * (W - 1))
+
+
+def _slice_rows(t, n: int):
+    """The last n token rows of a [B, T, ...] tensor (a [n_streams] `pre` passes through)."""
+    return t if t is None or t.dim() < 2 else t[:, t.shape[1] - n:]
+
+
+def serve_forward(model, input_ids: torch.Tensor, cache, *, image_mask=None, routing=None, keep_routing=False):
+    """`Transformer.forward(input_ids, cache=cache)`: the logits [B, T, V] fp32 of the new tokens, appended to the
+    cache. A first call on a cache whose replay is on trims the decoder to the replay's span (`KVCache`); the rows
+    it skips get NaN logits. Returns (logits, state)."""
+    from model import mhc
+    from model.attention import ForwardState
+    from model.transformer import embed_streams, forward_blocks, head_logits
+
+    cfg = model.cfg
+    cache.check(model, input_ids)
+    bad = (input_ids < 0) | (input_ids >= cfg.vocab_size)
+    if bool(bad.any()):
+        b, t = bad.nonzero()[0].tolist()
+        raise ValueError(f"token id {int(input_ids[b, t])} at row {b}, position {t} is outside the vocabulary "
+                         f"[0, {cfg.vocab_size})")
+    B, T = input_ids.shape
+    dev = input_ids.device
+    start = cache.lengths.clone()
+    positions = start[:, None] + torch.arange(T, device=dev)
+    cache.tokens.scatter_(1, positions, input_ids)
+    engram_in = _engram_rows(model, cache, input_ids, start, image_mask)
+    first_call = not bool(cache.prefilled.any())
+    keep = _kept_rows(cache, model, T) if first_call else T
+    state = ForwardState(positions=positions, phase=cfg.indexer.phase, cache=cache, call_start=start,
+                         routing=routing, keep_routing=keep_routing)
+    S, pre = embed_streams(model.embed, input_ids, cfg.mhc.num_streams)
+    n_enc = cfg.num_encoder_layers
+    if keep == T:
+        S, pre = forward_blocks(model.layers, S, pre, state, n_enc, engram_in, image_mask)
+        logits = head_logits(model.norm, model.head, S, pre)
+    else:
+        # CED prefill with decoder bounded replay (SPEC 1.5, REFERENCE B1/B3): the encoder on every row, h_{L/2}
+        # (the decoder's global KV source) on every row; the first decoder layer on the rows its kept rows' windows
+        # read (so it is exact), every later layer on the kept rows alone
+        S, pre = forward_blocks(model.layers[:n_enc], S, pre, state, n_enc, engram_in, image_mask)
+        state.h_mid = mhc.collapse(S, pre)
+        for layers, rows in ((model.layers[n_enc:n_enc + 1], min(T, keep + cfg.attention.window - 1)),
+                             (model.layers[n_enc + 1:], keep)):
+            S, pre = _slice_rows(S, rows), _slice_rows(pre, rows)
+            state.set_rows(positions[:, T - rows:])
+            # per-query choices later layers reuse (top-k, pool) follow the rows
+            state.selection = {k: _slice_rows(v, rows) for k, v in state.selection.items()}
+            state.pool = _slice_rows(state.pool, rows)
+            e_in = None if engram_in is None else {k: tuple(_slice_rows(t, rows) for t in v)
+                                                   for k, v in engram_in.items()}
+            S, pre = forward_blocks(layers, S, pre, state, n_enc, e_in, _slice_rows(image_mask, rows))
+        logits = torch.full((B, T, cfg.vocab_size), float("nan"), device=dev)
+        logits[:, T - keep:] = head_logits(model.norm, model.head, S, pre)
+    cache.lengths += T
+    cache.prefilled.fill_(True)
+    return logits, state
+
+
+def _engram_rows(model, cache, input_ids, start, image_mask):
+    """The Engram row ids of the new tokens: each n-gram reaches back max_ngram - 1 tokens into the cache's history
+    (positions before 0 count as the sequence start, as in the full forward)."""
+    if model.hasher is None:
+        return None
+    h = model.cfg.engram.max_ngram - 1
+    hist_pos = start[:, None] - h + torch.arange(h, device=input_ids.device)  # [B, h]
+    hist = cache.tokens.gather(1, hist_pos.clamp(min=0))
+    ids = torch.cat((hist, input_ids), dim=1)
+    alive = torch.cat((hist_pos >= 0, torch.ones_like(input_ids, dtype=torch.bool)), dim=1)
+    img = None
+    if image_mask is not None:
+        img = torch.cat((torch.zeros_like(hist, dtype=torch.bool), image_mask.bool()), dim=1)
+    rows = model.hasher.for_tokens(ids, img, alive)
+    return {layer: (r[:, h:], dead[:, h:]) for layer, (r, dead) in rows.items()}
+
+
+def routing_records(model, state):
+    """What a forward with keep_routing chose, as RoutingRecords over the call's rows: rows a trimmed prefill
+    skipped in the decoder (they lead the call) hold -1."""
+    from model.routing import RoutingRecords
+
+    rec = RoutingRecords()
+    k = model.cfg.csa2.index_topk
+    for spec in model.plan:
+        if spec.owns_indexer and spec.index in state.selection:
+            rec.topk[spec.index] = selected_ids(state.selection[spec.index], k)
+        if spec.index in state.experts:
+            rec.experts[spec.index] = state.experts[spec.index]
+    lengths = [v.shape[1] for d in (rec.topk, rec.experts) for v in d.values()]
+    full = max(lengths, default=0)
+    for d in (rec.topk, rec.experts):
+        for layer, v in d.items():
+            if v.shape[1] < full:
+                d[layer] = torch.nn.functional.pad(v, (0, 0, full - v.shape[1], 0), value=-1)
+    return rec

@@ -1,0 +1,194 @@
+"""The inference cache (model/cache.py, model/serving.py): prefill + decode equals the teacher-forced forward.
+
+v41_tiny keeps every feature the cache must get right: ratio-2 encoder sources (open compression groups held across
+calls), a ratio-1 decoder source fed from h_{L/2}, a window of 32 smaller than the prompts, the hierarchical pool
+(8 blocks x 4 = 32 entries) smaller than the decoder's entries, Reindex + Reuse layers, two Engram layers."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import model as model_pkg
+from model.cache import CacheError
+from model.csa2 import select_topk
+from tests.helpers import load_config
+
+EXACT_STORE = dict(cache_main_kv="none", cache_index="none", cache_swa_kv="none")
+QAT = dict(main_kv="fp4", index="fp4", swa_kv="fp8")
+
+
+def build(quant: dict | None = None, seed: int = 0, name: str = "v41_tiny"):
+    cfg = load_config(name)
+    if quant:
+        cfg = dataclasses.replace(cfg, quant=dataclasses.replace(cfg.quant, **quant))
+    torch.manual_seed(seed)
+    with torch.device("meta"):
+        m = model_pkg.build(cfg)
+    m.to_empty(device="cpu")
+    m.init_weights()
+    return m.eval()
+
+
+@pytest.fixture(scope="module")
+def exact_model():
+    return build(EXACT_STORE)
+
+
+@pytest.fixture(scope="module")
+def qat_model():
+    return build({**QAT})  # fake-quant on, the cache in its serving formats (fp4 main + keys, fp8 SWA)
+
+
+def tokens(n: int, batch: int = 1, seed: int = 1, vocab: int = 4096) -> torch.Tensor:
+    return torch.randint(0, vocab, (batch, n), generator=torch.Generator().manual_seed(seed))
+
+
+def serve(m, ids: torch.Tensor, prompt: int, chunks=(), replay: str = "none", max_len: int | None = None):
+    """Prefill ids[:, :prompt], then decode the rest in `chunks` (then one token at a time); the logits of every
+    position, and the cache."""
+    cache = m.new_cache(ids.shape[0], max_len or ids.shape[1], replay=replay)
+    out, t = [m(ids[:, :prompt], cache=cache)], prompt
+    for n in list(chunks) + [1] * ids.shape[1]:
+        if t >= ids.shape[1]:
+            break
+        out.append(m(ids[:, t:t + n], cache=cache))
+        t += n
+    return torch.cat(out, dim=1), cache
+
+
+# Prompt lengths: odd (a ratio-2 group left open by the prefill), one short of the window, one past it; decode
+# chunks that cross group boundaries, the window edge and the pool's block edges (4 entries; the pool fills at 32).
+@pytest.mark.parametrize("prompt,chunks", [(37, ()), (31, (2, 3, 1, 5, 4, 8)), (33, (7, 1, 16))])
+def test_prefill_and_decode_equal_the_teacher_forced_forward(exact_model, prompt, chunks):
+    ids = tokens(72, batch=2)
+    with torch.no_grad():
+        want = exact_model(ids)
+        got, cache = serve(exact_model, ids, prompt, chunks)
+    torch.testing.assert_close(got, want, rtol=0, atol=5e-6)
+    assert cache.lengths.tolist() == [72, 72]
+
+
+def test_requests_of_different_lengths_decode_together(exact_model):
+    """Rows prefilled separately (cache.rows views), then decoded in one batch at different positions."""
+    a, b = tokens(50, seed=2), tokens(63, seed=3)
+    with torch.no_grad():
+        want_a, want_b = exact_model(a), exact_model(b)
+        cache = exact_model.new_cache(2, 64, replay="none")
+        got_a = [exact_model(a[:, :29], cache=cache.rows(0, 1))]
+        got_b = [exact_model(b[:, :42], cache=cache.rows(1, 2))]
+        for i in range(21):
+            step = exact_model(torch.cat((a[:, 29 + i:30 + i], b[:, 42 + i:43 + i])), cache=cache)
+            got_a.append(step[:1])
+            got_b.append(step[1:])
+    torch.testing.assert_close(torch.cat(got_a, 1), want_a, rtol=0, atol=5e-6)
+    torch.testing.assert_close(torch.cat(got_b, 1), want_b, rtol=0, atol=5e-6)
+    assert cache.lengths.tolist() == [50, 63]
+
+
+def _swa_keys(m, ids):
+    """The teacher-forced forward's SWA keys of every layer (what its attention used), from each layer's input."""
+    from model import kernels as kern
+
+    inputs = {}
+    hooks = [layer.attn.register_forward_pre_hook(lambda mod, args, i=i: inputs.__setitem__(i, args[0]))
+             for i, layer in enumerate(m.layers)]
+    try:
+        out = m(ids, outputs=True)
+    finally:
+        for h in hooks:
+            h.remove()
+    keys = {}
+    for i, layer in enumerate(m.layers):
+        attn = layer.attn
+        kind = layer.spec.rope
+        cos, sin = out.state.rope(m.cfg.attention, kind, out.state.positions, inputs[i].dtype)
+        keys[i] = kern.norm_rope_quant(attn.wkv(inputs[i]), attn.kv_norm, cos, sin,
+                                       "fp8" if m.cfg.quant.swa_kv == "fp8" else None, "reference")
+    return out, keys
+
+
+def test_quantised_cache_holds_exactly_what_the_forward_used(qat_model):
+    """With fake-quant on and the cache in the same formats, every stored entry (FP4 main KV + E4M3 scales, FP4
+    indexer keys + UE8M0 scales, FP8 SWA rows) decodes to the teacher-forced forward's value bit for bit."""
+    ids = tokens(61)
+    with torch.no_grad():
+        out, swa = _swa_keys(qat_model, ids)
+        got, cache = serve(qat_model, ids, 25, (3, 2, 9))
+    torch.testing.assert_close(got, out.logits, rtol=0, atol=5e-6)
+    for src, (main, keys) in out.state.kv.items():
+        lc = cache.layers[src]
+        assert lc.main.buffers[0].dtype == torch.uint8 and lc.main.buffers[1].dtype == torch.float8_e4m3fn
+        assert lc.keys.buffers[1].dtype == torch.float8_e8m0fnu
+        E = main.shape[1]
+        assert int(lc.entries[0]) == E  # 61 tokens: 30 ratio-2 entries, the open group held back
+        assert torch.equal(lc.main.read_prefix(E), main) and torch.equal(lc.keys.read_prefix(E), keys)
+        if qat_model.plan[src].ratio == 2:
+            assert lc.pending is not None  # position 60 waits for its group's second token
+    W = qat_model.cfg.attention.window
+    last = torch.arange(61 - W, 61)
+    for i, lc in cache.layers.items():
+        assert lc.swa.buffers[0].dtype == torch.float8_e4m3fn
+        assert torch.equal(lc.swa.read((last % W)[None]), swa[i][:, last])
+
+
+def test_the_halo_replay_is_exact_and_the_window_replay_is_not(exact_model):
+    """Decoder bounded replay: "halo" keeps W + (n - 1)(W - 1) rows = 156 of v41_tiny's 300-token prompt and gives
+    the exact logits of the last prompt token and of every decode step; "window" keeps the last 32 and drifts."""
+    ids = tokens(310)
+    with torch.no_grad():
+        want = exact_model(ids)
+        halo, _ = serve(exact_model, ids, 300, replay="halo")
+        window, _ = serve(exact_model, ids, 300, replay="window")
+    skipped = ~torch.isfinite(halo).all(-1)[0]
+    assert int(skipped.sum()) == 300 - 156 and bool(skipped[:144].all())
+    torch.testing.assert_close(halo[:, 299:], want[:, 299:], rtol=0, atol=5e-6)
+    assert int((~torch.isfinite(window).all(-1)[0]).sum()) == 300 - 32
+    assert float((window[:, 299:] - want[:, 299:]).abs().max()) > 1e-3  # the approximation is real
+
+
+def test_cache_bytes_are_the_planners():
+    """The global KV read from the allocated buffers, at flagship dims on the meta device: 890 B/token."""
+    from model.accounting import kv_bytes
+
+    for name, want in (("v41_flash", 890.0), ("v41_small", None)):
+        with torch.device("meta"):
+            m = model_pkg.build(load_config(name))
+        cache = m.new_cache(2, 4096)
+        per_token = cache.nbytes(persistent=True) / (2 * 4096)
+        assert per_token == kv_bytes(m)["kv_bytes_per_token_persistent"]
+        if want is not None:
+            assert per_token == want
+        assert cache.nbytes() > cache.nbytes(persistent=True)
+
+
+def test_bad_calls_fail_clearly_and_leave_the_cache_alone(exact_model):
+    cache = exact_model.new_cache(2, 20, replay="none")
+    with torch.no_grad():
+        exact_model(tokens(10, batch=2), cache=cache)
+        with pytest.raises(CacheError, match="max_len=20"):
+            exact_model(tokens(11, batch=2), cache=cache)
+        with pytest.raises(CacheError, match="empty prompt"):
+            exact_model(tokens(0, batch=2), cache=cache)
+        with pytest.raises(CacheError, match="batch size 2"):
+            exact_model(tokens(1, batch=3), cache=cache)
+        bad = tokens(1, batch=2)
+        bad[1, 0] = 5000
+        with pytest.raises(ValueError, match="token id 5000 at row 1.*vocabulary"):
+            exact_model(bad, cache=cache)
+        assert cache.lengths.tolist() == [10, 10]
+        other = build(EXACT_STORE, name="v41_tiny")
+        other.cfg.attention.window = 16  # another model config
+        with pytest.raises(CacheError, match="another model"):
+            other(tokens(1, batch=2), cache=cache)
+    with pytest.raises(CacheError, match="replay"):
+        exact_model.new_cache(1, 8, replay="sometimes")
+
+
+def test_topk_ties_go_to_the_lowest_entries():
+    """The cache scores fewer (trailing, invisible) entries than the full forward: ties must not depend on that."""
+    s = torch.tensor([[[0.0, 1.0, 0.0, 0.0, float("-inf"), 0.0]]])
+    assert select_topk(s, 3)[0, 0].tolist() == [True, True, True, False, False, False]
+    assert select_topk(s[..., :4], 3)[0, 0].tolist() == [True, True, True, False]

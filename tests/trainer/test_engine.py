@@ -1,0 +1,140 @@
+"""The generation engine (trainer/engine/): batching, sampling, stop tokens, streaming, log-probs, routing replay,
+the prefix cache, bad requests."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.model.test_cache import EXACT_STORE, build, tokens
+from trainer.engine import Engine, PrefixCache, Request, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build(EXACT_STORE)
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    return tokens(n, seed=seed)[0].tolist()
+
+
+def test_greedy_batch_equals_each_request_alone_and_the_teacher_forced_argmax(model):
+    """Prompts of different lengths batched together give what each gives alone; every greedy token is the argmax
+    of the teacher-forced forward on prompt + completion, and its model log-prob is that forward's."""
+    reqs = [Request(_prompt(n, seed=n), SamplingParams(temperature=0, max_new_tokens=k), request_id=(n, k))
+            for n, k in ((9, 12), (40, 5), (23, 9))]
+    eng = Engine(model, replay="none")
+    batch = eng.generate(reqs)
+    alone = [eng.generate([r])[0] for r in reqs]
+    for c, a in zip(batch, alone):
+        assert c.token_ids == a.token_ids and c.finish_reason == "length"
+        assert len(c.token_ids) == c.request_id[1]
+        seq = torch.tensor([c.prompt_ids + c.token_ids])
+        with torch.no_grad():
+            lp = model(seq).log_softmax(-1)[0]
+        n = len(c.prompt_ids)
+        assert c.token_ids == lp[n - 1:-1].argmax(-1).tolist()
+        want = lp[torch.arange(n - 1, seq.shape[1] - 1), seq[0, n:]]
+        torch.testing.assert_close(torch.tensor(c.model_logprobs), want, rtol=0, atol=1e-5)
+        assert c.logprobs == [0.0] * len(c.token_ids)  # greedy: a point mass
+
+
+def test_sampling_is_seeded_and_cut(model):
+    eng = Engine(model, replay="none")
+    p = dict(temperature=0.8, top_k=20, top_p=0.9, max_new_tokens=16)
+    a = eng.generate([Request(_prompt(12, 1), SamplingParams(seed=7, **p))])[0]
+    b = eng.generate([Request(_prompt(30, 2), SamplingParams(seed=3, **p)),
+                      Request(_prompt(12, 1), SamplingParams(seed=7, **p))])[1]
+    c = eng.generate([Request(_prompt(12, 1), SamplingParams(seed=8, **p))])[0]
+    assert a.token_ids == b.token_ids and a.token_ids != c.token_ids
+    # each token's sampling log-prob is under the temperature-scaled, top-k / top-p cut distribution
+    seq = torch.tensor([a.prompt_ids + a.token_ids])
+    with torch.no_grad():
+        logits = model(seq)[0, len(a.prompt_ids) - 1:-1]
+    from trainer.engine.sampling import _sampling_logprobs
+
+    for t, (tok, lp) in enumerate(zip(a.token_ids, a.logprobs)):
+        dist = _sampling_logprobs(logits[t], SamplingParams(**p))
+        assert torch.isfinite(dist).sum() <= 20  # the top-k cut
+        assert abs(float(dist[tok]) - lp) < 1e-4
+
+
+def test_stop_tokens_and_streaming(model):
+    eng = Engine(model, replay="none")
+    free = eng.generate([Request(_prompt(10, 4), SamplingParams(temperature=0, max_new_tokens=8))])[0]
+    stop = free.token_ids[3]
+    streamed = []
+    c = eng.generate([Request(_prompt(10, 4), SamplingParams(temperature=0, max_new_tokens=8, stop_token_ids=[stop]),
+                              request_id="r")], on_token=lambda rid, tok, lp: streamed.append((rid, tok)))[0]
+    first = free.token_ids.index(stop)
+    assert c.token_ids == free.token_ids[:first + 1] and c.finish_reason == "stop"
+    assert streamed == [("r", t) for t in c.token_ids]
+
+
+def test_routing_replay_gives_the_engines_logprobs(model):
+    """With the rollout's records (index top-k per source, experts per MoE layer) the training forward's log-probs of
+    the completion are the engine's; the records cover every token the model read."""
+    eng = Engine(model, replay="none")
+    c = eng.generate([Request(_prompt(45, 9), SamplingParams(temperature=1.0, max_new_tokens=10, seed=1),
+                              return_routing=True)])[0]
+    seq = torch.tensor([c.prompt_ids + c.token_ids[:-1]])
+    rec = c.routing
+    assert all(t.shape[1] == seq.shape[1] for t in list(rec.topk.values()) + list(rec.experts.values()))
+    assert sorted(rec.experts) == list(range(model.cfg.num_layers))
+    assert sorted(rec.topk) == sorted(model.cfg.csa2.index_source_layers)
+    with torch.no_grad():
+        out = model(seq, routing=rec, outputs=True)
+    n = len(c.prompt_ids)
+    lp = out.logits.log_softmax(-1)[0, n - 1:]
+    got = lp.gather(-1, torch.tensor(c.token_ids)[:, None]).squeeze(-1)
+    torch.testing.assert_close(got, torch.tensor(c.model_logprobs), rtol=0, atol=1e-5)
+    # the records are used: forcing other experts changes the forward
+    flipped = type(rec)(dict(rec.topk), {k: (v + 1) % model.cfg.moe.num_experts for k, v in rec.experts.items()})
+    with torch.no_grad():
+        other = model(seq, routing=flipped)
+    assert float((other - out.logits).abs().max()) > 1e-3
+
+
+def test_prefix_cache_hits_and_replays(model):
+    """A second request sharing a prompt's blocks reuses their global KV; its SWA state is restored while it lives,
+    and rebuilt by replaying the last window of hit tokens once it has expired. Hit, SWA-hit and replayed requests
+    greedy-decode exactly as without a cache (replay="none" and the SWA state alive), or within the replay's
+    approximation (expired)."""
+    now = [0.0]
+    pc = PrefixCache(model, block_size=16, swa_ttl_s=60.0, clock=lambda: now[0])
+    eng = Engine(model, replay="none", prefix_cache=pc)
+    plain = Engine(model, replay="none")
+    base = _prompt(70, 11)
+    p = SamplingParams(temperature=0, max_new_tokens=6)
+    first = eng.generate([Request(base, p)])[0]
+    assert pc.stats["hits"] == 0 and pc.stats["misses"] == 4 and len(pc.blocks) == 4
+    follow = base[:64] + _prompt(9, 12)
+    want = plain.generate([Request(follow, p)])[0]
+    hit = eng.generate([Request(follow, p)])[0]
+    assert pc.stats["hits"] == 4 and pc.stats["swa_hits"] == 1 and hit.token_ids == want.token_ids
+    torch.testing.assert_close(torch.tensor(hit.model_logprobs), torch.tensor(want.model_logprobs), atol=1e-5, rtol=0)
+    now[0] = 120.0  # the SWA pool's entries are older than their time-to-live
+    replayed = eng.generate([Request(follow, p)])[0]
+    assert pc.stats["replays"] == 1 and pc.stats["hits"] == 8
+    assert len(replayed.token_ids) == 6
+    assert first.finish_reason == "length"
+
+
+def test_bad_requests_fail_alone(model):
+    eng = Engine(model, replay="none", max_len=64)
+    good = Request(_prompt(11, 5), SamplingParams(temperature=0, max_new_tokens=4), request_id="good")
+    alone = eng.generate([good])[0]
+    out = eng.generate([Request([], request_id="empty"), good,
+                        Request([1, 2, 99999], request_id="vocab"),
+                        Request(_prompt(60, 6), SamplingParams(max_new_tokens=10), request_id="long"),
+                        Request(_prompt(5, 7), effort=0, request_id="effort"),
+                        Request("text without a tokenizer", request_id="text")])
+    errors = {c.request_id: c.error for c in out if c.error}
+    assert "empty prompt" in errors["empty"]
+    assert "token id 99999 is outside the vocabulary" in errors["vocab"]
+    assert "exceeds the engine's max_len=64" in errors["long"]
+    assert "effort 0" in errors["effort"] and "tokenizer" in errors["text"]
+    assert out[1].token_ids == alone.token_ids and out[1].error is None
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=0)

@@ -1,0 +1,148 @@
+"""Prefix cache: a request whose prompt starts with blocks seen before reuses their global KV (SPEC 1.5, REFERENCE
+B1 1a and B2).
+
+Keys are token-block hashes: block i of a prompt (tokens [i*bs, (i+1)*bs)) is keyed by a hash of its tokens and of
+block i-1's key, so a key names the whole prefix up to its block's end. Two stores, as DeepSeek's serving design
+has them (REFERENCE B2: global KV persisted for days, SWA KV in a DRAM pool with a time-to-live of minutes):
+- `blocks`: per block, every KV source's stored entries of that block (bs / m rows of main KV and indexer keys,
+  in the cache's storage format): the persistent part, LRU-evicted past `max_blocks`;
+- `swa`: at a block boundary (the last one before a prompt's end), every layer's SWA ring and the request's
+  `swa_start`, kept for `swa_ttl_s` seconds.
+
+A lookup takes the longest run of cached blocks (leaving at least the prompt's last token to compute). If the
+boundary's SWA state is alive it is restored and the request continues from the boundary; if it expired, the last
+`window` hit tokens are replayed through every layer (encoder bounded replay: their windows truncated to the
+replayed span, the cached global KV kept: model/serving.py writes no entry a row already has), then the rest.
+Blocks are multiples of every compression ratio, so no compression group is open at a boundary.
+
+Counters (`stats`): lookups, block hits and misses, SWA hits, replays, evictions.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections import OrderedDict
+from typing import Callable
+
+import torch
+
+__all__ = ["PrefixCache", "check_model_fits"]
+
+
+def check_model_fits(model) -> None:
+    """The engine runs on whole models and whole sequences: refuse what it cannot serve, naming it."""
+    if model.__class__.__name__ == "StageGroup" or not hasattr(model, "new_cache"):
+        raise ValueError("the generation engine needs the whole model on every rank: it does not run under pipeline "
+                         "parallelism (parallel.pp > 1)")
+    from model.attention import SequenceShard
+
+    if getattr(model, "sequence_shard", SequenceShard()) != SequenceShard():
+        raise ValueError("the generation engine does not run under context parallelism (parallel.cp > 1)")
+    if getattr(model, "sequence_parallel", False):
+        raise ValueError("the generation engine does not run under sequence parallelism "
+                         "(parallel.sequence_parallel=true splits the tokens; a decode step has one)")
+
+
+class PrefixCache:
+    def __init__(self, model, *, block_size: int = 16, max_blocks: int = 65536, swa_ttl_s: float = 300.0,
+                 clock: Callable[[], float] = time.monotonic):
+        ratios = {s.ratio for s in model.plan if s.ratio > 0}
+        bad = [m for m in ratios if block_size % m]
+        if block_size < 1 or bad:
+            raise ValueError(f"prefix cache: block_size={block_size} must be a multiple of every compression ratio "
+                             f"({sorted(ratios)})")
+        self.block_size, self.max_blocks, self.swa_ttl_s, self.clock = block_size, max_blocks, swa_ttl_s, clock
+        self.window = model.cfg.attention.window
+        self.sources = {s.index: s.ratio for s in model.plan if s.owns_kv}
+        self.blocks: OrderedDict[bytes, dict] = OrderedDict()
+        self.swa: dict[bytes, tuple[float, int, dict]] = {}
+        self.stats = dict(lookups=0, hits=0, misses=0, swa_hits=0, replays=0, evictions=0)
+
+    def _keys(self, ids: list[int], n_blocks: int) -> list[bytes]:
+        keys, prev = [], b""
+        bs = self.block_size
+        for i in range(n_blocks):
+            h = hashlib.blake2b(prev, digest_size=16)
+            h.update(torch.tensor(ids[i * bs:(i + 1) * bs], dtype=torch.int64).numpy().tobytes())
+            prev = h.digest()
+            keys.append(prev)
+        return keys
+
+    def boundary(self, n: int) -> int:
+        """The last block boundary before the prompt's end (at least one token stays to compute)."""
+        return (n - 1) // self.block_size * self.block_size
+
+    # -- lookup --------------------------------------------------------------------------------------------------
+    def restore(self, cache, ids: list[int]) -> int:
+        """Fill a one-row cache with the longest cached prefix of `ids`; returns the position to feed tokens from."""
+        self.stats["lookups"] += 1
+        n_blocks = self.boundary(len(ids)) // self.block_size
+        keys = self._keys(ids, n_blocks)
+        hit = 0
+        while hit < n_blocks and keys[hit] in self.blocks:
+            hit += 1
+        self.stats["hits"] += hit
+        self.stats["misses"] += n_blocks - hit
+        if hit == 0:
+            return 0
+        H = hit * self.block_size
+        bs = self.block_size
+        for i in range(hit):
+            self.blocks.move_to_end(keys[i])
+            for src, parts in self.blocks[keys[i]].items():
+                lc, m = cache.layers[src], self.sources[src]
+                rows = slice(i * bs // m, (i + 1) * bs // m)
+                for store, stored in ((lc.main, parts[0]), (lc.keys, parts[1])):
+                    for buf, p in zip(store.buffers, stored):
+                        buf[0, rows] = p
+        for src, m in self.sources.items():
+            cache.layers[src].entries.fill_(H // m)
+        cache.tokens[0, :H] = torch.tensor(ids[:H], device=cache.tokens.device)
+        cache.prefilled.fill_(False)
+        swa = self.swa.get(keys[hit - 1])
+        if swa is not None and self.clock() - swa[0] > self.swa_ttl_s:
+            del self.swa[keys[hit - 1]]
+            swa = None
+        if swa is not None:
+            self.stats["swa_hits"] += 1
+            _, swa_start, rings = swa
+            for layer, parts in rings.items():
+                for buf, p in zip(cache.layers[layer].swa.buffers, parts):
+                    buf[0] = p
+            cache.lengths.fill_(H)
+            cache.swa_start.fill_(swa_start)
+            return H
+        self.stats["replays"] += 1
+        start = H - min(self.window, H)
+        cache.lengths.fill_(start)
+        cache.swa_start.fill_(start)
+        return start
+
+    def insert(self, cache, ids: list[int], upto: int) -> None:
+        """Keep a one-row cache's global KV of the blocks before `upto` (a block boundary it has just reached) and
+        its SWA state there."""
+        if upto <= 0:
+            return
+        bs = self.block_size
+        keys = self._keys(ids, upto // bs)
+        for i, key in enumerate(keys):
+            if key in self.blocks:
+                self.blocks.move_to_end(key)
+                continue
+            entry = {}
+            for src, m in self.sources.items():
+                lc = cache.layers[src]
+                rows = slice(i * bs // m, (i + 1) * bs // m)
+                entry[src] = tuple(tuple(buf[0, rows].clone() for buf in store.buffers)
+                                   for store in (lc.main, lc.keys))
+            self.blocks[key] = entry
+            while len(self.blocks) > self.max_blocks:
+                self.blocks.popitem(last=False)
+                self.stats["evictions"] += 1
+        rings = {layer: tuple(buf[0].clone() for buf in lc.swa.buffers) for layer, lc in cache.layers.items()}
+        self.swa[keys[-1]] = (self.clock(), int(cache.swa_start[0]), rings)
+
+    def expire_swa(self) -> None:
+        """Drop every SWA state (as if the TTL had passed for all)."""
+        self.swa.clear()
