@@ -163,7 +163,7 @@ def fake_quant_fp8(x: torch.Tensor, block: int, path: str) -> torch.Tensor:
 
 
 # quant name of a site -> (block, scale format) of its fake-quant (kernels.norm_rope_fp4.QUANTS)
-_QUANTS = {"fp4": (16, "e4m3"), "fp4_ue8m0": (32, "ue8m0"), "fp8": (32, "ue8m0")}
+QUANTS = {"fp4": (16, "e4m3"), "fp4_ue8m0": (32, "ue8m0"), "fp8": (32, "ue8m0")}
 
 
 def fuses_norm(norm, path: str) -> bool:
@@ -196,9 +196,9 @@ def norm_rope_quant(x: torch.Tensor, norm, cos: torch.Tensor, sin: torch.Tensor,
     y = x if norm is None else norm(x)
     q = apply_rope(y, cos, sin)
     if quant == "fp8":
-        q = fake_quant_fp8(q, _QUANTS[quant][0], path)
+        q = fake_quant_fp8(q, QUANTS[quant][0], path)
     elif quant is not None:
-        q = fake_quant_fp4(q, *_QUANTS[quant], path)
+        q = fake_quant_fp4(q, *QUANTS[quant], path)
     return (q, y.detach()) if return_normed else q
 
 

@@ -14,7 +14,8 @@ forward), from what the cache keeps of the earlier ones:
   unless a global entry is already stored there (a prefix-cache hit replaying its last window keeps its cached
   global KV); the indexer key likewise;
 - index sources score every stored entry visible to each query (the pool builder publishing its pool), pick the
-  top-k with the same tie rule; Reuse layers read them; the attention runs the reference `attend`.
+  top-k with the same tie rule; Reuse layers read them; the attention runs the reference `attend`, over every
+  stored entry in a prefill and over the selected entries only (read from the store alone) in a decode step.
 Per-row positions ([B, T]) let requests of different lengths decode together. This path runs the reference
 operations on every device (fused serving kernels are issue 16's).
 
@@ -28,9 +29,12 @@ import torch
 from torch import nn
 
 from model import kernels as kern
+from kernels.norm_rope_ref import rms_norm
 from model.common import local
 from model.csa2 import candidate_pool, ids_to_selection, index_scores, select_topk, selected_ids
 from model.rope import apply_rope
+
+__all__ = ["serve_forward", "cached_attention", "routing_records", "forced_selection", "visible_rows", "StoredEntries"]
 
 REF = "reference"
 
@@ -46,7 +50,7 @@ def _fake_quant(x: torch.Tensor, fmt: str | None) -> torch.Tensor:
         return x
     if fmt == "fp8":
         return kern.fake_quant_fp8(x, 32, REF)
-    return kern.fake_quant_fp4(x, *kern._QUANTS[fmt], REF)
+    return kern.fake_quant_fp4(x, *kern.QUANTS[fmt], REF)
 
 
 def _stored(store, pre: torch.Tensor, fmt: str | None) -> tuple[tuple, torch.Tensor]:
@@ -62,11 +66,15 @@ def _compress_new(layer, kv_src: torch.Tensor, lc, call_start: torch.Tensor):
     comp = layer.compressor
     m = comp.ratio
     B, Tk, _ = kv_src.shape
+    # the compressor's pieces on this rank's (replicated) weights: a tensor-parallel plan hooks the module's call
+    def norm(t):
+        return rms_norm(t, local(comp.norm.weight), comp.norm.eps)
+
     if m == 1:
         ids = call_start[:, None] + torch.arange(Tk, device=kv_src.device)
-        return comp.norm(comp.wkv(kv_src)), ids, torch.ones_like(ids, dtype=torch.bool)
-    kv = nn.functional.linear(kv_src.float(), comp.wkv.weight.float())  # [B, Tk, D], as Compressor.forward
-    gate = nn.functional.linear(kv_src.float(), comp.wgate.weight.float())
+        return norm(nn.functional.linear(kv_src, local(comp.wkv.weight))), ids, torch.ones_like(ids, dtype=torch.bool)
+    kv = nn.functional.linear(kv_src.float(), local(comp.wkv.weight).float())  # [B, Tk, D], as Compressor.forward
+    gate = nn.functional.linear(kv_src.float(), local(comp.wgate.weight).float())
     new = torch.stack((kv, gate), dim=2)  # [B, Tk, 2, D]
     held = call_start % m  # [B] tokens of the open group before the call
     both = torch.cat((lc.pending, new), dim=1)  # [B, m - 1 + Tk, 2, D]: held rows first (left-aligned), then new
@@ -76,7 +84,7 @@ def _compress_new(layer, kv_src: torch.Tensor, lc, call_start: torch.Tensor):
     src = src.clamp(max=both.shape[1] - 1)
     rows = both.gather(1, src[..., None, None].expand(-1, -1, 2, both.shape[-1]))  # [B, G*m, 2, D]
     kv_g, gate_g = rows[:, :, 0].view(B, G, m, -1), rows[:, :, 1].view(B, G, m, -1)
-    latent = comp.norm((gate_g.softmax(dim=2) * kv_g).sum(dim=2).to(kv_src.dtype))
+    latent = norm((gate_g.softmax(dim=2) * kv_g).sum(dim=2).to(kv_src.dtype))
     first = (call_start - held) // m  # [B] id of the group the call starts in
     ids = first[:, None] + torch.arange(G, device=kv_src.device)
     closed = (torch.arange(1, G + 1, device=kv_src.device) * m)[None] <= (held + Tk)[:, None]
@@ -110,7 +118,25 @@ def _write_entries(layer, lc, state, kv_src: torch.Tensor):
     total = (call_start + kv_src.shape[1]) // m
     lc.entries.copy_(torch.maximum(lc.entries, total))
     E = int(lc.entries.max())
-    return lc.main.read_prefix(E), lc.keys.read_prefix(E)
+    return StoredEntries(lc.main, E), lc.keys.read_prefix(E)
+
+
+class StoredEntries:
+    """A KV source's main KV in the cache, decoded on demand: every entry (a prefill's dense attention) or only the
+    rows a decode step's top-k selected (what serving reads)."""
+
+    def __init__(self, store, num_entries: int):
+        self.store, self.num_entries = store, num_entries
+        self._dense = None
+
+    def dense(self) -> torch.Tensor:
+        if self._dense is None:
+            self._dense = self.store.read_prefix(self.num_entries)
+        return self._dense
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [B, N] (in range) -> [B, N, D]."""
+        return self.store.read(ids)
 
 
 def cached_attention(layer, x: torch.Tensor, state, kv_in: torch.Tensor | None):
@@ -150,8 +176,8 @@ def cached_attention(layer, x: torch.Tensor, state, kv_in: torch.Tensor | None):
     if spec.ratio > 0:
         if spec.owns_kv:
             made.kv = _write_entries(layer, lc, state, kv_in if kv_in is not None else x)
-        kv_cmp, idx_keys = made.kv if spec.owns_kv else state.kv[spec.kv_source]
-        E = kv_cmp.shape[1]
+        entries, idx_keys = made.kv if spec.owns_kv else state.kv[spec.kv_source]
+        E = entries.num_entries
         visible = visible_rows(pos, E, spec.ratio)
         if spec.owns_indexer:
             made.selection, made.pool = _select(layer, x, q_res, idx_keys, visible, state)
@@ -159,8 +185,17 @@ def cached_attention(layer, x: torch.Tensor, state, kv_in: torch.Tensor | None):
             cmp_mask = visible
         else:
             cmp_mask = made.selection if spec.owns_indexer else state.selection[spec.index_source]
+        K = layer.cfg.csa2.index_topk
         if E == 0:
             kv_cmp = None
+        elif state.phase == "sparse" and T * K < E:
+            # decode: read and attend to the selected entries only (query t sees its own K slots)
+            ids = selected_ids(cmp_mask, K)  # [B, T, K], -1 past the chosen
+            kv_cmp = entries.rows(ids.clamp(min=0).flatten(1).long())  # [B, T * K, D]
+            own = torch.eye(T, dtype=torch.bool, device=x.device).repeat_interleave(K, dim=1)  # [T, T * K]
+            cmp_mask = own[None] & (ids >= 0).flatten(1)[:, None]
+        else:
+            kv_cmp = entries.dense()
     out, _ = attend(q, keys, kv_cmp, win_mask, cmp_mask, local(layer.attn_sink))
     return out, cos, sin, made
 
@@ -198,9 +233,6 @@ def forced_selection(state, layer: int, selection: torch.Tensor) -> torch.Tensor
         return selection
     has = (ids >= 0).any(-1, keepdim=True)
     return torch.where(has, ids_to_selection(ids, selection.shape[-1]), selection)
-
-
-__all__ = ["cached_attention", "visible_rows", "forced_selection", "selected_ids"]
 
 
 # -- the whole model on the cache -----------------------------------------------------------------------------------
@@ -250,7 +282,7 @@ def serve_forward(model, input_ids: torch.Tensor, cache, *, image_mask=None, rou
     n_enc = cfg.num_encoder_layers
     if keep == T:
         S, pre = forward_blocks(model.layers, S, pre, state, n_enc, engram_in, image_mask)
-        logits = head_logits(model.norm, model.head, S, pre)
+        logits = _whole(head_logits(model.norm, model.head, S, pre))
     else:
         # CED prefill with decoder bounded replay (SPEC 1.5, REFERENCE B1/B3): the encoder on every row, h_{L/2}
         # (the decoder's global KV source) on every row; the first decoder layer on the rows its kept rows' windows
@@ -268,10 +300,16 @@ def serve_forward(model, input_ids: torch.Tensor, cache, *, image_mask=None, rou
                                                    for k, v in engram_in.items()}
             S, pre = forward_blocks(layers, S, pre, state, n_enc, e_in, _slice_rows(image_mask, rows))
         logits = torch.full((B, T, cfg.vocab_size), float("nan"), device=dev)
-        logits[:, T - keep:] = head_logits(model.norm, model.head, S, pre)
+        logits[:, T - keep:] = _whole(head_logits(model.norm, model.head, S, pre))
     cache.lengths += T
     cache.prefilled.fill_(True)
     return logits, state
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    """Logits a tensor-parallel plan returns vocab-sharded (a DTensor), gathered: serving samples from all of them."""
+    full = getattr(t, "full_tensor", None)
+    return t if full is None else full()
 
 
 def _engram_rows(model, cache, input_ids, start, image_mask):

@@ -12,7 +12,7 @@ import torch
 import model as model_pkg
 from model.replay import ReplayCuts, sample_cuts, window_floors
 from tests.helpers import load_config
-from tests.model.test_cache import EXACT_STORE, serve, tokens
+from tests.model.test_cache import ATOL, DEVICE, EXACT_STORE, serve, tokens
 from trainer.config import StageConfig
 from trainer.stage import apply_model_hooks
 
@@ -30,7 +30,7 @@ def build(stage: StageConfig | None = None, quant: dict | None = None, **csa2):
         m = model_pkg.build(cfg)
     m.to_empty(device="cpu")
     m.init_weights()
-    return m.eval()
+    return m.to(DEVICE).eval()
 
 
 @pytest.fixture(scope="module")
@@ -45,11 +45,11 @@ def test_decoder_cut_equals_the_window_replay_prefill(exact_model):
     c = 70
     with torch.no_grad():
         served, _ = serve(exact_model, ids, c, replay="window")
-        cut = torch.full((2,), c)
+        cut = torch.full((2,), c, device=DEVICE)
         sim = exact_model(ids, replay_cuts=ReplayCuts(decoder=cut))
         exact = exact_model(ids)
-    torch.testing.assert_close(sim[:, c - W:], served[:, c - W:], rtol=0, atol=5e-6)
-    torch.testing.assert_close(sim[:, :c - W], exact[:, :c - W], rtol=0, atol=5e-6)  # before the span: untouched
+    torch.testing.assert_close(sim[:, c - W:], served[:, c - W:], rtol=0, atol=ATOL)
+    torch.testing.assert_close(sim[:, :c - W], exact[:, :c - W], rtol=0, atol=ATOL)  # before the span: untouched
     assert float((sim[:, c:] - exact[:, c:]).abs().max()) > 1e-3
 
 
@@ -67,8 +67,8 @@ def test_encoder_cut_equals_a_prefix_hit_whose_swa_state_expired(exact_model):
             served = [exact_model(ids[:, h - W:h + 5], cache=cache)]
             served += [exact_model(ids[:, t:t + 1], cache=cache) for t in range(h + 5, 100)]
             served = torch.cat(served, dim=1)
-            sim = exact_model(ids, replay_cuts=ReplayCuts(encoder=torch.tensor([h])))
-        torch.testing.assert_close(sim[:, h - W:], served, rtol=0, atol=5e-6)
+            sim = exact_model(ids, replay_cuts=ReplayCuts(encoder=torch.tensor([h], device=DEVICE)))
+        torch.testing.assert_close(sim[:, h - W:], served, rtol=0, atol=ATOL)
 
 
 def test_qat_hook_equals_the_quantised_cache():
@@ -81,7 +81,7 @@ def test_qat_hook_equals_the_quantised_cache():
     with torch.no_grad():
         got, _ = serve(m, ids, 23, (4, 1, 6))
         want = m(ids)
-    torch.testing.assert_close(got, want, rtol=0, atol=5e-6)
+    torch.testing.assert_close(got, want, rtol=0, atol=ATOL)
 
 
 @pytest.mark.parametrize("pool", [True, False])
@@ -94,7 +94,7 @@ def test_hierarchical_indexer_hook_equals_the_cache_search(pool):
     with torch.no_grad():
         got, _ = serve(m, ids, 40)
         want = m(ids)
-    torch.testing.assert_close(got, want, rtol=0, atol=5e-6)
+    torch.testing.assert_close(got, want, rtol=0, atol=ATOL)
 
 
 def test_floors_and_sampled_cuts():

@@ -39,7 +39,34 @@ import torch
 
 from trainer.engine.sampling import SamplingParams, sample
 
-__all__ = ["Request", "Completion", "RolloutBackend", "Engine", "PromptFormat"]
+__all__ = ["Request", "Completion", "RolloutBackend", "Engine", "PromptFormat", "serving_module"]
+
+
+def serving_module(model) -> torch.nn.Module:
+    """The module the engine calls: a Transformer, or a trainer ParallelModel's (checked: the engine needs the whole
+    model on every rank and whole sequences). Refusals name the setting."""
+    pm = model if hasattr(model, "dims") and hasattr(model, "module") else None
+    module = model if pm is None else pm.module
+    if pm is not None:
+        for key, value in (("pp", pm.dims.pp), ("cp", pm.dims.cp)):
+            if value > 1:
+                what = "pipeline" if key == "pp" else "context"
+                raise ValueError(f"the generation engine does not run under {what} parallelism (parallel.{key}="
+                                 f"{value}): a rank holds only {'some layers' if key == 'pp' else 'a chunk of each sequence'}")
+        if pm.sequence_parallel:
+            raise ValueError("the generation engine does not run under sequence parallelism "
+                             "(parallel.sequence_parallel=true splits the tokens; a decode step has one)")
+        if pm.engram is not None:
+            raise ValueError("the generation engine does not run with parallel.engram_shard=true yet (the rows' "
+                             "exchange is prefetched per training forward)")
+    if module.__class__.__name__ == "StageGroup" or not hasattr(module, "new_cache"):
+        raise ValueError("the generation engine needs the whole model on every rank: it does not run under pipeline "
+                         "parallelism (parallel.pp > 1)")
+    from model.attention import SequenceShard
+
+    if getattr(module, "sequence_shard", SequenceShard()) != SequenceShard():
+        raise ValueError("the generation engine does not run under context parallelism (parallel.cp > 1)")
+    return module
 
 
 @dataclass
@@ -102,13 +129,11 @@ class _Lockstep:
 
 
 class Engine:
-    """The built-in RolloutBackend. model: the Transformer (or this rank's parallelised module)."""
+    """The built-in RolloutBackend. model: the Transformer, or the trainer's ParallelModel (`serving_module`)."""
 
     def __init__(self, model, *, max_batch: int = 32, max_len: int = 4096, replay: str = "halo",
                  prefix_cache=None, tokenizer=None, prompt_format: PromptFormat | None = None):
-        from trainer.engine.prefix_cache import check_model_fits
-
-        check_model_fits(model)
+        model = serving_module(model)
         self.model, self.max_batch, self.max_len, self.replay = model, max_batch, max_len, replay
         self.prefix_cache = prefix_cache
         self.tokenizer = tokenizer
@@ -125,7 +150,7 @@ class Engine:
     def _call(self, ids: torch.Tensor, cache, keep_routing: bool):
         self.lockstep.any_calls(True)
         out = self.model(ids.to(self.device), cache=cache, outputs=True, keep_routing=keep_routing)
-        return out.logits, out.routing
+        return out.logits, out.routing  # (plain: model/serving.py gathers vocab-sharded logits)
 
     def _drain(self) -> None:
         """After this rank's last call: match every call the other ranks still make with a one-token call."""

@@ -27,21 +27,7 @@ from typing import Callable
 
 import torch
 
-__all__ = ["PrefixCache", "check_model_fits"]
-
-
-def check_model_fits(model) -> None:
-    """The engine runs on whole models and whole sequences: refuse what it cannot serve, naming it."""
-    if model.__class__.__name__ == "StageGroup" or not hasattr(model, "new_cache"):
-        raise ValueError("the generation engine needs the whole model on every rank: it does not run under pipeline "
-                         "parallelism (parallel.pp > 1)")
-    from model.attention import SequenceShard
-
-    if getattr(model, "sequence_shard", SequenceShard()) != SequenceShard():
-        raise ValueError("the generation engine does not run under context parallelism (parallel.cp > 1)")
-    if getattr(model, "sequence_parallel", False):
-        raise ValueError("the generation engine does not run under sequence parallelism "
-                         "(parallel.sequence_parallel=true splits the tokens; a decode step has one)")
+__all__ = ["PrefixCache"]
 
 
 class PrefixCache:
