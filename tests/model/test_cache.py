@@ -74,6 +74,17 @@ def test_prefill_and_decode_equal_the_teacher_forced_forward(exact_model, prompt
     assert cache.lengths.tolist() == [72, 72]
 
 
+def test_dense_warmup_phase_serves_exactly():
+    """indexer.phase=dense_warmup: every visible entry is attended, in serving as in the training forward."""
+    m = build(EXACT_STORE)
+    m.cfg.indexer.phase = "dense_warmup"  # read per forward: the same weights in the other phase
+    ids = tokens(60, batch=2)
+    with torch.no_grad():
+        got, _ = serve(m, ids, 21, (3, 5))
+        want = m(ids)
+    torch.testing.assert_close(got, want, rtol=0, atol=ATOL)
+
+
 def test_requests_of_different_lengths_decode_together(exact_model):
     """Rows prefilled separately (cache.rows views), then decoded in one batch at different positions."""
     a, b = tokens(50, seed=2), tokens(63, seed=3)
