@@ -102,6 +102,19 @@ def _decode_table(device: torch.device) -> torch.Tensor:
     return torch.cat([grid, -grid]) + 0.0  # `+ 0.0` turns the -0 entry into +0
 
 
+_PAIR_TABLES: dict = {}
+
+
+def _pair_table(device: torch.device) -> torch.Tensor:
+    """fp32 [256, 2]: byte -> (its low nibble's value, its high nibble's value)."""
+    key = str(device)
+    if key not in _PAIR_TABLES:
+        table = _decode_table(device)
+        b = torch.arange(256, device=device)
+        _PAIR_TABLES[key] = torch.stack([table[b & 0xF], table[b >> 4]], dim=-1)
+    return _PAIR_TABLES[key]
+
+
 def quantize(
     x: torch.Tensor, block: int = 16, scale_fmt: str = "e4m3", *, impl: str = "reference"
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -146,9 +159,8 @@ def dequantize(
     check_scales(scales, codes.shape[:-1], num_blocks, "dequantize")
     if scales.dtype not in _SCALE_DTYPES:
         raise TypeError(f"dequantize: scales must be float8_e4m3fn or float8_e8m0fnu, got {scales.dtype}")
-    # Unpack: low nibble is the even element, high nibble the odd one.
-    nibbles = torch.stack([codes & 0xF, codes >> 4], dim=-1).flatten(-2)  # [..., D]
-    values = _decode_table(codes.device)[nibbles.long()]  # [..., D]
+    # Unpack: low nibble is the even element, high nibble the odd one; one lookup per byte gives both.
+    values = torch.nn.functional.embedding(codes.long(), _pair_table(codes.device)).flatten(-2)  # [..., D]
     out = values.unflatten(-1, (num_blocks, block)) * scales.float().unsqueeze(-1)
     return out.flatten(-2)
 

@@ -109,11 +109,15 @@ def select_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
     entry ids (the Triton kernel's rule, kernels/topk.py): the choice depends on the scores alone, not on how many
     invisible entries trail them, so the inference cache (fewer entries so far) picks what the full forward picks."""
     k = min(k, scores.shape[-1])
-    sel = torch.zeros_like(scores, dtype=torch.bool)
     if k == 0:
-        return sel
-    vals, idx = scores.sort(dim=-1, descending=True, stable=True)
-    return sel.scatter_(-1, idx[..., :k], vals[..., :k] > float("-inf"))
+        return torch.zeros_like(scores, dtype=torch.bool)
+    # every entry above the k-th largest value, then the lowest-id entries equal to it until k are taken
+    kth = scores.topk(k, dim=-1, sorted=False).values.amin(-1, keepdim=True)
+    above = scores > kth
+    tied = scores == kth
+    room = k - above.sum(-1, keepdim=True)
+    take = tied & (tied.cumsum(-1) <= room)
+    return (above | take) & (scores > float("-inf"))
 
 
 def selected_ids(selection: torch.Tensor, k: int) -> torch.Tensor:
@@ -122,8 +126,11 @@ def selected_ids(selection: torch.Tensor, k: int) -> torch.Tensor:
     E = selection.shape[-1]
     if E < k:
         selection = nn.functional.pad(selection, (0, k - E))
-    taken, idx = selection.to(torch.int8).sort(dim=-1, descending=True, stable=True)
-    return torch.where(taken[..., :k] > 0, idx[..., :k], -1).to(torch.int32)
+        E = k
+    # a selected entry's key is E - id (distinct, > 0; unselected 0): the k largest are the selected ids, ascending
+    key = selection.to(torch.int32) * (E - torch.arange(E, dtype=torch.int32, device=selection.device))
+    vals, idx = key.topk(k, dim=-1)
+    return torch.where(vals > 0, idx, -1).to(torch.int32)
 
 
 def ids_to_selection(ids: torch.Tensor, num_entries: int) -> torch.Tensor:
