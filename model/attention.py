@@ -343,8 +343,10 @@ class CSA2Attention(kern.KernelPath, nn.Module):
         B, T, _ = x.shape
         kind = spec.rope
         path = self.kernel_path
-        if state.routing is not None or state.keep_routing or spec.index in state.window_floor:
-            path = "reference"  # recorded top-k and truncated windows are the reference path's masks
+        if state.routing is not None or state.keep_routing or state.window_floor:
+            # recorded top-k and truncated windows are the reference path's masks; every layer takes it, so a Reuse
+            # layer reads its index source's top-k in the form it makes
+            path = "reference"
         made = LayerOutputs()
         cos, sin = state.rope(a, kind, state.positions, x.dtype)
 

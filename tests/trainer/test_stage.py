@@ -134,3 +134,29 @@ def test_trainer_callbacks_load_by_import_path():
         load_callbacks(["nowhere.at_all:Nothing"])
     with pytest.raises(ValueError, match="is not a trainer.callbacks.Callback"):
         load_callbacks([f"{__name__}:_Loader"])
+
+
+def test_bounded_replay_sim_batches_carry_cuts_the_forward_reads():
+    """stage.bounded_replay_sim: the stage's loader adds `replay_cuts` to each batch (drawn from its tokens), the
+    trainer hands them to the model (trainer/train.py `_model_extras`), and pp / cp are refused by name."""
+    from model.replay import ReplayCuts
+    from trainer.config import Config, ParallelConfig
+    from trainer.stage import with_replay_cuts
+    from trainer.train import _model_extras
+
+    cfg = Config()
+    ids = torch.randint(0, 100, (4, 256), generator=torch.Generator().manual_seed(0))
+    loader = [{"input_ids": ids, "labels": ids}]
+    stage = StageConfig(bounded_replay_sim=True, replay_sim_prob=1.0)
+    (batch,) = list(with_replay_cuts((loader, "tok"), stage, cfg)[0])
+    cuts = batch["replay_cuts"]
+    (again,) = list(with_replay_cuts((loader, "tok"), stage, cfg)[0])
+    assert isinstance(cuts, ReplayCuts) and torch.equal(again["replay_cuts"].decoder, cuts.decoder)
+    window = cfg.model.attention.window
+    assert bool(((cuts.decoder >= window) & (cuts.decoder < 256)).all()) and cuts.encoder is not None
+    assert _model_extras(batch, torch.device("cpu"))["replay_cuts"].decoder.tolist() == cuts.decoder.tolist()
+    assert with_replay_cuts(loader, StageConfig(), cfg) is loader
+    for field, message in (("pp", "parallel.pp=2"), ("cp", "parallel.cp=2")):
+        bad = dataclasses.replace(cfg, parallel=ParallelConfig(**{field: 2}))
+        with pytest.raises(ValueError, match=re.escape(message)):
+            with_replay_cuts(loader, stage, bad)
