@@ -23,10 +23,18 @@ EXACT_STORE = dict(cache_main_kv="none", cache_index="none", cache_swa_kv="none"
 QAT = dict(main_kv="fp4", index="fp4", swa_kv="fp8")
 
 
-def build(quant: dict | None = None, seed: int = 0, name: str = "v41_tiny"):
+def build(quant: dict | None = None, seed: int = 0, name: str = "v41_tiny", *, stage=None, **csa2):
+    """conf/model/<name>.yaml with `quant` and `csa2` fields replaced, then a StageConfig's hooks applied, on DEVICE
+    in eval mode."""
     cfg = load_config(name)
     if quant:
         cfg = dataclasses.replace(cfg, quant=dataclasses.replace(cfg.quant, **quant))
+    if csa2:
+        cfg = dataclasses.replace(cfg, csa2=dataclasses.replace(cfg.csa2, **csa2))
+    if stage is not None:
+        from trainer.stage import apply_model_hooks
+
+        cfg = apply_model_hooks(stage, cfg)
     torch.manual_seed(seed)
     with torch.device("meta"):
         m = model_pkg.build(cfg)

@@ -4,33 +4,18 @@ hierarchical indexer against the cache's pool-restricted search."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
-import model as model_pkg
 from model.replay import ReplayCuts, sample_cuts, window_floors
 from tests.helpers import load_config
 from tests.model.test_cache import ATOL, DEVICE, EXACT_STORE, serve, tokens
+from tests.model.test_cache import build as build_model
 from trainer.config import StageConfig
-from trainer.stage import apply_model_hooks
 
 
 def build(stage: StageConfig | None = None, quant: dict | None = None, **csa2):
-    cfg = load_config("v41_tiny")
-    if quant:
-        cfg = dataclasses.replace(cfg, quant=dataclasses.replace(cfg.quant, **quant))
-    if csa2:
-        cfg = dataclasses.replace(cfg, csa2=dataclasses.replace(cfg.csa2, **csa2))
-    if stage is not None:
-        cfg = apply_model_hooks(stage, cfg)
-    torch.manual_seed(0)
-    with torch.device("meta"):
-        m = model_pkg.build(cfg)
-    m.to_empty(device="cpu")
-    m.init_weights()
-    return m.to(DEVICE).eval()
+    return build_model(quant, stage=stage, **csa2)
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,11 @@ Distributed (gloo, one spawn of 2 ranks): pp 2 with 1F1B (compressed KV, top-k, 
 the stages' backward recomputes), ep 2 (all-to-alls in the recomputation), tp 2 (DTensor collectives in the
 recomputation) and dp_shard 2 (FSDP2 over checkpointed blocks: its pre-backward hook unshards before a block is
 recomputed), each with full checkpointing, equal the single process WITHOUT it by test_layouts' comparison (1e-5
-relative, the rounding floor of a changed summation order; biases exactly). (cp 2, whose entry gather, window halo
+relative, the rounding floor of a changed summation order; biases exactly), on test_layouts' model (the every-role
+config on 24 tokens: every layer role, Engram, the pool). Not on v41_tiny's 64 tokens: there, since the top-k's
+ties go to the lowest ids (issue 14), the second step meets a batch where the single process alone, fed its
+micro-batches in reverse order, moves the layer-0/1 Engram and shared-expert gradients by up to 2.3e-5 of their
+norm, above the comparison's 1e-5. (cp 2, whose entry gather, window halo
 and chunk means also run in the recomputation, passes the same comparison; it is left out to keep this file near a
 minute on two cores.)
 
@@ -207,7 +211,7 @@ def _worker(rank: int, world: int, names: list[str]) -> dict:
     results = {}
     for name in names:
         try:
-            results[name] = layouts._train({**LAYOUTS[name], "activation_checkpoint": "full"})
+            results[name] = layouts._train_small({**LAYOUTS[name], "activation_checkpoint": "full"})
         except Exception:
             results[name] = traceback.format_exc()
             break
@@ -215,6 +219,7 @@ def _worker(rank: int, world: int, names: list[str]) -> dict:
 
 
 _RUNS: list = []
+_SMALL: list = []  # the single process without checkpointing on the layouts' model
 
 
 @pytest.mark.distributed
@@ -223,7 +228,9 @@ def test_checkpointed_layouts_match_single_process_without(name):
     if not _RUNS:
         _RUNS.append(run_distributed(_worker, 2, list(LAYOUTS)))
     ranks = [r[name] if name in r else f"{name} did not run" for r in _RUNS[0]]
-    layouts._check(name, ranks, _reference("plain"))
+    if not _SMALL:
+        _SMALL.append(layouts._single(layouts._train_small))
+    layouts._check(name, ranks, _SMALL[0])
 
 
 # --- checkpoints --------------------------------------------------------------------------------------------------

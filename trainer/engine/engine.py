@@ -272,14 +272,12 @@ class Engine:
         Returns (the logits of the last call, the routing records of the prompt's rows)."""
         ids_t = torch.tensor([ids], dtype=torch.long)
         pc = self.prefix_cache
-        records = []
         if pc is None:
             logits, rec = self._call(ids_t, row_cache, keep)
             return logits, [rec] if keep else []
         start = pc.restore(row_cache, ids)
         boundary = pc.boundary(len(ids))  # block-aligned, < len(ids): its SWA state is worth keeping
-        if records is not None and start > 0 and keep:
-            records.append(_no_records(self.model, start))
+        records = [_no_records(self.model, start)] if keep and start > 0 else []
         logits = None
         for a, b in ((start, boundary), (max(start, boundary), len(ids))):
             if b <= a:
