@@ -44,6 +44,7 @@ from model.common import RMSNorm, init_linear, linear, local
 from model.config import ModelConfig
 from model.csa2 import Compressor, Indexer, candidate_pool, index_scores, select_topk, visible_mask
 from model.layer_plan import LayerSpec
+from model.routing import forced_selection
 from model.rope import apply_rope, rope_tables
 
 
@@ -274,35 +275,47 @@ class CSA2Attention(kern.KernelPath, nn.Module):
             main, keys = torch.where(keep, fixed_main, main), torch.where(keep, fixed_keys, keys)
         return main, keys
 
+    def _queries(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """(q_res [B, T, q_lora] the low-rank query state, q [B, T, H, D] rotated; H/tp under tp)."""
+        q_res = self.q_norm(self.wq_a(x))
+        return q_res, apply_rope(self.wq_b(q_res).unflatten(-1, (-1, self.head_dim)), cos, sin)
+
+    def _index_queries(self, x, q_res, state: ForwardState, path: str):
+        """Index source: the indexer's queries (RoPE, fake-quant) [B, T, Hi, Di] and head weights [B, T, Hi], from
+        detached inputs (the indexer learns from its KL alone)."""
+        a, q = self.cfg.attention, self.cfg.quant
+        qi = self.indexer.queries(q_res.detach())
+        cos, sin = state.rope(a, "compress", state.positions, qi.dtype)
+        qi = kern.norm_rope_quant(qi, None, cos, sin, "fp4_ue8m0" if q.index == "fp4" else None, path)
+        if self.spec.uses_pool and state.pool is None:
+            raise RuntimeError(f"layer {self.spec.index}: Reindex layer found no candidate pool in the forward state")
+        return qi, self.indexer.head_weights(x.detach())
+
     def _select(self, x, q_res, keys, E, state: ForwardState, path: str):
         """Index source: score visible entries (in the pool, if restricted) and pick the top-k. Returns (scores,
         domain, top-k, pool or None: what a pool builder makes). path: the kernel switch (on "triton",
         `_select_triton` says what it returns). Top-k and pool carry no gradient."""
-        a, c, q = self.cfg.attention, self.cfg.csa2, self.cfg.quant
-        T = x.shape[1]
-        qi = self.indexer.queries(q_res.detach())
-        cos, sin = state.rope(a, "compress", state.positions, qi.dtype)
-        qi = kern.norm_rope_quant(qi, None, cos, sin, "fp4_ue8m0" if q.index == "fp4" else None, path)
-        w = self.indexer.head_weights(x.detach())
-        if self.spec.uses_pool and state.pool is None:
-            raise RuntimeError(f"layer {self.spec.index}: Reindex layer found no candidate pool in the forward state")
+        qi, w = self._index_queries(x, q_res, state, path)
         if path == "triton":
             return self._select_triton(qi, w, keys, E, state)
-        domain = visible_mask(T, E, self.spec.ratio, x.device, state.offset).expand(x.shape[0], T, E)
-        if self.spec.uses_pool:
-            domain = domain & state.pool
+        B, T = x.shape[:2]
+        return self._pick(qi, w, keys, visible_mask(T, E, self.spec.ratio, x.device, state.offset).expand(B, T, E),
+                          state)
+
+    def _pick(self, qi, w, keys, visible: torch.Tensor, state: ForwardState):
+        """The reference path's scoring and choice, shared with serving (model/serving.py): visible [B, T, E] the
+        entries each query may see. Returns (scores [B, T, E], domain, top-k [B, T, E] bool, pool or None). A
+        recorded top-k (state.routing, RL's index replay) replaces the chosen one for the rows it covers."""
+        c, spec = self.cfg.csa2, self.spec
+        domain = visible & state.pool if spec.uses_pool else visible
         scores = index_scores(qi, w, keys)
         masked = scores.masked_fill(~domain, float("-inf"))
         pool = None
-        if self.spec.builds_pool:
-            pool = candidate_pool(masked.detach(), self.spec.ratio, c.candidate_block_size, c.candidate_topk_blocks,
-                                  state.offset)
+        if spec.builds_pool:
+            pool = candidate_pool(masked.detach(), spec.ratio, c.candidate_block_size, c.candidate_topk_blocks,
+                                  positions=state.positions.expand(*masked.shape[:2]))
         with torch.no_grad():
-            selection = select_topk(masked, c.index_topk)
-        if state.routing is not None:  # RL index replay: the rollout's recorded top-k (model/routing.py)
-            from model.serving import forced_selection
-
-            selection = forced_selection(state, self.spec.index, selection)
+            selection = forced_selection(state, spec.index, select_topk(masked, c.index_topk))
         return scores, domain, selection, pool
 
     def _select_triton(self, qi, w, keys, E, state: ForwardState):
@@ -350,8 +363,7 @@ class CSA2Attention(kern.KernelPath, nn.Module):
         made = LayerOutputs()
         cos, sin = state.rope(a, kind, state.positions, x.dtype)
 
-        q_res = self.q_norm(self.wq_a(x))
-        q = apply_rope(self.wq_b(q_res).unflatten(-1, (-1, self.head_dim)), cos, sin)  # [B, T, H, D] (H/tp under tp)
+        q_res, q = self._queries(x, cos, sin)
         kv = kern.norm_rope_quant(self.wkv(x), self.kv_norm, cos, sin, "fp8" if qc.swa_kv == "fp8" else None, path)
         # Window keys: under context parallelism the previous chunk's last rows come first (a halo of h rows).
         kv_keys = state.shard.window_halo(kv)  # [B, h + T, D]

@@ -40,7 +40,7 @@ from kernels import fp4, fp8
 
 __all__ = ["Store", "LayerCache", "KVCache", "CacheError", "STORE_FORMATS", "model_fingerprint"]
 
-# format -> (channels per scale, bytes per scale); the values' bytes come from the format's dtype
+# the storage formats a Store takes (model.quant.cache_*; "fp4_ue8m0" is cache_index's "fp4")
 STORE_FORMATS = ("none", "bf16", "fp8", "fp4", "fp4_ue8m0")
 _FP4_SCALE = {"fp4": (16, "e4m3"), "fp4_ue8m0": (32, "ue8m0")}
 
@@ -83,13 +83,11 @@ class Store:
             self.buffers = (torch.zeros(*shape, dim // 2, dtype=torch.uint8, device=device), scale)
 
     def rows(self, i: int, j: int) -> "Store":
+        """Rows i..j-1 of every buffer (views: writes land here)."""
         return Store(self.fmt, 0, 0, self.dim, self.dtype, None, buffers=tuple(b[i:j] for b in self.buffers))
 
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.buffers)
-
-    def bytes_per_row(self) -> int:
-        return sum(b[0, 0].numel() * b.element_size() for b in self.buffers)
 
     def encode(self, value: torch.Tensor, pre: torch.Tensor | None, pre_fmt: str | None) -> tuple:
         """value [..., D]: what the forward computed; pre: the same before its fake-quant, pre_fmt that fake-quant's
@@ -162,16 +160,11 @@ class KVCache:
 
     REPLAYS = ("none", "window", "halo")
 
-    def __init__(self, model, batch_size: int, max_len: int, replay: str = "halo", *, dtype=None, device=None,
-                 _view=None):
+    def __init__(self, model, batch_size: int, max_len: int, replay: str = "halo", *, dtype=None, device=None):
         cfg = model.cfg
         self.cfg = cfg
         self.fingerprint = model_fingerprint(cfg)
         self.replay = replay
-        if _view is not None:
-            (self.batch_size, self.max_len, self.layers, self.lengths, self.swa_start, self.tokens,
-             self.prefilled) = _view
-            return
         if replay not in self.REPLAYS:
             raise CacheError(f"new_cache: replay must be one of {list(self.REPLAYS)}, got {replay!r}")
         if batch_size < 1 or max_len < 1:
@@ -204,11 +197,11 @@ class KVCache:
         """Requests i..j-1 as a cache of their own that shares this one's buffers (writes land here)."""
         if not 0 <= i < j <= self.batch_size:
             raise CacheError(f"cache rows [{i}, {j}) are outside the cache's {self.batch_size} rows")
-        view = (j - i, self.max_len, {k: v.rows(i, j) for k, v in self.layers.items()}, self.lengths[i:j],
-                self.swa_start[i:j], self.tokens[i:j], self.prefilled[i:j])
-        out = KVCache.__new__(KVCache)
-        out.cfg, out.fingerprint, out.replay = self.cfg, self.fingerprint, self.replay
-        (out.batch_size, out.max_len, out.layers, out.lengths, out.swa_start, out.tokens, out.prefilled) = view
+        out = KVCache.__new__(KVCache)  # the same fields, each a slice of this cache's
+        out.cfg, out.fingerprint, out.replay, out.max_len = self.cfg, self.fingerprint, self.replay, self.max_len
+        out.batch_size, out.layers = j - i, {k: v.rows(i, j) for k, v in self.layers.items()}
+        out.lengths, out.swa_start = self.lengths[i:j], self.swa_start[i:j]
+        out.tokens, out.prefilled = self.tokens[i:j], self.prefilled[i:j]
         return out
 
     def reset(self) -> None:

@@ -166,6 +166,15 @@ def fake_quant_fp8(x: torch.Tensor, block: int, path: str) -> torch.Tensor:
 QUANTS = {"fp4": (16, "e4m3"), "fp4_ue8m0": (32, "ue8m0"), "fp8": (32, "ue8m0")}
 
 
+def fake_quant(x: torch.Tensor, quant: str | None, path: str) -> torch.Tensor:
+    """The fake-quant of a site by its quant name (`QUANTS`; None: x unchanged)."""
+    if quant is None:
+        return x
+    if quant == "fp8":
+        return fake_quant_fp8(x, QUANTS[quant][0], path)
+    return fake_quant_fp4(x, *QUANTS[quant], path)
+
+
 def fuses_norm(norm, path: str) -> bool:
     """True when `norm_rope_quant` on this path applies `norm` inside its kernel, reading the weight directly: a
     module whose forward ends in `norm` then hands over its pre-norm output (Compressor(norm=False)). False under a
@@ -194,11 +203,7 @@ def norm_rope_quant(x: torch.Tensor, norm, cos: torch.Tensor, sin: torch.Tensor,
                                                   eps=None if norm is None else norm.eps, quant=quant,
                                                   return_normed=return_normed, impl="triton")
     y = x if norm is None else norm(x)
-    q = apply_rope(y, cos, sin)
-    if quant == "fp8":
-        q = fake_quant_fp8(q, QUANTS[quant][0], path)
-    elif quant is not None:
-        q = fake_quant_fp4(q, *QUANTS[quant], path)
+    q = fake_quant(apply_rope(y, cos, sin), quant, path)
     return (q, y.detach()) if return_normed else q
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["RoutingRecords"]
+__all__ = ["RoutingRecords", "forced_selection"]
 
 
 @dataclass
@@ -63,3 +63,16 @@ class RoutingRecords:
 
     def expert_rows(self, layer: int, state) -> torch.Tensor | None:
         return self._rows_at(self.experts[layer], state) if layer in self.experts else None
+
+
+def forced_selection(state, layer: int, selection: torch.Tensor) -> torch.Tensor:
+    """The recorded top-k of index source `layer` where state.routing has one for the row (a row of -1 has none),
+    else `selection` ([B, T, E] bool)."""
+    from model.csa2 import ids_to_selection
+
+    routing = state.routing
+    ids = None if routing is None else routing.topk_rows(layer, state)
+    if ids is None:
+        return selection
+    has = (ids >= 0).any(-1, keepdim=True)
+    return torch.where(has, ids_to_selection(ids, selection.shape[-1]), selection)

@@ -31,10 +31,10 @@ from torch import nn
 from model import kernels as kern
 from kernels.norm_rope_ref import rms_norm
 from model.common import local
-from model.csa2 import candidate_pool, ids_to_selection, index_scores, select_topk, selected_ids
+from model.csa2 import selected_ids
 from model.rope import apply_rope
 
-__all__ = ["serve_forward", "cached_attention", "routing_records", "forced_selection", "visible_rows", "StoredEntries"]
+__all__ = ["serve_forward", "cached_attention", "routing_records", "visible_rows", "StoredEntries"]
 
 REF = "reference"
 
@@ -45,17 +45,9 @@ def visible_rows(positions: torch.Tensor, num_entries: int, ratio: int) -> torch
     return t < ((positions + 1) // ratio)[..., None]
 
 
-def _fake_quant(x: torch.Tensor, fmt: str | None) -> torch.Tensor:
-    if fmt is None:
-        return x
-    if fmt == "fp8":
-        return kern.fake_quant_fp8(x, 32, REF)
-    return kern.fake_quant_fp4(x, *kern.QUANTS[fmt], REF)
-
-
 def _stored(store, pre: torch.Tensor, fmt: str | None) -> tuple[tuple, torch.Tensor]:
     """Encode rows (pre: before the forward's fake-quant of format fmt) -> (stored parts, their decoded values)."""
-    value = _fake_quant(pre, fmt)
+    value = kern.fake_quant(pre, fmt, REF)
     parts = store.encode(value, pre, fmt)
     return parts, store.decode(parts)
 
@@ -154,8 +146,7 @@ def cached_attention(layer, x: torch.Tensor, state, kv_in: torch.Tensor | None):
     made = LayerOutputs()
     cos, sin = state.rope(a, spec.rope, pos, x.dtype)
 
-    q_res = layer.q_norm(layer.wq_a(x))
-    q = apply_rope(layer.wq_b(q_res).unflatten(-1, (-1, layer.head_dim)), cos, sin)  # [B, T, H, D]
+    q_res, q = layer._queries(x, cos, sin)  # [B, T, H, D]
     swa_pre = apply_rope(layer.kv_norm(layer.wkv(x)), cos, sin)
     swa_parts, kv_new = _stored(lc.swa, swa_pre, "fp8" if qc.swa_kv == "fp8" else None)
 
@@ -201,38 +192,11 @@ def cached_attention(layer, x: torch.Tensor, state, kv_in: torch.Tensor | None):
 
 
 def _select(layer, x, q_res, keys, visible, state):
-    """Index source on the cache: (top-k [B, T, E] bool, pool or None). A recorded choice (state.routing, RL's
-    index replay) replaces the computed one for the rows it covers."""
-    a, c, qc = layer.cfg.attention, layer.cfg.csa2, layer.cfg.quant
-    spec = layer.spec
-    cos, sin = state.rope(a, "compress", state.positions, q_res.dtype)
-    qi = _fake_quant(apply_rope(layer.indexer.queries(q_res), cos, sin), "fp4_ue8m0" if qc.index == "fp4" else None)
-    w = layer.indexer.head_weights(x)
-    domain = visible
-    if spec.uses_pool:
-        if state.pool is None:
-            raise RuntimeError(f"layer {spec.index}: Reindex layer found no candidate pool in the forward state")
-        domain = domain & state.pool
-    masked = index_scores(qi, w, keys).masked_fill(~domain, float("-inf"))
-    pool = None
-    if spec.builds_pool:
-        pool = candidate_pool(masked, spec.ratio, c.candidate_block_size, c.candidate_topk_blocks,
-                              positions=state.positions)
-    selection = select_topk(masked, c.index_topk)
-    return forced_selection(state, spec.index, selection), pool
-
-
-def forced_selection(state, layer: int, selection: torch.Tensor) -> torch.Tensor:
-    """The recorded top-k of `layer` where state.routing has one for the row (a row of -1 has none), else
-    `selection` ([B, T, E] bool)."""
-    routing = state.routing
-    if routing is None or layer not in routing.topk:
-        return selection
-    ids = routing.topk_rows(layer, state)
-    if ids is None:
-        return selection
-    has = (ids >= 0).any(-1, keepdim=True)
-    return torch.where(has, ids_to_selection(ids, selection.shape[-1]), selection)
+    """Index source on the cache: (top-k [B, T, E] bool, pool or None), by the training forward's reference
+    scoring and choice (`CSA2Attention._pick`) over the stored entries each row's queries see."""
+    qi, w = layer._index_queries(x, q_res, state, REF)
+    _, _, selection, pool = layer._pick(qi, w, keys, visible, state)
+    return selection, pool
 
 
 # -- the whole model on the cache -----------------------------------------------------------------------------------

@@ -276,19 +276,20 @@ class Transformer(nn.Module):
             raise ValueError("bounded-replay simulation does not run under context parallelism (cp > 1)")
         state.window_floor = window_floors(self.cfg, cuts, state.positions)
         if cuts.encoder is not None and bool((cuts.encoder >= 0).any()):
-            with torch.no_grad():
-                exact = self(input_ids, image_mask=image_mask, outputs=True).state
-            self._unadd_loads(exact)
-            for src, (main, keys) in exact.kv.items():
+            for src, (main, keys) in self._exact_kv(input_ids, image_mask).items():
                 n = torch.where(cuts.encoder >= 0, cuts.encoder // self.plan[src].ratio, 0)
                 state.kv_fixed[src] = (main, keys, n)
 
-    def _unadd_loads(self, state: ForwardState) -> None:
-        """Take back the balancing counts of a forward that was only a simulation's helper pass."""
-        for layer in self.layers:
-            load = state.expert_load.get(layer.spec.index)
-            if load is not None:
-                layer.ffn.add_load(-load)
+    @torch.no_grad()
+    def _exact_kv(self, input_ids, image_mask) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """Every KV source's (main KV, indexer keys) of an unsimulated forward: the layers up to the last source,
+        no head, no balancing counts (what an earlier request's exact pass left in the prefix cache)."""
+        cfg = self.cfg
+        last = max(s.index for s in self.plan if s.owns_kv)
+        state, engram_in = new_state(cfg, input_ids, self.sequence_shard, self.hasher, image_mask)
+        S, pre = embed_streams(self.embed, input_ids, cfg.mhc.num_streams)
+        forward_blocks(self.layers[:last + 1], S, pre, state, cfg.num_encoder_layers, engram_in, image_mask)
+        return state.kv
 
     def aux_losses(self, state: ForwardState) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
         """The weighted auxiliary losses of a forward ({name: scalar}) and their unweighted values: the mean indexer
