@@ -4,7 +4,7 @@ VENV ?= .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.cedar-installed
 
-.PHONY: train test venv bench clean
+.PHONY: train test venv bench clean pipeline
 
 $(STAMP): pyproject.toml
 	@test -x $(VPY) || $(PY) -m venv $(VENV)
@@ -18,6 +18,11 @@ venv: $(STAMP)
 
 train: $(STAMP)
 	$(VPY) -m trainer.main $(ARGS)
+
+# pretrain -> SFT -> RL -> on-policy distillation on v41_tiny (trainer/pipeline.py), a run directory per stage under
+# runs/pipeline/, then a table of each stage's headline figure and checkpoint. ARGS: overrides for every stage.
+pipeline: $(STAMP)
+	$(VPY) -m trainer.pipeline -- $(ARGS)
 
 test: $(STAMP)
 	$(VPY) -m pytest -q $(PYTEST_ARGS)

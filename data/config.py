@@ -19,7 +19,7 @@ import shlex
 from data.prepare import check_sources, prepare, prepare_once, resolve_glob, stdlib_dir, tokenizer_file_sha256
 from data.schema import DataConfig
 from data.shards import META_NAME, DataConfigError, file_sha256, read_meta
-from data.tokenizer import TokenizerInfo, load_tokenizer, tokenizer_info
+from data.tokenizer import BOS, EOS, PAD, SPECIAL_TOKENS, TokenizerInfo, load_tokenizer, tokenizer_info
 
 __all__ = ["DataConfig", "build_dataloader", "check_provenance", "ensure_prepared", "prepare_command"]
 
@@ -85,7 +85,8 @@ def check_provenance(cfg: DataConfig, meta: dict) -> None:
     """Refuse shards at `cfg.path` (their meta.json `meta`) prepared from something other than `cfg` asks for.
 
     Compared: the corpus; the glob applied (directory corpora); the tokenizer (data.tokenizer by sha256, or with
-    data.tokenizer empty a BPE trained to data.vocab_size); the stdlib caps data.max_files / data.max_bytes. Not
+    data.tokenizer empty a BPE trained to data.vocab_size with this build's special tokens, a trained BPE recorded
+    without them counting as one of <bos>, <eos>, <pad> only); the stdlib caps data.max_files / data.max_bytes. Not
     compared: data.shard_size (it groups the same ids differently). Only what meta.json records is compared, so
     shards of older builds (without the `requested` section) still load when what they do record agrees.
     Raises one DataConfigError line naming data.path, what the shards hold, and the keys that disagree.
@@ -136,6 +137,8 @@ def check_provenance(cfg: DataConfig, meta: dict) -> None:
                 use.append((key, req[key]))
             elif not want_default and req[key]:  # capped by hand with the CLI; the config never caps a user corpus
                 wrong.append((key, getattr(cfg, key), "caps apply to the stdlib corpus only"))
+    if not wrong and trained and not cfg.tokenizer:
+        _check_special_tokens(cfg, meta, copy)
     if not wrong:
         return
 
@@ -154,6 +157,22 @@ def check_provenance(cfg: DataConfig, meta: dict) -> None:
     if use:
         fix += ", or set " + " ".join(f"data.{k}={v!r}" for k, v in use) + " to use these shards"
     raise DataConfigError(f"data.path={cfg.path!r} holds shards prepared from {held}, but {asked}: {fix}")
+
+
+_BEFORE_CHAT_TOKENS = [BOS, EOS, PAD]  # what a trained BPE reserved before meta.json recorded its special tokens
+
+
+def _check_special_tokens(cfg: DataConfig, meta: dict, copy: str) -> None:
+    """Refuse shards whose trained tokenizer reserved other special tokens than this build trains (one recorded
+    before the chat markers existed, say): the ids differ, and so would a re-preparation's."""
+    made = meta.get("special_tokens", _BEFORE_CHAT_TOKENS)
+    if made == list(SPECIAL_TOKENS):
+        return
+    raise DataConfigError(
+        f"data.path={cfg.path!r} holds shards whose tokenizer was trained with the special tokens {made} (an older "
+        f"build); this build trains {list(SPECIAL_TOKENS)}: delete {cfg.path} to prepare it again, or set data.path "
+        f"to a new directory to prepare it there, or set data.tokenizer={copy!r} to use these shards as they are"
+    )
 
 
 def _suggest_path(cfg: DataConfig, keys: set[str]) -> str | None:

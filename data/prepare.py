@@ -51,7 +51,7 @@ from data.shards import (
     write_meta,
     write_shard,
 )
-from data.tokenizer import MIN_VOCAB_SIZE, ids_dtype, load_tokenizer, tokenizer_info, train_tokenizer
+from data.tokenizer import MIN_VOCAB_SIZE, SPECIAL_TOKENS, ids_dtype, load_tokenizer, tokenizer_info, train_tokenizer
 
 _ENCODE_BATCH = 256  # documents per encode_batch call: enough to keep the tokenizer's thread pool busy
 _EXCLUDED_STDLIB_DIRS = {"site-packages", "dist-packages"}  # third-party code installed under the stdlib dir
@@ -362,6 +362,9 @@ def prepare(
             "tokenizer": TOKENIZER_NAME,
             "tokenizer_sha256": file_sha256(tok_path),
             "tokenizer_source": os.path.abspath(tokenizer) if tokenizer else f"trained (byte-level BPE, {vocab_size})",
+            # The special tokens a trained BPE reserved (ids 0, 1, ...); a later build that reserves others refuses
+            # these shards (data/config.py). null with a given tokenizer, which its sha256 pins.
+            "special_tokens": None if tokenizer else list(SPECIAL_TOKENS),
             "source": docs.source,
             "glob": docs.glob if os.path.isdir(docs.source) else None,
             "files_skipped": docs.num_skipped,

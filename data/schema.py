@@ -67,7 +67,7 @@ class DataConfig:
             at_least(f"data.{name}", getattr(self, name), 0)
         if self.vocab_size < MIN_VOCAB_SIZE:
             raise ValueError(
-                f"data.vocab_size must be >= {MIN_VOCAB_SIZE} (256 bytes + <bos>, <eos>, <pad>), got {self.vocab_size}"
+                f"data.vocab_size must be >= {MIN_VOCAB_SIZE} (256 bytes + the special tokens), got {self.vocab_size}"
             )
         if not self.path:
             raise ValueError("data.path must be a directory, got ''")

@@ -11,7 +11,8 @@ A prepared directory holds:
 - `tokenizer.json`: the tokenizer that produced the ids.
 - `meta.json`: written last, so its presence marks a complete preparation. Keys: format, ids_dtype,
   vocab_size, special_ids, num_documents, num_tokens, num_shards, tokenizer (file name), tokenizer_sha256,
-  tokenizer_source, source (absolute corpus path), glob (the pattern applied, null for a single-file corpus),
+  tokenizer_source, special_tokens (those a trained tokenizer reserved, in id order; null with a given one),
+  source (absolute corpus path), glob (the pattern applied, null for a single-file corpus),
   files_skipped, truncated_by_cap, `requested`: the data.* values the preparation was asked for (corpus,
   corpus_glob, tokenizer, vocab_size (null with a given tokenizer), max_files, max_bytes, shard_size; absent in
   shards of older builds), and `shards`: one entry per shard {name, num_docs, num_tokens, sha256}.

@@ -1,14 +1,21 @@
 """Byte-level BPE tokenizer: training on a corpus, loading an existing `tokenizer.json`, and the special ids.
 
-Special-token ids. A tokenizer trained here reserves ids 0, 1, 2 for <bos>, <eos>, <pad>, in that order:
-- <eos> = 1 and <pad> = 2 are the ids of the flagship's public tokenizer (REFERENCE: "eos 1", Engram "pad_id 2"),
-  so `model.engram.pad_id: 2` names our <pad> token with either tokenizer and no config has to change between them.
-- <bos> = 0 follows the same reference ordering (begin-of-sentence first).
-The packer separates documents with <eos> only; <bos> and <pad> are reserved for later stages (SFT templates,
-padded evaluation batches) and never appear in pretraining windows.
+Special-token ids. A tokenizer trained here reserves ids 0 .. 8, in this order:
+- 0, 1, 2: <bos>, <eos>, <pad>. <eos> = 1 and <pad> = 2 are the ids of the flagship's public tokenizer
+  (REFERENCE: "eos 1", Engram "pad_id 2"), so `model.engram.pad_id: 2` names our <pad> token with either tokenizer
+  and no config has to change between them; <bos> = 0 follows the same reference ordering (begin-of-sentence first).
+- 3 .. 8: the chat template's markers (`CHAT_TOKENS`, data/chat.py and docs/chat_template.md): the roles
+  <|system|>, <|user|>, <|assistant|>, <|tool|>, then <|end|> (closes a turn; the generation stop token) and
+  <|effort|> (introduces the reasoning effort). Reserved at training time, so each is one id and no merge is
+  spent on them. The chat template encodes content with special-token matching off (text that spells a marker
+  stays text); data/prepare.py keeps the library's default, as for the first three (the stdlib corpus spells none).
+The packer separates documents with <eos> only; <bos>, <pad> and the chat markers are used by the SFT data
+(data/sft.py) and never appear in pretraining windows.
 
-A loaded tokenizer keeps its own ids: we look the special tokens up by name (`_EOS_NAMES` etc.), so any
-`tokenizer.json` with a recognisable end-of-text token works.
+A loaded tokenizer keeps its own ids: we look the special tokens up by name (`EOS_NAMES` etc.), so any
+`tokenizer.json` with a recognisable end-of-text token works. One that lacks the chat markers (a user's tokenizer,
+a corpus prepared before they existed) gets them appended to its vocabulary by data/chat.py when it is used for
+chat data.
 """
 
 from __future__ import annotations
@@ -20,13 +27,17 @@ from dataclasses import dataclass
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 BOS, EOS, PAD = "<bos>", "<eos>", "<pad>"
-SPECIAL_TOKENS = (BOS, EOS, PAD)
-"""trained tokenizers give these ids 0, 1, 2 (BpeTrainer numbers special tokens first, in list order)"""
+SYSTEM, USER, ASSISTANT, TOOL = "<|system|>", "<|user|>", "<|assistant|>", "<|tool|>"
+END, EFFORT = "<|end|>", "<|effort|>"
+CHAT_TOKENS = (SYSTEM, USER, ASSISTANT, TOOL, END, EFFORT)
+"""the chat template's markers (data/chat.py), in the order a trained tokenizer numbers them (ids 3 .. 8)"""
+SPECIAL_TOKENS = (BOS, EOS, PAD, *CHAT_TOKENS)
+"""trained tokenizers give these ids 0, 1, 2, ... (BpeTrainer numbers special tokens first, in list order)"""
 
-# Names under which common tokenizers spell the same tokens; ours come first.
-_BOS_NAMES = (BOS, "<s>", "<|begin_of_text|>", "<｜begin▁of▁sentence｜>")
-_EOS_NAMES = (EOS, "</s>", "<|endoftext|>", "<|end_of_text|>", "<｜end▁of▁sentence｜>")
-_PAD_NAMES = (PAD, "<｜▁pad▁｜>", "<|pad|>", "[PAD]")
+# Names under which common tokenizers spell the same tokens; ours come first (data/chat.py looks them up too).
+BOS_NAMES = (BOS, "<s>", "<|begin_of_text|>", "<｜begin▁of▁sentence｜>")
+EOS_NAMES = (EOS, "</s>", "<|endoftext|>", "<|end_of_text|>", "<｜end▁of▁sentence｜>")
+PAD_NAMES = (PAD, "<｜▁pad▁｜>", "<|pad|>", "[PAD]")
 
 MIN_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)
 """the byte alphabet plus the special tokens: below this a byte-level BPE cannot encode every input"""
@@ -48,7 +59,10 @@ class TokenizerInfo:
 def train_tokenizer(texts: Iterable[str], vocab_size: int) -> Tokenizer:
     """Train a byte-level BPE on `texts` (an iterable, consumed once, so it can stream from disk)."""
     if vocab_size < MIN_VOCAB_SIZE:
-        raise ValueError(f"vocab_size must be >= {MIN_VOCAB_SIZE} (256 bytes + specials), got {vocab_size}")
+        raise ValueError(
+            f"vocab_size must be >= {MIN_VOCAB_SIZE} (256 bytes + {len(SPECIAL_TOKENS)} special tokens), "
+            f"got {vocab_size}"
+        )
     tok = Tokenizer(models.BPE())
     # add_prefix_space=False: source code is whitespace-sensitive, and decode(encode(x)) must give x back.
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -62,7 +76,7 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int) -> Tokenizer:
     )
     tok.train_from_iterator(texts, trainer)
     ids = [tok.token_to_id(t) for t in SPECIAL_TOKENS]
-    assert ids == [0, 1, 2], f"special tokens got ids {ids}"
+    assert ids == list(range(len(SPECIAL_TOKENS))), f"special tokens got ids {ids}"
     return tok
 
 
@@ -75,7 +89,8 @@ def load_tokenizer(path: str) -> Tokenizer:
         raise ValueError(f"cannot load tokenizer {path}: {exc}") from exc
 
 
-def _first_id(tok: Tokenizer, names: tuple[str, ...]) -> int | None:
+def first_id(tok: Tokenizer, names: tuple[str, ...]) -> int | None:
+    """The id of the first of `names` that `tok` knows (the aliases above), None when it knows none."""
     for name in names:
         i = tok.token_to_id(name)
         if i is not None:
@@ -84,18 +99,18 @@ def _first_id(tok: Tokenizer, names: tuple[str, ...]) -> int | None:
 
 
 def tokenizer_info(tok: Tokenizer, path: str) -> TokenizerInfo:
-    eos = _first_id(tok, _EOS_NAMES)
+    eos = first_id(tok, EOS_NAMES)
     if eos is None:
         raise ValueError(
-            f"tokenizer {path} has no end-of-text token (looked for {list(_EOS_NAMES)}); "
+            f"tokenizer {path} has no end-of-text token (looked for {list(EOS_NAMES)}); "
             "the packer needs one to separate documents"
         )
     return TokenizerInfo(
         path=path,
         vocab_size=tok.get_vocab_size(with_added_tokens=True),
         eos_id=eos,
-        bos_id=_first_id(tok, _BOS_NAMES),
-        pad_id=_first_id(tok, _PAD_NAMES),
+        bos_id=first_id(tok, BOS_NAMES),
+        pad_id=first_id(tok, PAD_NAMES),
     )
 
 

@@ -236,6 +236,7 @@ class MoE(nn.Module):
         self.cfg = cfg
         self.init_std = init_std
         self.num_experts = cfg.num_experts
+        self.chosen_experts: torch.Tensor | None = None  # the last forward's choices, with return_experts
         self.topk = cfg.experts_per_token
         self.gate = Router(dim, cfg.num_experts, cfg.experts_per_token, cfg.routed_scale)
         self.experts = GroupedExperts(dim, cfg.expert_dim, cfg.num_experts, cfg.swiglu_limit)
@@ -277,8 +278,9 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None = None, experts: torch.Tensor | None = None,
                 *, return_experts: bool = False):
-        """experts [B, T, K]: recorded routing to replay (a row of -1 routes freely); return_experts: also return
-        the chosen experts [B, T, K] (a rollout's record)."""
+        """experts [B, T, K]: recorded routing to replay (a row of -1 routes freely); return_experts: keep the chosen
+        experts [B, T, K] (a rollout's record) in `self.chosen_experts`. The outputs are always (y, load, balance):
+        the tensor-parallel plan's output hook (model/parallelize.py) knows three."""
         b, t, d = x.shape
         x_flat = x.reshape(b * t, d)  # [N, D]
         img = None if image_mask is None else image_mask.reshape(b * t).to(torch.bool)
@@ -292,8 +294,7 @@ class MoE(nn.Module):
         if self.shared_experts is not None:
             out = out + self.shared_experts(x_flat).float()
         y = out.to(x.dtype).view(b, t, d)
-        if return_experts:
-            return y, load, balance, topk_idx.view(b, t, -1)
+        self.chosen_experts = topk_idx.view(b, t, -1) if return_experts else None
         return y, load, balance
 
     # --- balancing ------------------------------------------------------------------------------------

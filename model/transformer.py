@@ -77,11 +77,10 @@ class Block(kern.KernelPath, nn.Module):
         y, made = self.attn(self.attn_norm(x), state, kv_in)
         S, x, cf = mhc.mhc_step(self.impl, y, S, ca, ca.pre, self.hc_ffn, self.kernel_path)
         experts = None if state.routing is None else state.routing.expert_rows(self.spec.index, state)
+        y, made.expert_load, made.balance_loss = self.ffn(self.ffn_norm(x), image_mask, experts,
+                                                          return_experts=state.keep_routing)
         if state.keep_routing:
-            y, made.expert_load, made.balance_loss, made.experts = self.ffn(self.ffn_norm(x), image_mask, experts,
-                                                                           return_experts=True)
-        else:
-            y, made.expert_load, made.balance_loss = self.ffn(self.ffn_norm(x), image_mask, experts)
+            made.experts = self.ffn.chosen_experts
         S = mhc.expand(y, S, cf.post, cf.comb)
         return S, cf.pre, made
 
@@ -231,7 +230,7 @@ class Transformer(nn.Module):
                 replay_cuts=None):
         """input_ids [B, T] -> logits [B, T, V] (fp32); with outputs=True, a `ModelOutput` (logits, final hidden
         states, the auxiliary losses to add to the LM loss, the forward state), with the hidden states of
-        `hidden_layers` too. The forward's expert loads are added to the MoE balancing counters.
+        `hidden_layers` too. In training mode the forward's expert loads are added to the MoE balancing counters.
 
         cache: an inference cache (`new_cache`): the logits of the given tokens, which are appended to it (the first
         call is the prefill, later ones decode one or more tokens); no balancing counts. routing: RoutingRecords
@@ -254,7 +253,8 @@ class Transformer(nn.Module):
         S, pre = embed_streams(self.embed, input_ids, cfg.mhc.num_streams)
         S, pre = forward_blocks(self.layers, S, pre, state, cfg.num_encoder_layers, engram_in, image_mask,
                                 hidden_layers)
-        add_expert_loads(self.layers, state)
+        if self.training:  # an evaluation or scoring forward (eval mode) moves no balancing bias
+            add_expert_loads(self.layers, state)
         hidden = final_hidden(self.norm, S, pre)
         logits = self.head(hidden).float()
         if not outputs:

@@ -1,22 +1,45 @@
 """Run a test function in several processes with a real process group (gloo on CPU, nccl on GPU).
 
-OLMo-core style: spawn N processes, each initialises the default group and runs `fn(rank, world_size, *args)`;
+OLMo-core style: start N fresh processes, each initialises the default group and runs `fn(rank, world_size, *args)`;
 what rank r returns comes back as `results[r]`. The rendezvous goes through a file in a fresh temporary directory,
 so no TCP port is chosen and nothing depends on port retries. Each rank's stdout/stderr lines are prefixed with
 `[rank r]`; an exception on any rank fails the test with that rank's traceback.
+
+How the ranks start: forked from a fork server (multiprocessing's "forkserver" start method), not from the test
+process. The fork server is a clean process, started at the session's first call, that imports torch,
+torch.distributed (DTensor, FSDP, the pipelining schedules, DCP) and the project's packages (_PRELOAD), touches no
+device and runs nothing else. A rank is then as fresh as a spawned one: none of the test process's state, patches,
+threads or file descriptors; `fn` and its arguments arrive pickled, so `fn` must be importable; its random
+generators are seeded from the OS as a new process's are; and it runs with the test process's current environment,
+working directory, sys.path, stdout and stderr. What it does not pay is the ~4 s of imports a spawned rank took on
+two cores, at every one of the suite's ~70 rank start-ups.
 """
 
 from __future__ import annotations
 
 import os
+import pickle
 import sys
 import tempfile
 import traceback
+from multiprocessing import reduction
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+# What every rank imports anyway; the fork server imports it once. Only modules here, never the test modules: a rank
+# imports its test module itself when `fn` is unpickled.
+_PRELOAD = [
+    "numpy", "pytest", "torch", "torch.distributed", "torch.distributed.tensor", "torch.distributed.fsdp",
+    "torch.distributed.checkpoint", "torch.distributed.pipelining", "model", "data", "optim", "trainer.train",
+    "trainer.checkpoint", "trainer.parallel.pipeline", "trainer.parallel.context", "trainer.parallel.expert",
+]
+# Read when the kernels are imported (tests/conftest.py sets it before anything imports them): the fork server's
+# value must be the test process's.
+_IMPORT_TIME_ENV = ("TRITON_INTERPRET",)
 
 
 class _Prefixed:
@@ -37,7 +60,40 @@ class _Prefixed:
         self.stream.flush()
 
 
-def _worker(rank: int, world_size: int, backend: str, store_file: str, out_dir: str, fn, args, threads: int):
+class _Stdio:
+    """The test process's stdout and stderr file descriptors, handed to a rank as a spawned rank inherits them
+    (pytest captures the current test's output there); pickled as descriptors passed to the new process."""
+
+    def __init__(self, fds=(1, 2)):
+        self.fds = fds
+
+    def __reduce__(self):
+        return _Stdio._rebuild, tuple(reduction.DupFd(fd) for fd in self.fds)
+
+    @staticmethod
+    def _rebuild(*dup_fds) -> "_Stdio":
+        return _Stdio(tuple(d.detach() for d in dup_fds))
+
+    def install(self) -> None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        for fd, target in zip(self.fds, (1, 2)):
+            os.dup2(fd, target)
+            os.close(fd)
+
+
+def _worker(rank: int, world_size: int, backend: str, store_file: str, out_dir: str, call: bytes, threads: int,
+            environ: dict, stdio: _Stdio):
+    stdio.install()
+    fn, args = pickle.loads(call)
+    for key in _IMPORT_TIME_ENV:
+        assert os.environ.get(key) == environ.get(key), \
+            f"{key}={environ.get(key)!r} here but {os.environ.get(key)!r} when the fork server imported the kernels"
+    os.environ.clear()
+    os.environ.update(environ)
+    # A fresh process's generators: forked ranks would all start from the fork server's states
+    torch.seed()
+    np.random.seed()
     sys.stdout = _Prefixed(sys.stdout, f"[rank {rank}] ")
     sys.stderr = _Prefixed(sys.stderr, f"[rank {rank}] ")
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
@@ -67,15 +123,21 @@ def _worker(rank: int, world_size: int, backend: str, store_file: str, out_dir: 
 def run_distributed(fn, world_size: int, *args, backend: str = "gloo", meanwhile=None):
     """Run fn(rank, world_size, *args) on `world_size` processes; return the per-rank results in rank order.
 
-    `fn` must be importable (a module-level function) because the processes are spawned, not forked.
+    `fn` must be importable (a module-level function) because the processes are started fresh, not forked from
+    this one.
     meanwhile: a callable this process runs while the ranks run (a single-process reference, say, so that it takes
     a core the ranks leave idle instead of running before or after them); then the return value is
     (per-rank results, meanwhile()). If it raises, the ranks are stopped and its exception propagates."""
     threads = max(1, (os.cpu_count() or 1) // world_size)
+    mp.set_forkserver_preload(_PRELOAD)  # used when the fork server starts: the first call of the session
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "store")
-        context = mp.spawn(_worker, args=(world_size, backend, store, tmp, fn, args, threads), nprocs=world_size,
-                           join=meanwhile is None)
+        # fn and its arguments as plain pickle bytes: tensors by value, not as shared-memory file descriptors, of
+        # which a fork server takes fewer than 256 per process
+        call = pickle.dumps((fn, args))
+        context = mp.start_processes(
+            _worker, args=(world_size, backend, store, tmp, call, threads, dict(os.environ), _Stdio()),
+            nprocs=world_size, join=meanwhile is None, start_method="forkserver")
         local = None
         if meanwhile is not None:
             try:

@@ -33,8 +33,13 @@ def build_tiny(seed: int = 0, **overrides):
 # The smallest model that still has every layer role, for the costliest whole-model tests: the Triton ones in
 # tests/parallel (tp, cp, pp), where the CPU interpreter's cost grows with the layers and the tokens (one program per
 # token in the attention, the mHC step and the top-k), and test_layouts.py's, where every layout's DTensor, FSDP and
-# pipeline work grows with the layers. They run it on EVERY_ROLE_SEQ_LEN tokens.
+# pipeline work grows with the layers. test_layouts.py and its followers run it on EVERY_ROLE_SEQ_LEN tokens, the Triton
+# tests on TRITON_SEQ_LEN: the fewest at which everything below still holds (the window edge crossed, more entries than
+# the top-k at ratio 2 (8 > 6) and than the pool at ratio 1 (16 > 12)) and cp 2 still splits them (chunks of 8: whole
+# ratio-2 groups, a whole 7-row window halo, the window reaching into the other chunk); the interpreter then runs a
+# third fewer programs than at 24.
 EVERY_ROLE_SEQ_LEN = 24
+TRITON_SEQ_LEN = 16
 
 
 def every_role_config(**overrides) -> ModelConfig:

@@ -137,7 +137,7 @@ class MetricsLog(Callback):
         mfu = self._mfu(job, stats.seq_len, tokens_per_s)
         self.progress.update(step, stats.loss, stats.lr, tokens_per_s, mfu)
         if step % job.log_every == 0 or step == job.trainer.max_steps or not stats.finite:
-            (skipped,) = sum_over_data(job.pm, [job.loader.skipped_shards])
+            (skipped,) = sum_over_data(job.pm, [getattr(job.loader, "skipped_shards", 0)])
             extra = dict(stats.extra)
             record = {
                 "loss": stats.loss, "lr": stats.lr, "grad_norm": stats.grad_norm, "tokens_per_s": tokens_per_s,

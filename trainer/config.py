@@ -11,7 +11,7 @@ which raise ValueError naming the key and the bad value.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import Any, List, Optional
 
 from config_checks import at_least, check_choices, choice_field, positive
 from data.config import DataConfig
@@ -210,7 +210,8 @@ class ParallelDims:
 @dataclass
 class StageConfig:
     name: str = choice_field("pretrain", ("pretrain", "sft", "rl", "distill", "dspark"))
-    """the training stage (SPEC 2); only pretrain runs in this version"""
+    """the training stage (SPEC 2): pretrain, sft, rl, distill (each with its schema, trainer/stages/config.py);
+    dspark is not implemented yet"""
     fp4_kv_qat: bool = False
     """hook: fake-quantise, in the training forward, what the inference cache quantises, as it stores it (main KV
     FP4 + E4M3 scales, indexer queries and keys FP4 + UE8M0, SWA KV FP8; per model.quant.cache_*), straight-through
@@ -275,6 +276,13 @@ class CheckpointConfig:
     """auto: newest complete checkpoint under <run dir>/checkpoints/, if any; none: start fresh; else a path"""
     save_final: bool = True
     """also save at trainer.max_steps"""
+    init_from: str = ""
+    """start from another run's weights (a checkpoint directory, a run's checkpoints/ folder meaning its newest
+    complete checkpoint, or a run directory; saved under any layout) when this run has no checkpoint of its own
+    to resume; "" = initialise from trainer.seed. The optimiser starts fresh unless init_optimizer"""
+    init_optimizer: bool = False
+    """with init_from: also take the optimiser's moments (the same trainable parameters); the schedule and step
+    count start at 0 either way"""
 
     def __post_init__(self) -> None:
         at_least("checkpoint.interval", self.interval, 0)
@@ -291,7 +299,8 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    stage: StageConfig = field(default_factory=StageConfig)
+    stage: Any = field(default_factory=StageConfig)
+    """a StageConfig, or the schema of the stage `stage.name` names (trainer/stages/config.py STAGE_SCHEMAS)"""
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
@@ -314,9 +323,22 @@ def register_configs() -> None:
     from hydra.core.config_store import ConfigStore
 
     cs = ConfigStore.instance()
+    from trainer.stages.config import STAGE_SCHEMAS
+
     cs.store(name="config_schema", node=Config)
     for group, node in _GROUPS.items():
         cs.store(group=group, name="schema", node=node)
+    for name, node in STAGE_SCHEMAS.items():  # conf/stage/<name>.yaml: defaults [<name>_schema, _self_]
+        cs.store(group="stage", name=f"{name}_schema", node=node)
+
+
+def _stage_schema(stage: dict):
+    from trainer.stages.config import STAGE_SCHEMAS
+
+    name = stage.get("name", "pretrain")
+    if name not in STAGE_SCHEMAS:
+        raise ValueError(f"stage.name={name!r} is not implemented: choose one of {sorted(STAGE_SCHEMAS)} (stage=<name>)")
+    return STAGE_SCHEMAS[name]
 
 
 def to_config(node) -> Config:
@@ -331,8 +353,14 @@ def to_config(node) -> Config:
 
     try:
         plain = OmegaConf.to_container(node, resolve=True)  # drops the node types that carry the extra keys
+        stage = plain.pop("stage", None) or {}
         merged = OmegaConf.merge(OmegaConf.structured(Config), plain)
     except OmegaConfBaseException as e:
         first_line = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise ValueError(f"{first_line} (full key: {e.full_key})") from None
+    try:  # the stage section against the schema its name selects (a dict node of its own: keys without "stage.")
+        merged.stage = OmegaConf.merge(OmegaConf.structured(_stage_schema(stage)), stage)
+    except OmegaConfBaseException as e:
+        first_line = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ValueError(f"{first_line} (full key: stage.{e.full_key})") from None
     return OmegaConf.to_object(merged)

@@ -84,5 +84,7 @@ class LMLoss:
         return term
 
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor | None = None,
-                 aux: torch.Tensor | float = 0.0) -> torch.Tensor:
+                 aux: torch.Tensor | float = 0.0, batch: dict | None = None) -> torch.Tensor:
+        """batch: the micro-batch's other tensors on the device (a stage's loss reads its own, e.g. RL's advantages;
+        trainer/stages/grpo.py)."""
         return self.lm(logits, labels, weights) + aux

@@ -10,7 +10,9 @@ A `Stage` (chosen by `stage.name`, `STAGES`) supplies, to trainer/train.py's one
 - `callbacks()`: its trainer/callbacks.py callbacks, run at every point of the loop after the router-bias update
   and before the metrics record and the periodic checkpoint.
 
-Pretraining is the first implementation; the others are named in StageConfig and raise until their issue lands.
+Pretraining is the first implementation; SFT, RL and distillation live in trainer/stages/ (dspark is named in
+StageConfig and raises until its issue lands). A stage whose batches need the model (RL's rollouts) also has
+`bind(job)`, called once the job is built.
 A new stage is a class with these five methods, registered in `STAGES` (docs/data_flow.md has a 20-line example).
 """
 
@@ -133,7 +135,17 @@ class Pretrain:
         return []
 
 
-STAGES = {"pretrain": Pretrain}
+def _post_training(module: str, cls: str):
+    def make(stage):
+        import importlib
+
+        return getattr(importlib.import_module(f"trainer.stages.{module}"), cls)(stage)
+
+    return make
+
+
+STAGES = {"pretrain": Pretrain, "sft": _post_training("sft", "SFT"), "rl": _post_training("rl", "RL"),
+          "distill": _post_training("distill", "Distill")}
 
 
 def build_stage(stage: StageConfig) -> Stage:

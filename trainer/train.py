@@ -231,6 +231,8 @@ def build(cfg: Config, run_dir: Path) -> Job:
     stage = build_stage(cfg.stage)
     model_cfg = stage.model_config(cfg.model)
     user_callbacks = load_callbacks(cfg.trainer.callbacks)  # a bad import path fails before any process group
+    if hasattr(stage, "check_layout"):  # a stage's own layout rules (RL's rollouts need the whole model), as early
+        stage.check_layout(cfg.parallel)
     # Every layout rule before any process group exists (the model's first, then the world size): a bad layout
     # fails at once, on every rank alike, naming the key to change.
     validate_layout(cfg.parallel, model_cfg, seq_len=cfg.data.seq_len, grad_accum=cfg.trainer.grad_accum)
@@ -244,9 +246,16 @@ def build(cfg: Config, run_dir: Path) -> Job:
             f"model.vocab_size={model_cfg.vocab_size} is smaller than the tokenizer's {tokenizer.vocab_size} ids "
             f"({tokenizer.path})"
         )
-    checkpointer = Checkpointer(run_dir / "checkpoints", cfg.checkpoint, rt.rank,
-                                info={"model": dataclasses.asdict(model_cfg), "layout": dataclasses.asdict(dims),
-                                      "optim": dataclasses.asdict(cfg.optim), "max_steps": cfg.trainer.max_steps})
+    info = {"model": dataclasses.asdict(model_cfg), "layout": dataclasses.asdict(dims),
+            "optim": dataclasses.asdict(cfg.optim), "max_steps": cfg.trainer.max_steps, "stage": cfg.stage.name}
+    if cfg.checkpoint.init_from:  # which weights the run started from, in every checkpoint's marker
+        from trainer.engine.loading import find_checkpoint
+
+        try:
+            info["init_from"] = str(find_checkpoint(cfg.checkpoint.init_from).resolve())
+        except ValueError as e:
+            raise ValueError(f"checkpoint.init_from: {e}".replace("ckpt=", "")) from None
+    checkpointer = Checkpointer(run_dir / "checkpoints", cfg.checkpoint, rt.rank, info=info)
     resume_from = checkpointer.resume_path()
     if resume_from is not None:  # before the model is built: an incompatible checkpoint fails at once
         checkpointer.check_model(resume_from, model_cfg)
@@ -262,6 +271,9 @@ def build(cfg: Config, run_dir: Path) -> Job:
     ckpt_states = {"train": state, "rank_local": RankLocalState(loader, rt.rank, data_rank)}
     seed_everything(cfg.trainer.seed + rt.rank)  # anything random after init differs per rank
     metrics = MetricsLogger(run_dir, cfg.logger.wandb, rt.rank, config=dataclasses.asdict(cfg))
+    if resume_from is None and cfg.checkpoint.init_from:
+        init_weights_from(cfg.checkpoint.init_from, pm, optimizer if cfg.checkpoint.init_optimizer else None,
+                          model_cfg, checkpointer)
     if resume_from is not None:
         checkpointer.load(resume_from, ckpt_states)
         marker = checkpointer.marker(resume_from)
@@ -273,7 +285,7 @@ def build(cfg: Config, run_dir: Path) -> Job:
                      new)
     with torch.device("meta"):  # FLOPs of the whole model, whatever this rank holds of it
         flops_per_token = model_pkg.build(model_cfg).flops_per_token
-    return Job(
+    job = Job(
         rt=rt, trainer=cfg.trainer, pm=pm, optimizer=optimizer, scheduler=scheduler, state=state,
         loader=loader, checkpointer=checkpointer, ckpt_states=ckpt_states, metrics=metrics,
         log_every=cfg.logger.log_every, progress_bar=cfg.logger.progress_bar,
@@ -281,6 +293,48 @@ def build(cfg: Config, run_dir: Path) -> Job:
         flops_per_token=flops_per_token, stage=stage, loss=stage.loss(),
         callbacks=ordered([*stage.callbacks(), *user_callbacks]),
     )
+    if hasattr(stage, "bind"):  # a stage whose batches need the model (RL's rollouts, a teacher's scores)
+        stage.bind(job)
+    return job
+
+
+def init_weights_from(ckpt: str, pm: ParallelModel, optimizer: torch.optim.Optimizer | None, model_cfg: ModelConfig,
+                      checkpointer: Checkpointer) -> Path:
+    """Load another run's weights (and, with `optimizer`, its optimiser moments) into this rank's part of the model,
+    whatever layout saved them (DCP reshards): checkpoint.init_from. The step count and schedule stay at 0."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                         set_model_state_dict, set_optimizer_state_dict)
+
+    from trainer.engine.loading import find_checkpoint, read_marker
+
+    try:
+        path = find_checkpoint(ckpt)
+        read_marker(path)  # every file there, with its checksum
+    except ValueError as e:
+        raise ValueError(f"checkpoint.init_from: {e}".replace("ckpt=", "")) from None
+    try:
+        checkpointer.check_model(path, model_cfg)
+    except ValueError as e:
+        raise ValueError(f"checkpoint.init_from: {str(e).split('. Resume with')[0]}") from None
+    state = {"model": get_model_state_dict(pm.module)}
+    if optimizer is not None:
+        state["optim"] = get_optimizer_state_dict(pm.module, optimizer)
+    with contextlib.ExitStack() as stack:
+        import warnings
+
+        stack.enter_context(warnings.catch_warnings())
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+        dcp.load({"train": state}, storage_reader=FileSystemReader(str(path)))
+    set_model_state_dict(pm.module, state["model"])
+    if optimizer is not None:
+        live = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+        set_optimizer_state_dict(pm.module, optimizer, state["optim"])
+        for group, values in zip(optimizer.param_groups, live):  # the config's hyperparameters, as on resume
+            group.update(values)
+    log.info("initialised from %s%s", path, " (weights and optimiser moments)" if optimizer is not None else "")
+    return path
 
 
 def _to_device(batch: dict, device: torch.device):
@@ -293,6 +347,15 @@ def _to_device(batch: dict, device: torch.device):
         None if mask is None else mask.to(device, non_blocking=True),
         None if weights is None else weights.to(device, non_blocking=True),
     )
+
+
+_BATCH_KEYS = ("input_ids", "labels", "image_mask", "loss_weights", "replay_cuts", "routing")
+
+
+def _loss_inputs(batch: dict, device: torch.device) -> dict:
+    """A batch's tensors besides the model's inputs and labels (a stage's loss inputs, e.g. RL advantages), on
+    `device`."""
+    return {k: v.to(device) for k, v in batch.items() if k not in _BATCH_KEYS and isinstance(v, torch.Tensor)}
 
 
 def _model_extras(batch: dict, device: torch.device) -> dict:
@@ -369,7 +432,8 @@ def forward_backward(pm: ParallelModel, batches: list[dict], autocast_dtype: tor
         with loss_context():
             # each micro-batch's loss is divided by accum: the accumulated gradient is the mean over micro-batches
             # of terms already weighted by their share of the step's valid tokens (trainer/loss.py)
-            (loss(out.logits, labels, weights, aux=sum(out.aux.values())) / accum).backward()
+            (loss(out.logits, labels, weights, aux=sum(out.aux.values()), batch=_loss_inputs(batch, device))
+             / accum).backward()
         loss_sum += float(loss.lm_terms[-1])
         values = {f"aux/{k}": float(v.detach()) for k, v in out.aux.items()}
         values.update({f"aux_metric/{k}": v for k, v in out.metrics.items()})

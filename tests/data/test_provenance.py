@@ -3,7 +3,8 @@
 Proves: shards at data.path are refused, in one ValueError line naming data.path, what the shards hold and the
 keys that disagree, when the config asks for another corpus, glob, tokenizer, vocab_size or stdlib cap (the
 suggested fixes work; shard_size and the caps of a user corpus do not matter); shards of an older build without
-the `requested` section still load when what they record agrees; an empty data.corpus_glob means `*.py` for the
+the `requested` section still load when what they record agrees, but not those whose trained tokenizer reserved
+other special tokens (a build before the chat markers); an empty data.corpus_glob means `*.py` for the
 stdlib and every (non-hidden) file of a user directory, and an explicit glob that matches nothing fails naming
 data.corpus_glob and data.corpus; a missing data.path (with the exact prepare command, which works), data.corpus
 or data.tokenizer, and an unloadable data.tokenizer, fail naming the key; several processes preparing one
@@ -28,7 +29,7 @@ import pytest
 from data.config import DataConfig, build_dataloader, ensure_prepared
 from data.prepare import LOCK_NAME, PrepareLock, main
 from data.shards import DataConfigError, read_meta
-from data.tokenizer import train_tokenizer
+from data.tokenizer import SPECIAL_TOKENS, train_tokenizer
 
 
 def _cfg(path, corpus="", **kw) -> DataConfig:
@@ -125,6 +126,28 @@ def test_shards_of_an_older_build_still_load(tmp_path, text_corpus):
     with open(meta_path, "w") as f:
         json.dump(meta, f)
     ensure_prepared(dataclasses.replace(cfg, vocab_size=512, corpus="elsewhere"), progress=False)  # nothing to compare
+
+
+def test_shards_trained_with_other_special_tokens_are_refused(tmp_path, text_corpus):
+    corpus, _ = text_corpus
+    cfg = _cfg(tmp_path / "shards", corpus)
+    ensure_prepared(cfg, progress=False)
+    meta_path = os.path.join(cfg.path, "meta.json")
+    meta = json.loads(open(meta_path).read())
+    assert meta["special_tokens"] == list(SPECIAL_TOKENS)
+    del meta["special_tokens"]  # what a build before the chat markers wrote: its BPE reserved <bos>, <eos>, <pad>
+    with open(meta_path, "w") as f:
+        json.dump(meta, f)
+    copy = os.path.join(cfg.path, "tokenizer.json")
+    assert _refusal(cfg) == (
+        f"data.path='{cfg.path}' holds shards whose tokenizer was trained with the special tokens "
+        f"['<bos>', '<eos>', '<pad>'] (an older build); this build trains {list(SPECIAL_TOKENS)}: delete {cfg.path} "
+        f"to prepare it again, or set data.path to a new directory to prepare it there, or set "
+        f"data.tokenizer='{copy}' to use these shards as they are")
+    with pytest.raises(DataConfigError) as exc:
+        build_dataloader(cfg)
+    assert str(exc.value) == _refusal(cfg)
+    ensure_prepared(dataclasses.replace(cfg, tokenizer=copy), progress=False)  # the suggested fix works
 
 
 def test_an_empty_glob_takes_every_file_of_a_directory(tmp_path):

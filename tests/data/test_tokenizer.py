@@ -1,13 +1,15 @@
 """The tokenizer (data/tokenizer.py): a trained byte-level BPE puts <bos>, <eos>, <pad> at ids 0, 1, 2 (so
-model.engram.pad_id = 2 names <pad>), decodes back to the exact text (whitespace and non-ASCII included) and
-encodes bytes it never saw; an existing tokenizer.json is loaded with its own special ids found by name; a
+model.engram.pad_id = 2 names <pad>) and the chat markers at 3 .. 8, none produced by plain text; it decodes back
+to the exact text (whitespace and non-ASCII included) and encodes bytes it never saw; an existing tokenizer.json is loaded with its own special ids found by name; a
 tokenizer without an end-of-text token, a missing file and a too-small vocabulary are clear errors."""
 
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from data.tokenizer import (
+    CHAT_TOKENS,
     MIN_VOCAB_SIZE,
+    SPECIAL_TOKENS,
     ids_dtype,
     load_tokenizer,
     tokenizer_info,
@@ -21,11 +23,13 @@ def test_trained_special_ids_and_exact_round_trip(tmp_path):
     tok = train_tokenizer(iter(texts), vocab_size=400)
     info = tokenizer_info(tok, "mem")
     assert (info.bos_id, info.eos_id, info.pad_id) == (0, 1, 2)
+    assert SPECIAL_TOKENS[3:] == CHAT_TOKENS and [tok.token_to_id(t) for t in CHAT_TOKENS] == list(range(3, 9))
+    assert MIN_VOCAB_SIZE == 256 + 9
     assert 300 < info.vocab_size <= 400
     for text in texts + ["  indented\n\ttabs  \r\n", "emoji 🦜 never seen"]:
         ids = tok.encode(text).ids
         assert tok.decode(ids) == text
-        assert min(ids) > 2, "plain text must not produce special ids"
+        assert min(ids) >= len(SPECIAL_TOKENS), "plain text must not produce special ids"
     # Real text compresses: fewer tokens than bytes.
     assert len(tok.encode(texts[0]).ids) < len(texts[0].encode()) / 2
 

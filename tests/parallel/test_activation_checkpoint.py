@@ -219,7 +219,6 @@ def _worker(rank: int, world: int, names: list[str]) -> dict:
 
 
 _RUNS: list = []
-_SMALL: list = []  # the single process without checkpointing on the layouts' model
 
 
 @pytest.mark.distributed
@@ -228,9 +227,7 @@ def test_checkpointed_layouts_match_single_process_without(name):
     if not _RUNS:
         _RUNS.append(run_distributed(_worker, 2, list(LAYOUTS)))
     ranks = [r[name] if name in r else f"{name} did not run" for r in _RUNS[0]]
-    if not _SMALL:
-        _SMALL.append(layouts._single(layouts._train_small))
-    layouts._check(name, ranks, _SMALL[0])
+    layouts._check(name, ranks, layouts.single_small_run())  # the single process without checkpointing
 
 
 # --- checkpoints --------------------------------------------------------------------------------------------------

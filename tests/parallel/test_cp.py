@@ -40,7 +40,7 @@ from torch.distributed.device_mesh import init_device_mesh
 import model as model_pkg
 from model.layer_plan import build_layer_plan
 from tests.distributed import run_distributed
-from tests.helpers import EVERY_ROLE_SEQ_LEN, every_role_config, load_config
+from tests.helpers import TRITON_SEQ_LEN, every_role_config, load_config
 from trainer.config import ParallelDims
 from trainer.parallel.apply import ParallelModel
 from trainer.parallel.context import apply_cp, check_sequence_length, sequence_shard, shard_sequence
@@ -296,13 +296,16 @@ def test_cp2_matches_single_process():
     # the second chunk's decoder queries see more entries (ratio 1) than the candidate pool and top-k can hold.
     assert 1 < cfg.attention.window <= chunk and chunk % 2 == 0
     assert cfg.csa2.index_topk < cfg.csa2.candidate_topk_blocks * cfg.csa2.candidate_block_size < chunk
-    results = run_distributed(_cp_worker, CP)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as each rank runs: the reductions then differ only by the sequence split
-    try:
-        single = _single_run()
-    finally:
-        torch.set_num_threads(threads)
+
+    def reference() -> dict:  # the single process, while the ranks run
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # as each rank runs: the reductions then differ only by the sequence split
+        try:
+            return _single_run()
+        finally:
+            torch.set_num_threads(threads)
+
+    results, single = run_distributed(_cp_worker, CP, meanwhile=reference)
 
     first = results[0]
     for step in range(STEPS):
@@ -345,10 +348,9 @@ def test_cp2_matches_single_process():
 # --- the Triton attention and indexer under cp ----------------------------------------------------------------------
 
 # The every-role config (tests/helpers.py: SWA, encoder Full + Reuse, decoder Full building the pool, Reuse,
-# pool-restricted Reindex with Engram; window 8, top-k 6, pool 12 entries) on one row of 24 tokens: chunks of 12, so
-# each rank's window still reaches into the other chunk, and the second chunk's ratio-1 queries see more entries than
-# the pool holds
-TRITON_SEQ_LEN = EVERY_ROLE_SEQ_LEN
+# pool-restricted Reindex with Engram; window 8, top-k 6, pool 12 entries) on one row of TRITON_SEQ_LEN = 16 tokens:
+# chunks of 8, so each rank's window still reaches into the other chunk (a whole 7-row halo), and the second chunk's
+# ratio-1 queries see more entries than the pool holds
 
 
 def _cp_triton_worker(rank: int, world: int) -> dict:

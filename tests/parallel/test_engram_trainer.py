@@ -208,7 +208,7 @@ def _one_thread(fn, *args, **kwargs):
 
 @pytest.fixture(scope="module")
 def single():
-    return _one_thread(layouts._train_small, {})
+    return layouts.single_small_run()  # `_train_small({})` on one thread, once per session
 
 
 @pytest.fixture(scope="module")

@@ -207,10 +207,20 @@ def single():
     return _single(_train)
 
 
+_SINGLE_SMALL: list = []
+
+
+def single_small_run() -> dict:
+    """The single process on the model this file's layouts train, once per session: the reference of this file and of
+    test_activation_checkpoint.py's and test_engram_trainer.py's layouts too (the same model, batches and optimiser)."""
+    if not _SINGLE_SMALL:
+        _SINGLE_SMALL.append(_single(_train_small))
+    return _SINGLE_SMALL[0]
+
+
 @pytest.fixture(scope="module")
 def single_small():
-    """The single process on the model this file's layouts train."""
-    return _single(_train_small)
+    return single_small_run()
 
 
 _RUNS: dict[int, list] = {}

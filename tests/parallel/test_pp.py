@@ -36,7 +36,7 @@ import torch.nn.functional as F
 import model as model_pkg
 from model.layer_plan import build_layer_plan
 from tests.distributed import run_distributed
-from tests.helpers import EVERY_ROLE_SEQ_LEN, every_role_config, load_config
+from tests.helpers import TRITON_SEQ_LEN, every_role_config, load_config
 from trainer.config import ParallelDims
 from trainer.parallel.apply import ParallelModel, StageGroup
 from trainer.parallel.gradients import clip_grad_norm_, update_router_biases
@@ -231,9 +231,9 @@ def test_stage_modules_on_the_triton_path_carry_ids():
     """model.kernels=triton (the CUDA default; the CPU interpreter here): the top-k and the pool live in the context
     as int32 ids and cross the cuts as such; chained stages give the whole model's logits and gradients bit for bit
     and its indexer KL to the rounding of its last division (cut at TRITON_CUT: h_{L/2}, KV, a top-k and the pool
-    cross). One row, one split, the 7-layer `_triton_config`: the interpreter is slow."""
+    cross). One row of TRITON_SEQ_LEN tokens, one split, the 7-layer `_triton_config`: the interpreter is slow."""
     cfg = _triton_config()
-    seq_len = EVERY_ROLE_SEQ_LEN
+    seq_len = TRITON_SEQ_LEN
     names = {(s.name, s.layer) for s in boundary_slots(cfg, TRITON_CUT, 1, seq_len, ids=True)}
     assert {("h_mid", None), ("kv_main", 3), ("kv_keys", 3), ("topk", 3), ("pool", None), ("engram_rows", 5)} <= names
     gen = torch.Generator().manual_seed(1)
@@ -367,14 +367,25 @@ def _pp_worker(rank: int, world: int) -> dict:
     return results
 
 
+_SINGLE: list = []
+
+
+def single_run() -> dict:
+    """`_single_run`, once per session: the reference of this file and of test_pp_torch211.py."""
+    if not _SINGLE:
+        _SINGLE.append(_single_run())
+    return _SINGLE[0]
+
+
 @pytest.fixture(scope="module")
 def single():
-    return _single_run()
+    return single_run()
 
 
 @pytest.fixture(scope="module")
 def pp_runs():
-    return run_distributed(_pp_worker, 2)
+    runs, _ = run_distributed(_pp_worker, 2, meanwhile=single_run)  # the reference while the ranks run
+    return runs
 
 
 def _assert_rel(actual, expected, what):

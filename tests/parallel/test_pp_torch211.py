@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from tests.distributed import run_distributed
-from tests.parallel.test_pp import _check, _config, _one_thread, _pp_train, _single_run  # noqa: F401
+from tests.parallel.test_pp import _check, _config, _one_thread, _pp_train, single_run  # noqa: F401
 from trainer.config import ParallelDims
 from trainer.parallel import pipeline
 from trainer.parallel.mesh import build_mesh
@@ -128,12 +128,13 @@ def _worker(rank: int, world: int) -> dict:
 
 @pytest.fixture(scope="module")
 def single():
-    return _single_run()
+    return single_run()
 
 
 @pytest.fixture(scope="module")
 def float_wire_runs():
-    return run_distributed(_worker, 2)
+    runs, _ = run_distributed(_worker, 2, meanwhile=single_run)  # the reference (once, test_pp's) while they run
+    return runs
 
 
 @pytest.mark.distributed

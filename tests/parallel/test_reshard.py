@@ -12,7 +12,8 @@ and the reverse, through the real CLI (trainer.main) with AdamW, the micro model
 - Resuming with a model whose parameters differ (another model.dim) fails before training, exit status 2, naming
   the key, both values and the override to use.
 One 4-rank launch between two single-process ones, not two around one: a launch's cost is mostly its processes'
-start-up (torchrun, the preflight and four ranks on two cores), the steps of the micro model are a few seconds.
+start-up (torchrun, the preflight and four ranks on two cores), the steps of the micro model are a few seconds. C
+and the refused resume, one process each and both only reading B's checkpoint, run side by side.
 That the layouts train alike from the start is test_layouts.py's proof (with SGD; see there why).
 """
 
@@ -23,7 +24,7 @@ import subprocess
 import pytest
 
 from data.config import DataConfig, ensure_prepared
-from tests.trainer.harness import REPO, env, micro_overrides, read_metrics, run_cli
+from tests.trainer.harness import REPO, env, micro_overrides, read_metrics, run_cli, side_by_side
 
 # The runs stop at different steps (trainer.max_steps); the LR warms up over 100 steps, so it does not depend on that.
 STEPS = ["checkpoint.interval=2", "trainer.grad_accum=2", "data.batch_size=2", "optim.warmup_steps=100"]
@@ -59,8 +60,16 @@ def _assert_close(a: dict, b: dict, steps) -> None:
         assert a[step] == pytest.approx(b[step], rel=1e-5), step
 
 
+def _refused_args(run_dir, data, ckpt) -> list[str]:
+    """A resume of `ckpt` with another model.dim."""
+    return [a.replace("model.dim=32", "model.dim=64")
+            for a in _args(run_dir, data, "trainer.max_steps=4", f"checkpoint.resume={ckpt}")]
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, small_data):
+    """A, B and C; C side by side with the refused resume of B's step-4 checkpoint (both only read it), whose
+    CompletedProcess is out["refused"] (its run directory out["refused_dir"])."""
     root = tmp_path_factory.mktemp("reshard")
     out = {}
     for name, ranks, layout, steps, source in (
@@ -71,7 +80,14 @@ def runs(tmp_path_factory, small_data):
         extra = [*layout, f"trainer.max_steps={steps}"]
         if source is not None:
             extra.append(f"checkpoint.resume={out[source[0]] / 'checkpoints' / f'step_{source[1]:08d}'}")
-        r = _run(ranks, _args(root / name, small_data, *extra))
+        args = _args(root / name, small_data, *extra)
+        if name == "single_from_tp2_pp2":
+            ckpt = out["tp2_pp2_from_single"] / "checkpoints" / "step_00000004"
+            refused = _refused_args(root / "refused", small_data, ckpt)
+            r, out["refused"] = side_by_side(lambda: _run(ranks, args), lambda: run_cli(refused))
+            out["refused_dir"] = root / "refused"
+        else:
+            r = _run(ranks, args)
         assert r.returncode == 0, r.stderr[-3000:]
         if source is not None:
             assert "resumed from" in r.stdout + r.stderr
@@ -98,13 +114,11 @@ def test_single_process_checkpoint_resumes_under_tp2_pp2(runs):
 
 
 @pytest.mark.slow
-def test_incompatible_model_config_fails_before_training(runs, small_data, tmp_path):
+def test_incompatible_model_config_fails_before_training(runs):
     ckpt = runs["tp2_pp2_from_single"] / "checkpoints" / "step_00000004"  # the 4 ranks' parts
-    args = [a.replace("model.dim=32", "model.dim=64")
-            for a in _args(tmp_path, small_data, "trainer.max_steps=4", f"checkpoint.resume={ckpt}")]
-    r = run_cli(args)
+    r = runs["refused"]  # run_cli(_refused_args(runs["refused_dir"], small_data, ckpt)), launched by the fixture
     assert r.returncode == 2, r.stderr
     last = r.stderr.strip().splitlines()[-1]
     assert f"checkpoint {ckpt} was saved with another model: model.dim=32 there, 64 here" in last
     assert "(model.dim=32)" in last and "checkpoint.resume=none" in last
-    assert not (tmp_path / "metrics.jsonl").exists()
+    assert not (runs["refused_dir"] / "metrics.jsonl").exists()

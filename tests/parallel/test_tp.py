@@ -47,7 +47,7 @@ import model as model_pkg
 from model.layer_plan import build_layer_plan
 from model.parallelize import apply_tp, reduce_partial_grads
 from tests.distributed import run_distributed
-from tests.helpers import EVERY_ROLE_SEQ_LEN, every_role_config, load_config
+from tests.helpers import TRITON_SEQ_LEN, every_role_config, load_config
 from trainer.parallel.apply import ParallelModel
 from trainer.parallel.gradients import update_router_biases
 
@@ -341,7 +341,7 @@ def _triton_worker(rank: int, world_size: int) -> dict:
         loss_context = loss_parallel if layout["loss_parallel"] else contextlib.nullcontext
         model = _build(False, mesh, layout, cfg=_triton_config())
         calls.clear()
-        out[name] = {**_train(model, loss_context, passes=1, rows=1, seq_len=EVERY_ROLE_SEQ_LEN),
+        out[name] = {**_train(model, loss_context, passes=1, rows=1, seq_len=TRITON_SEQ_LEN),
                      "calls": sorted(set(calls))}
     return out
 
@@ -353,7 +353,7 @@ def test_tp_triton_attention_equals_single_process():
     HeadSum) and one forward/backward equals the single process on the same kernels: the loss within 1e-5 relative,
     every gradient within 1e-5 of its scale. The model is the every-role config (every layer role: SWA, Full,
     Reuse, the pool-building decoder Full, the pool-restricted Reindex; the MoE and mHC as in v41_tiny) on one row of
-    EVERY_ROLE_SEQ_LEN tokens, one pass: the CPU interpreter runs the kernels."""
+    TRITON_SEQ_LEN tokens (tests/helpers.py), one pass: the CPU interpreter runs the kernels."""
     cfg = _triton_config()
     assert {s.role for s in build_layer_plan(cfg)} == {"swa", "full", "reindex", "reuse"}
 
@@ -361,7 +361,7 @@ def test_tp_triton_attention_equals_single_process():
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
-            return _train(_build(False, cfg=cfg), contextlib.nullcontext, passes=1, rows=1, seq_len=EVERY_ROLE_SEQ_LEN)
+            return _train(_build(False, cfg=cfg), contextlib.nullcontext, passes=1, rows=1, seq_len=TRITON_SEQ_LEN)
         finally:
             torch.set_num_threads(threads)
 

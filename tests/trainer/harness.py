@@ -8,6 +8,7 @@ import os
 import struct
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -63,6 +64,14 @@ def run_faulty(faults: str, args: list[str], timeout: float = 300, **env_extra: 
         [sys.executable, "-m", "tests.trainer.faults", faults, "--", *args], cwd=REPO, env=env(**env_extra),
         capture_output=True, text=True, timeout=timeout,
     )
+
+
+def side_by_side(*runs):
+    """Call each of `runs` (functions that start a process and wait for it: `run_cli`, a torchrun launch) at the same
+    time, one thread each; their results in order. For independent runs only: a single-process run trains on one
+    thread (trainer.num_threads=1) and spends seconds starting up, so two together leave no core of two idle."""
+    with ThreadPoolExecutor(len(runs)) as pool:
+        return [f.result() for f in [pool.submit(run) for run in runs]]
 
 
 def read_metrics(run_dir: Path) -> list[dict]:

@@ -4,7 +4,9 @@
 446a7c5; the 60-step curve of issue 12's code was the same, byte for byte), re-recorded in issue 14 for one
 deliberate change: the model's top-k gives ties at the k-th score to the lowest entry ids (the Triton kernel's rule;
 torch.topk's was unspecified), which the inference cache needs to pick what the full forward picks. With torch.topk
-restored, issue 14's code reproduced the old curve bit for bit, so nothing else moved.
+restored, issue 14's code reproduced the old curve bit for bit, so nothing else moved. Re-recorded in issue 15 for a
+change of data, not of code: the trained tokenizer reserves six chat markers after <bos>, <eos>, <pad>
+(data/tokenizer.py), so it learns six fewer merges and the prepared corpus' ids (and fingerprint) change.
 
 The curve depends on the corpus, which is the running interpreter's standard library: the asset records the
 prepared data's fingerprint (tokenizer and shard hashes), and a different one fails naming both, since the curve then

@@ -40,8 +40,18 @@ def test_stage_name_picks_the_stage_and_pretrain_applies_its_hooks():
     assert build_stage(StageConfig(hierarchical_indexer=True)).model_config(off).csa2.hierarchical_pool
     with pytest.raises(ValueError, match="replay_sim_kinds"):
         StageConfig(replay_sim_kinds=["sometimes"])
-    with pytest.raises(ValueError, match=r"stage.name='sft' is not implemented yet; only \['pretrain'\] run"):
-        build_stage(StageConfig(name="sft"))
+    with pytest.raises(ValueError, match=r"stage.name='dspark' is not implemented yet; only \['distill', 'pretrain', "
+                                         r"'rl', 'sft'\] run"):
+        build_stage(StageConfig(name="dspark"))
+    from trainer.stages.config import DistillStageConfig, ModelRef, RLStageConfig, SFTStageConfig
+    from trainer.stages.distill import Distill
+    from trainer.stages.rl import RL
+    from trainer.stages.sft import SFT
+
+    assert isinstance(build_stage(SFTStageConfig()), SFT) and isinstance(build_stage(RLStageConfig()), RL)
+    assert isinstance(build_stage(DistillStageConfig(teacher=ModelRef(ckpt="x"))), Distill)
+    post = SFTStageConfig()
+    assert post.fp4_kv_qat and post.bounded_replay_sim and post.hierarchical_indexer  # on in post-training
 
 
 class _Loader:

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from tests.trainer.harness import (
-    REPO, env, losses, micro_overrides, read_metrics, run_cli, run_faulty, wandb_history,
+    REPO, env, losses, micro_overrides, read_metrics, run_cli, run_faulty, side_by_side, wandb_history,
 )
 from tests.trainer.test_stage import expected_probe
 from trainer.checkpoint import Checkpointer, complete_checkpoints
@@ -68,9 +68,10 @@ def test_short_run_learns_and_logs(tmp_path, small_data):
 def test_grad_accumulation_equals_the_larger_batch(tmp_path, small_data):
     # the loader cuts rows from one stream in order: 2 micro-batches of 2 rows = 1 batch of 4 rows
     common = ["trainer.max_steps=4", "checkpoint.interval=0", "checkpoint.save_final=false"]
-    big = run_cli(micro_overrides(tmp_path / "big", small_data, *common))
-    acc = run_cli(micro_overrides(tmp_path / "acc", small_data, *common, "data.batch_size=2",
-                                  "trainer.grad_accum=2"))
+    big, acc = side_by_side(
+        lambda: run_cli(micro_overrides(tmp_path / "big", small_data, *common)),
+        lambda: run_cli(micro_overrides(tmp_path / "acc", small_data, *common, "data.batch_size=2",
+                                        "trainer.grad_accum=2")))
     assert big.returncode == 0 and acc.returncode == 0, big.stderr + acc.stderr
     a, b = read_metrics(tmp_path / "big"), read_metrics(tmp_path / "acc")
     for x, y in zip(a, b):
@@ -85,12 +86,13 @@ def test_data_parallel_matches_single_process(tmp_path, small_data):
     # Two ranks, one reader each, vs one process whose two DataLoader workers are those same two readers
     # (batches alternate between them) accumulating over 2 micro-batches: identical data, mean gradient.
     common = ["trainer.max_steps=4", "checkpoint.interval=2"]
-    single = run_cli(micro_overrides(tmp_path / "single", small_data, *common, "data.num_workers=2",
-                                     "trainer.grad_accum=2"))
-    assert single.returncode == 0, single.stderr
     args = micro_overrides(tmp_path / "dp", small_data, *common, "data.num_workers=0")
-    dp = subprocess.run(["bash", str(REPO / "launch" / "torchrun.sh"), "2", *args], cwd=REPO, env=env(),
-                        capture_output=True, text=True, timeout=300)
+    single, dp = side_by_side(
+        lambda: run_cli(micro_overrides(tmp_path / "single", small_data, *common, "data.num_workers=2",
+                                        "trainer.grad_accum=2")),
+        lambda: subprocess.run(["bash", str(REPO / "launch" / "torchrun.sh"), "2", *args], cwd=REPO, env=env(),
+                               capture_output=True, text=True, timeout=300))
+    assert single.returncode == 0, single.stderr
     assert dp.returncode == 0, dp.stderr[-3000:]
     a, b = read_metrics(tmp_path / "single"), read_metrics(tmp_path / "dp")
     assert len(a) == len(b) == 4

@@ -72,9 +72,10 @@ def serving_module(model) -> torch.nn.Module:
 @dataclass
 class PromptFormat:
     """How a text prompt and its reasoning effort (1..100; SPEC 2: the API tiers max/high/low are 100/75/50) become
-    the text the model reads. The SFT stage trains on the same template."""
+    the text the model reads: by default the chat template's generation prompt of one user turn (data/chat.py,
+    docs/chat_template.md), its markers special tokens of the tokenizer, as the SFT and RL stages train on it."""
 
-    template: str = "<effort:{effort}>\n{prompt}"
+    template: str = "<bos><|effort|>{effort}\n<|user|>{prompt}<|end|><|assistant|>"
 
     def render(self, prompt: str, effort: int) -> str:
         return self.template.format(prompt=prompt, effort=effort)

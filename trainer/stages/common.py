@@ -1,0 +1,142 @@
+"""What the post-training stages share: their tokenizer and chat template, frozen models (a teacher, RL's reference),
+held-out prompts, and the forwards that score sequences without training.
+
+The tokenizer of a post-training run is the one its starting weights were trained with (checkpoint.init_from's run,
+trainer/engine/loading.py `run_tokenizer`), else data.path's (prepared as for pretraining). The chat template
+(data/chat.py) adds its role and effort markers when the tokenizer lacks them; the model's vocabulary must cover
+the result.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+from data.tokenizer import TokenizerInfo, load_tokenizer, tokenizer_info
+
+log = logging.getLogger(__name__)
+
+__all__ = ["stage_tokenizer", "load_frozen", "token_logprobs", "whole_logits", "tokenizer_sha"]
+
+
+def tokenizer_sha(path: str) -> str:
+    from data.shards import file_sha256
+
+    return file_sha256(path)
+
+
+def stage_tokenizer(cfg, *, progress: bool = False):
+    """(ChatTemplate, TokenizerInfo) of a post-training run (see the module docstring)."""
+    from data.chat import ChatTemplate
+
+    path = None
+    if cfg.checkpoint.init_from:
+        from trainer.engine.loading import find_checkpoint, run_tokenizer
+
+        try:
+            path = run_tokenizer(find_checkpoint(cfg.checkpoint.init_from))
+        except ValueError as e:
+            log.warning("checkpoint.init_from: %s; using data.path's tokenizer", e)
+    if path is None:
+        from data.config import build_dataloader, ensure_prepared
+
+        ensure_prepared(cfg.data, progress=progress)
+        _, info = build_dataloader(cfg.data, 0, 1)
+        path = info.path
+    template = ChatTemplate(load_tokenizer(path))
+    base = tokenizer_info(template.tokenizer, path)
+    info = TokenizerInfo(path=path, vocab_size=template.vocab_size, eos_id=base.eos_id, bos_id=base.bos_id,
+                         pad_id=base.pad_id)
+    return template, info
+
+
+def load_frozen(ref, device: torch.device, tokenizer_path: str, *, what: str, key: str) -> torch.nn.Module:
+    """A frozen whole model (a teacher, the RL reference) from a checkpoint, on every rank. ref: a path, or a
+    ModelRef (ckpt, model). Refuses, naming `key`, a checkpoint whose run used another tokenizer."""
+    from omegaconf import OmegaConf
+
+    from model.config import ModelConfig
+    from trainer.engine.loading import find_checkpoint, load_model, model_config, read_marker, run_tokenizer
+
+    ckpt, model_name = (ref, "") if isinstance(ref, (str, Path)) else (ref.ckpt, ref.model)
+    try:
+        path = find_checkpoint(str(ckpt))
+        marker = read_marker(path)
+    except ValueError as e:
+        raise ValueError(f"{key}: {e}") from None
+    chosen = None
+    if model_name:
+        conf = Path(__file__).resolve().parents[2] / "conf" / "model" / f"{model_name}.yaml"
+        if not conf.is_file():
+            raise ValueError(f"{key.rsplit('.', 1)[0]}.model={model_name!r}: no conf/model/{model_name}.yaml")
+        node = OmegaConf.load(conf)
+        node.pop("defaults", None)
+        chosen = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), node))
+    cfg = model_config(marker.get("model"), chosen, [], path)
+    try:
+        theirs = run_tokenizer(path)
+    except ValueError:
+        theirs = None
+    if theirs is not None and os.path.realpath(theirs) != os.path.realpath(tokenizer_path) and \
+            tokenizer_sha(theirs) != tokenizer_sha(tokenizer_path):
+        raise ValueError(f"{key}: the {what} {path} was trained with another tokenizer ({theirs}) than this run's "
+                         f"({tokenizer_path}): its log-probs would score other tokens. Distil from a model of the "
+                         "same tokenizer")
+    model = load_model(path, cfg, device, tokenizer_path)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    log.info("%s: %s (%s, %.1fM parameters)", what, path, cfg.name, sum(p.numel() for p in model.parameters()) / 1e6)
+    return model
+
+
+def whole_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Logits as one tensor on this rank (vocab-sharded DTensor logits under tensor parallelism gathered)."""
+    return logits.full_tensor() if hasattr(logits, "full_tensor") else logits
+
+
+@torch.no_grad()
+def token_logprobs(module: torch.nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, *, temperature: float = 1.0,
+                   routing=None, replay_cuts=None, full: bool = False):
+    """A scoring forward of `module` (eval mode: no balancing counts): per position the log-prob of its label
+    ([B, T], 0 where the label is ignored), and with full=True the [B, T, V] log-softmax as well."""
+    was = module.training
+    module.eval()
+    try:
+        extras = {k: v for k, v in (("routing", routing), ("replay_cuts", replay_cuts)) if v is not None}
+        logits = whole_logits(module(input_ids, **extras)).float() / temperature
+    finally:
+        module.train(was)
+    lp = logits.log_softmax(-1)
+    valid = labels >= 0
+    picked = lp.gather(-1, labels.clamp(min=0)[..., None]).squeeze(-1) * valid
+    return (picked, lp) if full else picked
+
+
+def completion_logprobs(module: torch.nn.Module, rollouts, device, *, temperature: float = 1.0, pad_id: int = 0,
+                        kl_to: torch.nn.Module | None = None):
+    """One padded scoring forward of `module` over the rollouts (prompt + completion): per rollout the log-probs of
+    its completion tokens (a list). With kl_to (a teacher): instead, per rollout the exact per-position reverse KL
+    KL(module || kl_to) over the vocabulary at its completion positions."""
+    B = len(rollouts)
+    if B == 0:
+        return []
+    T = max(len(r.prompt_ids) + len(r.token_ids) - 1 for r in rollouts)
+    ids = torch.full((B, T), pad_id, dtype=torch.long)
+    labels = torch.full((B, T), -100, dtype=torch.long)
+    for b, r in enumerate(rollouts):
+        seq = r.prompt_ids + r.token_ids
+        ids[b, :len(seq) - 1] = torch.tensor(seq[:-1])
+        labels[b, len(r.prompt_ids) - 1:len(seq) - 1] = torch.tensor(r.token_ids)
+    ids, labels = ids.to(device), labels.to(device)
+    if kl_to is None:
+        lp = token_logprobs(module, ids, labels, temperature=temperature)
+        return [lp[b, len(r.prompt_ids) - 1:len(r.prompt_ids) - 1 + len(r.token_ids)].cpu().tolist()
+                for b, r in enumerate(rollouts)]
+    _, s = token_logprobs(module, ids, labels, temperature=temperature, full=True)
+    _, t = token_logprobs(kl_to, ids, labels, temperature=temperature, full=True)
+    kl = (s.exp() * (s - t)).sum(-1)  # [B, T]
+    return [kl[b, len(r.prompt_ids) - 1:len(r.prompt_ids) - 1 + len(r.token_ids)].cpu().tolist()
+            for b, r in enumerate(rollouts)]

@@ -1,0 +1,157 @@
+"""Typed schemas of the post-training stages: `stage=sft|rl|distill` (conf/stage/<name>.yaml).
+
+Each stage's YAML starts with `defaults: [<name>_schema, _self_]`, so Hydra checks its keys against its own dataclass
+at composition (a misspelled `stage.group_sise` fails naming the key); trainer/config.py's `to_config` builds the
+stage section with the schema its `name` selects (`STAGE_SCHEMAS`). Every schema extends `StageConfig` (the hooks),
+and the post-training ones turn the three hooks on by default (SPEC 1.3-1.5; each can be switched off).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List
+
+from config_checks import at_least, check_choices, choice_field, positive
+from trainer.config import StageConfig
+
+__all__ = ["ModelRef", "SFTStageConfig", "RLStageConfig", "DistillStageConfig", "STAGE_SCHEMAS"]
+
+
+@dataclass
+class ModelRef:
+    """A frozen model loaded from another run's checkpoint (a teacher)."""
+
+    ckpt: str = ""
+    """a checkpoint directory, a run's checkpoints/ folder (its newest complete checkpoint) or a run directory"""
+    model: str = ""
+    """conf/model/<name>.yaml when the checkpoint records no config; "" = the config the checkpoint records"""
+
+
+@dataclass
+class PostTrainingConfig(StageConfig):
+    fp4_kv_qat: bool = True
+    bounded_replay_sim: bool = True
+    hierarchical_indexer: bool = True
+    envs: List[str] = field(default_factory=lambda: ["arithmetic"])
+    """data/envs/ environments the prompts (and SFT's generated samples) come from"""
+    difficulty: List[int] = field(default_factory=list)
+    """levels to draw from ([] = every level of each environment)"""
+    effort: List[int] = field(default_factory=lambda: [1, 100])
+    """[low, high]: reasoning efforts are drawn uniformly from this range"""
+    eval_every: int = 25
+    """steps between held-out evaluations (also at the start and the end; 0 = only those two)"""
+    num_eval: int = 32
+    """held-out prompts (or samples) per evaluation, drawn from a seed the training prompts never use"""
+
+    def _check_common(self, key: str) -> None:
+        check_choices(self, key)
+        if len(self.effort) != 2 or not 1 <= self.effort[0] <= self.effort[1] <= 100:
+            raise ValueError(f"{key}.effort must be [low, high] with 1 <= low <= high <= 100, got {list(self.effort)}")
+        at_least(f"{key}.eval_every", self.eval_every, 0)
+        at_least(f"{key}.num_eval", self.num_eval, 1)
+        if not self.envs:
+            raise ValueError(f"{key}.envs must name at least one environment (data/envs/)")
+
+
+@dataclass
+class SFTStageConfig(PostTrainingConfig):
+    name: str = choice_field("sft", ("sft",))
+    data: str = ""
+    """chat samples: a JSONL file, a glob or a directory of *.jsonl, or webdataset .tar shards ({"messages": [...]}
+    per sample); "" = generated from `envs` (problems with worked answers, their length growing with the effort)"""
+    envs: List[str] = field(default_factory=lambda: ["arithmetic", "strings"])
+    num_samples: int = 4000
+    """generated samples (data="" only)"""
+    bucket_size: int = 64
+    """length bucketing: batches are cut from runs of bucket_size x data.batch_size samples sorted by length"""
+    fixed_length: bool = False
+    """pad every batch to data.seq_len (else to its longest sample, rounded up to a multiple of 8)"""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self._check_common("stage")
+        at_least("stage.num_samples", self.num_samples, 1)
+        at_least("stage.bucket_size", self.bucket_size, 1)
+
+
+@dataclass
+class RolloutConfig(PostTrainingConfig):
+    """What RL and distillation share: prompts, sampling with the engine, and the policy-gradient loss."""
+
+    prompts_per_step: int = 8
+    """prompts of one optimiser step over the whole job (divided among the data ranks)"""
+    group_size: int = 8
+    """G: samples per prompt"""
+    max_new_tokens: int = 24
+    temperature: float = 1.0
+    """sampling temperature; the training forward scores the same tempered distribution"""
+    rollout_replay: str = choice_field("auto", ("auto", "halo", "window", "none"))
+    """the engine's prefill (model/cache.py): `window` is SWA bounded replay, `halo` and `none` are exact; auto =
+    window when bounded_replay_sim is on, else halo. Under a window prefill with bounded_replay_sim the training
+    forward simulates the engine's cut at each prompt's end (model/replay.py), so train and rollout compute alike"""
+    replay_routing: bool = True
+    """rollout replay: the training forward reuses the engine's top-k and expert choices (model/routing.py)"""
+    eps_low: float = 0.2
+    eps_high: float = 0.28
+    """clip-higher: the ratio is clipped to [1 - eps_low, 1 + eps_high]"""
+    tis_cap: float = 2.0
+    """truncated importance sampling: each token's loss times min(pi_train / pi_rollout, tis_cap) (0 = off)"""
+    max_batch: int = 64
+    """engine rows decoding together"""
+
+    def _check_rollout(self) -> None:
+        for key in ("prompts_per_step", "group_size", "max_new_tokens", "max_batch"):
+            at_least(f"stage.{key}", getattr(self, key), 1)
+        positive("stage.temperature", self.temperature)
+        for key in ("eps_low", "eps_high", "tis_cap"):
+            at_least(f"stage.{key}", getattr(self, key), 0.0)
+        if self.tis_cap and self.tis_cap < 1.0:
+            raise ValueError(f"stage.tis_cap must be 0 (off) or >= 1, got {self.tis_cap}")
+
+
+@dataclass
+class RLStageConfig(RolloutConfig):
+    name: str = choice_field("rl", ("rl",))
+    adv_norm: str = choice_field("std", ("std", "mean"))
+    """group-normalised advantages: (r - mean) / std over the G samples (std), or r - mean (mean: Dr. GRPO)"""
+    dynamic_sampling: bool = True
+    """drop groups whose rewards do not vary (no gradient signal), drawing more prompts up to max_rounds times"""
+    max_rounds: int = 3
+    kl_coef: float = 0.0
+    """KL to the reference model (the init_from weights), unbiased K3 estimator; 0 = off (no reference is kept)"""
+    length_penalty: float = 1.0
+    """effort control: a correct response of L tokens at effort e earns reward x exp(-length_penalty x (100 - e) / 100
+    x L / max_new_tokens): at effort 100 no penalty, lower efforts pay more per token"""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self._check_common("stage")
+        self._check_rollout()
+        at_least("stage.max_rounds", self.max_rounds, 1)
+        at_least("stage.kl_coef", self.kl_coef, 0.0)
+        at_least("stage.length_penalty", self.length_penalty, 0.0)
+
+
+@dataclass
+class DistillStageConfig(RolloutConfig):
+    name: str = choice_field("distill", ("distill",))
+    teacher: ModelRef = field(default_factory=ModelRef)
+    """the default teacher (stage.teacher.ckpt=<path>, stage.teacher.model=<model config> when it differs)"""
+    teachers: dict = field(default_factory=dict)
+    """per task family (data/envs/: math, string, code), a teacher {ckpt, model} for that family's prompts;
+    families not listed use `teacher`"""
+    tis_cap: float = 0.0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self._check_common("stage")
+        self._check_rollout()
+        if not self.teacher.ckpt and not self.teachers:
+            raise ValueError("stage.teacher.ckpt is required: the checkpoint (or run directory) of the teacher")
+        for family, ref in self.teachers.items():
+            if not isinstance(ref, dict) or not ref.get("ckpt") or set(ref) - {"ckpt", "model"}:
+                raise ValueError(f"stage.teachers.{family} must be {{ckpt: <path>, model: <optional config>}}, "
+                                 f"got {ref!r}")
+
+
+STAGE_SCHEMAS = {"pretrain": StageConfig, "sft": SFTStageConfig, "rl": RLStageConfig, "distill": DistillStageConfig}

@@ -1,0 +1,90 @@
+"""The policy-gradient loss of RL and on-policy distillation: clipped, importance-corrected, token-normalised.
+
+Per completion token t of a rollout (labels != -100), with logp the training forward's log-prob of the sampled token
+under the tempered distribution, old the policy's log-prob when the rollout was made (the same forward before any
+update on it: `old_logprobs`, else logp itself detached, as with one update per rollout), rollout the engine's:
+  ratio_t = exp(logp - old)
+  pg_t    = -min(ratio_t A_t, clip(ratio_t, 1 - eps_low, 1 + eps_high) A_t)       (clip-higher, DAPO)
+  w_t     = min(exp(old - rollout), tis_cap), detached                             (truncated importance sampling)
+  loss_t  = w_t pg_t + kl_coef (exp(ref - logp) - (ref - logp) - 1)                (K3, when a reference is kept)
+summed over the global batch's completion tokens and divided by their number (token-level normalisation, DAPO /
+Dr. GRPO: LMLoss's share machinery, trainer/loss.py). A_t is the sequence's group-normalised advantage (RL) or the
+token's teacher - student log-prob (distillation).
+
+The train/rollout mismatch is measured on the same tokens: the mean of K3 for KL(rollout || train) and the largest
+ratio exp(old - rollout); with the clip fraction and the entropy of the training distribution it is kept per step
+(`step_metrics`, summed over data ranks by the stage's callback).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from trainer.loss import IGNORE_INDEX, LMLoss
+
+__all__ = ["PolicyLoss"]
+
+
+class PolicyLoss(LMLoss):
+    def __init__(self, *, eps_low: float, eps_high: float, tis_cap: float, kl_coef: float = 0.0,
+                 temperature: float = 1.0):
+        super().__init__()
+        self.eps_low, self.eps_high, self.tis_cap = eps_low, eps_high, tis_cap
+        self.kl_coef, self.temperature = kl_coef, temperature
+        self.sums: dict[str, float] = {}
+        self.max_ratio = 0.0
+
+    def begin_step(self, tokens) -> None:
+        super().begin_step(tokens)
+        self.sums = {"tokens": 0.0, "clipped": 0.0, "mismatch_k3": 0.0, "entropy": 0.0, "kl_ref": 0.0}
+        self.max_ratio = 0.0
+
+    def __call__(self, logits, labels, weights=None, aux=0.0, batch=None):
+        batch = batch or {}
+        flat_labels = labels.flatten()
+        valid = flat_labels != IGNORE_INDEX
+        z = logits.float().flatten(0, 1) / self.temperature
+        nll = F.cross_entropy(z, flat_labels, ignore_index=IGNORE_INDEX, reduction="none")
+        if hasattr(nll, "full_tensor"):  # loss_parallel: replicated per-token values
+            nll = nll.full_tensor()
+        logp = -nll
+        adv = batch["advantages"].flatten().float()
+        old = batch["old_logprobs"].flatten().float() if "old_logprobs" in batch else logp.detach()
+        ratio = torch.exp(logp - old)
+        clipped_ratio = ratio.clamp(1 - self.eps_low, 1 + self.eps_high)
+        pg = -torch.minimum(ratio * adv, clipped_ratio * adv)
+        rollout = batch["rollout_logprobs"].flatten().float()
+        behaviour = torch.exp(old - rollout)
+        if self.tis_cap:
+            pg = pg * behaviour.clamp(max=self.tis_cap).detach()
+        per_token = pg
+        if self.kl_coef and "ref_logprobs" in batch:
+            d = batch["ref_logprobs"].flatten().float() - logp
+            k3 = torch.exp(d) - d - 1
+            per_token = per_token + self.kl_coef * k3
+            self.sums["kl_ref"] += float((k3.detach() * valid).sum())
+        n = valid.sum()
+        mean = (per_token * valid).sum() / n.clamp_min(1)
+        term = torch.where(n > 0, mean * self.tokens.share(n), torch.zeros_like(mean))
+        self.lm_terms.append(term.detach())
+        with torch.no_grad():
+            self._measure(z, valid, ratio * adv > clipped_ratio * adv, old, rollout, behaviour)
+        return term + aux
+
+    def _measure(self, z, valid, clip_active, old, rollout, behaviour) -> None:
+        s = self.sums
+        v = valid.float()
+        s["tokens"] += float(v.sum())
+        s["clipped"] += float((clip_active.float() * v).sum())  # the min took the clipped term
+        d = old - rollout  # log pi_train - log pi_rollout on the sampled tokens
+        s["mismatch_k3"] += float(((torch.exp(-d) + d - 1) * v).sum())  # K3 of KL(rollout || train)
+        if bool(valid.any()):
+            self.max_ratio = max(self.max_ratio, float(behaviour[valid].max()))
+            zz = z.full_tensor() if hasattr(z, "full_tensor") else z
+            lp = zz[valid].log_softmax(-1)
+            s["entropy"] += float(-(lp.exp() * lp).sum())
+
+    def step_metrics(self) -> dict[str, float]:
+        """This rank's sums for the step (the callback reduces them over data ranks)."""
+        return {**self.sums, "max_ratio": self.max_ratio}

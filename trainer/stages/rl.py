@@ -1,0 +1,329 @@
+"""RL on verifiable environments (`stage=rl`): GRPO with the choices practitioners converged on, and effort control.
+
+Each optimiser step draws stage.prompts_per_step prompts (problems of data/envs/ at a reasoning effort drawn from
+stage.effort), samples stage.group_size completions of each with the engine (trainer/stages/rollout.py), scores them
+with the environment (correctness weighted by difficulty), shapes the reward by the effort's length penalty, and
+normalises it within the group (the advantage). Groups whose rewards do not vary carry no signal and are dropped
+(dynamic sampling), more prompts being drawn for up to stage.max_rounds rounds, every rank the same number of
+rounds (the engine's calls are collective). The loss is trainer/stages/grpo.py's.
+
+Effort control: a correct response of L tokens at effort e earns reward x exp(-length_penalty x (100 - e)/100 x
+L / max_new_tokens), so at low effort a short right answer beats a long one and at effort 100 length is free; the
+same weights then answer briefly or at length as the prompt's effort asks.
+
+Per step (metrics.jsonl, W&B): rl/reward, rl/success and rl/success/<env>, rl/response_len, rl/groups_kept,
+rl/clip_frac, rl/mismatch_kl and rl/max_ratio (training vs engine log-probs of the sampled tokens, before the
+update), rl/entropy, rl/rollout_tokens_per_s, rl/generate_share (of the step's time); every stage.eval_every steps
+(and at the start and the end) greedy completions of stage.num_eval held-out prompts at efforts 20 and 80:
+eval/success, eval/success_e<e>, eval/len_e<e>.
+
+Layouts: dp, FSDP, tp and ep (rollouts colocated: each data rank generates for its own prompts). Pipeline and
+context parallelism are refused: the engine needs the whole model and whole sequences on every rank.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+
+import torch
+import torch.distributed as dist
+
+from trainer.callbacks import Callback
+from trainer.stage import apply_model_hooks, indexer_or_all_parameters
+from trainer.stages.rollout import Rollout, RolloutBatches, draw_prompts, engine_replay, generate_groups, prompt_seed
+
+log = logging.getLogger(__name__)
+
+__all__ = ["RolloutStage", "RL", "any_rank", "shaped_reward", "group_advantages"]
+
+EVAL_EFFORTS = (20, 80)
+EVAL_SEED_OFFSET = 7_919_000  # held-out prompts: a seed stream the training prompts never use
+
+
+def any_rank(flag: bool, device) -> bool:
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return flag
+    t = torch.tensor([1.0 if flag else 0.0], device=device)
+    dist.all_reduce(t)
+    return bool(t.item() > 0)
+
+
+def shaped_reward(reward: float, correct: bool, length: int, effort: int, penalty: float, max_new_tokens: int) -> float:
+    """Effort control: the exponential length penalty of a correct response (see the module docstring)."""
+    if not correct or penalty == 0:
+        return reward
+    return reward * math.exp(-penalty * (100 - effort) / 100 * length / max_new_tokens)
+
+
+def group_advantages(rewards: list[float], norm: str) -> list[float]:
+    mean = sum(rewards) / len(rewards)
+    if norm == "mean":
+        return [r - mean for r in rewards]
+    std = (sum((r - mean) ** 2 for r in rewards) / len(rewards)) ** 0.5
+    return [(r - mean) / (std + 1e-6) for r in rewards]
+
+
+class RolloutStage:
+    """What RL and distillation share: the rollout loader, the engine, the loss, the per-step metrics."""
+
+    name = "rollout"
+    prefix = "rl"
+
+    def __init__(self, stage):
+        self.stage = stage
+        self.job = self.engine = self.loader = None
+
+    def model_config(self, cfg):
+        return apply_model_hooks(self.stage, cfg)
+
+    def batches(self, cfg, data_rank: int, data_ranks: int, *, progress: bool = False):
+        from trainer.stages.common import stage_tokenizer
+
+        s = self.stage
+        self.check_layout(cfg.parallel)
+        if s.prompts_per_step % data_ranks:
+            raise ValueError(f"stage.prompts_per_step={s.prompts_per_step} must be a multiple of the data ranks "
+                             f"(dp_replicate x dp_shard x ep = {data_ranks})")
+        self.cfg, self.data_rank, self.data_ranks = cfg, data_rank, data_ranks
+        self.template, info = stage_tokenizer(cfg, progress=progress)
+        self.local_prompts = s.prompts_per_step // data_ranks
+        self.replay = engine_replay(s)
+        self.loader = RolloutBatches(self.make_step, grad_accum=cfg.trainer.grad_accum, pad_id=self.template.pad_id,
+                                     seq_len=cfg.data.seq_len,
+                                     temperature=s.temperature, replay_routing=s.replay_routing,
+                                     replay_cut=s.bounded_replay_sim and self.replay == "window")
+        return self.loader, info
+
+    def check_layout(self, parallel) -> None:
+        if parallel.pp > 1 or parallel.cp > 1 or parallel.sequence_parallel or parallel.engram_shard:
+            raise ValueError(f"stage={self.stage.name} generates its rollouts with the training model, which needs "
+                             "the whole model and whole sequences on every rank: parallel.pp and parallel.cp must "
+                             "be 1, parallel.sequence_parallel and parallel.engram_shard false (use dp_replicate, "
+                             f"dp_shard, tp, ep); got pp={parallel.pp}, cp={parallel.cp}, "
+                             f"sequence_parallel={parallel.sequence_parallel}, engram_shard={parallel.engram_shard}")
+
+    def bind(self, job) -> None:
+        from trainer.engine import Engine
+
+        self.job = job
+        self.device = next(job.pm.module.parameters()).device
+        self.engine = Engine(job.pm, max_batch=self.stage.max_batch, max_len=self.cfg.data.seq_len, replay=self.replay)
+
+    def trainable_parameters(self, module, cfg):
+        return indexer_or_all_parameters(module, cfg)
+
+    def loss(self):
+        from trainer.stages.grpo import PolicyLoss
+
+        s = self.stage
+        self._loss = PolicyLoss(eps_low=s.eps_low, eps_high=s.eps_high, tis_cap=s.tis_cap,
+                                kl_coef=getattr(s, "kl_coef", 0.0), temperature=s.temperature)
+        return self._loss
+
+    def callbacks(self):
+        return [RolloutMetrics(self), HeldOutEval(self)]
+
+    # -- one step's rollouts -----------------------------------------------------------------------------------------
+    def generate(self, prompts, seed: int, *, temperature=None, group_size=None, routing=None):
+        s = self.stage
+        return generate_groups(self.engine, self.template, prompts, group_size=group_size or s.group_size,
+                               max_new_tokens=s.max_new_tokens,
+                               temperature=s.temperature if temperature is None else temperature, seed=seed,
+                               return_routing=s.replay_routing if routing is None else routing)
+
+    def new_stats(self) -> dict[str, float]:
+        stats = {"reward_sum": 0.0, "samples": 0.0, "correct": 0.0, "len_sum": 0.0, "groups_kept": 0.0,
+                 "groups_drawn": 0.0}
+        for env in self.stage.envs:
+            stats[f"correct/{env}"] = stats[f"count/{env}"] = 0.0
+        return stats
+
+    def score(self, groups: list[list[Rollout]]) -> None:
+        """Fill each rollout's reward, correct and advantages (RL: the environment's verdict, effort-shaped, then
+        normalised in its group; distillation: the teacher's per-token log-probs)."""
+        raise NotImplementedError
+
+    def finish_groups(self, groups: list[list[Rollout]]) -> list[list[Rollout]]:
+        """The groups kept for training."""
+        return groups
+
+    def make_step(self, step: int):
+        s, cfg = self.stage, self.cfg
+        stats, kept = self.new_stats(), []
+        for round_ in range(getattr(s, "max_rounds", 1)):
+            if round_ == 0:
+                # the step's prompts and sample seeds are the job's, each data rank taking its slice: every layout
+                # generates the same rollouts (tests/trainer/test_stage_layouts.py)
+                seed = prompt_seed(cfg.trainer.seed, 0, step)
+                first = self.data_rank * self.local_prompts
+                prompts = draw_prompts(s, s.prompts_per_step, seed)[first:first + self.local_prompts]
+                seed += first * 1009
+            else:  # dynamic sampling's refills: each rank draws what it lacks, from its own stream
+                seed = prompt_seed(cfg.trainer.seed, self.data_rank + 1, step, round_)
+                need = self.local_prompts - len(kept)
+                prompts = draw_prompts(s, need, seed) if need > 0 else []
+            groups = self.generate(prompts, seed)
+            self.score(groups)
+            for group in groups:
+                for r in group:
+                    stats["reward_sum"] += r.reward
+                    stats["samples"] += 1
+                    stats["correct"] += r.correct
+                    stats["len_sum"] += len(r.token_ids)
+                    stats[f"correct/{r.problem.env}"] += r.correct
+                    stats[f"count/{r.problem.env}"] += 1
+            stats["groups_drawn"] += len(groups)
+            kept += self.finish_groups(groups)
+            if not any_rank(len(kept) < self.local_prompts, self.device):  # every rank runs the same rounds
+                break
+        kept = kept[:self.local_prompts]
+        stats["groups_kept"] = len(kept)
+        rollouts = [r for g in kept for r in g]
+        self.prepare(rollouts)
+        return rollouts, stats
+
+    def prepare(self, rollouts: list[Rollout]) -> None:
+        """Per-token inputs the loss needs beyond the advantages (distillation: none left to add here)."""
+
+
+class RL(RolloutStage):
+    name = "rl"
+    prefix = "rl"
+
+    def bind(self, job) -> None:
+        super().bind(job)
+        self.reference = None
+        if self.stage.kl_coef > 0:
+            from trainer.stages.common import load_frozen
+
+            if not self.cfg.checkpoint.init_from:
+                raise ValueError("stage.kl_coef > 0 keeps a reference model: the weights of checkpoint.init_from, "
+                                 "which is not set")
+            self.reference = load_frozen(self.cfg.checkpoint.init_from, self.device, self.loader_tokenizer_path,
+                                         what="reference model", key="checkpoint.init_from")
+
+    def batches(self, cfg, data_rank, data_ranks, *, progress=False):
+        loader, info = super().batches(cfg, data_rank, data_ranks, progress=progress)
+        self.loader_tokenizer_path = info.path
+        return loader, info
+
+    def score(self, groups):
+        from data.envs import get_env
+
+        s = self.stage
+        for group in groups:
+            for r in group:
+                verdict = get_env(r.problem.env).score(r.problem, self.template.decode_response(r.token_ids))
+                r.correct = bool(verdict.correct)
+                r.reward = shaped_reward(float(verdict.reward), r.correct, len(r.token_ids), r.effort,
+                                         s.length_penalty, s.max_new_tokens)
+            for r, a in zip(group, group_advantages([r.reward for r in group], s.adv_norm)):
+                r.advantages = a
+
+    def finish_groups(self, groups):
+        """Dynamic sampling: a group whose rewards do not vary has zero advantages, no signal."""
+        if not self.stage.dynamic_sampling:
+            return groups
+        return [g for g in groups if max(r.reward for r in g) - min(r.reward for r in g) >= 1e-9]
+
+    def prepare(self, rollouts):
+        if self.reference is None:
+            return
+        from trainer.stages.common import completion_logprobs
+
+        # the reference's log-probs of each completion token (the loss's K3 KL)
+        lps = completion_logprobs(self.reference, rollouts, self.device, temperature=self.stage.temperature,
+                                  pad_id=self.template.pad_id)
+        for r, lp in zip(rollouts, lps):
+            r.extra["ref_logprobs"] = lp
+
+    # -- held-out evaluation -----------------------------------------------------------------------------------------
+    def evaluate(self) -> dict[str, float]:
+        """Greedy completions of this rank's share of the held-out prompts at each of EVAL_EFFORTS."""
+        from data.envs import get_env, sample_problems
+
+        s, cfg = self.stage, self.cfg
+        problems = sample_problems(list(s.envs), s.num_eval, cfg.trainer.seed + EVAL_SEED_OFFSET,
+                                   list(s.difficulty) or None)[self.data_rank::self.data_ranks]
+        prompts = [(p, e) for e in EVAL_EFFORTS for p in problems]
+        groups = self.generate(prompts, 0, temperature=0.0, group_size=1, routing=False)
+        sums = []
+        for k, e in enumerate(EVAL_EFFORTS):
+            chunk = groups[k * len(problems):(k + 1) * len(problems)]
+            ok = sum(get_env(g[0].problem.env).score(g[0].problem, self.template.decode_response(g[0].token_ids)).correct
+                     for g in chunk)
+            sums += [float(ok), float(sum(len(g[0].token_ids) for g in chunk)), float(len(chunk))]
+        from trainer.parallel.gradients import sum_over_data
+
+        sums = sum_over_data(self.job.pm, sums)
+        out = {}
+        for k, e in enumerate(EVAL_EFFORTS):
+            ok, length, n = sums[3 * k:3 * k + 3]
+            out[f"eval/success_e{e}"] = ok / max(n, 1)
+            out[f"eval/len_e{e}"] = length / max(n, 1)
+        out["eval/success"] = sum(out[f"eval/success_e{e}"] for e in EVAL_EFFORTS) / len(EVAL_EFFORTS)
+        out["eval/prompts"] = sums[2]
+        return out
+
+
+class RolloutMetrics(Callback):
+    """The step's rollout and loss figures (summed over data ranks) into the step's metrics record."""
+
+    def __init__(self, stage: RolloutStage):
+        self.stage = stage
+        self.t0 = time.perf_counter()
+
+    def on_step_start(self, job, step):
+        self.t0 = time.perf_counter()
+
+    def on_step_end(self, job, step, stats):
+        from trainer.parallel.gradients import sum_over_data
+
+        st, loss, p = self.stage.loader.stats, self.stage._loss.step_metrics(), self.stage.prefix
+        names = sorted(k for k in st if k != "generate_s")
+        lnames = sorted(k for k in loss if k != "max_ratio")
+        values = sum_over_data(job.pm, [st[k] for k in names] + [loss[k] for k in lnames])
+        tot = dict(zip(names + [f"loss/{k}" for k in lnames], values))
+        max_ratio, gen_s = loss["max_ratio"], st.get("generate_s", 0.0)
+        if job.pm.meshes is not None:  # the largest over the job (generation: the slowest rank's time)
+            t = torch.tensor([max_ratio, gen_s], dtype=torch.float64, device=self.stage.device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            max_ratio, gen_s = t.tolist()
+        n, tokens = max(tot["samples"], 1.0), max(tot["loss/tokens"], 1.0)
+        elapsed = max(time.perf_counter() - self.t0, 1e-9)
+        extra = {f"{p}/reward": tot["reward_sum"] / n, f"{p}/success": tot["correct"] / n,
+                 f"{p}/response_len": tot["len_sum"] / n, f"{p}/groups_kept": tot["groups_kept"],
+                 f"{p}/groups_drawn": tot["groups_drawn"], f"{p}/clip_frac": tot["loss/clipped"] / tokens,
+                 f"{p}/mismatch_kl": tot["loss/mismatch_k3"] / tokens, f"{p}/max_ratio": max_ratio,
+                 f"{p}/entropy": tot["loss/entropy"] / tokens, f"{p}/train_tokens": tot["loss/tokens"],
+                 f"{p}/rollout_tokens_per_s": tot["len_sum"] / max(gen_s, 1e-9),
+                 f"{p}/generate_share": min(gen_s / elapsed, 1.0)}
+        if getattr(self.stage.stage, "kl_coef", 0.0) > 0:
+            extra[f"{p}/kl_ref"] = tot["loss/kl_ref"] / tokens
+        for env in self.stage.stage.envs:
+            extra[f"{p}/success/{env}"] = tot[f"correct/{env}"] / max(tot[f"count/{env}"], 1.0)
+        extra.update(self.stage.step_extra(tot) if hasattr(self.stage, "step_extra") else {})
+        stats.extra.update(extra)
+
+
+class HeldOutEval(Callback):
+    """The stage's held-out evaluation at the start, every stage.eval_every steps and at the end."""
+
+    def __init__(self, stage: RolloutStage):
+        self.stage = stage
+
+    def _run(self, job, step):
+        figures = self.stage.evaluate()
+        job.metrics.log(step, figures)
+        log.info("step %d: %s", step, ", ".join(f"{k} {v:.4g}" for k, v in figures.items()))
+
+    def on_train_start(self, job):
+        if job.state.step == 0:
+            self._run(job, 0)
+
+    def on_step_end(self, job, step, stats):
+        every = self.stage.stage.eval_every
+        if (every and step % every == 0) or step == job.trainer.max_steps:
+            self._run(job, step)
