@@ -41,10 +41,11 @@ def root(tmp_path):
     sandboxes = tmp_path / "sandboxes"
     sandboxes.mkdir()
     limits, cwd = [resource.getrlimit(r) for r in _LIMITS], os.getcwd()
+    before = set(_children())  # earlier tests' long-lived helpers (a multiprocessing forkserver) are not ours
     yield sandboxes
     assert os.listdir(sandboxes) == [], "a sandbox directory was left behind"
     assert [resource.getrlimit(r) for r in _LIMITS] == limits and os.getcwd() == cwd
-    assert _children() == [], "a child process of the test was left behind"
+    assert set(_children()) - before == set(), "a child process of the test was left behind"
 
 
 def _run(code, root, **kwargs):
