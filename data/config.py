@@ -195,16 +195,9 @@ def _suggest_path(cfg: DataConfig, keys: set[str]) -> str | None:
     return None if new == path else new
 
 
-def build_dataloader(cfg: DataConfig, rank: int = 0, world_size: int = 1):
-    """(PackedLoader, TokenizerInfo) for data-parallel `rank` of `world_size` over the shards at `cfg.path`.
-
-    Peers that must see the same batches (tensor / pipeline parallel) pass the same rank.
-    """
-    # Imported here so that importing the config schemas (trainer.config imports this module) does not pay for torch.
-    import torch
-
-    from data.loader import PackedLoader
-
+def tokenizer_path(cfg: DataConfig) -> str:
+    """The tokenizer the shards at `cfg.path` were made with (data.tokenizer, or the prepared one, checked against
+    meta.json's sha256)."""
     meta, _ = read_meta(cfg.path, prepare_command(cfg))
     check_provenance(cfg, meta)  # the same rule as ensure_prepared, for callers that go straight here
     tok_path = cfg.tokenizer or os.path.join(cfg.path, meta["tokenizer"])
@@ -218,6 +211,20 @@ def build_dataloader(cfg: DataConfig, rank: int = 0, world_size: int = 1):
                 f"data.path={cfg.path!r}: {meta['tokenizer']} is missing or not the one meta.json records "
                 "(overwritten?); prepare data.path again"
             )
+    return tok_path
+
+
+def build_dataloader(cfg: DataConfig, rank: int = 0, world_size: int = 1):
+    """(PackedLoader, TokenizerInfo) for data-parallel `rank` of `world_size` over the shards at `cfg.path`.
+
+    Peers that must see the same batches (tensor / pipeline parallel) pass the same rank.
+    """
+    # Imported here so that importing the config schemas (trainer.config imports this module) does not pay for torch.
+    import torch
+
+    from data.loader import PackedLoader
+
+    tok_path = tokenizer_path(cfg)
     info: TokenizerInfo = tokenizer_info(load_tokenizer(tok_path), tok_path)
     loader = PackedLoader(
         cfg.path, seq_len=cfg.seq_len, batch_size=cfg.batch_size, eos_id=info.eos_id, num_workers=cfg.num_workers,

@@ -58,6 +58,26 @@ def run_cli(args: list[str], timeout: float = 300, **env_extra: str) -> subproce
     )
 
 
+def kill_9_when(args: list[str], ready, timeout: float = 300) -> int:
+    """Launch `python -m trainer.main ARGS`, SIGKILL it as soon as ready() is true, and return its exit status
+    (-SIGKILL when it was killed, its own status when it finished first)."""
+    import signal
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-m", "trainer.main", *args], cwd=REPO, env=env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline and proc.poll() is None:
+            if ready():
+                break
+            time.sleep(0.005)
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.wait()
+    return proc.returncode
+
+
 def run_faulty(faults: str, args: list[str], timeout: float = 300, **env_extra: str) -> subprocess.CompletedProcess:
     """`python -m trainer.main ARGS` with faults patched in (tests/trainer/faults.py)."""
     return subprocess.run(

@@ -31,7 +31,7 @@ import torch
 
 from optim import LRScheduler, OptimConfig, build_optimizer
 from model.config import ModelConfig
-from tests.trainer.harness import REPO, env, losses, micro_overrides, read_metrics, run_cli, run_faulty
+from tests.trainer.harness import REPO, env, kill_9_when, losses, micro_overrides, read_metrics, run_cli, run_faulty
 from trainer.checkpoint import (
     COMPLETE_MARKER, Checkpointer, CheckpointSaveError, CorruptCheckpoint, RankLocalState, TrainState, _rng_state,
     complete_checkpoints, model_config_differences, verify,
@@ -223,18 +223,9 @@ def _resumed_from(result) -> int:
 @pytest.mark.slow
 def test_sigkill_mid_training_then_resume_matches(tmp_path, small_data, reference):
     args = micro_overrides(tmp_path, small_data, *RUN_ARGS)
-    proc = subprocess.Popen([sys.executable, "-m", "trainer.main", *args], cwd=REPO, env=env(),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 300
-    try:
-        while time.monotonic() < deadline and proc.poll() is None:
-            if (tmp_path / "metrics.jsonl").exists() and len(read_metrics(tmp_path)) >= 2 * INTERVAL + 1:
-                break
-            time.sleep(0.005)
-        proc.send_signal(signal.SIGKILL)
-    finally:
-        proc.wait()
-    assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
+    code = kill_9_when(args, lambda: (tmp_path / "metrics.jsonl").exists()
+                       and len(read_metrics(tmp_path)) >= 2 * INTERVAL + 1)
+    assert code == -signal.SIGKILL, "the run finished before it could be killed"
     killed_at = max(losses(tmp_path))
     assert killed_at < MAX_STEPS
 

@@ -7,14 +7,11 @@ from __future__ import annotations
 import json
 import shutil
 import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from tests.trainer.harness import REPO, env, micro_overrides, read_metrics, run_cli
+from tests.trainer.harness import kill_9_when, micro_overrides, read_metrics, run_cli
 
 # the micro model with head dims the FP8 / FP4 fake-quant blocks divide (the post-training hooks are on)
 HOOKED = ["model.attention.head_dim=32", "model.csa2.index_head_dim=32"]
@@ -96,18 +93,8 @@ def test_distillation_logs_the_held_out_kl_to_its_teacher(reference):
 @pytest.mark.parametrize("stage", ["sft", "rl", "distill"])
 def test_kill_9_then_resume_reproduces_the_uninterrupted_losses(stage, tmp_path, small_data, pretrained, reference):
     args = _stage_args(stage, tmp_path, small_data, pretrained)
-    proc = subprocess.Popen([sys.executable, "-m", "trainer.main", *args], cwd=REPO, env=env(),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 300
-    try:
-        while time.monotonic() < deadline and proc.poll() is None:
-            if (tmp_path / "metrics.jsonl").exists() and max(_losses(tmp_path) or [0]) >= 3:
-                break
-            time.sleep(0.005)
-        proc.send_signal(signal.SIGKILL)
-    finally:
-        proc.wait()
-    assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
+    code = kill_9_when(args, lambda: (tmp_path / "metrics.jsonl").exists() and max(_losses(tmp_path) or [0]) >= 3)
+    assert code == -signal.SIGKILL, "the run finished before it could be killed"
     r = run_cli(args)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "resumed from" in r.stdout + r.stderr

@@ -41,11 +41,10 @@ def stage_tokenizer(cfg, *, progress: bool = False):
         except ValueError as e:
             log.warning("checkpoint.init_from: %s; using data.path's tokenizer", e)
     if path is None:
-        from data.config import build_dataloader, ensure_prepared
+        from data.config import ensure_prepared, tokenizer_path
 
         ensure_prepared(cfg.data, progress=progress)
-        _, info = build_dataloader(cfg.data, 0, 1)
-        path = info.path
+        path = tokenizer_path(cfg.data)
     template = ChatTemplate(load_tokenizer(path))
     base = tokenizer_info(template.tokenizer, path)
     info = TokenizerInfo(path=path, vocab_size=template.vocab_size, eos_id=base.eos_id, bos_id=base.bos_id,
@@ -123,13 +122,10 @@ def completion_logprobs(module: torch.nn.Module, rollouts, device, *, temperatur
     B = len(rollouts)
     if B == 0:
         return []
+    from trainer.stages.rollout import sequences
+
     T = max(len(r.prompt_ids) + len(r.token_ids) - 1 for r in rollouts)
-    ids = torch.full((B, T), pad_id, dtype=torch.long)
-    labels = torch.full((B, T), -100, dtype=torch.long)
-    for b, r in enumerate(rollouts):
-        seq = r.prompt_ids + r.token_ids
-        ids[b, :len(seq) - 1] = torch.tensor(seq[:-1])
-        labels[b, len(r.prompt_ids) - 1:len(seq) - 1] = torch.tensor(r.token_ids)
+    ids, labels = sequences(rollouts, T, pad_id)
     ids, labels = ids.to(device), labels.to(device)
     if kl_to is None:
         lp = token_logprobs(module, ids, labels, temperature=temperature)

@@ -29,11 +29,6 @@ class Distill(RolloutStage):
     name = "distill"
     prefix = "distill"
 
-    def batches(self, cfg, data_rank, data_ranks, *, progress=False):
-        loader, info = super().batches(cfg, data_rank, data_ranks, progress=progress)
-        self.tokenizer_path = info.path
-        return loader, info
-
     def bind(self, job) -> None:
         from trainer.stages.common import load_frozen
 

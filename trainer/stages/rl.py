@@ -36,18 +36,10 @@ from trainer.stages.rollout import Rollout, RolloutBatches, draw_prompts, engine
 
 log = logging.getLogger(__name__)
 
-__all__ = ["RolloutStage", "RL", "any_rank", "shaped_reward", "group_advantages"]
+__all__ = ["RolloutStage", "RL", "shaped_reward", "group_advantages"]
 
 EVAL_EFFORTS = (20, 80)
 EVAL_SEED_OFFSET = 7_919_000  # held-out prompts: a seed stream the training prompts never use
-
-
-def any_rank(flag: bool, device) -> bool:
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return flag
-    t = torch.tensor([1.0 if flag else 0.0], device=device)
-    dist.all_reduce(t)
-    return bool(t.item() > 0)
 
 
 def shaped_reward(reward: float, correct: bool, length: int, effort: int, penalty: float, max_new_tokens: int) -> float:
@@ -88,6 +80,7 @@ class RolloutStage:
                              f"(dp_replicate x dp_shard x ep = {data_ranks})")
         self.cfg, self.data_rank, self.data_ranks = cfg, data_rank, data_ranks
         self.template, info = stage_tokenizer(cfg, progress=progress)
+        self.tokenizer_path = info.path  # what a frozen model (RL's reference, a teacher) must have been trained with
         self.local_prompts = s.prompts_per_step // data_ranks
         self.replay = engine_replay(s)
         self.loader = RolloutBatches(self.make_step, grad_accum=cfg.trainer.grad_accum, pad_id=self.template.pad_id,
@@ -176,7 +169,8 @@ class RolloutStage:
                     stats[f"count/{r.problem.env}"] += 1
             stats["groups_drawn"] += len(groups)
             kept += self.finish_groups(groups)
-            if not any_rank(len(kept) < self.local_prompts, self.device):  # every rank runs the same rounds
+            # every rank runs the same rounds (the engine's calls are collective): the engine's own vote
+            if not self.engine.lockstep.any_calls(len(kept) < self.local_prompts):
                 break
         kept = kept[:self.local_prompts]
         stats["groups_kept"] = len(kept)
@@ -201,13 +195,8 @@ class RL(RolloutStage):
             if not self.cfg.checkpoint.init_from:
                 raise ValueError("stage.kl_coef > 0 keeps a reference model: the weights of checkpoint.init_from, "
                                  "which is not set")
-            self.reference = load_frozen(self.cfg.checkpoint.init_from, self.device, self.loader_tokenizer_path,
+            self.reference = load_frozen(self.cfg.checkpoint.init_from, self.device, self.tokenizer_path,
                                          what="reference model", key="checkpoint.init_from")
-
-    def batches(self, cfg, data_rank, data_ranks, *, progress=False):
-        loader, info = super().batches(cfg, data_rank, data_ranks, progress=progress)
-        self.loader_tokenizer_path = info.path
-        return loader, info
 
     def score(self, groups):
         from data.envs import get_env

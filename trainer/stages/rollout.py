@@ -112,15 +112,11 @@ class RolloutBatches:
         if self.seq_len is not None:  # one shape every step (and pads alike in every layout: the MoE balance sees them)
             T = self.seq_len
         B = len(rollouts)
-        ids = torch.full((B, T), self.pad_id, dtype=torch.long)
-        labels = torch.full((B, T), -100, dtype=torch.long)
+        ids, labels = sequences(rollouts, T, self.pad_id)
         adv, lp = torch.zeros(B, T), torch.zeros(B, T)
         cuts = torch.full((B,), -1, dtype=torch.long)
         for b, r in enumerate(rollouts):
-            seq = r.prompt_ids + r.token_ids
-            n, p = len(seq) - 1, len(r.prompt_ids)
-            ids[b, :n] = torch.tensor(seq[:-1])
-            labels[b, p - 1:n] = torch.tensor(r.token_ids)
+            n, p = len(r.prompt_ids) + len(r.token_ids) - 1, len(r.prompt_ids)
             a = r.advantages
             adv[b, p - 1:n] = torch.tensor(a) if isinstance(a, list) else float(a)
             lp[b, p - 1:n] = torch.tensor(r.logprobs)
@@ -141,6 +137,19 @@ class RolloutBatches:
 
             batch["replay_cuts"] = ReplayCuts(decoder=cuts)
         return batch
+
+
+def sequences(rollouts: list[Rollout], T: int, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Training inputs of the rollouts: input_ids [B, T] (prompt + completion but its last token, then pad_id) and
+    labels [B, T] (the completion's tokens where they are predicted, -100 elsewhere)."""
+    B = len(rollouts)
+    ids = torch.full((B, T), pad_id, dtype=torch.long)
+    labels = torch.full((B, T), -100, dtype=torch.long)
+    for b, r in enumerate(rollouts):
+        seq = r.prompt_ids + r.token_ids
+        ids[b, :len(seq) - 1] = torch.tensor(seq[:-1])
+        labels[b, len(r.prompt_ids) - 1:len(seq) - 1] = torch.tensor(r.token_ids)
+    return ids, labels
 
 
 def _pad_records(rec, T: int):
