@@ -1,14 +1,18 @@
-"""Where one training step's time goes: torch.profiler over the trainer's own step on one device.
+"""Where one training step's time goes, eager vs compiled: torch.profiler over the trainer's own step on one device.
 
     python bench/profile_step.py [--model v41_small] [--batch-size 4] [--seq-len 2048] [--kernels auto]
-                                 [--steps 3] [--warmup 3] [--top 25] [--trace trace.json]
+                                 [--modes eager,compiled] [--steps 3] [--warmup 3] [--top 25] [--trace trace.json]
 
 Builds the model and runs steps exactly as the trainer does (trainer.train.build_model -> compute_gradients, bf16
-autocast on CUDA, AdamW from optim/), on random token batches. After `--warmup` steps it profiles `--steps` steps
-and prints: the step time, tokens/s and MFU (the model's training FLOPs per token, model/accounting.py, over the
-device's measured bf16 matmul rate); the device time by kernel family (GEMMs, the Triton kernels by module,
-elementwise, reductions, copies, communication, other); and the `--top` kernels by device time. `--trace` also
-writes a Chrome trace. On CPU it runs as a dry run of the script (CPU op times).
+autocast on CUDA, AdamW from optim/), on random token batches, once per mode: `eager`, `compiled` (trainer.compile:
+every block through torch.compile, trainer/parallel/compile.py), each optionally `+fused` (trainer.fused_loss: the
+head and the cross-entropy chunked, trainer/fused_loss.py). Per mode, after `--warmup` steps (compilation
+included) it times `--steps` steps without the profiler, then profiles `--steps` more and prints: the step time,
+tokens/s and MFU (the model's training FLOPs per token, model/accounting.py, over the device's measured bf16 matmul
+rate); operators dispatched per step (aten:: ops seen by the profiler, nested calls included), kernel launches per
+step (CUDA), the optimiser step's wall time; the device time by kernel family (GEMMs, the Triton kernels by module,
+elementwise, reductions, copies, communication, other) and the `--top` kernels. A last table compares the modes.
+`--trace` writes each mode's Chrome trace (mode name appended). On CPU the "device time" is the CPU ops' self time.
 """
 
 from __future__ import annotations
@@ -53,67 +57,93 @@ def family(name: str) -> str:
     return "other"
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="v41_small")
-    p.add_argument("--batch-size", type=int, default=4)
-    p.add_argument("--seq-len", type=int, default=2048)
-    p.add_argument("--kernels", default="auto")
-    p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--top", type=int, default=25)
-    p.add_argument("--trace", default=None)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    args = p.parse_args()
+def _mode(name: str) -> tuple[bool, bool]:
+    parts = name.split("+")
+    if parts[0] not in ("eager", "compiled") or any(p != "fused" for p in parts[1:]):
+        raise SystemExit(f"--modes: {name!r} is not eager, compiled, eager+fused or compiled+fused")
+    return parts[0] == "compiled", "fused" in parts[1:]
 
+
+def run_mode(args, name: str, fullgraph: bool = True) -> dict:
     from omegaconf import OmegaConf
 
     from model.config import ModelConfig
     from optim.builder import build_optimizer
     from optim.config import OptimConfig
     from trainer.config import ParallelConfig, TrainerConfig
+    from trainer.loss import LMLoss
     from trainer.metrics import device_peak_flops
     from trainer.parallel.gradients import update_router_biases
     from trainer.train import build_model, compute_gradients, setup_runtime, trainable_parameters
 
+    compiled, fused = _mode(name)
     y = OmegaConf.load(ROOT / "conf" / "model" / f"{args.model}.yaml")
     y.pop("defaults", None)
     cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), y))
     cfg = dataclasses.replace(cfg, kernels=args.kernels)
     cuda = args.device == "cuda"
     parallel = ParallelConfig()
-    rt = setup_runtime(TrainerConfig(device=args.device, precision="bf16" if cuda else "fp32"), parallel)
+    rt = setup_runtime(TrainerConfig(device=args.device, precision="bf16" if cuda else "fp32",
+                                     num_threads=args.threads), parallel)
+    torch._dynamo.reset()
+    from torch._dynamo.utils import counters
+    from trainer.parallel.compile import compile_blocks
+
+    counters.clear()
     pm = build_model(cfg, rt, parallel, 0, batch_size=args.batch_size, seq_len=args.seq_len, grad_accum=1)
+    if compiled:  # one process: compiling after materialize is what build_model's compile_backend does before it
+        compile_blocks(pm.module, args.backend, fullgraph=fullgraph)
     params = trainable_parameters(pm.module, cfg)
     opt = build_optimizer(params, OptimConfig(lr=3e-4, warmup_steps=0))
     pm.module.train()
     gen = torch.Generator().manual_seed(0)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    opt_time = []
 
     def step(i: int) -> None:
         ids = torch.randint(0, cfg.vocab_size, (args.batch_size, args.seq_len + 1), generator=gen)
         compute_gradients(pm, [{"input_ids": ids[:, :-1], "labels": ids[:, 1:]}], params, 1.0, rt.autocast_dtype,
-                          step=i + 1)
+                          step=i + 1, loss=LMLoss(fused=fused))
+        sync()
+        t = time.perf_counter()
         opt.step()
+        sync()
+        opt_time.append(time.perf_counter() - t)
         opt.zero_grad(set_to_none=True)
         update_router_biases(pm)
 
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    t0 = time.perf_counter()
     for i in range(args.warmup):
         step(i)
     sync()
-    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    warmup_s = time.perf_counter() - t0
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    opt_time.clear()
     t0 = time.perf_counter()
+    for i in range(args.steps):
+        step(args.warmup + i)
+    sync()
+    wall = (time.perf_counter() - t0) / args.steps
+    opt_s = sum(opt_time) / len(opt_time)
+    peak_gb = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
     with torch.profiler.profile(activities=activities) as prof:
         for i in range(args.steps):
-            step(args.warmup + i)
+            step(args.warmup + args.steps + i)
         sync()
-    wall = (time.perf_counter() - t0) / args.steps
     if args.trace:
-        prof.export_chrome_trace(args.trace)
+        prof.export_chrome_trace(args.trace.replace(".json", f".{name}.json"))
 
     # device time per kernel: the CUDA events (kernels, memcpy/memset) on CUDA, the CPU ops' self time on CPU
     per_kernel: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    ops = launches = 0
     for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CPU:
+            if ev.name.startswith("aten::"):
+                ops += 1
+            if ev.name in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC"):
+                launches += 1
         if cuda:
             if ev.device_type != torch.autograd.DeviceType.CUDA:
                 continue
@@ -126,19 +156,65 @@ def main() -> None:
     tokens = args.batch_size * args.seq_len
     flops = pm.module.flops_per_token(args.seq_len) * tokens if hasattr(pm.module, "flops_per_token") else 0.0
     peak = device_peak_flops(rt.device)
-    print(f"{args.model}  {args.batch_size} x {args.seq_len} tokens  kernels={args.kernels}  device={args.device}"
-          f"  torch {torch.__version__}")
-    print(f"step {wall * 1e3:.1f} ms wall, {busy * 1e3:.1f} ms device-busy ({100 * busy / wall:.0f}%), "
-          f"{tokens / wall:,.0f} tokens/s, MFU {flops / wall / peak:.1%} (peak {peak / 1e12:.0f} TFLOP/s measured)")
+    print(f"\n=== {name}: {args.model}  {args.batch_size} x {args.seq_len} tokens  kernels={args.kernels}  "
+          f"device={args.device}  torch {torch.__version__}  threads {torch.get_num_threads()}")
+    print(f"warm-up {warmup_s:.1f} s ({args.warmup} steps, compilation included); step {wall * 1e3:.1f} ms wall "
+          f"(unprofiled), {busy * 1e3:.1f} ms device-busy (profiled), {tokens / wall:,.0f} tokens/s, "
+          f"MFU {flops / wall / peak:.1%} (peak {peak / 1e12:.0f} TFLOP/s); {ops / args.steps:,.0f} operators "
+          f"dispatched / step, {launches / args.steps:,.0f} kernel launches / step; optimiser step {opt_s * 1e3:.1f} ms"
+          + (f"; peak memory {peak_gb:.2f} GiB" if cuda else ""))
     fams: dict[str, float] = defaultdict(float)
-    for name, (us, _) in per_kernel.items():
-        fams[family(name)] += us
+    for kname, (us, _) in per_kernel.items():
+        fams[family(kname)] += us
+    breaks = sum(counters["graph_break"].values())
+    if compiled:
+        print(f"graph breaks: {breaks}" + "".join(f"\n  {n}x {r[:300]}" for r, n in counters["graph_break"].items()))
     print(f"\n{'family':42s} {'ms/step':>9s} {'share':>7s}")
     for fam, us in sorted(fams.items(), key=lambda kv: -kv[1]):
-        print(f"{fam:42s} {us / 1e3:9.2f} {100 * us / 1e6 / busy:6.1f}%")
+        print(f"{fam:42s} {us / 1e3:9.2f} {100 * us / 1e6 / max(busy, 1e-12):6.1f}%")
     print(f"\n{'top kernels':90s} {'ms/step':>9s} {'calls':>6s}")
-    for name, (us, n) in sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[:args.top]:
-        print(f"{name[:90]:90s} {us / 1e3:9.2f} {n // args.steps:6d}")
+    for kname, (us, n) in sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[:args.top]:
+        print(f"{kname[:90]:90s} {us / 1e3:9.2f} {n // args.steps:6d}")
+    return {"mode": name, "step_ms": wall * 1e3, "busy_ms": busy * 1e3, "tokens_s": tokens / wall,
+            "mfu": flops / wall / peak, "ops": ops / args.steps, "launches": launches / args.steps,
+            "opt_ms": opt_s * 1e3, "peak_gb": peak_gb, "warmup_s": warmup_s}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="v41_small")
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--kernels", default="auto")
+    p.add_argument("--modes", default="eager,compiled", help="comma-separated: eager, compiled, each with +fused")
+    p.add_argument("--backend", default="inductor", help="torch.compile backend of the compiled modes")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--top", type=int, default=25)
+    p.add_argument("--threads", type=int, default=0, help="CPU threads (trainer.num_threads; 0: the cores)")
+    p.add_argument("--trace", default=None)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = p.parse_args()
+    modes = args.modes.split(",")
+    for m in modes:
+        _mode(m)
+    rows = []
+    for m in modes:
+        try:
+            rows.append(run_mode(args, m))
+        except Exception as e:  # a graph break under fullgraph: report it, then find the breaks
+            if not _mode(m)[0]:
+                raise
+            print(f"\n=== {m}: failed with fullgraph=True: {type(e).__name__}: {str(e)[:2000]}")
+            rows.append(run_mode(args, m, fullgraph=False))
+            rows[-1]["mode"] = m + "(breaks)"
+    base = rows[0]
+    print(f"\n{'mode':16s} {'step ms':>9s} {'vs ' + base['mode']:>14s} {'ops/step':>10s} {'vs':>7s} "
+          f"{'launches':>9s} {'optim ms':>9s} {'MFU':>7s} {'peak GiB':>9s} {'warm-up s':>10s}")
+    for r in rows:
+        print(f"{r['mode']:16s} {r['step_ms']:9.1f} {base['step_ms'] / r['step_ms']:13.2f}x {r['ops']:10,.0f} "
+              f"{base['ops'] / max(r['ops'], 1):6.1f}x {r['launches']:9,.0f} {r['opt_ms']:9.1f} {r['mfu']:7.1%} "
+              f"{r['peak_gb']:9.2f} {r['warmup_s']:10.1f}")
 
 
 if __name__ == "__main__":

@@ -135,6 +135,11 @@ class ForwardState:
         self._rope.clear()
 
     def rope(self, cfg, kind: str, positions: torch.Tensor, dtype: torch.dtype, key=None):
+        if torch.compiler.is_compiling():
+            # A compiled block (trainer.compile) makes its own tables inside its graph, where they fuse: filling the
+            # shared cache would be a side effect on the state (an activation-checkpointed graph refuses one) and
+            # make each block's graph depend on which kinds earlier blocks had cached.
+            return rope_tables(cfg, kind, positions, dtype)
         key = (kind, key, dtype)
         if key not in self._rope:
             self._rope[key] = rope_tables(cfg, kind, positions, dtype)
@@ -196,17 +201,17 @@ def indexer_kl(attn_mass: torch.Tensor, scores: torch.Tensor, domain: torch.Tens
     scores [B, T, E] indexer scores; domain [B, T, E] bool. Under context parallelism (`SequenceShard.chunk_mean`)
     a chunk divides its rows' KL sum by the chunks' mean row count, so the mean over chunks is the mean over all
     rows; a chunk without rows still returns a zero that depends on `scores`, so every chunk runs the same backward
-    (the key gather's reduce-scatter among it)."""
+    (the key gather's reduce-scatter among it). No data-dependent shape or branch (torch.compile, CUDA graphs): rows
+    without a target are masked, not selected, and a step without any gives an exact zero."""
     target = attn_mass.detach() * domain
     mass = target.sum(-1, keepdim=True)
     rows = mass.squeeze(-1) > 0
     num_rows = chunk_mean(rows.sum().float())
-    if not bool(num_rows > 0):
-        return scores.new_zeros(())
     target = target / mass.clamp_min(1e-30)
     logq = scores.masked_fill(~domain, float("-inf")).log_softmax(-1)
     kl = torch.special.xlogy(target, target) - torch.where(target > 0, target * logq, torch.zeros_like(logq))
-    return kl.sum(-1)[rows].sum() / num_rows
+    total = torch.where(rows, kl.sum(-1), 0.0).sum()
+    return torch.where(num_rows > 0, total / num_rows.clamp_min(1.0), 0.0)
 
 
 class CSA2Attention(kern.KernelPath, nn.Module):

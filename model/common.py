@@ -24,14 +24,19 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps)
 
 
+# Devices with an autocast mode: a tuple, not torch.amp.is_autocast_available, which torch 2.11's compiler cannot trace.
+AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "mps", "hpu")
+
+
 def local(t: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a parameter that a parallel plan distributed (a DTensor); any other tensor unchanged.
 
     Model code reads a parameter through this wherever it uses it outside its own module's call (an einsum, a
     functional linear), so the maths stays on plain tensors and derives per-rank sizes from the shard's shape. The
     gradient lands on the shard; plans only distribute such parameters where every rank sees the same tokens."""
-    to_local = getattr(t, "to_local", None)
-    return t if to_local is None else to_local()
+    from torch.distributed.tensor import DTensor  # an isinstance test: torch.compile traces it (a getattr it does not)
+
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def linear(in_dim: int, out_dim: int) -> nn.Linear:

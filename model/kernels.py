@@ -59,6 +59,7 @@ import os
 
 import torch
 from torch.distributed.tensor import DTensor
+from model.common import AUTOCAST_DEVICES
 
 __all__ = [
     "CHOICES",
@@ -211,7 +212,7 @@ def norm_rope_quant(x: torch.Tensor, norm, cos: torch.Tensor, sin: torch.Tensor,
 def _matmul_dtype(t: torch.Tensor) -> torch.dtype:
     """The dtype the reference's einsums compute in: the autocast dtype inside an autocast region, else t's."""
     kind = t.device.type
-    if torch.amp.is_autocast_available(kind) and torch.is_autocast_enabled(kind):
+    if kind in AUTOCAST_DEVICES and torch.is_autocast_enabled(kind):
         return torch.get_autocast_dtype(kind)
     return t.dtype
 

@@ -50,7 +50,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model.common import init_normal
+from model.common import AUTOCAST_DEVICES, init_normal
 from model.config import MHCConfig
 
 
@@ -64,7 +64,7 @@ class Coeffs(NamedTuple):
 
 def _fp32_region(t: torch.Tensor):
     """Disable autocast: the coefficient projection must stay fp32 (A6) even inside a bf16 autocast region."""
-    if torch.amp.is_autocast_available(t.device.type):
+    if t.device.type in AUTOCAST_DEVICES:
         return torch.autocast(t.device.type, enabled=False)
     return contextlib.nullcontext()
 

@@ -33,6 +33,66 @@ def _same(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def expert_counts(idx: torch.Tensor, num_bins: int) -> torch.Tensor:
+    """idx (any shape, int64 in [0, num_bins)) -> [num_bins] int64 occurrences of each value.
+
+    torch.bincount's output length depends on the data (max(idx) + 1 when it exceeds minlength), which stops
+    torch.compile and needs a host sync on CUDA; a scatter-add into a fixed-size vector does neither. Integer sums:
+    exact and deterministic."""
+    flat = idx.reshape(-1)
+    return torch.zeros(num_bins, dtype=torch.int64, device=idx.device).scatter_add_(0, flat, torch.ones_like(flat))
+
+
+# The grouped GEMM as a custom operator: y [S, out] = x [S, in] @ w[e]^T for the rows of each group e (rows grouped
+# by expert; offs [E] int32 the end row of each group, on the device). Its own operator, with its own backward
+# (torch._grouped_mm again), because torch._grouped_mm's built-in backward fails on CPU in fp32 (a stride check on
+# the weight gradient) and its shape function accepts bf16 only, which stops torch.compile on the CPU path; as a
+# custom operator, compiled graphs call it as one opaque node. No host sync anywhere: the group sizes stay on the
+# device.
+
+
+@torch.library.custom_op("cedar::grouped_mm", mutates_args=())
+def _grouped_mm_op(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    return torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
+
+
+@_grouped_mm_op.register_fake
+def _(x, w, offs):
+    return x.new_empty(x.shape[0], w.shape[1])
+
+
+@torch.library.custom_op("cedar::grouped_mm_backward", mutates_args=())
+def _grouped_mm_backward_op(grad: torch.Tensor, x: torch.Tensor, w: torch.Tensor,
+                            offs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    grad = grad.contiguous()
+    grad_x = torch._grouped_mm(grad, w, offs=offs)  # [S, in]
+    grad_w = torch._grouped_mm(grad.t(), x, offs=offs)  # [E, out, in]; an empty group's rows are zero
+    return grad_x, grad_w
+
+
+@_grouped_mm_backward_op.register_fake
+def _(grad, x, w, offs):
+    return torch.empty_like(x), torch.empty_like(w)
+
+
+def _grouped_mm_setup(ctx, inputs, output) -> None:
+    ctx.save_for_backward(*inputs)
+
+
+def _grouped_mm_grad(ctx, grad):
+    x, w, offs = ctx.saved_tensors
+    grad_x, grad_w = _grouped_mm_backward_op(grad, x, w, offs)
+    return grad_x, grad_w, None
+
+
+_grouped_mm_op.register_autograd(_grouped_mm_grad, setup_context=_grouped_mm_setup)
+
+
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """x [S, in] grouped by expert, w [E, out, in] (x's dtype), offs [E] int32 cumulative group ends -> [S, out]."""
+    return _grouped_mm_op(x, w, offs)
+
+
 def clamped_swiglu(g: torch.Tensor, u: torch.Tensor, limit: float) -> torch.Tensor:
     """silu(g) * u in fp32, with the reference's clamps: u to [-limit, limit], g capped above at limit.
 
@@ -118,7 +178,7 @@ class LocalDispatcher:
         flat_idx = topk_idx.reshape(-1)  # [S]
         # Stable sort keeps tokens in their original order inside each expert's slice (deterministic runs).
         order = torch.argsort(flat_idx, stable=True)  # [S]
-        tokens_per_expert = torch.bincount(flat_idx, minlength=self.num_experts)  # [E] int64
+        tokens_per_expert = expert_counts(flat_idx, self.num_experts)  # [E] int64
         x_sorted = x.index_select(0, order // k)  # [S, D]
         weights_sorted = topk_weights.reshape(-1).index_select(0, order)  # [S]
         return x_sorted, weights_sorted, tokens_per_expert, order
@@ -147,8 +207,8 @@ class GroupedExperts(nn.Module):
         self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
-        # None: torch._grouped_mm on CUDA when shapes allow, the per-expert loop elsewhere. True / False force
-        # one path (tests compare them).
+        # None: the grouped GEMM (sync-free) where torch._grouped_mm takes the dtype and the row strides, the
+        # per-expert loop elsewhere. True / False force one path (tests compare them).
         self.use_grouped_mm: bool | None = None
 
     def init_weights(self, init_std: float) -> None:
@@ -157,28 +217,37 @@ class GroupedExperts(nn.Module):
             for w in (self.w1, self.w3, self.w2):
                 init_normal(w, init_std)
 
-    def _grouped_ok(self, x: torch.Tensor) -> bool:
+    def _grouped_ok(self, x: torch.Tensor, dtype: torch.dtype) -> bool:
         if self.use_grouped_mm is not None:
             return self.use_grouped_mm
-        # The CUDA grouped GEMM wants bf16 and 16-byte aligned row strides.
+        if not hasattr(torch, "_grouped_mm"):
+            return False
+        # Both kernels want 16-byte aligned row strides; the CUDA one bf16 only, the CPU one any float dtype.
         f, d = self.w1.shape[1:]
-        return (hasattr(torch, "_grouped_mm") and x.is_cuda and x.dtype == torch.bfloat16
-                and d % 8 == 0 and f % 8 == 0)
+        size = torch.empty((), dtype=dtype).element_size()
+        aligned = (d * size) % 16 == 0 and (f * size) % 16 == 0
+        return aligned and (dtype == torch.bfloat16 if x.is_cuda else dtype.is_floating_point)
 
     def forward(
         self, x: torch.Tensor, weights: torch.Tensor, tokens_per_expert: torch.Tensor
     ) -> torch.Tensor:
         """x [S, D] grouped by expert, weights [S] fp32, tokens_per_expert [E] -> [S, D] in x.dtype.
 
-        E here is the number of experts this rank holds (all of them without expert parallelism)."""
+        E here is the number of experts this rank holds (all of them without expert parallelism). The grouped
+        path has no host sync (group ends stay on the device: torch.compile and CUDA graphs see static shapes);
+        the per-expert loop reads the group sizes on the host."""
         w1, w3, w2 = (local(w) for w in (self.w1, self.w3, self.w2))  # [E, F, D], [E, F, D], [E, D, F]
-        if self._grouped_ok(x):
+        # The GEMMs' dtype: autocast's where it is on (the loop's matmuls get it from autocast itself).
+        device = x.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+        if self._grouped_ok(x, dtype):
             offs = tokens_per_expert.cumsum(0).to(torch.int32)  # [E], end row of each group
-            g = torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs)  # [S, F]
-            u = torch._grouped_mm(x, w3.transpose(-2, -1), offs=offs)
-            # Routing weight multiplied in fp32 before w2, then back to the model dtype (REFERENCE A7).
-            a = (clamped_swiglu(g, u, self.swiglu_limit) * weights[:, None]).to(x.dtype)
-            return torch._grouped_mm(a, w2.transpose(-2, -1), offs=offs)  # [S, D]
+            xc = x.to(dtype)
+            g = grouped_mm(xc, w1.to(dtype), offs)  # [S, F]
+            u = grouped_mm(xc, w3.to(dtype), offs)
+            # Routing weight multiplied in fp32 before w2, then back to the GEMM dtype (REFERENCE A7).
+            a = (clamped_swiglu(g, u, self.swiglu_limit) * weights[:, None]).to(dtype)
+            return grouped_mm(a, w2.to(dtype), offs)  # [S, D]
         outs = []
         start = 0
         for e, n in enumerate(tokens_per_expert.tolist()):  # host sync: fine for the reference path
@@ -304,12 +373,11 @@ class MoE(nn.Module):
         """topk_idx [N, K], image_mask [N] bool or None -> [2, E] int64 picks per expert (text row, image row)."""
         e = self.num_experts
         if image_mask is None:
-            text = torch.bincount(topk_idx.reshape(-1), minlength=e)
+            text = expert_counts(topk_idx, e)
             return torch.stack([text, torch.zeros_like(text)])
         text_idx = topk_idx.masked_fill(image_mask[:, None], e)  # image tokens land in an overflow bin
         image_idx = topk_idx.masked_fill(~image_mask[:, None], e)
-        return torch.stack([torch.bincount(text_idx.reshape(-1), minlength=e + 1)[:e],
-                            torch.bincount(image_idx.reshape(-1), minlength=e + 1)[:e]])
+        return torch.stack([expert_counts(text_idx, e + 1)[:e], expert_counts(image_idx, e + 1)[:e]])
 
     @torch.no_grad()
     def add_load(self, load: torch.Tensor) -> None:

@@ -13,7 +13,8 @@ their own norm of it, never from their own stream. It travels in the ForwardStat
 State (model/attention.py `ForwardState`): a block reads what earlier blocks made from the state and returns what
 it makes (`LayerOutputs`); `forward_blocks`, the one loop over blocks (the whole model's and every pipeline
 stage's), records it. `Transformer.forward(..., outputs=True)` returns a `ModelOutput`: logits, the final hidden
-states (and chosen layers'), the auxiliary losses and the state.
+states (and chosen layers'), the auxiliary losses and the state; with logits=False too, everything but the head
+(logits None: trainer.fused_loss computes the head with the loss, trainer/fused_loss.py).
 """
 
 from __future__ import annotations
@@ -158,7 +159,7 @@ def head_logits(norm: RMSNorm, head: nn.Linear, S: torch.Tensor, pre: torch.Tens
 class ModelOutput:
     """What `Transformer.forward(..., outputs=True)` returns."""
 
-    logits: torch.Tensor  # [B, T, V] fp32
+    logits: torch.Tensor | None  # [B, T, V] fp32; None from forward(..., logits=False)
     hidden: torch.Tensor  # [B, T, dim] the final hidden states: after the final norm, what the head reads
     aux: dict[str, torch.Tensor]  # weighted auxiliary losses to add to the LM loss ("indexer_kl", "moe_seq_balance")
     metrics: dict[str, float]  # their unweighted values
@@ -227,7 +228,7 @@ class Transformer(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, *, image_mask: torch.Tensor | None = None, outputs: bool = False,
                 hidden_layers: Collection[int] = (), cache=None, routing=None, keep_routing: bool = False,
-                replay_cuts=None):
+                replay_cuts=None, logits: bool = True):
         """input_ids [B, T] -> logits [B, T, V] (fp32); with outputs=True, a `ModelOutput` (logits, final hidden
         states, the auxiliary losses to add to the LM loss, the forward state), with the hidden states of
         `hidden_layers` too. In training mode the forward's expert loads are added to the MoE balancing counters.
@@ -235,16 +236,20 @@ class Transformer(nn.Module):
         cache: an inference cache (`new_cache`): the logits of the given tokens, which are appended to it (the first
         call is the prefill, later ones decode one or more tokens); no balancing counts. routing: RoutingRecords
         to replay instead of choosing (model/routing.py); keep_routing: record the choices (ModelOutput.routing).
-        replay_cuts: model/replay.py's ReplayCuts, the bounded-replay simulation (training only)."""
+        replay_cuts: model/replay.py's ReplayCuts, the bounded-replay simulation (training only). logits=False (with
+        outputs=True, no cache): the head is not run, ModelOutput.logits is None and .hidden is the head's input
+        (the fused head + loss, trainer/fused_loss.py); everything else is the same forward."""
         cfg = self.cfg
+        if not logits and (not outputs or cache is not None):
+            raise ValueError("Transformer.forward(logits=False) runs with outputs=True and without a cache")
         if cache is not None:
             from model.serving import routing_records, serve_forward
 
-            logits, state = serve_forward(self, input_ids, cache, image_mask=image_mask, routing=routing,
+            scores, state = serve_forward(self, input_ids, cache, image_mask=image_mask, routing=routing,
                                           keep_routing=keep_routing)
             if not outputs:
-                return logits
-            return ModelOutput(logits, None, {}, {}, state,
+                return scores
+            return ModelOutput(scores, None, {}, {}, state,
                                routing=routing_records(self, state) if keep_routing else None)
         state, engram_in = new_state(cfg, input_ids, self.sequence_shard, self.hasher, image_mask)
         state.routing, state.keep_routing = routing, keep_routing
@@ -256,16 +261,16 @@ class Transformer(nn.Module):
         if self.training:  # an evaluation or scoring forward (eval mode) moves no balancing bias
             add_expert_loads(self.layers, state)
         hidden = final_hidden(self.norm, S, pre)
-        logits = self.head(hidden).float()
+        head_out = self.head(hidden).float() if logits else None
         if not outputs:
-            return logits
+            return head_out
         aux, metrics = self.aux_losses(state)
         routing_out = None
         if keep_routing:
             from model.serving import routing_records
 
             routing_out = routing_records(self, state)
-        return ModelOutput(logits, hidden, aux, metrics, state, dict(state.hidden), routing_out)
+        return ModelOutput(head_out, hidden, aux, metrics, state, dict(state.hidden), routing_out)
 
     def _simulate_replay(self, state: ForwardState, input_ids, image_mask, cuts) -> None:
         """Bounded-replay simulation (model/replay.py): truncated windows at the cuts; for encoder (prefix-cache)

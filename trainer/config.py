@@ -47,6 +47,16 @@ class TrainerConfig:
     """after SIGTERM / SIGUSR1 (preemption, a time limit) the run finishes its step, saves and exits 0; if that has
     not happened this many seconds after the signal, it exits with status 143 (0 = no deadline). Keep it below the
     launcher's grace period (Slurm's --signal lead time, torchrun's 30 s after it is itself signalled)"""
+    compile: bool = False
+    """torch.compile each block on its own (regional compilation, as torchtitan does: a graph per block, fullgraph,
+    no graph breaks), after activation checkpointing and before FSDP; the embedding, the loop over blocks, the head
+    and the loss stay eager (trainer/parallel/compile.py)"""
+    compile_backend: str = "inductor"
+    """torch.compile's backend with trainer.compile=true: inductor (fused kernels); aot_eager traces forward and
+    backward without generating code (to tell a compiler bug from a model bug), eager runs only Dynamo's capture"""
+    fused_loss: bool = False
+    """output head + cross-entropy fused and chunked over tokens (trainer/fused_loss.py): the [B, T, V] fp32 logits
+    of a training forward never exist; the plain-LM losses only (pretraining, SFT), not under loss_parallel or pp"""
     callbacks: List[str] = field(default_factory=list)
     """extra trainer/callbacks.py callbacks, by import path ("package.module:Class"), run after the router-bias
     update and the stage's, before the metrics record and the checkpoint, e.g. trainer.callbacks='[mypkg.hooks:Probe]'"""
@@ -114,6 +124,15 @@ class ParallelConfig:
     data (Megatron --expert-model-parallel-size)"""
     cp: int = 1
     """context parallel size: every sequence split into cp contiguous chunks (Megatron --context-parallel-size)"""
+    ep_capacity_factor: float = 0.0
+    """with ep > 1, how the expert-parallel all-to-all sizes its messages (trainer/parallel/expert.py). 0 = dropless:
+    variable split sizes read on the host (one sync per MoE layer; exact). > 0 = sync-free: each rank sends a fixed
+    C = ceil(factor * S / ep) rows to every ep rank (S = tokens x experts_per_token copies the rank routes), padded,
+    so a step has static shapes (torch.compile fullgraph, CUDA graphs); copies beyond a destination rank's C are
+    dropped (their expert output counts as zero: the token keeps its other copies and the shared expert), counted
+    per layer in the dispatcher's `dropped`. factor >= ep gives C = S: never drops, exact and sync-free, at ep times
+    the dropless message size. Needs the same number of tokens on every ep rank. Megatron --moe-expert-capacity-factor
+    with --moe-pad-expert-input-to-capacity, except that the capacity is per destination rank, not per expert"""
     engram_shard: bool = False
     """split every Engram table by rows over the ranks of one pipeline stage and tp rank (dp_replicate x dp_shard x ep
     x cp: Meshes.dp_ep_cp), lookups and row gradients travelling by all-to-all (trainer/parallel/engram.py); false
@@ -140,6 +159,7 @@ class ParallelConfig:
             raise ValueError(f"parallel.dp_replicate must be >= 1 or -1 (fill), got {self.dp_replicate}")
         for name in ("dp_shard", "tp", "pp", "pp_virtual", "ep", "cp"):
             at_least(f"parallel.{name}", getattr(self, name), 1)
+        at_least("parallel.ep_capacity_factor", self.ep_capacity_factor, 0.0)
         check_choices(self, "parallel")
         positive("parallel.timeout_s", self.timeout_s)
         if self.pp_schedule == "1F1B" and self.pp_virtual != 1:

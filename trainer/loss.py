@@ -15,6 +15,11 @@ valid counts everywhere (pretraining) every share is exactly 1.0 (an exact integ
 gradient are bitwise those of the plain mean of means (tests/trainer/test_reference_curve.py). A micro-batch
 without valid tokens contributes an exact zero (its mean would be 0 / 0) and still runs its backward, so every rank
 issues the same collectives.
+
+trainer.fused_loss=true (`LMLoss(fused=True)`, set by trainer/train.py's `build`): the LM term from the head's input
+and weight instead of the logits (`lm_fused`, through trainer/fused_loss.py: the head and the cross-entropy chunked
+over tokens, the [B, T, V] logits never formed), with the same semantics as `lm`. A loss that reads the logits
+itself (trainer/stages/grpo.py) sets `supports_fused = False` and is refused with the key at start-up.
 """
 
 from __future__ import annotations
@@ -54,11 +59,18 @@ class LMLoss:
     share of the step (`StepTokens.share`), plus the auxiliary losses it is handed. Set the step with
     `begin_step`; each call returns the micro-batch's loss to differentiate (before gradient accumulation's 1 / M)
     and keeps its detached LM term in `lm_terms` (their mean over the step's micro-batches, averaged over data
-    ranks, is the global token mean)."""
+    ranks, is the global token mean).
 
-    def __init__(self) -> None:
+    fused: the trainer runs the model without its head and calls this with logits=None, hidden= and head= (the
+    head's input [B, T, D] and the head module), computed by `lm_fused` (trainer.fused_loss=true); chunk_size: the
+    fused loss's tokens per chunk (None: trainer/fused_loss.py's default)."""
+
+    supports_fused = True  # False in a subclass whose loss needs the logits (trainer.fused_loss is then refused)
+
+    def __init__(self, fused: bool = False, chunk_size: int | None = None) -> None:
         self.tokens = StepTokens(total=0)
         self.lm_terms: list[torch.Tensor] = []
+        self.fused, self.chunk_size = fused, chunk_size
 
     def begin_step(self, tokens: StepTokens) -> None:
         self.tokens = tokens
@@ -78,13 +90,33 @@ class LMLoss:
             mean = (per_token * weights.flatten().to(per_token.dtype)).sum() / valid.clamp_min(1)
         if hasattr(mean, "full_tensor"):  # loss_parallel: a replicated DTensor, the same value on every tp rank
             mean = mean.full_tensor()
+        return self._term(mean, valid)
+
+    def lm_fused(self, hidden: torch.Tensor, head: torch.nn.Module, labels: torch.Tensor,
+                 weights: torch.Tensor | None = None) -> torch.Tensor:
+        """`lm` from the head's input instead of its logits: hidden [B, T, D] (what the head reads), head the output
+        head (an nn.Linear without bias; its weight the whole, unsharded one), labels and weights as for `lm`. The
+        head's matmul runs as the plain head's would here (call it under the forward's autocast)."""
+        from trainer.fused_loss import linear_cross_entropy
+
+        if getattr(head, "bias", None) is not None:
+            raise ValueError("trainer.fused_loss: the output head has a bias; the fused loss takes a head without")
+        total, valid = linear_cross_entropy(hidden, head.weight, labels, weights, chunk_size=self.chunk_size)
+        return self._term(total / valid.clamp_min(1), valid)
+
+    def _term(self, mean: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         # 0 / 0 where nothing is valid: an exact zero instead, whose backward is zero too
         term = torch.where(valid > 0, mean * self.tokens.share(valid), torch.zeros_like(mean))
         self.lm_terms.append(term.detach())
         return term
 
-    def __call__(self, logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor | None = None,
-                 aux: torch.Tensor | float = 0.0, batch: dict | None = None) -> torch.Tensor:
+    def __call__(self, logits: torch.Tensor | None, labels: torch.Tensor, weights: torch.Tensor | None = None,
+                 aux: torch.Tensor | float = 0.0, batch: dict | None = None, *, hidden: torch.Tensor | None = None,
+                 head: torch.nn.Module | None = None) -> torch.Tensor:
         """batch: the micro-batch's other tensors on the device (a stage's loss reads its own, e.g. RL's advantages;
-        trainer/stages/grpo.py)."""
+        trainer/stages/grpo.py). logits None: the fused LM term (`lm_fused`) from hidden and head."""
+        if logits is None:
+            if hidden is None or head is None:
+                raise ValueError("LMLoss: without logits, the fused loss needs hidden= and head=")
+            return self.lm_fused(hidden, head, labels, weights) + aux
         return self.lm(logits, labels, weights) + aux

@@ -177,10 +177,11 @@ def layout_from_config(cfg, dims, cuts: list[int], device_memory_gb: float = 141
 
 def check_layout(node, world_size: int | None = None):
     """The trainer's start-up checks on the composed config `node`, the functions trainer.train.build runs before any
-    process group exists, in its order: the typed config (trainer.config.to_config: every `__post_init__`), the stage
-    hooks, the model's layout rules (trainer.parallel.apply.validate_layout: divisibility by tp / ep / cp, the
-    pipeline split, enough micro-batches) and the world size (ParallelConfig.resolve). Without `world_size`, the
-    world the sizes make (dp_replicate=-1 counted as 1). A layout the trainer refuses raises its ValueError.
+    process group exists, in its order: the typed config (trainer.config.to_config: every `__post_init__`),
+    trainer.fused_loss's rules (trainer.train.check_fused_loss), the stage hooks, the model's layout rules
+    (trainer.parallel.apply.validate_layout: divisibility by tp / ep / cp, the pipeline split, enough micro-batches)
+    and the world size (ParallelConfig.resolve). Without `world_size`, the world the sizes make (dp_replicate=-1
+    counted as 1). A layout the trainer refuses raises its ValueError.
 
     Returns (cfg, model_cfg, dims, cuts, device_memory_gb). `+parallel.device_memory_gb=...` is the planner's own
     key, not the trainer's, so it is taken out before the schema sees it."""
@@ -188,11 +189,14 @@ def check_layout(node, world_size: int | None = None):
 
     from trainer.config import to_config
     from trainer.parallel.apply import validate_layout
-    from trainer.train import apply_stage_hooks
+    from trainer.stage import build_stage
+    from trainer.train import apply_stage_hooks, check_fused_loss
 
     plain = OmegaConf.to_container(node, resolve=True)
     device_memory_gb = float(plain.get("parallel", {}).pop("device_memory_gb", 141))
     cfg = to_config(OmegaConf.create(plain))
+    if cfg.trainer.fused_loss:
+        check_fused_loss(cfg, build_stage(cfg.stage).loss())
     model_cfg = apply_stage_hooks(cfg.model, cfg.stage)
     cuts = validate_layout(cfg.parallel, model_cfg, seq_len=cfg.data.seq_len, grad_accum=cfg.trainer.grad_accum)
     if world_size is None:

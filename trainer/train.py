@@ -114,13 +114,19 @@ def apply_stage_hooks(model_cfg: ModelConfig, stage: StageConfig) -> ModelConfig
 
 
 def build_model(cfg: ModelConfig, rt: Runtime, parallel: ParallelConfig, seed: int, *, batch_size: int,
-                seq_len: int, grad_accum: int) -> ParallelModel:
+                seq_len: int, grad_accum: int, compile_backend: str | None = None) -> ParallelModel:
     """This rank's part of the model, parallelised and holding the single process's initial values
-    (trainer/parallel/apply.py); with pp > 1 also the pipeline schedule over grad_accum micro-batches."""
+    (trainer/parallel/apply.py); with pp > 1 also the pipeline schedule over grad_accum micro-batches.
+    compile_backend: torch.compile every block with that backend (trainer.compile: "inductor"), after the plans and
+    activation checkpointing, before FSDP (trainer/parallel/compile.py)."""
     cuts = validate_layout(parallel, cfg, seq_len=seq_len, grad_accum=grad_accum)
     with torch.device("meta"):
         model = model_pkg.build(cfg)
     pm = parallelize(model, rt.meshes, parallel, rt.dims, cuts=cuts)
+    if compile_backend is not None:
+        from trainer.parallel.compile import compile_blocks
+
+        compile_blocks(pm.module, compile_backend)
     materialize(pm, rt.device, seed, microbatch_size=batch_size, seq_len=seq_len, grad_accum=grad_accum,
                 schedule=parallel.pp_schedule, autocast_dtype=rt.autocast_dtype)
     return pm
@@ -227,8 +233,29 @@ def hyperparameter_changes(marker: dict, loaded_groups: list[dict], cfg: Config)
             if k in current and saved[k] is not None and norm(saved[k]) != norm(current[k])]
 
 
+def check_fused_loss(cfg: Config, loss: LMLoss) -> None:
+    """trainer.fused_loss=true's rules (trainer/fused_loss.py), before any process group: a loss computed from the
+    logits alone (`supports_fused`), the whole head on the rank that computes the loss (no vocab-sharded head, no
+    pipeline). Raises ValueError naming the key."""
+    if not cfg.trainer.fused_loss:
+        return
+    if not getattr(loss, "supports_fused", False):
+        raise ValueError(f"trainer.fused_loss=true computes the plain LM loss from the head's input, but "
+                         f"stage.name={cfg.stage.name}'s loss ({type(loss).__name__}) reads the logits themselves: "
+                         "set trainer.fused_loss=false")
+    par = cfg.parallel
+    if par.pp > 1 or par.tp > 1:
+        raise ValueError("trainer.fused_loss=true needs the whole output head where the loss is computed: not under "
+                         "tensor parallelism (its vocab-sharded head and loss_parallel) or pipeline parallelism (the "
+                         f"last stage's loss reads whole logits); got parallel.tp={par.tp}, parallel.pp={par.pp}: "
+                         "set trainer.fused_loss=false or tp = pp = 1")
+
+
 def build(cfg: Config, run_dir: Path) -> Job:
     stage = build_stage(cfg.stage)
+    loss = stage.loss()
+    check_fused_loss(cfg, loss)  # as early as the layout rules: a bad combination fails before any process group
+    loss.fused = cfg.trainer.fused_loss
     model_cfg = stage.model_config(cfg.model)
     user_callbacks = load_callbacks(cfg.trainer.callbacks)  # a bad import path fails before any process group
     if hasattr(stage, "check_layout"):  # a stage's own layout rules (RL's rollouts need the whole model), as early
@@ -260,7 +287,8 @@ def build(cfg: Config, run_dir: Path) -> Job:
     if resume_from is not None:  # before the model is built: an incompatible checkpoint fails at once
         checkpointer.check_model(resume_from, model_cfg)
     pm = build_model(model_cfg, rt, cfg.parallel, cfg.trainer.seed, batch_size=cfg.data.batch_size,
-                     seq_len=cfg.data.seq_len, grad_accum=cfg.trainer.grad_accum)
+                     seq_len=cfg.data.seq_len, grad_accum=cfg.trainer.grad_accum,
+                     compile_backend=cfg.trainer.compile_backend if cfg.trainer.compile else None)
     log.info("parallel layout: %s", describe(pm))
     install_canonical_vocab(pm.module, model_cfg, tokenizer.path)
     trainable = stage.trainable_parameters(pm.module, model_cfg)
@@ -290,7 +318,7 @@ def build(cfg: Config, run_dir: Path) -> Job:
         loader=loader, checkpointer=checkpointer, ckpt_states=ckpt_states, metrics=metrics,
         log_every=cfg.logger.log_every, progress_bar=cfg.logger.progress_bar,
         peak_flops=device_peak_flops(rt.device, cfg.trainer.peak_flops), run_dir=run_dir,
-        flops_per_token=flops_per_token, stage=stage, loss=stage.loss(),
+        flops_per_token=flops_per_token, stage=stage, loss=loss,
         callbacks=ordered([*stage.callbacks(), *user_callbacks]),
     )
     if hasattr(stage, "bind"):  # a stage whose batches need the model (RL's rollouts, a teacher's scores)
@@ -405,10 +433,15 @@ def forward_backward(pm: ParallelModel, batches: list[dict], autocast_dtype: tor
                      loss: LMLoss | None = None) -> MicroBatches:
     """Forward and backward over this data rank's micro-batches (loader batches of whole sequences), one after the
     other or through the pipeline schedule; the gradient of the step's loss (`loss`, set for this step by
-    `LMLoss.begin_step`; default: this rank's tokens alone) accumulates in .grad."""
+    `LMLoss.begin_step`; default: this rank's tokens alone) accumulates in .grad. A fused loss (`loss.fused`,
+    trainer.fused_loss) gets the head's input and the head instead of logits (trainer/fused_loss.py)."""
     if loss is None:
         loss = LMLoss()
         loss.begin_step(StepTokens(sum(valid_tokens(b["labels"]) for b in batches), 1, len(batches)))
+    fused = getattr(loss, "fused", False)
+    if fused and (pm.pipeline is not None or pm.loss_parallel):
+        raise ValueError("trainer.fused_loss=true does not run under pipeline parallelism or loss_parallel "
+                         "(tensor parallelism): set trainer.fused_loss=false")
     if pm.pipeline is not None:
         return _pipeline_forward_backward(pm, batches, loss)
     accum, device = len(batches), _device(pm)
@@ -428,12 +461,18 @@ def forward_backward(pm: ParallelModel, batches: list[dict], autocast_dtype: tor
             # batch's backward): a recomputed Engram forward (activation checkpointing) would consume it.
             pm.engram.prefetch(input_ids, image_mask)
         with torch.autocast(device.type, dtype=autocast_dtype or torch.float32, enabled=autocast_dtype is not None):
-            out = pm.module(input_ids, image_mask=image_mask, outputs=True, **_model_extras(batch, device))
+            out = pm.module(input_ids, image_mask=image_mask, outputs=True, **_model_extras(batch, device),
+                            **({"logits": False} if fused else {}))
+            if fused:  # the head's matmul inside the loss, under the forward's autocast as the plain head runs;
+                # under FSDP2 the root (holding the head) stays gathered after its forward: head.weight is whole
+                term = loss(None, labels, weights, aux=sum(out.aux.values()), batch=_loss_inputs(batch, device),
+                            hidden=out.hidden, head=pm.module.head)
         with loss_context():
+            if not fused:
+                term = loss(out.logits, labels, weights, aux=sum(out.aux.values()), batch=_loss_inputs(batch, device))
             # each micro-batch's loss is divided by accum: the accumulated gradient is the mean over micro-batches
             # of terms already weighted by their share of the step's valid tokens (trainer/loss.py)
-            (loss(out.logits, labels, weights, aux=sum(out.aux.values()), batch=_loss_inputs(batch, device))
-             / accum).backward()
+            (term / accum).backward()
         loss_sum += float(loss.lm_terms[-1])
         values = {f"aux/{k}": float(v.detach()) for k, v in out.aux.items()}
         values.update({f"aux_metric/{k}": v for k, v in out.metrics.items()})

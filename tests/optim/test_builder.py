@@ -68,13 +68,21 @@ def _mixed_step(rank: int, world: int) -> dict:
     for group in opt.param_groups:
         group["foreach"] = True
     torch_opt = torch.optim.AdamW(param_groups(ref, 0.1), lr=1e-2, betas=(0.9, 0.95), eps=1e-8, foreach=False)
-    for _ in range(3):
+    import optim.builder as builder
+
+    kinds_seen, kind = [], builder._kind
+    builder._kind = lambda p: kinds_seen.append(p) or kind(p)  # counts how often the split is worked out
+    for step in range(3):
+        for o in (opt, torch_opt):  # a scheduler's lr change reaches the kept split's step
+            for group in o.param_groups:
+                group["lr"] = 1e-2 / (step + 1)
         grads = [torch.randn(p.shape, generator=gen) for p in ours]
         for mine, theirs, g in zip(ours, ref, grads):
             for p in (mine, theirs):
                 p.grad = distribute_tensor(g, p.device_mesh, p.placements) if hasattr(p, "device_mesh") else g.clone()
         opt.step()
         torch_opt.step()
+    builder._kind = kind
     raw = torch.optim.AdamW(params(), lr=1e-2, foreach=True)
     for p in raw.param_groups[0]["params"]:
         p.grad = torch.zeros_like(p)
@@ -85,18 +93,20 @@ def _mixed_step(rank: int, world: int) -> dict:
         refused = str(e)
     full = lambda p: p.full_tensor() if hasattr(p, "full_tensor") else p.detach()  # noqa: E731
     return {"ours": [full(p) for p in ours], "ref": [full(p) for p in ref], "refused": refused,
-            "groups": [len(g["params"]) for g in opt.param_groups]}
+            "groups": [len(g["params"]) for g in opt.param_groups], "kinds_seen": len(kinds_seen)}
 
 
 @pytest.mark.distributed
 def test_multi_tensor_step_over_mixed_parameters():
     """The builder's AdamW runs the multi-tensor step per kind of parameter (plain, DTensors by mesh), so layouts
     that mix them (tp, ep, Engram sharding) keep CUDA's default foreach step, which torch refuses for the mixed list;
-    the updates equal torch's per-tensor AdamW, and the param groups (what checkpoints hold) stay two."""
+    the updates equal torch's per-tensor AdamW (with the lr changing every step), and the param groups (what
+    checkpoints hold) stay two. The split is worked out at the first step only: each parameter's kind once."""
     from tests.distributed import run_distributed
 
     (out,) = run_distributed(_mixed_step, 1)
     assert "mixed torch.Tensor and DTensor" in out["refused"]
     assert out["groups"] == [2, 2]
+    assert out["kinds_seen"] == 4  # four parameters, three steps: the kinds were read once
     for mine, ref in zip(out["ours"], out["ref"]):
         torch.testing.assert_close(mine, ref, rtol=1e-6, atol=1e-7)

@@ -138,15 +138,16 @@ def _biases(module) -> dict:
     return {n: b.clone() for n, b in module.named_buffers() if n.endswith(("gate.bias", "gate.bias_image"))}
 
 
-def _train(fields: dict, cfg=None, seq_len: int = SEQ_LEN) -> dict:
+def _train(fields: dict, cfg=None, seq_len: int = SEQ_LEN, compile_backend: str | None = None) -> dict:
     """One layout through the trainer's code path; what this rank saw (whole tensors, gathered). cfg: the model
-    (default `_config()`, v41_tiny)."""
+    (default `_config()`, v41_tiny); compile_backend: trainer.compile's (tests/parallel/test_compile_layouts.py)."""
     parallel = ParallelConfig(**fields)
     rt = setup_runtime(TrainerConfig(device="cpu", precision="fp32", num_threads=1), parallel)
     data_rank, data_size = (0, 1) if rt.meshes is None else (rt.meshes.data.get_local_rank(), rt.meshes.data.size())
     accum = MICROBATCHES // data_size
     cfg = cfg or _config()
-    pm = build_model(cfg, rt, parallel, SEED, batch_size=ROWS, seq_len=seq_len, grad_accum=accum)
+    pm = build_model(cfg, rt, parallel, SEED, batch_size=ROWS, seq_len=seq_len, grad_accum=accum,
+                     compile_backend=compile_backend)
     params = trainable_parameters(pm.module, cfg)
     opt = torch.optim.SGD(params, lr=LR, momentum=0.9, weight_decay=0.1)
     out = {"init": full_named_tensors(pm.module), "loss": [], "grad_norm": [], "grads": [], "aux": []}
@@ -174,9 +175,9 @@ def _train(fields: dict, cfg=None, seq_len: int = SEQ_LEN) -> dict:
     return out
 
 
-def _train_small(fields: dict) -> dict:
+def _train_small(fields: dict, compile_backend: str | None = None) -> dict:
     """`_train` on the model this file compares: `_small_config()` on EVERY_ROLE_SEQ_LEN tokens."""
-    return _train(fields, _small_config(), EVERY_ROLE_SEQ_LEN)
+    return _train(fields, _small_config(), EVERY_ROLE_SEQ_LEN, compile_backend)
 
 
 def _worker(rank: int, world: int, names: list[str]) -> dict:

@@ -195,7 +195,7 @@ class ParallelModel:
         return self.module.cfg
 
 
-def _apply_ep_over_tp(model: nn.Module, meshes: Meshes) -> None:
+def _apply_ep_over_tp(model: nn.Module, meshes: Meshes, capacity_factor: float = 0.0) -> None:
     """EP on experts that TP already split along their width F: rank (e, t) keeps experts [e * E/ep, (e+1) * E/ep)
     of its F/tp columns, a DTensor on the (ep, tp) mesh with placements (Shard(0), Shard(F's dim)). Every tp rank
     routes the same tokens, so the ep all-to-all of one tp rank carries what its tp peers' carry; TP's hooks
@@ -216,7 +216,7 @@ def _apply_ep_over_tp(model: nn.Module, meshes: Meshes) -> None:
             rows = w.to_local().detach()[rank * e_local:(rank + 1) * e_local].clone()
             shard = DTensor.from_local(rows, mesh, [Shard(0), tp_placement], run_check=False)
             experts.register_parameter(name, nn.Parameter(shard, requires_grad=w.requires_grad))
-        moe.dispatcher = AllToAllDispatcher(meshes.ep.get_group(), num_experts)
+        moe.dispatcher = AllToAllDispatcher(meshes.ep.get_group(), num_experts, capacity_factor)
 
 
 def parallelize(model: nn.Module, meshes: Meshes | None, parallel: ParallelConfig, dims: ParallelDims, *,
@@ -236,11 +236,11 @@ def parallelize(model: nn.Module, meshes: Meshes | None, parallel: ParallelConfi
         apply_tp(model, meshes.tp, parallel.sequence_parallel, loss_parallel=dims.pp == 1)
     if dims.ep > 1:
         if dims.tp > 1:
-            _apply_ep_over_tp(model, meshes)
+            _apply_ep_over_tp(model, meshes, parallel.ep_capacity_factor)
         else:
             from trainer.parallel.expert import apply_ep
 
-            apply_ep(model, meshes.ep)
+            apply_ep(model, meshes.ep, capacity_factor=parallel.ep_capacity_factor)
     if dims.cp > 1:
         from trainer.parallel.context import apply_cp
 

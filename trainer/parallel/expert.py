@@ -18,6 +18,21 @@ So about 2 * N * K * D elements leave and arrive per rank and layer in the forwa
 (W - 1) / W of them cross the network), and as much again in the backward. Dropless: nothing is capped or
 dropped, so the split sizes go through the host (one sync per layer, in the forward; the backward reuses them).
 
+Sync-free mode (parallel.ep_capacity_factor = f > 0): every message has a fixed size, so a step under ep has static
+shapes, no host sync and no branch on tensor values (torch.compile fullgraph, CUDA graphs). Each rank sends exactly
+C = ceil(f * S / W) rows (at most S) to every ep rank: its copies for that rank, in LocalDispatcher's order (global
+expert, then token), the first C of them, zero-padded; copies beyond C are dropped: their expert output counts as
+zero (the token keeps its other copies and the shared expert), their gradient is zero, and `dropped` counts them
+(this rank's copies, last forward, a device tensor). The counts of one layer are one all-to-all of W * E_local int64
+(clipped to C); the rows one all-to-all of W * C * (D + c) elements, equal splits, sent and received; the results
+W * C * D. The receiver regroups its W blocks of C rows by local expert with a stable sort whose padding rows carry
+the sentinel E_local (last); the grouped GEMM reads only the first sum(counts) rows, and the rows after them (left
+undefined by torch._grouped_mm) are zeroed before the return all-to-all. f >= W gives C = S: nothing is ever
+dropped and the result equals the dropless path's, at W times its message size. Every ep rank must route the same
+number of copies S (the same tokens per micro-batch), since the equal splits assume one C.
+The collectives are the functional ones (torch.ops._c10d_functional, autograd-registered: the backward is the same
+equal-split exchange), which dynamo traces into the graph.
+
 Gradients (trainer/parallel/gradients.py `reduce_gradients`, which also holds the clip and the router-bias update):
 every rank's loss is the mean over its own tokens, and the job's loss is the mean over the ranks that read
 different tokens (dp x ep x cp). A non-expert gradient is therefore averaged over those ranks. An expert's local
@@ -27,6 +42,7 @@ all-to-all), so it is summed over its replicas only (dp, and cp) and divided by 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -35,7 +51,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from model.moe import GroupedExperts, LocalDispatcher, MoE
+from model.moe import GroupedExperts, LocalDispatcher, MoE, expert_counts
 
 _EXPERT_WEIGHTS = ("w1", "w3", "w2")
 
@@ -51,7 +67,8 @@ def _all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], gr
 def _pack(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x [S, D], w [S] fp32 -> [S, D + c]: w's bytes appended as c columns of x's dtype (exact, no rounding)."""
     if 4 % x.element_size() == 0:
-        cols = w.float().contiguous()[:, None].view(x.dtype)  # [S, 4 / itemsize]
+        # The dtype view on the 1-D vector (stride 1): Inductor refuses it on a [S, 1] view, whose last stride is 0.
+        cols = w.float().contiguous().view(x.dtype).view(w.shape[0], 4 // x.element_size())  # [S, 4 / itemsize]
     else:  # a wider dtype (fp64) holds every fp32 value exactly
         cols = w[:, None].to(x.dtype)
     return torch.cat([x, cols], dim=1)
@@ -96,6 +113,30 @@ class _AllToAll(torch.autograd.Function):
         return _all_to_all(grad, in_splits, out_splits, ctx.group), None, None, None
 
 
+def _equal_all_to_all(x: torch.Tensor, group_name: str, num_ranks: int) -> torch.Tensor:
+    """all_to_all_single with equal splits (block r of x's rows to rank r; block s of the output from rank s), as a
+    functional collective: traceable by dynamo and differentiable (its registered backward is the same exchange)."""
+    splits = [x.shape[0] // num_ranks] * num_ranks
+    out = torch.ops._c10d_functional.all_to_all_single(x.contiguous(), splits, splits, group_name)
+    return torch.ops._c10d_functional.wait_tensor(out)
+
+
+class _EqualTokensAllToAll(torch.autograd.Function):
+    """_TokensAllToAll with equal splits and functional collectives: rows x [W*C, D] and fp32 weights w [W*C] in one
+    message, both gradients back in one. Its own node because the packing reinterprets bytes (not differentiable)."""
+
+    @staticmethod
+    def forward(ctx, x, w, group_name, num_ranks):
+        ctx.group_name, ctx.num_ranks, ctx.dim = group_name, num_ranks, x.shape[1]
+        return _unpack(_equal_all_to_all(_pack(x, w), group_name, num_ranks), x.shape[1])
+
+    @staticmethod
+    def backward(ctx, grad_x, grad_w):
+        back = _equal_all_to_all(_pack(grad_x, grad_w), ctx.group_name, ctx.num_ranks)
+        gx, gw = _unpack(back, ctx.dim)
+        return gx, gw, None, None
+
+
 # --- the dispatcher ------------------------------------------------------------------------------------------------
 
 @dataclass
@@ -108,8 +149,19 @@ class EPHandle:
     regroup: torch.Tensor  # [R] received rows (source-rank major) -> local-expert-major order
 
 
+@dataclass
+class CapacityHandle:
+    """What the sync-free combine needs (C rows per rank pair, R = W * C rows received)."""
+
+    slot: torch.Tensor  # [S] the send-buffer row of each of this rank's copies (copy order n*K + k), clamped
+    kept: torch.Tensor  # [S] bool: the copy was sent (not dropped)
+    regroup: torch.Tensor  # [R] received rows (source-rank major, C each) -> local-expert-major order, padding last
+    valid: torch.Tensor  # [R] bool, source-rank major: the row holds a copy (not padding)
+
+
 class AllToAllDispatcher:
-    """Dropless all-to-all dispatch with LocalDispatcher's interface (model/moe.py).
+    """All-to-all dispatch with LocalDispatcher's interface (model/moe.py): dropless by default, sync-free with
+    fixed-size messages when capacity_factor > 0.
 
     dispatch(x [N, D], topk_idx [N, K] global ids, topk_weights [N, K]) ->
       (x_recv [R, D], weights_recv [R], tokens_per_expert [E_local] int64, EPHandle);
@@ -117,18 +169,46 @@ class AllToAllDispatcher:
     Received rows are ordered by local expert, then source rank, then the source's token order: the same rows
     in the same order as LocalDispatcher gives those experts when one process holds every rank's tokens
     (concatenated in ep-rank order), so the expert GEMMs see identical inputs.
+
+    capacity_factor > 0: the sync-free mode (module docstring). Then R = W * C always, the valid rows come first
+    in the order above and tokens_per_expert counts only them; the padding rows after them are zero on arrival and
+    whatever the experts make of them never leaves this rank. `dropped` holds the number of this rank's copies
+    the last dispatch dropped (0-dim int64 on the device; always 0 when dropless).
     """
 
-    def __init__(self, ep_group: dist.ProcessGroup, num_experts: int) -> None:
+    def __init__(self, ep_group: dist.ProcessGroup, num_experts: int, capacity_factor: float = 0.0) -> None:
         self.group = ep_group
         self.num_ranks = dist.get_world_size(ep_group)
         if num_experts % self.num_ranks:
             raise ValueError(f"num_experts={num_experts} is not divisible by the ep size {self.num_ranks}")
+        if not capacity_factor >= 0:
+            raise ValueError(f"parallel.ep_capacity_factor must be >= 0, got {capacity_factor!r}")
         self.num_experts = num_experts
         self.num_local = num_experts // self.num_ranks
+        self.capacity_factor = float(capacity_factor)
+        self.group_name = ep_group.group_name
         self.local = LocalDispatcher(num_experts)  # the sort by global expert is also the sort by owning rank
+        self.dropped: torch.Tensor | None = None
 
-    def dispatch(
+    def capacity(self, num_copies: int) -> int:
+        """C: rows this rank sends to each ep rank, for S = num_copies copies (sync-free mode)."""
+        if self.capacity_factor >= self.num_ranks:
+            return num_copies
+        return min(num_copies, math.ceil(self.capacity_factor * num_copies / self.num_ranks))
+
+    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor):
+        if self.capacity_factor > 0:
+            return self._dispatch_sync_free(x, topk_idx, topk_weights)
+        return self._dispatch_dropless(x, topk_idx, topk_weights)
+
+    def combine(self, y: torch.Tensor, handle: EPHandle | CapacityHandle, num_tokens: int) -> torch.Tensor:
+        if isinstance(handle, CapacityHandle):
+            return self._combine_sync_free(y, handle, num_tokens)
+        return self._combine_dropless(y, handle, num_tokens)
+
+    # --- dropless: variable splits through the host ---------------------------------------------------------------
+
+    def _dispatch_dropless(
         self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, EPHandle]:
         num_ranks, e_local = self.num_ranks, self.num_local
@@ -145,14 +225,76 @@ class AllToAllDispatcher:
             recv_counts.reshape(-1))  # [R]
         regroup = torch.argsort(expert_of_row, stable=True)
         handle = EPHandle(order, send_splits, recv_splits, regroup)
+        self.dropped = torch.zeros((), dtype=torch.int64, device=x.device)
         return x_recv.index_select(0, regroup), w_recv.index_select(0, regroup), recv_counts.sum(0), handle
 
-    def combine(self, y: torch.Tensor, handle: EPHandle, num_tokens: int) -> torch.Tensor:
+    def _combine_dropless(self, y: torch.Tensor, handle: EPHandle, num_tokens: int) -> torch.Tensor:
         inverse = torch.empty_like(handle.regroup)
         inverse[handle.regroup] = torch.arange(handle.regroup.numel(), device=y.device)
         y_src = y.index_select(0, inverse)  # [R] back to source-rank major
         y_home = _AllToAll.apply(y_src, handle.send_splits, handle.recv_splits, self.group)  # [S, D]
         return self.local.combine(y_home, handle.order, num_tokens)  # fp32 sum of the K copies, fixed order
+
+    # --- sync-free: fixed C rows per rank pair --------------------------------------------------------------------
+
+    def _dispatch_sync_free(
+        self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, CapacityHandle]:
+        num_ranks, e_local = self.num_ranks, self.num_local
+        n, k = topk_idx.shape
+        s = n * k
+        cap = self.capacity(s)  # C, a Python int: the shapes below depend on the input's shape only
+        dev = x.device
+        flat_idx = topk_idx.reshape(-1)  # [S]
+        order = torch.argsort(flat_idx, stable=True)  # [S] LocalDispatcher's sort: by global expert, then copy
+        counts = expert_counts(flat_idx, self.num_experts).view(num_ranks, e_local)  # [W, E_local]
+        per_rank = counts.sum(1)  # [W] copies for each destination
+        rank_start = per_rank.cumsum(0) - per_rank  # [W] where each destination's copies start in `order`
+        # Kept copies: the first C of each destination's (in sorted order), i.e. per (destination, local expert)
+        # the part of the count below C once the destination's lower experts are counted.
+        before = counts.cumsum(1) - counts  # [W, E_local]
+        sent_counts = (cap - before).clamp(min=0).minimum(counts)  # [W, E_local], sums to <= C per destination
+        # Send buffer, slot (r, j) of [W, C]: the j-th copy for rank r in sorted order, if j < its kept count.
+        j = torch.arange(cap, device=dev)
+        slot_valid = j[None, :] < sent_counts.sum(1)[:, None]  # [W, C]
+        sorted_pos = (rank_start[:, None] + j[None, :]).clamp(max=max(s - 1, 0))  # [W, C], clamped where invalid
+        copy = order.index_select(0, sorted_pos.reshape(-1))  # [W*C] copy index n*K + k of each slot
+        slot_valid = slot_valid.reshape(-1)
+        x_send = torch.where(slot_valid[:, None], x.index_select(0, copy // k), 0)  # [W*C, D], zero padding
+        w_send = torch.where(slot_valid, topk_weights.reshape(-1).index_select(0, copy), 0)  # [W*C] fp32
+        # The way home: each copy's slot. Position of sorted copy i within its destination's block: i - rank_start.
+        sorted_rank = flat_idx.index_select(0, order) // e_local  # [S]
+        pos = torch.arange(s, device=dev) - rank_start.index_select(0, sorted_rank)  # [S]
+        kept_sorted = pos < cap
+        slot_sorted = (sorted_rank * cap + pos).clamp(max=max(num_ranks * cap - 1, 0))
+        slot = torch.empty_like(order).scatter_(0, order, slot_sorted)  # [S] in copy order
+        kept = torch.empty_like(kept_sorted).scatter_(0, order, kept_sorted)
+        self.dropped = s - kept_sorted.sum()
+
+        # Counts (clipped) first: block q of recv_counts is what rank q sends to each of this rank's experts.
+        recv_counts = _equal_all_to_all(sent_counts.reshape(-1), self.group_name, num_ranks).view(num_ranks, e_local)
+        x_buf, w_buf = _EqualTokensAllToAll.apply(x_send, w_send, self.group_name, num_ranks)  # [W*C, ...]
+        # Local expert of every received row: block q's rows are sorted by expert, its first sum(recv_counts[q])
+        # valid; the padding after them gets the sentinel e_local, so the stable sort puts it last and keeps
+        # (expert, source rank, source order) for the rest: the dropless path's order.
+        expert_of_row = torch.searchsorted(recv_counts.cumsum(1), j[None, :].expand(num_ranks, cap).contiguous(),
+                                           right=True).reshape(-1)  # [W*C] in [0, e_local]
+        regroup = torch.argsort(expert_of_row, stable=True)
+        handle = CapacityHandle(slot, kept, regroup, expert_of_row < e_local)
+        return x_buf.index_select(0, regroup), w_buf.index_select(0, regroup), recv_counts.sum(0), handle
+
+    def _combine_sync_free(self, y: torch.Tensor, handle: CapacityHandle, num_tokens: int) -> torch.Tensor:
+        rows = handle.regroup.numel()
+        if y.shape[0] < rows:  # the experts' per-expert loop returns the valid rows only
+            y = torch.cat([y, y.new_zeros(rows - y.shape[0], y.shape[1])])
+        inverse = torch.empty_like(handle.regroup)
+        inverse[handle.regroup] = torch.arange(rows, device=y.device)
+        # Back to source-rank major; padding rows (undefined after the grouped GEMM) zeroed: nothing of them
+        # travels, and their gradient is zero.
+        y_src = torch.where(handle.valid[:, None], y.index_select(0, inverse), 0)
+        y_home = _equal_all_to_all(y_src, self.group_name, self.num_ranks)  # [W*C, D] in this rank's slot order
+        y_copies = torch.where(handle.kept[:, None], y_home.index_select(0, handle.slot), 0)  # [S, D], dropped: 0
+        return y_copies.view(num_tokens, -1, y.shape[1]).float().sum(1)  # LocalDispatcher's fixed-order sum
 
 
 # --- applying EP to a model ----------------------------------------------------------------------------------------
@@ -161,9 +303,10 @@ def moe_layers(model: nn.Module) -> list[MoE]:
     return [m for m in model.modules() if isinstance(m, MoE)]
 
 
-def apply_ep(model: nn.Module, ep_mesh: DeviceMesh) -> nn.Module:
+def apply_ep(model: nn.Module, ep_mesh: DeviceMesh, *, capacity_factor: float = 0.0) -> nn.Module:
     """Keep this rank's E/ep experts of every MoE layer (DTensors, Shard(0) on ep_mesh) and install the
-    all-to-all dispatcher. A no-op when the ep mesh has one rank.
+    all-to-all dispatcher (capacity_factor: parallel.ep_capacity_factor, 0 = dropless). A no-op when the ep mesh
+    has one rank.
 
     Call it on the meta-built model, before to_empty and init_weights: GroupedExperts.init_weights draws every
     expert from the shared seed and keeps this rank's rows (model.common.init_normal), so each rank holds
@@ -186,8 +329,16 @@ def apply_ep(model: nn.Module, ep_mesh: DeviceMesh) -> nn.Module:
             rows = w.detach()[rank * e_local:(rank + 1) * e_local].clone()  # stays on meta for a meta model
             shard = DTensor.from_local(rows, ep_mesh, [Shard(0)], run_check=False)
             experts.register_parameter(name, nn.Parameter(shard, requires_grad=w.requires_grad))
-        moe.dispatcher = AllToAllDispatcher(group, num_experts)
+        moe.dispatcher = AllToAllDispatcher(group, num_experts, capacity_factor)
     return model
+
+
+def dropped_copies(model: nn.Module) -> torch.Tensor | None:
+    """Token copies this rank's last forward dropped, summed over the MoE layers (0-dim int64 on the device, no
+    sync; all-reduce it over ep for the job's count); None before any forward under ep."""
+    counts = [m.dispatcher.dropped for m in moe_layers(model)
+              if isinstance(m.dispatcher, AllToAllDispatcher) and m.dispatcher.dropped is not None]
+    return torch.stack(counts).sum() if counts else None
 
 
 def expert_parameters(model: nn.Module) -> list[nn.Parameter]:

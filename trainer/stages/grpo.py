@@ -27,6 +27,8 @@ __all__ = ["PolicyLoss"]
 
 
 class PolicyLoss(LMLoss):
+    supports_fused = False  # reads the tempered logits themselves (log-probs, entropy): trainer.fused_loss refused
+
     def __init__(self, *, eps_low: float, eps_high: float, tis_cap: float, kl_coef: float = 0.0,
                  temperature: float = 1.0):
         super().__init__()

@@ -1,0 +1,111 @@
+"""trainer.compile: every block compiles whole (fullgraph: a graph break fails) and trains as the eager model does.
+
+The model is tests/helpers.py's every-role config (SWA, encoder Full + Reuse, the decoder Full that builds the
+candidate pool, Reuse, the pool-restricted Reindex, Engram): every branch a block takes in training. aot_eager traces
+forward and backward as inductor does, without generating code (inductor's C++ compilation of six blocks takes
+minutes on two cores; bench/profile_step.py measures it); fp32 on CPU, the reference kernels.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounterWithBackend
+
+from tests.helpers import EVERY_ROLE_SEQ_LEN, every_role_config
+from trainer.config import ParallelConfig, TrainerConfig
+from trainer.parallel.compile import compile_blocks, is_compiled
+from trainer.train import build_model, forward_backward, setup_runtime
+
+LAYERS = 6
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+    torch._dynamo.reset()
+
+
+def _config():
+    cfg = every_role_config()
+    # the sequence-balance loss on: its scatter-add and the counts' fixed-size bins are in the graph too
+    return dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, seq_aux_loss_coef=1e-2))
+
+
+def _batches(step: int) -> list[dict]:
+    gen = torch.Generator().manual_seed(10 + step)
+    ids = torch.randint(0, 4096, (2, EVERY_ROLE_SEQ_LEN + 1), generator=gen)
+    labels = ids[:, 1:].clone()
+    labels[0, :5] = -100
+    return [{"input_ids": ids[:, :-1], "labels": labels}]
+
+
+def _run(backend, activation_checkpoint: str = "none", steps: int = 2) -> dict:
+    parallel = ParallelConfig(activation_checkpoint=activation_checkpoint)
+    rt = setup_runtime(TrainerConfig(device="cpu", precision="fp32", num_threads=1), parallel)
+    pm = build_model(_config(), rt, parallel, 0, batch_size=2, seq_len=EVERY_ROLE_SEQ_LEN, grad_accum=1,
+                     compile_backend=backend)
+    pm.module.train()
+    out = {"loss": [], "grads": [], "aux": [], "frames": [], "names": [n for n, _ in pm.module.named_parameters()]}
+    for step in range(steps):
+        micro = forward_backward(pm, _batches(step), None)
+        out["loss"].append(micro.loss)
+        out["aux"].append(micro.aux)
+        out["grads"].append({n: p.grad.clone() for n, p in pm.module.named_parameters() if p.grad is not None})
+        for p in pm.module.parameters():
+            p.grad = None
+        if isinstance(backend, CompileCounterWithBackend):
+            out["frames"].append(backend.frame_count)
+    out["compiled"] = [is_compiled(b) for b in pm.module.layers]
+    return out
+
+
+def _assert_same(got: dict, want: dict, tol: float) -> None:
+    assert got["names"] == want["names"]  # no wrapper module: parameter names (and checkpoints) unchanged
+    for step in range(len(want["loss"])):
+        assert got["loss"][step] == pytest.approx(want["loss"][step], rel=tol)
+        assert got["aux"][step].keys() == want["aux"][step].keys()
+        for k, v in want["aux"][step].items():
+            assert got["aux"][step][k] == pytest.approx(v, rel=tol, abs=1e-9), k
+        g, w = got["grads"][step], want["grads"][step]
+        assert g.keys() == w.keys()
+        total = torch.sqrt(sum(t.double().square().sum() for t in w.values()))
+        worst = max(float((g[n] - t).double().norm() / total) for n, t in w.items())
+        assert worst < tol, f"step {step + 1}: a gradient differs by {worst:.2e} of the whole gradient's norm"
+
+
+def test_every_block_compiles_whole_and_trains_as_eager():
+    eager = _run(None)
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = _run(counter)
+    assert compiled["compiled"] == [True] * LAYERS
+    # one graph per block (fullgraph: a break would have raised), none more at the second step: no recompilation
+    assert compiled["frames"] == [LAYERS, LAYERS]
+    assert counter.op_count > 100 * LAYERS  # the blocks' operators are in the graphs, not run around them
+    _assert_same(compiled, eager, 1e-5)
+
+
+def test_compiled_blocks_under_activation_checkpointing():
+    """The checkpointed forward is what is compiled: the recomputation is traced with it (Dynamo's checkpoint
+    operator), still one graph per block."""
+    eager = _run(None, "full", steps=1)
+    counter = CompileCounterWithBackend("eager")
+    compiled = _run(counter, "full", steps=1)
+    assert compiled["frames"] == [LAYERS]
+    _assert_same(compiled, eager, 1e-6)
+
+
+def test_compile_blocks_is_idempotent():
+    parallel = ParallelConfig()
+    rt = setup_runtime(TrainerConfig(device="cpu", precision="fp32", num_threads=1), parallel)
+    pm = build_model(_config(), rt, parallel, 0, batch_size=2, seq_len=EVERY_ROLE_SEQ_LEN, grad_accum=1,
+                     compile_backend="eager")
+    keys = list(pm.module.state_dict())
+    assert compile_blocks(pm.module, "eager") == 0  # already compiled: nothing wrapped twice
+    assert list(pm.module.state_dict()) == keys and not any("_orig_mod" in k for k in keys)

@@ -1,0 +1,64 @@
+"""Regional compilation (`trainer.compile=true`): torch.compile on each transformer block, as torchtitan does.
+
+Why blocks and not the whole model: a block is the unit that repeats (40 in the flagship), so compiling it keeps the
+compile time to a few graphs while the Python overhead and the small elementwise launches between the block's
+GEMMs and kernels (what dominates a step: BENCHMARKS.md, "Where one GPU's step goes") are fused away. The
+embedding, the head, the loss and the loop over blocks stay eager; the loop is cheap and it is where the
+ForwardState is recorded.
+
+What is compiled: the block's `forward` (with activation checkpointing, the checkpointed forward: the recomputation
+is traced with it), not its `__call__`, so module hooks stay outside the graph and run eagerly: FSDP2's unshard and
+reshard, the tensor-parallel input / output layouts. Parameters are graph inputs (FSDP swaps them each step).
+`fullgraph=True`: a graph break is an error, not a silent fall-back to Python. The blocks are compile-clean on the
+reference path (static shapes everywhere: the MoE counts with a fixed-size scatter-add, the expert GEMMs grouped
+on the device, the indexer KL masked instead of selected; tests/trainer/test_compile.py checks every layer role).
+
+Graphs per block: each block has its own guards (its spec: layer role, which KV it reads), so a model gets one graph
+per block and mode (training, evaluation, no-grad scoring); the recompile limit is raised to cover that.
+
+Names and checkpoints are unchanged: the compiled callable is an instance attribute, not a wrapper module (no
+`_orig_mod.` prefix), so state dicts, DCP checkpoints and the pipeline's stage modules see the same blocks.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+__all__ = ["compile_blocks", "is_compiled"]
+
+_COMPILED = "_cedar_compiled"
+# graphs a block may need: training, evaluation and no-grad forwards, each possibly at a second sequence length
+_GRAPHS_PER_BLOCK = 8
+
+
+def _blocks(model: nn.Module) -> list[nn.Module]:
+    from model.transformer import Block
+
+    return [m for m in model.modules() if isinstance(m, Block)]
+
+
+def is_compiled(block: nn.Module) -> bool:
+    return getattr(block, _COMPILED, False)
+
+
+def compile_blocks(model: nn.Module, backend="inductor", fullgraph: bool = True) -> int:
+    """Compile the forward of every block of `model` (a Transformer or a pipeline StageGroup) in place; idempotent.
+    Returns the number of blocks compiled. Call it after activation checkpointing and the tp / ep / cp plans and
+    before FSDP (torchtitan's order). fullgraph=False lets a block fall back to Python at a graph break (to find
+    the breaks: bench/profile_step.py counts them) instead of failing."""
+    import torch._dynamo.config as dynamo_config
+
+    blocks = [b for b in _blocks(model) if not is_compiled(b)]
+    need = _GRAPHS_PER_BLOCK * len(_blocks(model))
+    # One code object (Block.forward) serves every block: its cache must hold a graph per block and mode.
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(dynamo_config, name) and getattr(dynamo_config, name) < need:
+            setattr(dynamo_config, name, need)
+    if hasattr(dynamo_config, "accumulated_recompile_limit"):
+        dynamo_config.accumulated_recompile_limit = max(dynamo_config.accumulated_recompile_limit, 4 * need)
+    for block in blocks:
+        # the class's forward (the checkpointed one under activation checkpointing), bound to this block
+        block.forward = torch.compile(block.forward, fullgraph=fullgraph, backend=backend)
+        setattr(block, _COMPILED, True)
+    return len(blocks)
