@@ -7,10 +7,8 @@ torch.topk's was unspecified), which the inference cache needs to pick what the 
 restored, issue 14's code reproduced the old curve bit for bit, so nothing else moved. Re-recorded in issue 15 for a
 change of data, not of code: the trained tokenizer reserves six chat markers after <bos>, <eos>, <pad>
 (data/tokenizer.py), so it learns six fewer merges and the prepared corpus' ids (and fingerprint) change.
-Re-recorded in issue 16 for two summation-order changes that make the step compile-ready: the routed experts run as
-grouped GEMMs on CPU too (their weight gradients summed in another order than the per-expert loop's) and the
-indexer KL sums masked rows instead of selected ones; the first difference was at step 3 (8.227227 vs 8.227211), the
-30th loss moved by 1.3e-4 relative.
+Issue 16's compile-ready step (the indexer KL masked instead of selected, fixed-size expert counts) left it bit for
+bit as it was: eager CPU runs keep the per-expert GEMM loop (model/moe.py GroupedExperts).
 
 The curve depends on the corpus, which is the running interpreter's standard library: the asset records the
 prepared data's fingerprint (tokenizer and shard hashes), and a different one fails naming both, since the curve then
