@@ -28,6 +28,13 @@ class RMSNorm(nn.Module):
 AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "mps", "hpu")
 
 
+def autocast_dtype(device_type: str) -> torch.dtype | None:
+    """The dtype an autocast region computes matmuls in on `device_type`, None outside one."""
+    if device_type in AUTOCAST_DEVICES and torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return None
+
+
 def local(t: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a parameter that a parallel plan distributed (a DTensor); any other tensor unchanged.
 

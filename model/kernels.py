@@ -59,7 +59,7 @@ import os
 
 import torch
 from torch.distributed.tensor import DTensor
-from model.common import AUTOCAST_DEVICES
+from model.common import autocast_dtype
 
 __all__ = [
     "CHOICES",
@@ -211,10 +211,7 @@ def norm_rope_quant(x: torch.Tensor, norm, cos: torch.Tensor, sin: torch.Tensor,
 # -- attention ----------------------------------------------------------------------------------------------------
 def _matmul_dtype(t: torch.Tensor) -> torch.dtype:
     """The dtype the reference's einsums compute in: the autocast dtype inside an autocast region, else t's."""
-    kind = t.device.type
-    if kind in AUTOCAST_DEVICES and torch.is_autocast_enabled(kind):
-        return torch.get_autocast_dtype(kind)
-    return t.dtype
+    return autocast_dtype(t.device.type) or t.dtype
 
 
 def sparse_attention(q: torch.Tensor, kv_win: torch.Tensor, kv_cmp: torch.Tensor | None,

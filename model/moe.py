@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model.common import init_normal, local
+from model.common import autocast_dtype, init_normal, local
 from model.config import MoEConfig
 
 # Normalisation guard of the routing weights, as in the reference.
@@ -224,8 +224,7 @@ class GroupedExperts(nn.Module):
             return False
         # Both kernels want 16-byte aligned row strides; the CUDA one bf16 only, the CPU one any float dtype.
         f, d = self.w1.shape[1:]
-        size = torch.empty((), dtype=dtype).element_size()
-        aligned = (d * size) % 16 == 0 and (f * size) % 16 == 0
+        aligned = (d * dtype.itemsize) % 16 == 0 and (f * dtype.itemsize) % 16 == 0
         if x.is_cuda:
             return aligned and dtype == torch.bfloat16
         # CPU: the loop in eager mode (torch's CPU grouped GEMM is slower than per-expert GEMMs: 24 vs 18 ms forward
@@ -243,8 +242,7 @@ class GroupedExperts(nn.Module):
         the per-expert loop reads the group sizes on the host."""
         w1, w3, w2 = (local(w) for w in (self.w1, self.w3, self.w2))  # [E, F, D], [E, F, D], [E, D, F]
         # The GEMMs' dtype: autocast's where it is on (the loop's matmuls get it from autocast itself).
-        device = x.device.type
-        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+        dtype = autocast_dtype(x.device.type) or x.dtype
         if self._grouped_ok(x, dtype):
             offs = tokens_per_expert.cumsum(0).to(torch.int32)  # [E], end row of each group
             xc = x.to(dtype)

@@ -30,6 +30,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from model.common import autocast_dtype
 from trainer.loss import IGNORE_INDEX
 
 __all__ = ["CHUNK_BYTES", "default_chunk_tokens", "linear_cross_entropy"]
@@ -44,10 +45,7 @@ def default_chunk_tokens(vocab_size: int) -> int:
 
 def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     """The dtype the plain head's F.linear would run in here: autocast's, where autocast is on for the device."""
-    device_type = hidden.device.type
-    if torch.is_autocast_enabled(device_type):
-        return torch.get_autocast_dtype(device_type)
-    return torch.promote_types(hidden.dtype, weight.dtype)
+    return autocast_dtype(hidden.device.type) or torch.promote_types(hidden.dtype, weight.dtype)
 
 
 def _chunk_logits(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -13,8 +13,6 @@ and does break the graph: trainer.compile under ep wants the sync-free one.
 
 from __future__ import annotations
 
-import traceback
-
 import pytest
 
 from tests.distributed import run_distributed
@@ -27,18 +25,15 @@ LAYOUTS = {
 }
 
 
-def _worker(rank: int, world: int, names: list[str]) -> dict:
+def _train(name: str) -> dict:
     import torch
 
-    results = {}
-    for name in names:
-        torch._dynamo.reset()
-        try:
-            results[name] = layouts._train_small(LAYOUTS[name], compile_backend="eager")
-        except Exception:
-            results[name] = traceback.format_exc()
-            break
-    return results
+    torch._dynamo.reset()
+    return layouts._train_small(LAYOUTS[name], compile_backend="eager")
+
+
+def _worker(rank: int, world: int, names: list[str]) -> dict:
+    return layouts.train_each(names, _train)
 
 
 _RUNS: list = []

@@ -180,17 +180,22 @@ def _train_small(fields: dict, compile_backend: str | None = None) -> dict:
     return _train(fields, _small_config(), EVERY_ROLE_SEQ_LEN, compile_backend)
 
 
-def _worker(rank: int, world: int, names: list[str]) -> dict:
-    """Every layout of this world size in one spawn (process start-up dominates); a failure is reported per
+def train_each(names: list[str], train) -> dict:
+    """train(name) for each layout in turn in one spawn (process start-up dominates); a failure is reported per
     layout and stops the rest (the peers may be stuck in a collective of the failed one)."""
     results = {}
     for name in names:
         try:
-            results[name] = _train_small(LAYOUTS[name])
+            results[name] = train(name)
         except Exception:
             results[name] = traceback.format_exc()
             break
     return results
+
+
+def _worker(rank: int, world: int, names: list[str]) -> dict:
+    """Every layout of this world size in one spawn."""
+    return train_each(names, lambda name: _train_small(LAYOUTS[name]))
 
 
 def _single(train) -> dict:
