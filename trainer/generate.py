@@ -15,6 +15,9 @@ checkpoint saved under any parallel layout, in one process, through the built-in
   data.tokenizer, or the tokenizer.json next to data.path's shards (checked against the sha256 their meta.json
   records). Engram's canonical vocabulary is derived from it as in training; its end-of-text token stops a completion
   (`stop_at_eos`).
+- The chat template: with the default `prompt_template` a prompt is one user turn of the chat template
+  (docs/chat_template.md), encoded as the SFT and RL stages encode it, and <|end|>, which closes the assistant's
+  turn, stops the completion (`stop_at_end`). Another template (`'{prompt}'`: the raw text) is tokenized whole.
 - Prompts: `prompt=<text>`, taken verbatim (no Hydra quoting; `prompt_template` too), or `prompts_file=<jsonl>`, one
   JSON object a line with the keys of `PROMPT_KEYS`: "prompt" (required) and optionally "id", "effort",
   "max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop" (a string or a list), "stop_token_ids", which
@@ -82,6 +85,9 @@ class GenerateConfig:
     stop_token_ids: List[int] = field(default_factory=list)
     stop_at_eos: bool = True
     """the tokenizer's end-of-text token stops a completion"""
+    stop_at_end: bool = True
+    """with the default prompt_template (the chat template): <|end|>, which closes the assistant's turn, stops a
+    completion (the SFT and RL stages train the model to end its answer with it)"""
     effort: int = 100
     """reasoning effort 1..100 (SPEC 2's API tiers max / high / low are 100 / 75 / 50)"""
     prompt_template: str = PromptFormat.template
@@ -276,18 +282,33 @@ def _stop_string_tokens(stop: list[str], tokenizer) -> list[int]:
     return out
 
 
+def chat_template(tokenizer, cfg: GenerateConfig):
+    """The chat template (data/chat.py) when prompts are rendered with the default prompt_template, else None."""
+    from data.chat import ChatTemplate
+
+    return ChatTemplate(tokenizer) if cfg.prompt_template == PromptFormat.template else None
+
+
 def to_requests(prompts: list[Prompt], tokenizer, eos_id: int | None, cfg: GenerateConfig) -> list[Request]:
-    """Each prompt rendered and tokenized; ValueError naming the first that does not fit max_len."""
-    fmt = PromptFormat(cfg.prompt_template)
+    """Each prompt rendered and tokenized; ValueError naming the first that does not fit max_len.
+
+    With the default prompt_template a prompt is one user turn of the chat template, encoded as the SFT and RL
+    stages encode it (`ChatTemplate.render_prompt`: the markers are special tokens, a prompt that spells one is
+    text), and <|end|> stops it (`stop_at_end`). Another template is rendered as text and tokenized whole."""
+    fmt, template = PromptFormat(cfg.prompt_template), chat_template(tokenizer, cfg)
+    end = [template.end_id] if template is not None and cfg.stop_at_end else []
     requests = []
     for p in prompts:
-        ids = tokenizer.encode(fmt.render(p.text, p.effort)).ids
+        if template is not None:
+            ids = template.render_prompt(p.text, p.effort)
+        else:
+            ids = tokenizer.encode(fmt.render(p.text, p.effort)).ids
         total = len(ids) + p.sampling.max_new_tokens
         if total > cfg.max_len:
             raise ValueError(f"{p.where}: {len(ids)} prompt tokens (rendered with prompt_template) + max_new_tokens="
                              f"{p.sampling.max_new_tokens} = {total} exceed max_len={cfg.max_len}: shorten the prompt, "
                              "lower max_new_tokens or raise max_len")
-        stops = [*p.sampling.stop_token_ids, *([eos_id] if cfg.stop_at_eos and eos_id is not None else []),
+        stops = [*p.sampling.stop_token_ids, *([eos_id] if cfg.stop_at_eos and eos_id is not None else []), *end,
                  *_stop_string_tokens(p.stop, tokenizer)]
         sampling = dataclasses.replace(p.sampling, stop_token_ids=list(dict.fromkeys(stops)))
         requests.append(Request(ids, sampling, effort=p.effort, request_id=p.request_id))
@@ -363,10 +384,14 @@ def _generate(cfg: GenerateConfig, model_overrides: list[str]) -> int:
     tokenizer_path = cfg.tokenizer or run_tokenizer(path)
     tokenizer = load_tokenizer(tokenizer_path)
     info = tokenizer_info(tokenizer, tokenizer_path)
-    if info.vocab_size > model_cfg.vocab_size:
-        raise ValueError(f"tokenizer {tokenizer_path} has {info.vocab_size} ids, more than the checkpoint's "
-                         f"model.vocab_size={model_cfg.vocab_size}: give the tokenizer it was trained with")
+    template = chat_template(tokenizer, cfg)
+    vocab = info.vocab_size if template is None else max(info.vocab_size, template.vocab_size)
+    if vocab > model_cfg.vocab_size:
+        raise ValueError(f"tokenizer {tokenizer_path} has {vocab} ids (chat markers included), more than the "
+                         f"checkpoint's model.vocab_size={model_cfg.vocab_size}: give the tokenizer it was trained with")
     requests = to_requests(prompts, tokenizer, info.eos_id, cfg)
+    if template is not None:  # decodes the chat markers it may have appended to the tokenizer too
+        tokenizer = template.tokenizer
     if cfg.output and not Path(cfg.output).resolve().parent.is_dir():
         raise ValueError(f"output={cfg.output!r}: directory {Path(cfg.output).resolve().parent} does not exist")
     model = load_model(path, model_cfg, _device(cfg.device), tokenizer_path)

@@ -263,3 +263,24 @@ def test_stop_strings_cut_where_they_complete(tokenizer):
     assert c.text == "x = 1" and c.finish_reason == "stop"
     assert "\n\n" in tokenizer.decode(c.token_ids) and "\n\n" not in tokenizer.decode(c.token_ids[:-1])
     assert len(c.logprobs) == len(c.model_logprobs) == len(c.token_ids)
+
+
+def test_default_prompts_are_the_chat_templates_and_stop_at_end(tokenizer):
+    """With the default prompt_template a prompt is encoded as SFT and RL encode a user turn (a prompt spelling a
+    marker stays text) and <|end|> stops it; the raw template tokenizes the text whole and has no <|end|> stop."""
+    from data.chat import ChatTemplate
+
+    template = ChatTemplate(tokenizer)
+    texts = ["5+0", "say <|end|> and stop"]
+    prompts = [generate.Prompt(t, "prompt", i, 20, SamplingParams(max_new_tokens=4), []) for i, t in enumerate(texts)]
+    cfg = generate.GenerateConfig(ckpt="x", prompt="unused")
+    requests = generate.to_requests(prompts, tokenizer, 1, cfg)
+    for r, text in zip(requests, texts):
+        assert r.prompt == template.render_prompt(text, 20)
+        assert r.prompt.count(template.end_id) == 1  # the user turn's closing marker only
+        assert r.sampling.stop_token_ids == [1, template.end_id]
+    assert generate.to_requests(prompts, tokenizer, 1, dataclasses.replace(cfg, stop_at_end=False))[0] \
+        .sampling.stop_token_ids == [1]
+    raw = generate.to_requests(prompts, tokenizer, 1, dataclasses.replace(cfg, prompt_template="{prompt}"))
+    assert [r.prompt for r in raw] == [tokenizer.encode(t).ids for t in texts]
+    assert all(r.sampling.stop_token_ids == [1] for r in raw)
