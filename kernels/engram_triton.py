@@ -206,6 +206,9 @@ def _gate_fwd_kernel(s_ptr, kv_ptr, qk_ptr, dead_ptr, s_out_ptr, g_ptr, stats_pt
                      num_rows, dim, eps, inv_sqrt_dim,
                      N: tl.constexpr, HAS_DEAD: tl.constexpr, S_BF16: tl.constexpr, GPU: tl.constexpr,
                      BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    # Inductor passes a Python float as fp64 (eager Triton as fp32): compute in fp32 either way
+    eps = tl.cast(eps, tl.float32)
+    inv_sqrt_dim = tl.cast(inv_sqrt_dim, tl.float32)
     r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)  # rows (token, stream)
     r_ok = r < num_rows
     tok, k = r // N, r % N

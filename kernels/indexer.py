@@ -67,6 +67,8 @@ def _scores_fwd(
     HI: tl.constexpr, DI: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_DI: tl.constexpr,
     PREC: tl.constexpr,
 ):
+    # Inductor passes a Python float as fp64 (eager Triton as fp32): compute in fp32 either way
+    scale = tl.cast(scale, tl.float32)
     pid_e = tl.program_id(0)
     pid_t = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
@@ -99,6 +101,8 @@ def _scores_bwd_qw(
     PREC: tl.constexpr,
 ):
     """dq[p, h] = scale * w[p, h] * sum_e g[p, e] [q.k > 0] k[e];  dw[p, h] = scale * sum_e g[p, e] relu(q.k)."""
+    # Inductor passes a Python float as fp64 (eager Triton as fp32): compute in fp32 either way
+    scale = tl.cast(scale, tl.float32)
     pid_t = tl.program_id(0)
     h = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
@@ -136,6 +140,8 @@ def _scores_bwd_k(
     PREC: tl.constexpr,
 ):
     """dk[e] = scale * sum_{p, h} w[p, h] g[p, e] [q.k > 0] q[p, h], over the queries that see e."""
+    # Inductor passes a Python float as fp64 (eager Triton as fp32): compute in fp32 either way
+    scale = tl.cast(scale, tl.float32)
     pid_e = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     offs_e = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
@@ -209,6 +215,8 @@ def _pool_fwd(
     HI: tl.constexpr, DI: tl.constexpr, BS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_DI: tl.constexpr,
     BLOCK_N: tl.constexpr, PREC: tl.constexpr,
 ):
+    # Inductor passes a Python float as fp64 (eager Triton as fp32): compute in fp32 either way
+    scale = tl.cast(scale, tl.float32)
     t = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     row = b * T + t
@@ -236,6 +244,8 @@ def _pool_bwd(
     HI: tl.constexpr, DI: tl.constexpr, BS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_DI: tl.constexpr,
     BLOCK_N: tl.constexpr, PREC: tl.constexpr,
 ):
+    # Inductor passes a Python float as fp64 (eager Triton as fp32): compute in fp32 either way
+    scale = tl.cast(scale, tl.float32)
     t = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     row = b * T + t

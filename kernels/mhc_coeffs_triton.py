@@ -110,6 +110,10 @@ def _sinkhorn_step(c, t, valid, eps):
 def _coeff_fwd_kernel(raw_ptr, sumsq_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr,
                       num_tokens, inv_width, norm_eps, eps, iters,
                       N: tl.constexpr, NP: tl.constexpr, BLOCK_T: tl.constexpr):
+    # Inductor passes a Python float as fp64 (eager Triton as fp32): compute in fp32 either way
+    inv_width = tl.cast(inv_width, tl.float32)
+    norm_eps = tl.cast(norm_eps, tl.float32)
+    eps = tl.cast(eps, tl.float32)
     tile, _, _, z, _ = _coeff_prologue(raw_ptr, sumsq_ptr, scale_ptr, base_ptr, num_tokens, inv_width, norm_eps,
                                        N, NP, BLOCK_T)
     tok, _, k, jk, valid, m2, m3 = tile
@@ -128,6 +132,10 @@ def _coeff_bwd_kernel(raw_ptr, sumsq_ptr, scale_ptr, base_ptr, g_pre_ptr, g_post
                       num_tokens, inv_width, norm_eps, eps, iters,
                       N: tl.constexpr, NP: tl.constexpr, BLOCK_T: tl.constexpr):
     """Per token: g_raw [M], g_sumsq; and the token's terms of g_scale [3] and g_base [M] (summed on the host)."""
+    # Inductor passes a Python float as fp64 (eager Triton as fp32): compute in fp32 either way
+    inv_width = tl.cast(inv_width, tl.float32)
+    norm_eps = tl.cast(norm_eps, tl.float32)
+    eps = tl.cast(eps, tl.float32)
     tile, r, raw, z, scale = _coeff_prologue(raw_ptr, sumsq_ptr, scale_ptr, base_ptr, num_tokens, inv_width,
                                              norm_eps, N, NP, BLOCK_T)
     tok, t_ok, k, jk, valid, m2, m3 = tile

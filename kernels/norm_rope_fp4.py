@@ -154,6 +154,8 @@ def _norm_rope_quant_fwd(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, scales_ptr, no
     """x pair words [R, DP] -> out: (FAKE or QUANT == 0) the (fake-quantised) rows as words of x's kind, else the
     record (FP4 codes uint8 [R, DP] / FP8 e4m3 byte pairs int16 [R, DP]) + scale bytes uint8 [R, NB];
     optionally normed (words of x's kind, pre-RoPE y) and rstd fp32 [R]."""
+    # Inductor passes a Python float as fp64 (eager Triton as fp32): compute in fp32 either way
+    eps = tl.cast(eps, tl.float32)
     HALF: tl.constexpr = D // 2
     row, offs, live, cs_offs, rope = _tile(tl.program_id(0), num_rows, seq_len, num_heads, HALF, HALF_R, NB_P, HB,
                                            BLOCK_R)

@@ -66,6 +66,9 @@ def _bwd_probs(
     PREC: tl.constexpr,
 ):
     """Per query: P = exp(logits - lse) and dS * scale = P * (dO.V - rowsum(dO * O)) * scale for every slot."""
+    # Inductor passes a Python float as fp64 (eager Triton as fp32): compute in fp32 either way
+    scale = tl.cast(scale, tl.float32)
+    qk_scale = tl.cast(qk_scale, tl.float32)
     FULL: tl.constexpr = D == BLOCK_D
     t = t0 + tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)

@@ -65,6 +65,8 @@ def _sparse_attn_fwd(
     PREC: tl.constexpr, TOPK_PROBS: tl.constexpr,
 ):
     """One query token, all heads; kv_win and kv_cmp in q's dtype."""
+    # Inductor passes a Python float as fp64 (eager Triton as fp32): compute in fp32 either way
+    qk_scale = tl.cast(qk_scale, tl.float32)
     FULL: tl.constexpr = D == BLOCK_D
     t = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
