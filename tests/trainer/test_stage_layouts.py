@@ -1,7 +1,9 @@
-"""RL under FSDP, tensor and expert parallelism equals the single process: rollouts colocated (each data rank
-generates for its slice of the step's prompts with the training model, in lockstep), the same rollouts in every
-layout, the same loss and gradient norm. SFT trains through the pretraining path (tests/parallel/test_layouts.py);
-distillation shares RL's rollouts and loss, adding a teacher that is whole on every rank."""
+"""The post-training stages under the layouts equal the single process. RL under tensor and expert parallelism:
+rollouts colocated (each data rank generates for its slice of the step's prompts with the training model, in
+lockstep), the same rollouts in every layout, the same loss and gradient norm. SFT and distillation under FSDP (two
+data ranks: each its share of the samples or prompts); distillation shares RL's rollouts, loss and data-rank split,
+adding a teacher that is whole on every rank, so RL's FSDP case is distillation's. SFT trains through the
+pretraining path (tests/parallel/test_layouts.py has its every layout)."""
 
 from __future__ import annotations
 
@@ -32,13 +34,13 @@ def _records(run):
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_rl_under_fsdp_tp_and_ep_equals_the_single_process(tmp_path, small_data, pretrained):
+def test_rl_under_tp_and_ep_equals_the_single_process(tmp_path, small_data, pretrained):
     single = tmp_path / "single"
     r = run_cli(_args(single, small_data, *TP_MODEL, *RL, f"checkpoint.init_from={pretrained}"))
     assert r.returncode == 0, r.stderr[-3000:]
     want = _records(single)
     assert len(want) == 2 and all(w["rl/train_tokens"] > 0 for w in want)
-    for layout in ("parallel.dp_shard=2", "parallel.tp=2", "parallel.ep=2"):
+    for layout in ("parallel.tp=2", "parallel.ep=2"):
         run = tmp_path / layout.split(".")[1].split("=")[0]
         args = _args(run, small_data, *TP_MODEL, *RL, f"checkpoint.init_from={pretrained}", layout)
         p = subprocess.run(["bash", str(REPO / "launch" / "torchrun.sh"), "2", *args], cwd=REPO, env=env(),
