@@ -93,7 +93,7 @@ def _gather_kernel(table_ptr, scale_ptr, ids_ptr, out_ptr, num_lookups, num_rows
     else:
         # Same dtype in and out: copy the bits, so no rounding question arises.
         bits = tl.load(table_ptr + src, mask=m_in, other=0)
-        tl.store(dst, tl.where(valid[:, None], bits, nan_bits.to(bits.dtype)), mask=m_out)
+        tl.store(dst, tl.where(valid[:, None], bits, tl.cast(nan_bits, bits.dtype)), mask=m_out)
 
 
 @triton.jit
@@ -310,6 +310,26 @@ def gate_from_stats(p: torch.Tensor, hsq: torch.Tensor, ksq: torch.Tensor, dead:
     return g.masked_fill(dead[:, None], 0.0) if dead is not None else g
 
 
+def gate_stats_grad(p: torch.Tensor, hsq: torch.Tensor, ksq: torch.Tensor, dead: torch.Tensor | None, dim: int,
+                    eps: float, g_gate: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dL/d(p, hsq, ksq) of `gate_from_stats` given dL/dg, [N, n] fp32 each: its chain rule written out, as autograd
+    takes it (the clamp passes gradient where |dot| >= 1e-6, sign's is 0), so the backward has no autograd call
+    inside it (torch.compile traces it whole)."""
+    a = torch.rsqrt(hsq / dim + eps)
+    b = torch.rsqrt(ksq / dim + eps)
+    dot = p * a * b / math.sqrt(dim)
+    mag = dot.abs()
+    g = torch.sigmoid(torch.sign(dot) * torch.sqrt(mag.clamp_min(1e-6)))
+    d_u = g_gate * g * (1 - g)
+    if dead is not None:
+        d_u = d_u.masked_fill(dead[:, None], 0.0)
+    # u = sign(dot) sqrt(max(|dot|, 1e-6)): du/ddot = sign(dot)^2 / (2 sqrt(|dot|)) where |dot| >= 1e-6, else 0
+    d_dot = torch.where(mag >= 1e-6, d_u * torch.sign(dot).square() * 0.5 * torch.rsqrt(mag.clamp_min(1e-6)), 0.0)
+    d_dot = d_dot / math.sqrt(dim)  # dot = p a b / sqrt(dim)
+    # d rsqrt(x / dim + eps) / dx = -rsqrt(...)^3 / (2 dim)
+    return d_dot * a * b, d_dot * p * b * (-0.5 / dim) * a ** 3, d_dot * p * a * (-0.5 / dim) * b ** 3
+
+
 def _check_gate(S, kv, qk, dead, fn_name):
     if S.dim() != 3:
         raise ValueError(f"{fn_name}: S must be [N, n, D], got shape {tuple(S.shape)}")
@@ -346,7 +366,7 @@ def gate_fwd(S: torch.Tensor, kv: torch.Tensor, qk: torch.Tensor, dead: torch.Te
     gpu = not interpreting()
     if N:
         _gate_fwd_kernel[(triton.cdiv(N * n, block_r),)](
-            S, kv, qk, dead.view(torch.uint8) if dead is not None else S, _bits(s_out, gpu), g, sums,
+            S, kv, qk, dead if dead is not None else S, _bits(s_out, gpu), g, sums,  # bool: Triton reads it as i1
             N * n, D, eps, 1.0 / math.sqrt(D), N=n, HAS_DEAD=dead is not None,
             S_BF16=S.dtype == torch.bfloat16, GPU=gpu, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=num_warps)
     return s_out, g, sums
@@ -365,10 +385,7 @@ def gate_bwd(S: torch.Tensor, kv: torch.Tensor, qk: torch.Tensor, dead: torch.Te
     if N:
         block_r = triton.next_power_of_2(4 * n)
         _gate_dot_kernel[(triton.cdiv(N * n, block_r),)](g_out, kv, gg, N * n, D, N=n, BLOCK_R=block_r, BLOCK_D=256)
-    # The scalar chain on [N, n] numbers, differentiated by autograd through the reference's own formula.
-    with torch.enable_grad():
-        leaves = [t.detach().requires_grad_() for t in sums.unbind(-1)]
-        g_p, g_hsq, g_ksq = torch.autograd.grad(gate_from_stats(*leaves, dead, D, eps), leaves, gg)
+    g_p, g_hsq, g_ksq = gate_stats_grad(*sums.unbind(-1), dead, D, eps, gg)
     coef = torch.stack([g_p, 2.0 * g_hsq, 2.0 * g_ksq], dim=-1).contiguous()  # [N, n, 3]
     g_s, g_kv = torch.empty_like(S), torch.empty_like(kv)
     # Split-K over tokens for dL/dqk: enough splits to fill the GPU, few enough that the partials are small.
