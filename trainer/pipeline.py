@@ -24,9 +24,11 @@ STAGES = (
     ("sft", ["stage=sft", "trainer.max_steps=400", "stage.envs=[arithmetic]", "stage.difficulty=[1]",
              "stage.num_samples=8000", "data.batch_size=32", "optim.lr=3e-3", "optim.warmup_steps=20",
              "checkpoint.interval=100", "stage.eval_every=50"]),
-    ("rl", ["stage=rl", "trainer.max_steps=40", "optim.lr=3e-4", "optim.warmup_steps=0", "checkpoint.interval=10"]),
-    ("distill", ["stage=distill", "trainer.max_steps=30", "optim.lr=3e-4", "optim.warmup_steps=0",
-                 "checkpoint.interval=10", "stage.envs=[arithmetic,strings]"]),
+    # rollouts are prompt (~10 tokens) + at most max_new_tokens (24): micro-batches padded to 64, not to 128
+    ("rl", ["stage=rl", "trainer.max_steps=20", "stage.prompts_per_step=16", "optim.lr=3e-5", "optim.warmup_steps=0",
+            "data.seq_len=64", "checkpoint.interval=10"]),
+    ("distill", ["stage=distill", "trainer.max_steps=30", "optim.lr=3e-4", "optim.warmup_steps=0", "data.seq_len=64",
+                 "checkpoint.interval=10", "stage.envs=[arithmetic,strings]", "stage.num_eval=64"]),
 )
 HEADLINE = {"pretrain": ("loss", "train loss"), "sft": ("eval/loss", "held-out assistant loss"),
             "rl": ("eval/success", "held-out success (effort 20/80)"), "distill": ("eval/kl", "held-out KL to teacher")}

@@ -137,6 +137,41 @@ def test_distillation_routes_each_task_family_to_its_teacher():
     for (r,), teacher in zip(groups, (math_t, default_t)):
         want = teacher.bias.detach().log_softmax(-1)[[1, 3]]
         assert r.advantages == pytest.approx((want - torch.tensor(lps)).tolist())  # teacher - student, per token
+        # stage.kl=full (the default): the loss reads the teacher's log-softmax at each completion position
+        torch.testing.assert_close(r.extra["teacher_logprobs"], teacher.bias.detach().log_softmax(-1).expand(2, -1))
+    # stage.kl=sampled with the baseline: each position's exact KL(student || teacher) joins its token's advantage
+    stage.stage = DistillStageConfig(teacher=ModelRef(ckpt="x"), kl="sampled")
+    student = _Fixed([1.0, 0.0, 0.5, 0.0])
+    stage.job = types.SimpleNamespace(pm=types.SimpleNamespace(module=student))
+    for (r,) in groups:
+        r.extra.clear()
+    stage.score(groups)
+    s_lp = student.bias.detach().log_softmax(-1)
+    for (r,), teacher in zip(groups, (math_t, default_t)):
+        t_lp = teacher.bias.detach().log_softmax(-1)
+        kl = float((s_lp.exp() * (s_lp - t_lp)).sum())
+        assert r.advantages == pytest.approx((t_lp[[1, 3]] - torch.tensor(lps) + kl).tolist())
+        assert r.reward == pytest.approx(float((t_lp[[1, 3]] - torch.tensor(lps)).mean()))  # the sampled -KL
+        assert "teacher_logprobs" not in r.extra
     stage.teachers, stage.default_teacher = {"math": math_t}, None
     with pytest.raises(ValueError, match="no teacher for task family 'code'"):
         stage.teacher_for("code")
+
+
+def test_the_full_kl_loss_is_the_exact_reverse_kl():
+    """Distillation's stage.kl=full: per completion token sum_v p (log p - log q) over the vocabulary, token-mean."""
+    torch.manual_seed(1)
+    B, T, V = 2, 4, 7
+    logits = torch.randn(B, T, V, requires_grad=True)
+    labels = torch.randint(0, V, (B, T))
+    labels[1, :3] = -100
+    teacher = torch.randn(B, T, V).log_softmax(-1)
+    loss = PolicyLoss(eps_low=0.2, eps_high=0.28, tis_cap=0.0)
+    loss.full_kl = True
+    loss.begin_step(StepTokens(total=int((labels != -100).sum())))
+    zeros = torch.zeros(B, T)
+    out = loss(logits, labels, batch={"advantages": zeros, "rollout_logprobs": zeros, "teacher_logprobs": teacher})
+    lp = logits.log_softmax(-1)
+    kl = (lp.exp() * (lp - teacher)).sum(-1)
+    valid = labels != -100
+    torch.testing.assert_close(out, (kl * valid).sum() / valid.sum())

@@ -119,14 +119,9 @@ def completion_logprobs(module: torch.nn.Module, rollouts, device, *, temperatur
     """One padded scoring forward of `module` over the rollouts (prompt + completion): per rollout the log-probs of
     its completion tokens (a list). With kl_to (a teacher): instead, per rollout the exact per-position reverse KL
     KL(module || kl_to) over the vocabulary at its completion positions."""
-    B = len(rollouts)
-    if B == 0:
+    if not rollouts:
         return []
-    from trainer.stages.rollout import sequences
-
-    T = max(len(r.prompt_ids) + len(r.token_ids) - 1 for r in rollouts)
-    ids, labels = sequences(rollouts, T, pad_id)
-    ids, labels = ids.to(device), labels.to(device)
+    ids, labels = _scoring_batch(rollouts, pad_id, device)
     if kl_to is None:
         lp = token_logprobs(module, ids, labels, temperature=temperature)
         return [lp[b, len(r.prompt_ids) - 1:len(r.prompt_ids) - 1 + len(r.token_ids)].cpu().tolist()
@@ -135,4 +130,24 @@ def completion_logprobs(module: torch.nn.Module, rollouts, device, *, temperatur
     _, t = token_logprobs(kl_to, ids, labels, temperature=temperature, full=True)
     kl = (s.exp() * (s - t)).sum(-1)  # [B, T]
     return [kl[b, len(r.prompt_ids) - 1:len(r.prompt_ids) - 1 + len(r.token_ids)].cpu().tolist()
+            for b, r in enumerate(rollouts)]
+
+
+def _scoring_batch(rollouts, pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    from trainer.stages.rollout import sequences
+
+    T = max(len(r.prompt_ids) + len(r.token_ids) - 1 for r in rollouts)
+    ids, labels = sequences(rollouts, T, pad_id)
+    return ids.to(device), labels.to(device)
+
+
+def completion_distributions(module: torch.nn.Module, rollouts, device, *, temperature: float = 1.0,
+                             pad_id: int = 0) -> list[torch.Tensor]:
+    """One padded scoring forward of `module` over the rollouts: per rollout the log-softmax at its completion
+    positions, [len(token_ids), V] fp32 on the CPU."""
+    if not rollouts:
+        return []
+    ids, labels = _scoring_batch(rollouts, pad_id, device)
+    _, lp = token_logprobs(module, ids, labels, temperature=temperature, full=True)
+    return [lp[b, len(r.prompt_ids) - 1:len(r.prompt_ids) - 1 + len(r.token_ids)].cpu()
             for b, r in enumerate(rollouts)]

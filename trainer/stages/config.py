@@ -141,6 +141,14 @@ class DistillStageConfig(RolloutConfig):
     """per task family (data/envs/: math, string, code), a teacher {ckpt, model} for that family's prompts;
     families not listed use `teacher`"""
     tis_cap: float = 0.0
+    kl: str = choice_field("full", ("full", "sampled"))
+    """the loss: full = each completion position's exact reverse KL(student || teacher) over the vocabulary, at the
+    student's own samples, differentiated directly (the teacher's log-softmax rides in the batch: [tokens, vocab]
+    floats); sampled = the policy gradient with advantage = teacher - student log-prob of the sampled token"""
+    kl_baseline: bool = True
+    """kl=sampled: add each position's exact reverse KL (over the vocabulary) to its token's advantage: the advantage's
+    expectation there, so it is centred per position (unbiased; without it the advantages average -KL and push down
+    every sampled token: trainer/stages/distill.py)"""
 
     def __post_init__(self) -> None:
         super().__post_init__()

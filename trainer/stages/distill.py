@@ -3,13 +3,17 @@ tokens, the loss is the per-token reverse KL.
 
 The policy-gradient loss of trainer/stages/grpo.py with, per completion token, advantage = teacher log-prob - student
 log-prob (the engine's, of the sampled token; no discount, no group baseline): its expected gradient is the
-gradient of the reverse KL KL(student || teacher) along the student's own samples. Teachers (frozen whole models on
+gradient of the reverse KL KL(student || teacher) along the student's own samples (stage.kl=sampled; with
+stage.kl_baseline each position's exact reverse KL is added, centring the advantages without biasing the gradient:
+`Distill.score`). stage.kl=full (default) differentiates that exact per-position KL itself, over the vocabulary, at
+the student's sampled prefixes: the same objective without the sampling noise of the token's log-ratio, which on the
+tiny model left the KL where it was (BENCHMARKS.md, post-training). Teachers (frozen whole models on
 every rank, trainer/stages/common.py `load_frozen`) may be larger or of another config; stage.teachers routes each
 prompt's task family (data/envs/: math, string, code) to its own teacher, stage.teacher takes the rest. A teacher
 trained with another tokenizer is refused.
 
-Evaluation (start, every stage.eval_every steps, end): on stage.num_eval held-out prompts, one student sample each
-(fixed seeds), the exact per-position KL(student || teacher) over the vocabulary, averaged over completion tokens:
+Evaluation (start, every stage.eval_every steps, end): on stage.num_eval held-out prompts at efforts spread evenly over
+stage.effort, one student sample each (fixed seeds), the exact per-position KL(student || teacher) over the vocabulary, averaged over completion tokens:
 eval/kl, the headline figure. Per step: distill/reverse_kl (the sampled estimate on the step's rollouts) and the
 rollout figures RL logs.
 """
@@ -17,6 +21,8 @@ rollout figures RL logs.
 from __future__ import annotations
 
 import logging
+
+import torch
 
 from trainer.stages.rl import EVAL_SEED_OFFSET, RolloutStage
 
@@ -60,19 +66,43 @@ class Distill(RolloutStage):
         return t
 
     def score(self, groups):
-        from trainer.stages.common import completion_logprobs
+        """Per completion token: advantage = teacher log-prob - student log-prob of the sampled token (the
+        engine's), plus with stage.kl_baseline the exact reverse KL KL(student || teacher) at that position, over the
+        vocabulary (a scoring forward of the student and the teacher's forward, both full distributions). That is the
+        advantage's expectation under the student at the position, a baseline that depends on the prefix alone
+        (unbiased), so each position's advantages are centred. Without it they average -KL: with finite samples
+        every sampled token is pushed down, which raises the student's entropy and with it the KL it should lower
+        (BENCHMARKS.md, post-training)."""
+        from trainer.stages.common import completion_distributions
 
+        s = self.stage
         rollouts = [r for g in groups for r in g]
-        by_family: dict[str, list] = {}
-        for r in rollouts:
-            by_family.setdefault(r.problem.family, []).append(r)
-        for family, rs in by_family.items():
-            lps = completion_logprobs(self.teacher_for(family), rs, self.device, temperature=self.stage.temperature,
-                                      pad_id=self.template.pad_id)
-            for r, t in zip(rs, lps):
-                r.advantages = [a - b for a, b in zip(t, r.logprobs)]
+        kw = dict(temperature=s.temperature, pad_id=self.template.pad_id)
+        # the student's forward is collective (FSDP, tp, ep): one over all of this rank's rollouts, on every rank
+        baseline = s.kl == "sampled" and s.kl_baseline
+        student = completion_distributions(self.job.pm.module, rollouts, self.device, **kw) if baseline else None
+        by_family: dict[str, list[int]] = {}
+        for i, r in enumerate(rollouts):
+            by_family.setdefault(r.problem.family, []).append(i)
+        for family, index in by_family.items():
+            teacher = completion_distributions(self.teacher_for(family), [rollouts[i] for i in index], self.device,
+                                               **kw)
+            for i, t in zip(index, teacher):
+                r = rollouts[i]
+                picked = t.gather(-1, torch.tensor(r.token_ids)[:, None])[:, 0]
+                adv = picked - torch.tensor(r.logprobs)
                 # reward: the sampled estimate of -KL(student || teacher) per token, for the metrics
-                r.reward = sum(r.advantages) / max(len(r.advantages), 1)
+                r.reward = float(adv.mean()) if len(adv) else 0.0
+                if student is not None:
+                    adv = adv + (student[i].exp() * (student[i] - t)).sum(-1)
+                r.advantages = adv.tolist()
+                if s.kl == "full":  # the loss reads the teacher's distribution at every completion position
+                    r.extra["teacher_logprobs"] = t
+
+    def loss(self):
+        loss = super().loss()
+        loss.full_kl = self.stage.kl == "full"
+        return loss
 
     def step_extra(self, tot: dict) -> dict:
         return {"distill/reverse_kl": -tot["reward_sum"] / max(tot["samples"], 1.0)}
@@ -85,8 +115,12 @@ class Distill(RolloutStage):
         s, cfg = self.stage, self.cfg
         problems = sample_problems(list(s.envs), s.num_eval, cfg.trainer.seed + EVAL_SEED_OFFSET,
                                    list(s.difficulty) or None)[self.data_rank::self.data_ranks]
-        rng_effort = (s.effort[0] + s.effort[1]) // 2
-        groups = self.generate([(p, rng_effort) for p in problems], 12_345, group_size=1, routing=False)
+        # efforts spread evenly over stage.effort, as training draws them (one effort alone, e.g. the middle of
+        # 1..100, sits at a mode switch of the SFT data, and a held-out figure there measures that switch only)
+        lo, hi = s.effort
+        n_all = s.num_eval
+        efforts = [lo + round(i * (hi - lo) / max(n_all - 1, 1)) for i in range(n_all)][self.data_rank::self.data_ranks]
+        groups = self.generate(list(zip(problems, efforts)), 12_345, group_size=1, routing=False)
         rollouts = [g[0] for g in groups]
         total, count = 0.0, 0.0
         by_family: dict[str, list] = {}

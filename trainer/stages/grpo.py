@@ -9,7 +9,8 @@ update on it: `old_logprobs`, else logp itself detached, as with one update per 
   loss_t  = w_t pg_t + kl_coef (exp(ref - logp) - (ref - logp) - 1)                (K3, when a reference is kept)
 summed over the global batch's completion tokens and divided by their number (token-level normalisation, DAPO /
 Dr. GRPO: LMLoss's share machinery, trainer/loss.py). A_t is the sequence's group-normalised advantage (RL) or the
-token's teacher - student log-prob (distillation).
+token's teacher - student log-prob (distillation's stage.kl=sampled). With `full_kl` (distillation's stage.kl=full)
+loss_t is instead the exact KL(train || teacher) over the vocabulary at t, sum_v p_v (log p_v - log q_v).
 
 The train/rollout mismatch is measured on the same tokens: the mean of K3 for KL(rollout || train) and the largest
 ratio exp(old - rollout); with the clip fraction and the entropy of the training distribution it is kept per step
@@ -34,6 +35,9 @@ class PolicyLoss(LMLoss):
         super().__init__()
         self.eps_low, self.eps_high, self.tis_cap = eps_low, eps_high, tis_cap
         self.kl_coef, self.temperature = kl_coef, temperature
+        self.full_kl = False
+        """distillation's stage.kl=full: per token the exact KL(train || teacher) over the vocabulary instead of the
+        policy gradient (batch["teacher_logprobs"]: the teacher's log-softmax, [B, T, V])"""
         self.sums: dict[str, float] = {}
         self.max_ratio = 0.0
 
@@ -61,6 +65,11 @@ class PolicyLoss(LMLoss):
         if self.tis_cap:
             pg = pg * behaviour.clamp(max=self.tis_cap).detach()
         per_token = pg
+        if self.full_kl:
+            whole = z.full_tensor() if hasattr(z, "full_tensor") else z  # vocab-sharded under tp: whole rows
+            ls = whole.log_softmax(-1)
+            lt = batch["teacher_logprobs"].flatten(0, 1).float()
+            per_token = torch.where(valid, (ls.exp() * (ls - lt)).sum(-1), 0.0)
         if self.kl_coef and "ref_logprobs" in batch:
             d = batch["ref_logprobs"].flatten().float() - logp
             k3 = torch.exp(d) - d - 1

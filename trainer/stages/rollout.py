@@ -122,11 +122,12 @@ class RolloutBatches:
             lp[b, p - 1:n] = torch.tensor(r.logprobs)
             cuts[b] = p
         batch = {"input_ids": ids, "labels": labels, "advantages": adv, "rollout_logprobs": lp}
-        for key in rollouts[0].extra:  # per-token extras a stage adds (e.g. distillation's teacher log-probs)
-            t = torch.zeros(B, T)
+        for key in rollouts[0].extra:  # per-token extras a stage adds: a number or a row (distillation's teacher
+            first = torch.as_tensor(rollouts[0].extra[key])  # log-softmax) per completion token
+            t = torch.zeros(B, T, *first.shape[1:])
             for b, r in enumerate(rollouts):
                 p, n = len(r.prompt_ids), len(r.prompt_ids) + len(r.token_ids) - 1
-                t[b, p - 1:n] = torch.tensor(r.extra[key])
+                t[b, p - 1:n] = torch.as_tensor(r.extra[key])
             batch[key] = t
         if self.replay_routing and rollouts[0].routing is not None:
             from model.routing import RoutingRecords
