@@ -29,9 +29,10 @@ except Engram rows, where the figure is the largest block):
   The step of torch's default (foreach) AdamW also allocates an fp32 denominator per parameter for its duration.
 - activations: micro-batches in flight x what each layer keeps for backward (model.accounting.layer_activation_bytes,
   itemised there, including the bf16 weight copies autocast keeps per micro-batch), plus per micro-batch the
-  compressed KV entries the stage's layers read and the last stage's fp32 logits and log-softmax. In flight on
-  pipeline rank r under 1F1B: min(M, pp - r) (M = trainer.grad_accum); other schedules: the rank's stages each
-  hold min(M, pp) (an upper bound). Under parallel.activation_checkpoint=full (trainer/parallel/
+  compressed KV entries the stage's layers read and the last stage's fp32 logits and log-softmax (with
+  trainer.fused_loss only its per-token log-sum-exp, and one chunk's fp32 logits and gradient in the working set).
+  In flight on pipeline rank r under 1F1B: min(M, pp - r) (M = trainer.grad_accum); other schedules: the rank's
+  stages each hold min(M, pp) (an upper bound). Under parallel.activation_checkpoint=full (trainer/parallel/
   activation_checkpoint.py) a layer keeps only its inputs and one layer at a time is recomputed.
 - working set: the largest transient of one layer (indexer scores [N, E], attention backward scratch, MoE dispatch
   buffers) plus the gradient buffers of the layer being differentiated (about its saved activations; twice that
@@ -140,6 +141,7 @@ class Layout:
     activation_checkpoint: str = "none"  # none | full
     engram_shard: bool = False  # parallel.engram_shard: rows over dp x ep x cp (trainer/parallel/engram.py)
     engram_shard_over: tuple[str, ...] = ("dp_replicate", "dp_shard", "ep", "cp")  # parallel.engram_shard_over
+    fused_loss: bool = False  # trainer.fused_loss: the head and the cross-entropy chunked (trainer/fused_loss.py)
     device_bytes: float = 141e9
     notes: list[str] = field(default_factory=list)
 
@@ -169,7 +171,7 @@ def layout_from_config(cfg, dims, cuts: list[int], device_memory_gb: float = 141
         batch_size=cfg.data.batch_size, seq_len=cfg.data.seq_len, grad_accum=cfg.trainer.grad_accum,
         activation_checkpoint=par.activation_checkpoint,
         engram_shard=par.engram_shard, engram_shard_over=tuple(par.engram_shard_over),
-        device_bytes=float(device_memory_gb) * _GB)
+        fused_loss=cfg.trainer.fused_loss, device_bytes=float(device_memory_gb) * _GB)
     if par.dp_replicate == -1 and not world_size_given:
         lay.notes.append("parallel.dp_replicate=-1 (fill) planned as 1: give --world-size=N to plan N processes")
     return lay
@@ -307,13 +309,23 @@ def _stage_memory(model, lay: Layout, bounds: list[int], stage: int) -> dict:
     saved += _kv_context_bytes(model, layers, lay, tokens)
     is_last = stage == len(bounds) - 2
     vocab = cfg.vocab_size / lay.tp
-    if is_last:
+    if is_last and lay.fused_loss:
+        from trainer.fused_loss import default_chunk_tokens
+
+        # kept: the per-token log-sum-exp; in flight: one chunk's fp32 logits and their gradient (the backward forms
+        # the chunk's logits again); the [tokens, vocab] logits never exist
+        saved += 4 * tokens
+        head = 2 * 4 * min(tokens, default_chunk_tokens(int(vocab))) * vocab
+    elif is_last:
         saved += 2 * 4 * tokens * vocab  # fp32 logits and the cross-entropy's log-softmax
+        head = 4 * tokens * vocab  # the logits' gradient
+    else:
+        head = 0.0
     largest = max((sum(t.values()) for t in per_layer), default=0.0)
     grads_of_layer = largest * (2 if lay.activation_checkpoint == "full" else 1)
     transient = max((sum(accounting.layer_transient_bytes(model.layers[i], tokens, lay.seq_len).values())
                      for i in layers), default=0.0)
-    working = grads_of_layer + transient + (4 * tokens * vocab if is_last else 0.0)
+    working = grads_of_layer + transient + head
     if lay.dp_shard > 1:
         # FSDP2 holds a block's unsharded (fp32) parameters while it runs, and prefetches the next block's.
         from model.parallelize import tp_shard_dims

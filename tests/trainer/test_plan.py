@@ -354,3 +354,20 @@ def test_planned_parameters_equal_real_shards(name, sharded_runs):
     if lay.pp > 1:
         assert {got["pp_rank"] for got in ranks if got.get("embed", 0)} == {0}
         assert {got["pp_rank"] for got in ranks if got.get("head", 0)} == {1}
+
+
+def test_fused_loss_plans_no_logits():
+    """trainer.fused_loss: the last stage keeps only the per-token log-sum-exp, and its working set one chunk's fp32
+    logits and their gradient, where the plain loss keeps the [tokens, vocab] fp32 logits and log-softmax and works
+    on their gradient (v41_small, one rank, 4 x 2048 tokens)."""
+    from trainer.fused_loss import default_chunk_tokens
+    from trainer.plan import compose, plan
+
+    base = ["model=v41_small", "data.seq_len=2048", "data.batch_size=4"]
+    plain, fused = (plan(compose(base + extra))["training"]["per_pp_rank"][0]
+                    for extra in ([], ["trainer.fused_loss=true"]))
+    tokens, vocab = 4 * 2048, 32768
+    chunk = min(tokens, default_chunk_tokens(vocab))
+    assert plain["activations_bytes"] - fused["activations_bytes"] == pytest.approx(8 * tokens * vocab - 4 * tokens)
+    assert plain["working_set_bytes"] - fused["working_set_bytes"] == pytest.approx(
+        4 * tokens * vocab - 8 * chunk * vocab)
