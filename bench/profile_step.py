@@ -2,6 +2,7 @@
 
     python bench/profile_step.py [--model v41_small] [--batch-size 4] [--seq-len 2048] [--kernels auto]
                                  [--modes eager,compiled] [--steps 3] [--warmup 3] [--top 25] [--trace trace.json]
+                                 [--gemm-shapes]
 
 Builds the model and runs steps exactly as the trainer does (trainer.train.build_model -> compute_gradients, bf16
 autocast on CUDA, AdamW from optim/), on random token batches, once per mode: `eager`, `compiled` (trainer.compile:
@@ -62,6 +63,27 @@ def _mode(name: str) -> tuple[bool, bool]:
     if parts[0] not in ("eager", "compiled") or any(p != "fused" for p in parts[1:]):
         raise SystemExit(f"--modes: {name!r} is not eager, compiled, eager+fused or compiled+fused")
     return parts[0] == "compiled", "fused" in parts[1:]
+
+
+GEMMS = ("aten::mm", "aten::bmm", "aten::addmm", "aten::baddbmm", "aten::_grouped_mm", "aten::linear",
+         "aten::matmul")
+
+
+def gemm_table(prof, steps: int, cuda: bool) -> None:
+    """The GEMM operators of the profiled steps by input shapes and dtypes: calls and time per step, a `*` where a
+    matrix dimension is not a multiple of 8 (the misaligned tensor-core kernels' cause)."""
+    rows = []
+    for ev in prof.key_averages(group_by_input_shape=True):
+        if ev.key not in GEMMS:
+            continue
+        us = (ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total) if cuda \
+            else ev.cpu_time_total
+        shapes = [s for s in ev.input_shapes if s]
+        odd = any(d % 8 for s in shapes if len(s) >= 2 for d in s[-2:])
+        rows.append((us / steps, ev.count / steps, ev.key, shapes, odd))
+    print(f"\n{'GEMM operator, input shapes':96s} {'ms/step':>9s} {'calls':>6s}")
+    for us, n, key, shapes, odd in sorted(rows, key=lambda r: -r[0])[:40]:
+        print(f"{('* ' if odd else '  ') + key + ' ' + str(shapes)[:86]:96s} {us / 1e3:9.2f} {n:6.0f}")
 
 
 def run_mode(args, name: str, fullgraph: bool = True) -> dict:
@@ -128,7 +150,7 @@ def run_mode(args, name: str, fullgraph: bool = True) -> dict:
     opt_s = sum(opt_time) / len(opt_time)
     peak_gb = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
     activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
-    with torch.profiler.profile(activities=activities) as prof:
+    with torch.profiler.profile(activities=activities, record_shapes=args.gemm_shapes) as prof:
         for i in range(args.steps):
             step(args.warmup + args.steps + i)
         sync()
@@ -175,6 +197,8 @@ def run_mode(args, name: str, fullgraph: bool = True) -> dict:
     print(f"\n{'top kernels':90s} {'ms/step':>9s} {'calls':>6s}")
     for kname, (us, n) in sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[:args.top]:
         print(f"{kname[:90]:90s} {us / 1e3:9.2f} {n // args.steps:6d}")
+    if args.gemm_shapes:
+        gemm_table(prof, args.steps, cuda)
     return {"mode": name, "step_ms": wall * 1e3, "busy_ms": busy * 1e3, "tokens_s": tokens / wall,
             "mfu": flops / wall / peak, "ops": ops / args.steps, "launches": launches / args.steps,
             "opt_ms": opt_s * 1e3, "peak_gb": peak_gb, "warmup_s": warmup_s}
@@ -193,6 +217,8 @@ def main() -> None:
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--threads", type=int, default=0, help="CPU threads (trainer.num_threads; 0: the cores)")
     p.add_argument("--trace", default=None)
+    p.add_argument("--gemm-shapes", action="store_true",
+                   help="record input shapes: a table of the GEMM operators by shape (* = a dimension not a multiple of 8)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = p.parse_args()
     modes = args.modes.split(",")

@@ -197,7 +197,8 @@ def train_flops_per_token(model: nn.Module, seq_len: int) -> float:
 # bf16 copy of every matmul weight stays in the graph until backward, once per micro-batch.
 #   weight_casts    c * every matmul weight of the layer this rank holds (experts: E / ep of them, the per-expert
 #                   loop casts each one it runs, as the dispatched rows are fp32 and miss the grouped GEMM); the
-#                   mHC `fn` runs in fp32 and the Engram table is read, not multiplied: neither is cast
+#                   mHC `fn`, the router and a ratio > 1 compressor's projections run in fp32 and the Engram table
+#                   is read, not multiplied: none of them is cast
 #   streams         the block's input S (saved by hc_attn and the collapse), hc_attn's RMS-normalised fp32 copy
 #                   (its projection's input), S after the attention's expand (saved by the fused step for the FFN
 #                   expand): n*dim*(2s + 4) per token; the FFN expand also keeps the MoE output in fp32 (4*dim)
@@ -211,10 +212,10 @@ def train_flops_per_token(model: nn.Module, seq_len: int) -> float:
 #                   keep; the pool builder also keeps int32 pool blocks (4P)
 #   indexer         index sources: kernel inputs q (Hi*Di*c) and w (4Hi), weights_proj's input cast (c*dim), and
 #                   the KL over [N, E]: log_softmax output and target in fp32, three bool masks (11 E per token)
-#   compressor      KV sources: input casts (c*dim per projection), the ratio-2 gate softmax (4D) and values (c*D)
-#                   per token, per entry the latent norm (8D) and the key path (c*D + 8Di); a decoder Full layer
+#   compressor      KV sources: the fp32 input of the pooling projections (4*dim; ratio 1: its bf16 cast, c*dim),
+#                   the gate softmax (4D) and the fp32 values (4D) per token, per entry the latent norm (8D) and the key path (c*D + 8Di); a decoder Full layer
 #                   also norms h_{L/2} (2 * 4 * dim)
-#   moe             router input cast (c*dim) and bf16 logit/softplus chain (4c per routed expert); per routed copy
+#   moe             the router's fp32 input (4*dim) and fp32 logit/softplus chain (4 * 4 per expert); per routed copy
 #                   (K per token): the bf16 input casts of w1 and w3 (2c*dim), six fp32 [F] SwiGLU intermediates
 #                   (g, u, both clamps, silu, product with the weight), w2's bf16 input and the routing indices;
 #                   the shared expert likewise without the weight product; F divides by tp
@@ -226,7 +227,17 @@ def train_flops_per_token(model: nn.Module, seq_len: int) -> float:
 # ---------------------------------------------------------------------------------------------------------------------
 
 def _matmul_weights(layer) -> list[tuple[str, torch.Tensor]]:
+    """The weights autocast casts to the compute dtype (and keeps a copy of per micro-batch): not mHC's `fn`, the
+    router's, a ratio > 1 compressor's (all three run in fp32: model.common.full_precision) or Engram's table."""
+    from model.csa2 import Compressor
+    from model.moe import Router
+
     skip = {id(p) for m in layer.modules() if hasattr(m, "fn") for p in [m.fn]}
+    for m in layer.modules():
+        if isinstance(m, Router):
+            skip.add(id(m.weight))
+        elif isinstance(m, Compressor) and m.ratio > 1:
+            skip.update(id(p) for p in (m.wkv.weight, m.wgate.weight))
     if layer.engram is not None:
         skip.add(id(layer.engram.table))
     return [(n, p) for n, p in layer.named_parameters() if p.ndim >= 2 and id(p) not in skip]
@@ -264,13 +275,13 @@ def layer_activation_bytes(layer, tokens: int, context: int, *, stream_bytes: in
     if spec.owns_kv:
         Di = c2.index_head_dim
         per_entry = 8 * D + c * D + 8 * Di
-        comp = 2 * c * dim + 4 * D + c * D if spec.ratio > 1 else c * dim + 8 * D
+        comp = 4 * dim + 8 * D if spec.ratio > 1 else c * dim + 8 * D
         if spec.kv_input == "h_mid":
             comp += 2 * 4 * dim
         per_token["compressor"] = comp + per_entry / spec.ratio
     K, F_exp = moe.cfg.experts_per_token, moe.cfg.expert_dim / tp
     shared = moe.cfg.num_shared_experts * moe.cfg.expert_dim / tp
-    per_token["moe"] = (c * dim + 4 * c * moe.num_experts + K * (2 * c * dim + 6 * 4 * F_exp + c * F_exp + 3 * 8)
+    per_token["moe"] = (4 * dim + 4 * 4 * moe.num_experts + K * (2 * c * dim + 6 * 4 * F_exp + c * F_exp + 3 * 8)
                         + (2 * c * dim + 5 * 4 * shared + c * shared if moe.shared_experts is not None else 0))
     if layer.engram is not None:
         e = layer.engram

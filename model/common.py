@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 
@@ -33,6 +35,14 @@ def autocast_dtype(device_type: str) -> torch.dtype | None:
     if device_type in AUTOCAST_DEVICES and torch.is_autocast_enabled(device_type):
         return torch.get_autocast_dtype(device_type)
     return None
+
+
+def full_precision(device_type: str):
+    """A region that autocast leaves alone (fp32 where its inputs are): the reference's fp32 computations (the
+    router's logits, the compressor's pooling), which an upcast alone does not keep out of a bf16 autocast region."""
+    if autocast_dtype(device_type) is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type, enabled=False)
 
 
 def local(t: torch.Tensor) -> torch.Tensor:

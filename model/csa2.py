@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from model.common import RMSNorm, init_linear, linear
+from model.common import RMSNorm, full_precision, init_linear, linear
 
 
 def visible_mask(num_queries: int, num_entries: int, ratio: int, device, q_offset: int = 0) -> torch.Tensor:
@@ -53,8 +53,9 @@ class Compressor(nn.Module):
         else:
             h = h[:, : E * m]
             # the reference pools in fp32 (weights upcast): the gate softmax over 2 tokens is precision-sensitive
-            kv = nn.functional.linear(h.float(), self.wkv.weight.float()).view(B, E, m, -1)
-            gate = nn.functional.linear(h.float(), self.wgate.weight.float()).view(B, E, m, -1)
+            with full_precision(h.device.type):  # fp32 under a bf16 autocast too
+                kv = nn.functional.linear(h.float(), self.wkv.weight.float()).view(B, E, m, -1)
+                gate = nn.functional.linear(h.float(), self.wgate.weight.float()).view(B, E, m, -1)
             latent = (gate.softmax(dim=2) * kv).sum(dim=2).to(h.dtype)  # [B, E, D]
         return self.norm(latent) if norm else latent
 

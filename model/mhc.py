@@ -43,14 +43,13 @@ Shape legend: B batch, T tokens, n streams, D model dim, M = 2n + n^2 coefficien
 
 from __future__ import annotations
 
-import contextlib
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model.common import AUTOCAST_DEVICES, init_normal
+from model.common import full_precision, init_normal
 from model.config import MHCConfig
 
 
@@ -63,10 +62,9 @@ class Coeffs(NamedTuple):
 
 
 def _fp32_region(t: torch.Tensor):
-    """Disable autocast: the coefficient projection must stay fp32 (A6) even inside a bf16 autocast region."""
-    if t.device.type in AUTOCAST_DEVICES:
-        return torch.autocast(t.device.type, enabled=False)
-    return contextlib.nullcontext()
+    """Disable autocast: the coefficient projection, the collapse and the expand must stay fp32 (A6) even inside a
+    bf16 autocast region (model.common.full_precision)."""
+    return full_precision(t.device.type)
 
 
 def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
@@ -162,13 +160,15 @@ def first_pre(num_streams: int, batch_shape: tuple[int, ...] = (), device: torch
 
 def collapse(S: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
     """x [B, T, D] = sum_k pre_k S_k, in fp32, cast to S.dtype. pre [B, T, n] (or anything broadcasting)."""
-    x = torch.matmul(pre.float().unsqueeze(-2), S.float())  # [B, T, 1, D]
+    with _fp32_region(S):  # under a bf16 autocast the matmul would run in bf16 (a K = n GEMM, misaligned on GPUs)
+        x = torch.matmul(pre.float().unsqueeze(-2), S.float())  # [B, T, 1, D]
     return x.squeeze(-2).to(S.dtype)
 
 
 def expand(y: torch.Tensor, S: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     """S' [B, T, n, D]: S'_k = post_k y + sum_j comb[j, k] S_j, in fp32, cast to S.dtype. y [B, T, D]."""
-    mixed = torch.matmul(comb.float().transpose(-1, -2), S.float())  # [B, T, n(k), D]
+    with _fp32_region(S):
+        mixed = torch.matmul(comb.float().transpose(-1, -2), S.float())  # [B, T, n(k), D]
     out = post.float().unsqueeze(-1) * y.float().unsqueeze(-2) + mixed
     return out.to(S.dtype)
 

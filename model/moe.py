@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model.common import autocast_dtype, init_normal, local
+from model.common import autocast_dtype, full_precision, init_normal, local
 from model.config import MoEConfig
 
 # Normalisation guard of the routing weights, as in the reference.
@@ -131,7 +131,8 @@ class Router(nn.Module):
 
     def scores(self, x: torch.Tensor) -> torch.Tensor:
         """x [N, D] -> scores [N, E] fp32 (gate_temp is 1.0 in the flagship, so there is no temperature)."""
-        logits = F.linear(x.float(), local(self.weight).float())
+        with full_precision(x.device.type):  # fp32 under a bf16 autocast too, as the reference scores
+            logits = F.linear(x.float(), local(self.weight).float())
         # Clamp at the smallest normal fp32: softplus underflows to 0 for logits below about -87, where the
         # sqrt's infinite slope would turn the gradient into NaN. Values above the clamp are untouched.
         return F.softplus(logits).clamp_min(torch.finfo(torch.float32).tiny).sqrt()

@@ -142,3 +142,15 @@ def test_pool_block_of_newest_entry_forced(ratio):
         newest = (p + 1) // ratio - 1
         if newest >= 0:
             assert bool(pool[0, p, newest])
+
+
+def test_compressor_pools_in_fp32_under_bf16_autocast():
+    """The pooling (its kv and gate projections, the softmax over the group) runs in fp32 inside a bf16 autocast
+    region, as the reference's weights-upcast pooling does; the latent's norm after it is autocast's."""
+    torch.manual_seed(2)
+    comp = Compressor(dim=32, latent_dim=16, ratio=4, eps=1e-6)
+    comp.init_weights(0.5)
+    h = torch.randn(2, 16, 32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        inside = comp(h, norm=False)
+    assert torch.equal(inside, comp(h, norm=False))

@@ -317,3 +317,14 @@ def test_grouped_experts_match_the_loop_in_both_passes_without_host_reads(forced
     assert torch.equal(load_g, load_l)
     if forced:  # the experts no token reached get an exact zero gradient
         assert torch.count_nonzero(g_g["experts.w1"][[1, 2, 4]]) == 0
+
+
+def test_router_scores_stay_fp32_under_bf16_autocast():
+    """The router's logits are fp32 as the reference's: a bf16 autocast region does not round them (an upcast of
+    the inputs alone does not keep F.linear out of autocast)."""
+    torch.manual_seed(0)
+    moe = make_moe(dim=64, num_experts=8, k=2)
+    x = torch.randn(16, 64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        inside = moe.gate.scores(x)
+    assert inside.dtype == torch.float32 and torch.equal(inside, moe.gate.scores(x))
