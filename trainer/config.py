@@ -130,7 +130,8 @@ class ParallelConfig:
     C = ceil(factor * S / ep) rows to every ep rank (S = tokens x experts_per_token copies the rank routes), padded,
     so a step has static shapes (torch.compile fullgraph, CUDA graphs); copies beyond a destination rank's C are
     dropped (their expert output counts as zero: the token keeps its other copies and the shared expert), counted
-    per layer in the dispatcher's `dropped`. factor >= ep gives C = S: never drops, exact and sync-free, at ep times
+    per layer in the dispatcher's `dropped` and logged each step as `aux_metric/moe_dropped_share` (the share of the
+    routed copies dropped; not under pp). factor >= ep gives C = S: never drops, exact and sync-free, at ep times
     the dropless message size. Needs the same number of tokens on every ep rank. Megatron --moe-expert-capacity-factor
     with --moe-pad-expert-input-to-capacity, except that the capacity is per destination rank, not per expert"""
     engram_shard: bool = False

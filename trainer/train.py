@@ -476,6 +476,12 @@ def forward_backward(pm: ParallelModel, batches: list[dict], autocast_dtype: tor
         loss_sum += float(loss.lm_terms[-1])
         values = {f"aux/{k}": float(v.detach()) for k, v in out.aux.items()}
         values.update({f"aux_metric/{k}": v for k, v in out.metrics.items()})
+        if pm.dims.ep > 1:  # the sync-free dispatcher (parallel.ep_capacity_factor > 0) counts what it drops
+            from trainer.parallel.expert import dropped_share
+
+            share = dropped_share(pm.module, input_ids.numel())  # this micro-batch's (a recompute writes the same)
+            if share is not None:  # the mean over micro-batches and data ranks: the step's share of copies dropped
+                values["aux_metric/moe_dropped_share"] = share
         for name, value in values.items():
             aux_sums[name] = aux_sums.get(name, 0.0) + value / accum
     return MicroBatches(loss_sum / accum, aux_sums, tokens, seq_len)

@@ -34,7 +34,7 @@ from model.config import MoEConfig
 from model.moe import LocalDispatcher, MoE
 from tests.distributed import run_distributed
 from trainer.config import ParallelConfig
-from trainer.parallel.expert import AllToAllDispatcher, apply_ep, dropped_copies
+from trainer.parallel.expert import AllToAllDispatcher, apply_ep, dropped_copies, dropped_share
 
 NUM_EXPERTS, TOPK, DIM, HIDDEN, TOKENS, WORLD = 4, 2, 8, 8, 7, 2
 E_LOCAL = NUM_EXPERTS // WORLD
@@ -266,6 +266,7 @@ def _drop_worker(rank: int, world: int) -> dict:
         g_ref = _grads(ref, rows=_mine(rank))
         assert torch.equal(idx_ref, torch.cat(every_idx)), scenario
         assert int(ep.dispatcher.dropped) == int((~kept[toks]).sum()) == int(dropped_copies(ep)), scenario
+        assert dropped_share(ep, TOKENS) == int((~kept[toks]).sum()) / kept[toks].numel(), scenario
         # The experts' GEMM sees a few rows fewer than the reference's (the dropped ones): same values to rounding.
         torch.testing.assert_close(out, out_ref[toks], rtol=1e-6, atol=1e-6, msg=lambda m: f"{scenario}: {m}")
         torch.testing.assert_close(gx, gx_ref[toks], rtol=1e-6, atol=1e-6, msg=lambda m: f"{scenario}: {m}")

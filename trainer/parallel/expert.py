@@ -341,6 +341,19 @@ def dropped_copies(model: nn.Module) -> torch.Tensor | None:
     return torch.stack(counts).sum() if counts else None
 
 
+def dropped_share(model: nn.Module, tokens: int) -> float | None:
+    """The share of this rank's routed token copies (tokens x experts_per_token per MoE layer) that its last forward
+    dropped, over the MoE layers with a fixed-capacity (sync-free) ep dispatcher; None without one. A dispatcher holds
+    its last forward's count (a forward recomputed under activation checkpointing routes alike and writes the same
+    count), so the trainer reads it once per micro-batch; the read is one host sync."""
+    layers = [m for m in moe_layers(model) if isinstance(m.dispatcher, AllToAllDispatcher)
+              and m.dispatcher.capacity_factor > 0 and m.dispatcher.dropped is not None]
+    if not layers:
+        return None
+    dropped = torch.stack([m.dispatcher.dropped for m in layers]).sum()
+    return float(dropped) / max(sum(tokens * m.gate.topk for m in layers), 1)
+
+
 def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
     """The routed experts' weights (sharded over ep by apply_ep)."""
     return [p for m in model.modules() if isinstance(m, GroupedExperts) for p in m.parameters()]
