@@ -213,8 +213,8 @@ def train_flops_per_token(model: nn.Module, seq_len: int) -> float:
 #   indexer         index sources: kernel inputs q (Hi*Di*c) and w (4Hi), weights_proj's input cast (c*dim), and
 #                   the KL over [N, E]: log_softmax output and target in fp32, three bool masks (11 E per token)
 #   compressor      KV sources: the fp32 input of the pooling projections (4*dim; ratio 1: its bf16 cast, c*dim),
-#                   the gate softmax (4D) and the fp32 values (4D) per token, per entry the latent norm (8D) and the key path (c*D + 8Di); a decoder Full layer
-#                   also norms h_{L/2} (2 * 4 * dim)
+#                   the gate softmax (4D) and the fp32 values (4D) per token, per entry the latent norm (8D) and the
+#                   key path (c*D + 8Di); a decoder Full layer also norms h_{L/2} (2 * 4 * dim)
 #   moe             the router's fp32 input (4*dim) and fp32 logit/softplus chain (4 * 4 per expert); per routed copy
 #                   (K per token): the bf16 input casts of w1 and w3 (2c*dim), six fp32 [F] SwiGLU intermediates
 #                   (g, u, both clamps, silu, product with the weight), w2's bf16 input and the routing indices;

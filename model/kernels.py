@@ -59,7 +59,7 @@ import os
 
 import torch
 from torch.distributed.tensor import DTensor
-from model.common import autocast_dtype
+from model.common import autocast_dtype, full_precision
 
 __all__ = [
     "CHOICES",
@@ -325,7 +325,7 @@ def mhc_single_pass(y, S, coeffs, pre_lag, next_site, *, coeff_kernel: bool = Tr
     if not plain(y, S, fn, *coeffs, pre_lag):
         return mhc.single_pass(y, S, coeffs, pre_lag, next_site)
     *lead, n, D = S.shape
-    with torch.autocast(S.device.type, enabled=False):  # coefficient math stays fp32 (A6), as in the reference
+    with full_precision(S.device.type):  # coefficient math stays fp32 (A6), as in the reference
         mix = mhc.mix_matrix(pre_lag, coeffs.post, coeffs.comb)  # [B, T, n+1, n+1]
         mix = mix.expand(*lead, n + 1, n + 1).reshape(-1, n + 1, n + 1)
         s_new, x, sumsq, raw = mhc_triton.mhc_step(y.reshape(-1, D), S.reshape(-1, n, D), mix,

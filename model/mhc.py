@@ -61,12 +61,6 @@ class Coeffs(NamedTuple):
     comb: torch.Tensor  # [B, T, n, n] comb[j, k]: weight of input stream j in output stream k
 
 
-def _fp32_region(t: torch.Tensor):
-    """Disable autocast: the coefficient projection, the collapse and the expand must stay fp32 (A6) even inside a
-    bf16 autocast region (model.common.full_precision)."""
-    return full_precision(t.device.type)
-
-
 def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     """[..., n, n] logits (rows j, columns k) -> doubly-stochastic fp32 matrix, A6 steps 6-8.
 
@@ -118,7 +112,7 @@ class HCSite(nn.Module):
 
         rms_last: project the un-normalised u and apply the 1/rms factor afterwards, the order in which the fused
         kernel accumulates it (`single_pass`); the same function up to rounding."""
-        with _fp32_region(S):
+        with full_precision(S.device.type):
             u = S.float().flatten(-2)  # [B, T, n*D]
             if rms_last:
                 sum_sq = u.square().sum(dim=-1, keepdim=True)  # [B, T, 1]
@@ -160,14 +154,14 @@ def first_pre(num_streams: int, batch_shape: tuple[int, ...] = (), device: torch
 
 def collapse(S: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
     """x [B, T, D] = sum_k pre_k S_k, in fp32, cast to S.dtype. pre [B, T, n] (or anything broadcasting)."""
-    with _fp32_region(S):  # under a bf16 autocast the matmul would run in bf16 (a K = n GEMM, misaligned on GPUs)
+    with full_precision(S.device.type):  # under a bf16 autocast the matmul would run in bf16 (a K = n GEMM, misaligned on GPUs)
         x = torch.matmul(pre.float().unsqueeze(-2), S.float())  # [B, T, 1, D]
     return x.squeeze(-2).to(S.dtype)
 
 
 def expand(y: torch.Tensor, S: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     """S' [B, T, n, D]: S'_k = post_k y + sum_j comb[j, k] S_j, in fp32, cast to S.dtype. y [B, T, D]."""
-    with _fp32_region(S):
+    with full_precision(S.device.type):
         mixed = torch.matmul(comb.float().transpose(-1, -2), S.float())  # [B, T, n(k), D]
     out = post.float().unsqueeze(-1) * y.float().unsqueeze(-2) + mixed
     return out.to(S.dtype)
@@ -227,7 +221,7 @@ def single_pass(y: torch.Tensor, S: torch.Tensor, coeffs: Coeffs, pre_lag: torch
     x by at most the rounding of S' (it is the more accurate of the two). In fp32 both agree to rounding.
     """
     n = S.shape[-2]
-    with _fp32_region(S):
+    with full_precision(S.device.type):
         W = mix_matrix(pre_lag, coeffs.post, coeffs.comb)  # [B, T, n+1, n+1]
         out = W[..., :1] * y.float().unsqueeze(-2) + torch.matmul(W[..., 1:], S.float())  # [B, T, n+1, D]
         S_new = out[..., :n, :].to(S.dtype)

@@ -289,13 +289,15 @@ def chat_template(tokenizer, cfg: GenerateConfig):
     return ChatTemplate(tokenizer) if cfg.prompt_template == PromptFormat.template else None
 
 
-def to_requests(prompts: list[Prompt], tokenizer, eos_id: int | None, cfg: GenerateConfig) -> list[Request]:
+def to_requests(prompts: list[Prompt], tokenizer, eos_id: int | None, cfg: GenerateConfig,
+                template) -> list[Request]:
     """Each prompt rendered and tokenized; ValueError naming the first that does not fit max_len.
 
     With the default prompt_template a prompt is one user turn of the chat template, encoded as the SFT and RL
     stages encode it (`ChatTemplate.render_prompt`: the markers are special tokens, a prompt that spells one is
-    text), and <|end|> stops it (`stop_at_end`). Another template is rendered as text and tokenized whole."""
-    fmt, template = PromptFormat(cfg.prompt_template), chat_template(tokenizer, cfg)
+    text), and <|end|> stops it (`stop_at_end`). Another template is rendered as text and tokenized whole.
+    template: `chat_template(tokenizer, cfg)`."""
+    fmt = PromptFormat(cfg.prompt_template)
     end = [template.end_id] if template is not None and cfg.stop_at_end else []
     requests = []
     for p in prompts:
@@ -388,8 +390,9 @@ def _generate(cfg: GenerateConfig, model_overrides: list[str]) -> int:
     vocab = info.vocab_size if template is None else max(info.vocab_size, template.vocab_size)
     if vocab > model_cfg.vocab_size:
         raise ValueError(f"tokenizer {tokenizer_path} has {vocab} ids (chat markers included), more than the "
-                         f"checkpoint's model.vocab_size={model_cfg.vocab_size}: give the tokenizer it was trained with")
-    requests = to_requests(prompts, tokenizer, info.eos_id, cfg)
+                         f"checkpoint's model.vocab_size={model_cfg.vocab_size}: give the tokenizer it was trained "
+                         "with")
+    requests = to_requests(prompts, tokenizer, info.eos_id, cfg, template)
     if template is not None:  # decodes the chat markers it may have appended to the tokenizer too
         tokenizer = template.tokenizer
     if cfg.output and not Path(cfg.output).resolve().parent.is_dir():

@@ -5,9 +5,9 @@ stage as its own `python -m trainer.main` launch (a run directory per stage unde
 previous stage's checkpoint (checkpoint.init_from), and ends with a table of each stage's headline figure and where
 its checkpoint is. Distillation puts the post-trained model into a fresh student: the student starts from the
 pretrained weights and learns, on its own samples, the RL model's distributions (the SFT model itself as the
-student would start within 0.03 nats of its teachers, below the noise of the updates: BENCHMARKS.md). A stage whose run directory already holds its
-final checkpoint is not run again (relaunching resumes an interrupted stage: checkpoint.resume=auto), so an
-interrupted pipeline picks up where it stopped.
+student would start within 0.03 nats of its teachers, below the noise of the updates: BENCHMARKS.md). A stage
+whose run directory already holds its final checkpoint is not run again (relaunching resumes an interrupted stage:
+checkpoint.resume=auto), so an interrupted pipeline picks up where it stopped.
 
 On v41_tiny on a 2-core CPU each stage takes a few minutes (BENCHMARKS.md has the figures of a run).
 """

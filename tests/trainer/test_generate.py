@@ -274,13 +274,15 @@ def test_default_prompts_are_the_chat_templates_and_stop_at_end(tokenizer):
     texts = ["5+0", "say <|end|> and stop"]
     prompts = [generate.Prompt(t, "prompt", i, 20, SamplingParams(max_new_tokens=4), []) for i, t in enumerate(texts)]
     cfg = generate.GenerateConfig(ckpt="x", prompt="unused")
-    requests = generate.to_requests(prompts, tokenizer, 1, cfg)
+    requests = generate.to_requests(prompts, tokenizer, 1, cfg, generate.chat_template(tokenizer, cfg))
     for r, text in zip(requests, texts):
         assert r.prompt == template.render_prompt(text, 20)
         assert r.prompt.count(template.end_id) == 1  # the user turn's closing marker only
         assert r.sampling.stop_token_ids == [1, template.end_id]
-    assert generate.to_requests(prompts, tokenizer, 1, dataclasses.replace(cfg, stop_at_end=False))[0] \
-        .sampling.stop_token_ids == [1]
-    raw = generate.to_requests(prompts, tokenizer, 1, dataclasses.replace(cfg, prompt_template="{prompt}"))
+    no_end = dataclasses.replace(cfg, stop_at_end=False)
+    assert generate.to_requests(prompts, tokenizer, 1, no_end, template)[0].sampling.stop_token_ids == [1]
+    raw_cfg = dataclasses.replace(cfg, prompt_template="{prompt}")
+    assert generate.chat_template(tokenizer, raw_cfg) is None
+    raw = generate.to_requests(prompts, tokenizer, 1, raw_cfg, None)
     assert [r.prompt for r in raw] == [tokenizer.encode(t).ids for t in texts]
     assert all(r.sampling.stop_token_ids == [1] for r in raw)

@@ -91,6 +91,12 @@ def load_frozen(ref, device: torch.device, tokenizer_path: str, *, what: str, ke
     return model
 
 
+def reverse_kl(student_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor) -> torch.Tensor:
+    """KL(student || teacher) over the last (vocabulary) dimension of two log-softmaxes:
+    sum_v p_v (log p_v - log q_v)."""
+    return (student_logprobs.exp() * (student_logprobs - teacher_logprobs)).sum(-1)
+
+
 def whole_logits(logits: torch.Tensor) -> torch.Tensor:
     """Logits as one tensor on this rank (vocab-sharded DTensor logits under tensor parallelism gathered)."""
     return logits.full_tensor() if hasattr(logits, "full_tensor") else logits
@@ -128,7 +134,7 @@ def completion_logprobs(module: torch.nn.Module, rollouts, device, *, temperatur
                 for b, r in enumerate(rollouts)]
     _, s = token_logprobs(module, ids, labels, temperature=temperature, full=True)
     _, t = token_logprobs(kl_to, ids, labels, temperature=temperature, full=True)
-    kl = (s.exp() * (s - t)).sum(-1)  # [B, T]
+    kl = reverse_kl(s, t)  # [B, T]
     return [kl[b, len(r.prompt_ids) - 1:len(r.prompt_ids) - 1 + len(r.token_ids)].cpu().tolist()
             for b, r in enumerate(rollouts)]
 

@@ -12,9 +12,9 @@ every rank, trainer/stages/common.py `load_frozen`) may be larger or of another 
 prompt's task family (data/envs/: math, string, code) to its own teacher, stage.teacher takes the rest. A teacher
 trained with another tokenizer is refused.
 
-Evaluation (start, every stage.eval_every steps, end): on stage.num_eval held-out prompts at efforts spread evenly over
-stage.effort, one student sample each (fixed seeds), the exact per-position KL(student || teacher) over the vocabulary, averaged over completion tokens:
-eval/kl, the headline figure. Per step: distill/reverse_kl (the sampled estimate on the step's rollouts) and the
+Evaluation (start, every stage.eval_every steps, end): on stage.num_eval held-out prompts at efforts spread evenly
+over stage.effort, one student sample each (fixed seeds), the exact per-position KL(student || teacher) over the
+vocabulary, averaged over completion tokens: eval/kl, the headline figure. Per step: distill/reverse_kl (the sampled estimate on the step's rollouts) and the
 rollout figures RL logs.
 """
 
@@ -73,7 +73,7 @@ class Distill(RolloutStage):
         (unbiased), so each position's advantages are centred. Without it they average -KL: with finite samples
         every sampled token is pushed down, which raises the student's entropy and with it the KL it should lower
         (BENCHMARKS.md, post-training)."""
-        from trainer.stages.common import completion_distributions
+        from trainer.stages.common import completion_distributions, reverse_kl
 
         s = self.stage
         rollouts = [r for g in groups for r in g]
@@ -94,7 +94,7 @@ class Distill(RolloutStage):
                 # reward: the sampled estimate of -KL(student || teacher) per token, for the metrics
                 r.reward = float(adv.mean()) if len(adv) else 0.0
                 if student is not None:
-                    adv = adv + (student[i].exp() * (student[i] - t)).sum(-1)
+                    adv = adv + reverse_kl(student[i], t)
                 r.advantages = adv.tolist()
                 if s.kl == "full":  # the loss reads the teacher's distribution at every completion position
                     r.extra["teacher_logprobs"] = t

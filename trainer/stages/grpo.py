@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from trainer.loss import IGNORE_INDEX, LMLoss
+from trainer.stages.common import reverse_kl
 
 __all__ = ["PolicyLoss"]
 
@@ -67,9 +68,8 @@ class PolicyLoss(LMLoss):
         per_token = pg
         if self.full_kl:
             whole = z.full_tensor() if hasattr(z, "full_tensor") else z  # vocab-sharded under tp: whole rows
-            ls = whole.log_softmax(-1)
-            lt = batch["teacher_logprobs"].flatten(0, 1).float()
-            per_token = torch.where(valid, (ls.exp() * (ls - lt)).sum(-1), 0.0)
+            kl = reverse_kl(whole.log_softmax(-1), batch["teacher_logprobs"].flatten(0, 1).float())
+            per_token = torch.where(valid, kl, 0.0)
         if self.kl_coef and "ref_logprobs" in batch:
             d = batch["ref_logprobs"].flatten().float() - logp
             k3 = torch.exp(d) - d - 1
