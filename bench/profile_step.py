@@ -167,7 +167,10 @@ def run_mode(args, name: str, fullgraph: bool = True) -> dict:
             if ev.name in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC"):
                 launches += 1
         if cuda:
-            if ev.device_type != torch.autograd.DeviceType.CUDA:
+            # on the device track: kernels, memcpy / memset, and the ranges that annotate them (a compiled graph's
+            # "## Call CompiledFxGraph ... ##", "Optimizer.step#AdamW.step"), which would count their kernels twice
+            if ev.device_type != torch.autograd.DeviceType.CUDA or getattr(ev, "is_user_annotation", False) \
+                    or ev.name.startswith(("## ", "Optimizer.")):
                 continue
             us = ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
         else:

@@ -486,12 +486,56 @@ def mhc_step_bwd(y, S, mix, fn, s_new, g_snew, g_x, g_sumsq=None, g_raw=None, *,
     return g_y, g_s, g_mix, g_fn
 
 
+# The step's two directions as custom operators: compiled graphs call each as one opaque node. Traced as user
+# Triton kernels instead, Inductor would analyse the kernels for the inputs they write, fail on `_layout_fence`'s
+# inline PTX (it is not pure, on purpose) and then assume every input written: a copy of y, S and the mix before
+# every launch. The operators write none of their inputs, which `mutates_args=()` states. Without fn the
+# statistics are empty tensors (an operator returns tensors).
+
+
+@torch.library.custom_op("cedar::mhc_step_fwd", mutates_args=())
+def _fwd_op(y: torch.Tensor, S: torch.Tensor, mix: torch.Tensor, fn: torch.Tensor | None
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    s_new, x, sumsq, raw = mhc_step_fwd(y, S, mix, fn)
+    if fn is None:
+        sumsq, raw = mix.new_empty(0), mix.new_empty(0)  # two tensors: an operator's outputs may not alias
+    return s_new, x, sumsq, raw
+
+
+@_fwd_op.register_fake
+def _(y, S, mix, fn):
+    s_new, x = torch.empty_like(S), torch.empty_like(y, dtype=S.dtype)
+    if fn is None:
+        return s_new, x, mix.new_empty(0), mix.new_empty(0)
+    return s_new, x, mix.new_empty(S.shape[0]), mix.new_empty(S.shape[0], fn.shape[0])
+
+
+@torch.library.custom_op("cedar::mhc_step_bwd", mutates_args=())
+def _bwd_op(y: torch.Tensor, S: torch.Tensor, mix: torch.Tensor, fn: torch.Tensor | None, s_new: torch.Tensor,
+            g_snew: torch.Tensor, g_x: torch.Tensor, g_sumsq: torch.Tensor | None, g_raw: torch.Tensor | None
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    g_y, g_s, g_mix, g_fn = mhc_step_bwd(y, S, mix, fn, s_new, g_snew, g_x, g_sumsq, g_raw)
+    return g_y, g_s, g_mix, mix.new_empty(0) if g_fn is None else g_fn
+
+
+@_bwd_op.register_fake
+def _(y, S, mix, fn, s_new, g_snew, g_x, g_sumsq, g_raw):
+    return (torch.empty_like(y), torch.empty_like(S), torch.empty_like(mix),
+            mix.new_empty(0) if fn is None else torch.empty_like(fn))
+
+
 class _MHCStep(torch.autograd.Function):
-    """(y, S, mix, fn) -> (S', x, sum_sq, raw) with the fused kernels in both directions."""
+    """(y, S, mix, fn) -> (S', x, sum_sq, raw) with the fused kernels in both directions (the operators above;
+    tile keywords, which only the bench and the tests give, call the host wrapper directly)."""
 
     @staticmethod
     def forward(ctx, y, S, mix, fn, fwd_kwargs):
-        s_new, x, sumsq, raw = mhc_step_fwd(y, S, mix, fn, **fwd_kwargs)
+        if fwd_kwargs:
+            s_new, x, sumsq, raw = mhc_step_fwd(y, S, mix, fn, **fwd_kwargs)
+        else:
+            s_new, x, sumsq, raw = _fwd_op(y, S, mix, fn)
+            if fn is None:
+                sumsq = raw = None
         ctx.save_for_backward(y, S, mix, fn, s_new)
         return s_new, x, sumsq, raw
 
@@ -501,12 +545,11 @@ class _MHCStep(torch.autograd.Function):
         if fn is not None:
             g_sumsq = torch.zeros(S.shape[0], device=S.device) if g_sumsq is None else g_sumsq
             g_raw = torch.zeros(S.shape[0], fn.shape[0], device=S.device) if g_raw is None else g_raw
-        g_y, g_s, g_mix, g_fn = mhc_step_bwd(y, S, mix, fn, s_new, g_snew, g_x, g_sumsq, g_raw)
-        return g_y, g_s, g_mix, g_fn, None
+        g_y, g_s, g_mix, g_fn = _bwd_op(y, S, mix, fn, s_new, g_snew, g_x, g_sumsq, g_raw)
+        return g_y, g_s, g_mix, None if fn is None else g_fn, None
 
 
 def mhc_step(y: torch.Tensor, S: torch.Tensor, mix: torch.Tensor, fn: torch.Tensor | None = None, **fwd_kwargs):
     """Autograd-aware fused step on flat tensors: y [N, D], S [N, n, D], mix [N, n+1, n+1] fp32, fn [M, n*D]
     -> (S' [N, n, D], x [N, D], sum_sq [N] or None, raw [N, M] or None). Gradients reach y, S, mix and fn."""
     return _MHCStep.apply(y.contiguous(), S.contiguous(), mix.contiguous(), fn, fwd_kwargs)
-

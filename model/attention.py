@@ -123,6 +123,9 @@ class ForwardState:
     routing: object | None = None  # RoutingRecords: recorded top-k and experts to use instead of choosing (R3)
     keep_routing: bool = False  # record every index source's top-k and every MoE layer's experts
     experts: dict[int, torch.Tensor] = field(default_factory=dict)  # MoE layer -> [B, T, K] (keep_routing)
+    # a static-shape call (model.serving.decode_step): every KV source presents its whole capacity of entries, masked
+    # by visibility, and entries are written without a data-dependent selection (a CUDA graph can capture the call)
+    static: bool = False
     # bounded-replay simulation (model/replay.py): layer -> [B, T] the first key position each query's window may
     # read (-1: all), and KV source -> (main, keys, [B] entries) the cached global KV the replayed rows keep
     window_floor: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -274,7 +277,9 @@ class CSA2Attention(kern.KernelPath, nn.Module):
                                     "fp4_ue8m0" if q.index == "fp4" else None, path)
         # Context parallelism: chunks align with groups, so each compresses its own and all exchange the entries.
         main, keys = state.shard.gather_entries(main, keys)
-        if self.spec.index in state.kv_fixed:  # bounded-replay simulation: the prefix's cached entries stay
+        # (the emptiness test first: a compiled block then guards on an empty dict, not on its own layer index, so
+        # blocks of one role share a graph)
+        if state.kv_fixed and self.spec.index in state.kv_fixed:  # bounded-replay simulation: the prefix's cached entries stay
             fixed_main, fixed_keys, n = state.kv_fixed[self.spec.index]
             keep = (torch.arange(main.shape[1], device=main.device)[None] < n[:, None])[..., None]
             main, keys = torch.where(keep, fixed_main, main), torch.where(keep, fixed_keys, keys)
@@ -407,7 +412,7 @@ class CSA2Attention(kern.KernelPath, nn.Module):
             p = state.positions
             k_pos = torch.cat((torch.arange(-h, 0, device=p.device) + p[0], p))  # [h + T]; < 0: no token (1st chunk)
             win_mask = (k_pos[None, :] <= p[:, None]) & (k_pos[None, :] > p[:, None] - a.window) & (k_pos >= 0)[None]
-            if spec.index in state.window_floor:
+            if state.window_floor and spec.index in state.window_floor:  # (emptiness first: see kv_fixed)
                 # bounded-replay simulation: a replayed query's window starts at its replayed span
                 win_mask = win_mask & (k_pos[None, None, :] >= state.window_floor[spec.index][..., None])
             out, p_cmp = attend(q, kv_keys, kv_cmp, win_mask, cmp_mask, sink)

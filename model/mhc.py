@@ -139,6 +139,21 @@ class HCSite(nn.Module):
 # Pure stream operations (the unfused building blocks)
 
 
+def mix_streams(A: torch.Tensor, S: torch.Tensor) -> torch.Tensor:
+    """out [..., m, D] = sum_j A[..., m, j] S[..., j, D] in fp32, per token (A fp32 [..., m, n], S [..., n, D]).
+
+    The contraction is over the n streams (n = 4): a GEMM with K = n is misaligned on tensor cores and runs as a
+    slow fp32 FFMA kernel. Eager runs it as that one batched matmul (one launch; n broadcast multiply-adds would
+    be 2n - 1 passes over S); under torch.compile it is written as a broadcast product summed over j, which
+    Inductor fuses into one pass over S with the sum in registers (no GEMM, no [..., m, n, D] temporary), and the
+    backward likewise. Autocast is off either way (a bf16 autocast would round the fp32 mix).
+    """
+    with full_precision(S.device.type):
+        if torch.compiler.is_compiling():
+            return (A.unsqueeze(-1) * S.float().unsqueeze(-3)).sum(-2)
+        return torch.matmul(A, S.float())
+
+
 def init_streams(h: torch.Tensor, num_streams: int) -> torch.Tensor:
     """h [B, T, D] -> S [B, T, n, D] with every stream equal to h (A6 "Streams"); contiguous for the kernels."""
     return h.unsqueeze(-2).expand(*h.shape[:-1], num_streams, h.shape[-1]).contiguous()
@@ -154,15 +169,13 @@ def first_pre(num_streams: int, batch_shape: tuple[int, ...] = (), device: torch
 
 def collapse(S: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
     """x [B, T, D] = sum_k pre_k S_k, in fp32, cast to S.dtype. pre [B, T, n] (or anything broadcasting)."""
-    with full_precision(S.device.type):  # under a bf16 autocast the matmul would run in bf16 (a K = n GEMM, misaligned on GPUs)
-        x = torch.matmul(pre.float().unsqueeze(-2), S.float())  # [B, T, 1, D]
+    x = mix_streams(pre.float().unsqueeze(-2), S)  # [B, T, 1, D]
     return x.squeeze(-2).to(S.dtype)
 
 
 def expand(y: torch.Tensor, S: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     """S' [B, T, n, D]: S'_k = post_k y + sum_j comb[j, k] S_j, in fp32, cast to S.dtype. y [B, T, D]."""
-    with full_precision(S.device.type):
-        mixed = torch.matmul(comb.float().transpose(-1, -2), S.float())  # [B, T, n(k), D]
+    mixed = mix_streams(comb.float().transpose(-1, -2), S)  # [B, T, n(k), D]
     out = post.float().unsqueeze(-1) * y.float().unsqueeze(-2) + mixed
     return out.to(S.dtype)
 
@@ -200,7 +213,7 @@ def mix_matrix(pre_lag: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) ->
     pre_lag, post, comb = pre_lag.float(), post.float(), comb.float()
     pre_lag = pre_lag.expand_as(post)  # first_pre may come without batch dims
     x_from_y = (pre_lag * post).sum(dim=-1, keepdim=True)  # [B, T, 1]
-    x_from_s = torch.matmul(comb, pre_lag.unsqueeze(-1)).squeeze(-1)  # [B, T, n(j)]
+    x_from_s = (comb * pre_lag.unsqueeze(-2)).sum(-1)  # [B, T, n(j)]: sum_k comb[j, k] pre_k (a K = n GEMM otherwise)
     top = torch.cat([post.unsqueeze(-1), comb.transpose(-1, -2)], dim=-1)  # [B, T, n(k), 1 + n(j)]
     bottom = torch.cat([x_from_y, x_from_s], dim=-1).unsqueeze(-2)  # [B, T, 1, 1 + n]
     return torch.cat([top, bottom], dim=-2)
@@ -223,7 +236,7 @@ def single_pass(y: torch.Tensor, S: torch.Tensor, coeffs: Coeffs, pre_lag: torch
     n = S.shape[-2]
     with full_precision(S.device.type):
         W = mix_matrix(pre_lag, coeffs.post, coeffs.comb)  # [B, T, n+1, n+1]
-        out = W[..., :1] * y.float().unsqueeze(-2) + torch.matmul(W[..., 1:], S.float())  # [B, T, n+1, D]
+        out = W[..., :1] * y.float().unsqueeze(-2) + mix_streams(W[..., 1:], S)  # [B, T, n+1, D]
         S_new = out[..., :n, :].to(S.dtype)
         x = out[..., n, :].to(S.dtype)
     if next_site is None:

@@ -34,7 +34,7 @@ from model.common import local
 from model.csa2 import selected_ids
 from model.rope import apply_rope
 
-__all__ = ["serve_forward", "cached_attention", "routing_records", "visible_rows", "StoredEntries"]
+__all__ = ["serve_forward", "decode_step", "cached_attention", "routing_records", "visible_rows", "StoredEntries"]
 
 REF = "reference"
 
@@ -103,11 +103,21 @@ def _write_entries(layer, lc, state, kv_src: torch.Tensor):
     main_parts, _ = _stored(lc.main, main_pre, "fp4" if qc.main_kv == "fp4" else None)
     key_parts, _ = _stored(lc.keys, keys_pre, "fp4_ue8m0" if qc.index == "fp4" else None)
     # a stored entry stays (prefix-cache replay recomputes rows whose global KV is cached)
-    write = closed & (ids >= lc.entries[:, None]) & (ids < lc.main.buffers[0].shape[1])
+    capacity = lc.main.buffers[0].shape[1]
+    write = closed & (ids >= lc.entries[:, None]) & (ids < capacity)
+    total = (call_start + kv_src.shape[1]) // m
+    if state.static:
+        # every group's slot is written, with its old bytes where the group does not close: no selection of the
+        # rows (its size would be data), and every entry up to the capacity is presented (masked by visibility)
+        b = torch.arange(ids.shape[0], device=ids.device)[:, None].expand_as(ids)
+        slot = ids.clamp(0, capacity - 1)
+        for store, parts in ((lc.main, main_parts), (lc.keys, key_parts)):
+            store.write_where(write, b, slot, parts)
+        lc.entries.copy_(torch.maximum(lc.entries, total))
+        return StoredEntries(lc.main, capacity), lc.keys.read_prefix(capacity)
     b, g = write.nonzero(as_tuple=True)
     lc.main.write(b, ids[b, g], tuple(p[b, g] for p in main_parts))
     lc.keys.write(b, ids[b, g], tuple(p[b, g] for p in key_parts))
-    total = (call_start + kv_src.shape[1]) // m
     lc.entries.copy_(torch.maximum(lc.entries, total))
     E = int(lc.entries.max())
     return StoredEntries(lc.main, E), lc.keys.read_prefix(E)
@@ -268,6 +278,34 @@ def serve_forward(model, input_ids: torch.Tensor, cache, *, image_mask=None, rou
     cache.lengths += T
     cache.prefilled.fill_(True)
     return logits, state
+
+
+def decode_step(model, input_ids: torch.Tensor, cache) -> torch.Tensor:
+    """One decode token per cache row with static shapes and no host synchronisation: input_ids [B, 1] -> logits
+    [B, 1, V] fp32, appended to the cache, as `serve_forward` computes them (to rounding). What changes for a
+    CUDA graph to capture it: every KV source presents all `max_len // m` entries of its store, masked by
+    visibility (the top-k and the pool depend on the scores alone, not on trailing invisible entries:
+    model.csa2.select_topk), entries are written where their group closes without selecting the rows, and the
+    checks that read the device (token ids in range, room in the cache, a prefilled cache) are the caller's: the
+    engine decodes only tokens it sampled, into rows it sized for the whole request (trainer/engine/engine.py)."""
+    from model.attention import _WHOLE, ForwardState
+    from model.transformer import embed_streams, forward_blocks, head_logits
+
+    if input_ids.dim() != 2 or input_ids.shape != (cache.batch_size, 1):
+        raise ValueError(f"decode_step: input_ids must be [{cache.batch_size}, 1], got {tuple(input_ids.shape)}")
+    cfg = model.cfg
+    start = cache.lengths.clone()
+    positions = start[:, None]
+    cache.tokens.scatter_(1, positions, input_ids)
+    engram_in = _engram_rows(model, cache, input_ids, start, None)
+    # (the shard passed, not defaulted: torch.compile cannot construct the frozen dataclass)
+    state = ForwardState(positions=positions, phase=cfg.indexer.phase, shard=_WHOLE, cache=cache, call_start=start,
+                         static=True)
+    S, pre = embed_streams(model.embed, input_ids, cfg.mhc.num_streams)
+    S, pre = forward_blocks(model.layers, S, pre, state, cfg.num_encoder_layers, engram_in, None)
+    logits = _whole(head_logits(model.norm, model.head, S, pre))
+    cache.lengths += 1
+    return logits
 
 
 def _whole(t: torch.Tensor) -> torch.Tensor:

@@ -228,7 +228,7 @@ class Transformer(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, *, image_mask: torch.Tensor | None = None, outputs: bool = False,
                 hidden_layers: Collection[int] = (), cache=None, routing=None, keep_routing: bool = False,
-                replay_cuts=None, logits: bool = True):
+                replay_cuts=None, logits: bool = True, static: bool = False):
         """input_ids [B, T] -> logits [B, T, V] (fp32); with outputs=True, a `ModelOutput` (logits, final hidden
         states, the auxiliary losses to add to the LM loss, the forward state), with the hidden states of
         `hidden_layers` too. In training mode the forward's expert loads are added to the MoE balancing counters.
@@ -238,10 +238,19 @@ class Transformer(nn.Module):
         to replay instead of choosing (model/routing.py); keep_routing: record the choices (ModelOutput.routing).
         replay_cuts: model/replay.py's ReplayCuts, the bounded-replay simulation (training only). logits=False (with
         outputs=True, no cache): the head is not run, ModelOutput.logits is None and .hidden is the head's input
-        (the fused head + loss, trainer/fused_loss.py); everything else is the same forward."""
+        (the fused head + loss, trainer/fused_loss.py); everything else is the same forward. static=True (with a
+        cache, one token per row): the decode step with static shapes and no host synchronisation, which a CUDA graph
+        can capture (model.serving.decode_step; the logits only)."""
         cfg = self.cfg
         if not logits and (not outputs or cache is not None):
             raise ValueError("Transformer.forward(logits=False) runs with outputs=True and without a cache")
+        if static:
+            if cache is None or outputs or routing is not None or keep_routing or image_mask is not None:
+                raise ValueError("Transformer.forward(static=True) is a text decode step on a cache: logits only, "
+                                 "no routing records")
+            from model.serving import decode_step
+
+            return decode_step(self, input_ids, cache)
         if cache is not None:
             from model.serving import routing_records, serve_forward
 

@@ -87,5 +87,7 @@ def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: OptimConfig) -> t
     if not groups:
         raise ValueError("optimizer: no trainable parameters")
     if cfg.name == "adamw":
-        return AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
+        impl = "fused" if cfg.impl == "auto" else cfg.impl
+        return AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=impl == "fused",
+                     foreach=impl == "foreach")
     raise ValueError(f"optim.name={cfg.name!r} has no builder")

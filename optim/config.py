@@ -20,6 +20,9 @@ class OptimConfig:
     """AdamW's decay rates of the first and second moment"""
     eps: float = 1e-8
     """added to the second moment's square root"""
+    impl: str = choice_field("auto", ("auto", "fused", "foreach", "for_loop"))
+    """how torch's AdamW runs the update: fused (one kernel per group and device kind), foreach (multi-tensor
+    kernels, one per operation), for_loop (per parameter); auto = fused (bench/optim_step.py: BENCHMARKS.md)"""
     weight_decay: float = 0.1
     """decoupled decay on matrices only; norms, biases and every other 1-D parameter get none"""
     schedule: str = choice_field("cosine", ("constant", "cosine", "wsd"))

@@ -94,6 +94,8 @@ class GenerateConfig:
     """how a prompt and its effort become the model's text ({prompt}, {effort}); '{prompt}' is the raw text"""
     max_batch: int = 32
     """requests decoded together"""
+    cuda_graph: bool = False
+    """capture the decode step in a CUDA graph (one process, a CUDA device): one launch a token"""
     max_len: int = 4096
     """longest prompt + max_new_tokens, in tokens"""
     replay: str = choice_field("halo", ("none", "window", "halo"))
@@ -398,7 +400,8 @@ def _generate(cfg: GenerateConfig, model_overrides: list[str]) -> int:
     if cfg.output and not Path(cfg.output).resolve().parent.is_dir():
         raise ValueError(f"output={cfg.output!r}: directory {Path(cfg.output).resolve().parent} does not exist")
     model = load_model(path, model_cfg, _device(cfg.device), tokenizer_path)
-    engine = Engine(model, max_batch=cfg.max_batch, max_len=cfg.max_len, replay=cfg.replay, tokenizer=tokenizer)
+    engine = Engine(model, max_batch=cfg.max_batch, max_len=cfg.max_len, replay=cfg.replay, tokenizer=tokenizer,
+                    cuda_graph=cfg.cuda_graph)
     start = time.perf_counter()
     completions = engine.generate(requests)
     seconds = time.perf_counter() - start

@@ -214,3 +214,76 @@ def test_topk_ties_go_to_the_lowest_entries():
     s = torch.tensor([[[0.0, 1.0, 0.0, 0.0, float("-inf"), 0.0]]])
     assert select_topk(s, 3)[0, 0].tolist() == [True, True, True, False, False, False]
     assert select_topk(s[..., :4], 3)[0, 0].tolist() == [True, True, True, False]
+
+
+def _decode_static(m, ids, prompts, max_len, step=None):
+    """Rows prefilled separately to their prompt lengths, then every row decoded together by `decode_step` (or
+    `step`, a compiled one) to the end of the shortest: each row's logits of every position, and the cache."""
+    from model.serving import decode_step
+
+    step = step or (lambda ids_, cache_: decode_step(m, ids_, cache_))
+    cache = m.new_cache(len(prompts), max_len, replay="none")
+    got = [[m(ids[b:b + 1, :p], cache=cache.rows(b, b + 1))] for b, p in enumerate(prompts)]
+    for i in range(ids.shape[1] - max(prompts)):
+        feed = torch.stack([ids[b, p + i:p + i + 1] for b, p in enumerate(prompts)])
+        out = step(feed, cache)
+        for b in range(len(prompts)):
+            got[b].append(out[b:b + 1])
+    return [torch.cat(g, 1) for g in got], cache
+
+
+def test_static_decode_step_equals_the_teacher_forced_forward(exact_model):
+    """model.serving.decode_step (static shapes: every entry slot presented, masked; entries written without
+    selecting rows) decodes rows at different positions as the teacher-forced forward computes them: from an odd
+    prompt (a ratio-2 group open) and an even one, across group closes, the window edge and the pool's blocks."""
+    ids = tokens(70, batch=2, seed=4)
+    with torch.no_grad():
+        want = exact_model(ids)
+        (a, b), cache = _decode_static(exact_model, ids, [29, 36], 72)
+    torch.testing.assert_close(a, want[:1, :a.shape[1]], rtol=0, atol=ATOL)
+    torch.testing.assert_close(b, want[1:], rtol=0, atol=ATOL)
+    assert cache.lengths.tolist() == [29 + 34, 36 + 34]
+    # the entries it stored are the dynamic decode's (same batch; to rounding), and the slots past them untouched
+    with torch.no_grad():
+        _, ref = _decode_static(exact_model, ids, [29, 36], 72, step=lambda x, c: exact_model(x, cache=c))
+    for i, lc in cache.layers.items():
+        if lc.main is not None:
+            assert lc.entries.tolist() == ref.layers[i].entries.tolist(), i
+            for x, y in zip(lc.main.buffers + lc.keys.buffers, ref.layers[i].main.buffers + ref.layers[i].keys.buffers):
+                torch.testing.assert_close(x, y, rtol=0, atol=ATOL)
+                for row, n in enumerate(lc.entries.tolist()):
+                    assert not x[row, n:].any(), (i, row)
+
+
+def test_static_decode_step_with_the_quantised_cache(qat_model):
+    """The same in the serving formats (fp4 main KV and keys, fp8 SWA): what decode_step writes and reads equals
+    what the dynamic decode does."""
+    ids = tokens(48, batch=1, seed=5)
+    with torch.no_grad():
+        want, _ = serve(qat_model, ids, 31, max_len=48)
+        (got,), _ = _decode_static(qat_model, ids, [31], 48)
+    torch.testing.assert_close(got, want, rtol=0, atol=ATOL)
+
+
+def test_static_decode_step_compiles_to_one_graph(exact_model):
+    """What a CUDA graph needs, checked on the CPU: the step traces whole (fullgraph: a host read of a device value
+    or a data-dependent shape would break it) and its shapes do not change as the rows grow (one graph for every
+    step: no recompilation); the compiled step's logits equal the eager step's."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from model.serving import decode_step
+
+    ids = tokens(44, batch=2, seed=6)
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("eager")
+    compiled = torch.compile(lambda x, c: decode_step(exact_model, x, c), backend=counter, fullgraph=True,
+                             dynamic=False)
+    try:
+        with torch.no_grad():
+            got, _ = _decode_static(exact_model, ids, [33, 33], 48, step=compiled)
+            want, _ = _decode_static(exact_model, ids, [33, 33], 48)
+    finally:
+        torch._dynamo.reset()
+    assert counter.frame_count == 1
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=0, atol=ATOL)

@@ -46,9 +46,9 @@ def test_rejects_low_precision_parameters():
         build_optimizer([p], OptimConfig())
 
 
-def _mixed_step(rank: int, world: int) -> dict:
-    """Plain tensors beside DTensors of two meshes; three AdamW steps with the multi-tensor step forced on (CUDA's
-    default; CPU's is the per-tensor one), against torch's per-tensor AdamW on copies."""
+def _mixed_step(rank: int, world: int, impl: str) -> dict:
+    """Plain tensors beside DTensors of two meshes; three AdamW steps with a multi-tensor step (optim.impl: fused, the
+    default, or foreach), against torch's per-tensor AdamW on copies."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
@@ -64,9 +64,7 @@ def _mixed_step(rank: int, world: int) -> dict:
                 torch.nn.Parameter(torch.randn(7, generator=g))]
 
     ours, ref = params(), params()
-    opt = build_optimizer(ours, OptimConfig(lr=1e-2, warmup_steps=0))
-    for group in opt.param_groups:
-        group["foreach"] = True
+    opt = build_optimizer(ours, OptimConfig(lr=1e-2, warmup_steps=0, impl=impl))
     torch_opt = torch.optim.AdamW(param_groups(ref, 0.1), lr=1e-2, betas=(0.9, 0.95), eps=1e-8, foreach=False)
     import optim.builder as builder
 
@@ -83,7 +81,7 @@ def _mixed_step(rank: int, world: int) -> dict:
         opt.step()
         torch_opt.step()
     builder._kind = kind
-    raw = torch.optim.AdamW(params(), lr=1e-2, foreach=True)
+    raw = torch.optim.AdamW(params(), lr=1e-2, **{impl: True})
     for p in raw.param_groups[0]["params"]:
         p.grad = torch.zeros_like(p)
     try:
@@ -97,16 +95,41 @@ def _mixed_step(rank: int, world: int) -> dict:
 
 
 @pytest.mark.distributed
-def test_multi_tensor_step_over_mixed_parameters():
+@pytest.mark.parametrize("impl", ["fused", "foreach"])
+def test_multi_tensor_step_over_mixed_parameters(impl):
     """The builder's AdamW runs the multi-tensor step per kind of parameter (plain, DTensors by mesh), so layouts
-    that mix them (tp, ep, Engram sharding) keep CUDA's default foreach step, which torch refuses for the mixed list;
+    that mix them (tp, ep, Engram sharding) keep the fused or foreach step, which torch refuses for the mixed list;
     the updates equal torch's per-tensor AdamW (with the lr changing every step), and the param groups (what
     checkpoints hold) stay two. The split is worked out at the first step only: each parameter's kind once."""
     from tests.distributed import run_distributed
 
-    (out,) = run_distributed(_mixed_step, 1)
+    (out,) = run_distributed(_mixed_step, 1, impl)
     assert "mixed torch.Tensor and DTensor" in out["refused"]
     assert out["groups"] == [2, 2]
     assert out["kinds_seen"] == 4  # four parameters, three steps: the kinds were read once
     for mine, ref in zip(out["ours"], out["ref"]):
         torch.testing.assert_close(mine, ref, rtol=1e-6, atol=1e-7)
+
+
+def test_impl_selects_torch_adamw_path():
+    """optim.impl picks torch's AdamW implementation (auto = fused); every one makes the same update to rounding."""
+    def run(impl):
+        torch.manual_seed(0)
+        m = _Toy()
+        opt = build_optimizer(m.parameters(), OptimConfig(lr=1e-2, warmup_steps=0, impl=impl))
+        for step in range(3):
+            for p in m.parameters():
+                p.grad = torch.full_like(p, 0.1 * (step + 1)) if p.requires_grad else None
+            opt.step()
+        return opt, [p.detach().clone() for p in m.parameters()]
+
+    opt, want = run("for_loop")
+    assert not any(g["fused"] or g["foreach"] for g in opt.param_groups)
+    for impl in ("auto", "fused", "foreach"):
+        opt, got = run(impl)
+        assert all(g["fused"] == (impl in ("auto", "fused")) and g["foreach"] == (impl == "foreach")
+                   for g in opt.param_groups), impl
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    with pytest.raises(ValueError, match="optim.impl"):
+        OptimConfig(impl="apex")

@@ -136,7 +136,7 @@ def _layout(fields: dict) -> dict:
 
 def _adamw_run(fields: dict, last_step: int, *, save: str | None = None, load: str | None = None) -> dict:
     """The trainer's AdamW path up to `last_step`: resumed from the step-1 checkpoint under `load`, saving one after
-    step 1 under `save`. Returns the losses by step and the optimiser's foreach switch."""
+    step 1 under `save`. Returns the losses by step and the optimiser's fused switch."""
     parallel = ParallelConfig(**fields)
     rt = setup_runtime(TrainerConfig(device="cpu", precision="fp32", num_threads=1), parallel)
     data_rank, data_size = (0, 1) if rt.meshes is None else (rt.meshes.data.get_local_rank(), rt.meshes.data.size())
@@ -164,7 +164,7 @@ def _adamw_run(fields: dict, last_step: int, *, save: str | None = None, load: s
         state.step = step
         if save is not None and step == 1:
             Checkpointer(Path(save), CheckpointConfig(), rt.rank).save(1, states)
-    return {"losses": losses, "foreach": [g["foreach"] for g in optimizer.param_groups]}
+    return {"losses": losses, "fused": [g["fused"] for g in optimizer.param_groups]}
 
 
 def _checkpoints(single_dir: str, sharded_dir: str, ep_dir: str) -> dict:
@@ -320,14 +320,14 @@ def test_checkpoints_move_between_sharded_and_single(ckpt_dirs, two_ranks):
         # the sharded layout's own checkpoint, resumed by a fresh sharded model: the same run, bit for bit
         saved = r["saved"]["losses"]
         assert r["round_trip"]["losses"] == {2: saved[2], 3: saved[3]}
-        # torch's default step (multi-tensor on CUDA) although DTensor blocks sit beside plain weights: the
-        # builder's AdamW splits its multi-tensor step by kind (optim/builder.py)
-        assert set(r["saved"]["foreach"]) == {None}
+        # the fused step (optim.impl=auto) although DTensor blocks sit beside plain weights: the builder's AdamW
+        # splits its multi-tensor step by kind (optim/builder.py)
+        assert set(r["saved"]["fused"]) == {True}
     files = sorted(p.name for p in (Path(ckpt_dirs["sharded"]) / step_dir_name(1)).glob("*.distcp"))
     assert files == ["__0_0.distcp", "__1_0.distcp"]  # each rank wrote its blocks
     # ... and by one process (the tables gathered from both ranks' blocks)
     resumed = _one_thread(_adamw_run, {}, 3, load=ckpt_dirs["sharded"])
-    assert set(resumed["foreach"]) == {None}  # one process: torch's default too
+    assert set(resumed["fused"]) == {True}  # one process: the fused step too
     for step in (2, 3):
         assert resumed["losses"][step] == pytest.approx(saved[step], rel=1e-5), step
         assert saved[step] == pytest.approx(single[step], rel=1e-5), step

@@ -144,3 +144,21 @@ def test_bad_requests_fail_alone(model):
     assert out[1].token_ids == alone.token_ids and out[1].error is None
     with pytest.raises(ValueError, match="top_p"):
         SamplingParams(top_p=0)
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="the refusal of a model that is not on a CUDA device")
+def test_cuda_graph_needs_a_cuda_model(model):
+    with pytest.raises(ValueError, match="CUDA device"):
+        Engine(model, cuda_graph=True)
+
+
+def test_static_decode_is_refused_where_it_does_not_apply(model):
+    """Transformer.forward(static=True) is one text token per row on a cache, logits only."""
+    cache = model.new_cache(1, 8, replay="none")
+    with torch.no_grad():
+        model(_t([[1, 2, 3]]), cache=cache)
+        for kwargs in ({"cache": None}, {"cache": cache, "outputs": True}, {"cache": cache, "keep_routing": True}):
+            with pytest.raises(ValueError, match="static=True"):
+                model(_t([[4]]), static=True, **kwargs)
+        with pytest.raises(ValueError, match=r"\[1, 1\]"):
+            model(_t([[4, 5]]), cache=cache, static=True)

@@ -8,7 +8,11 @@ restored, issue 14's code reproduced the old curve bit for bit, so nothing else 
 change of data, not of code: the trained tokenizer reserves six chat markers after <bos>, <eos>, <pad>
 (data/tokenizer.py), so it learns six fewer merges and the prepared corpus' ids (and fingerprint) change.
 Issue 16's compile-ready step (the indexer KL masked instead of selected, fixed-size expert counts) left it bit for
-bit as it was: eager CPU runs keep the per-expert GEMM loop (model/moe.py GroupedExperts).
+bit as it was: eager CPU runs keep the per-expert GEMM loop (model/moe.py GroupedExperts). Re-recorded in issue 16 for
+one deliberate change: AdamW's update runs as torch's fused kernel (optim.impl=auto), which rounds differently from
+the per-parameter loop (loss first apart at step 3 by 1e-5 relative, at most 1.3e-3 over the 30 steps); with
+optim.impl=for_loop the same code reproduced the old curve bit for bit (the gradient norm's multi-tensor form and
+mHC's reshaped contractions moved nothing).
 
 The curve depends on the corpus, which is the running interpreter's standard library: the asset records the
 prepared data's fingerprint (tokenizer and shard hashes), and a different one fails naming both, since the curve then

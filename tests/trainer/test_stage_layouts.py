@@ -51,7 +51,9 @@ def test_rl_under_tp_and_ep_equals_the_single_process(tmp_path, small_data, pret
             assert g["rl/response_len"] == w["rl/response_len"] and g["rl/reward"] == w["rl/reward"], layout
             assert g["rl/train_tokens"] == w["rl/train_tokens"], layout
             assert g["loss"] == pytest.approx(w["loss"], rel=1e-4, abs=1e-6), layout
-            assert g["grad_norm"] == pytest.approx(w["grad_norm"], rel=1e-3), layout
+            # abs: a step whose advantages nearly cancel has a gradient norm of ~1e-4, the difference of terms of
+            # order 1 whose fp32 sums the layouts order differently (seen: 2.40e-4 vs 2.398e-4 under tp 2)
+            assert g["grad_norm"] == pytest.approx(w["grad_norm"], rel=1e-3, abs=1e-6), layout
 
 
 @pytest.mark.slow

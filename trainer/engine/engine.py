@@ -5,6 +5,12 @@ prefix cache when there is one), then every row decodes together, a position per
 stop tokens or after max_new_tokens; a row that has stopped keeps decoding its last token until the batch ends
 (its output is dropped; the cache is sized for it), which keeps the batch's shapes fixed.
 
+Decode steps run `model.serving.decode_step` (`model(ids, cache=..., static=True)`): static shapes, no host
+synchronisation, every KV source's whole capacity presented and masked, so `Engine(cuda_graph=True)` can capture the
+step once per batch and replay it per token (one process, a CUDA device; not yet run on a GPU: issue 21). The checks
+such a step cannot make (token ids in range, room in the cache) are made here, on the prompts, before the prefill.
+A batch that keeps routing records (R3) decodes through the dynamic serving forward, which returns them.
+
 Per generated token the completion has its log-prob under the sampling distribution and under the model's
 (trainer/engine/sampling.py) and, with `return_routing`, the routing records of every token the model read
 (prompt and completion but the last: model/routing.py): the training forward given them replays the rollout's
@@ -133,9 +139,19 @@ class Engine:
     """The built-in RolloutBackend. model: the Transformer, or the trainer's ParallelModel (`serving_module`)."""
 
     def __init__(self, model, *, max_batch: int = 32, max_len: int = 4096, replay: str = "halo",
-                 prefix_cache=None, tokenizer=None, prompt_format: PromptFormat | None = None):
+                 prefix_cache=None, tokenizer=None, prompt_format: PromptFormat | None = None,
+                 cuda_graph: bool = False):
         model = serving_module(model)
         self.model, self.max_batch, self.max_len, self.replay = model, max_batch, max_len, replay
+        self.cuda_graph = cuda_graph
+        if cuda_graph:
+            from torch.distributed.tensor import DTensor
+
+            if model.embed.weight.device.type != "cuda":
+                raise ValueError("Engine(cuda_graph=True) needs the model on a CUDA device")
+            if torch.distributed.is_initialized() or any(isinstance(p, DTensor) for p in model.parameters()):
+                raise ValueError("Engine(cuda_graph=True) runs one process with a plain (unsharded) model: a "
+                                 "parallel plan's collectives are not captured")
         self.prefix_cache = prefix_cache
         self.tokenizer = tokenizer
         self.prompt_format = prompt_format or PromptFormat()
@@ -152,6 +168,15 @@ class Engine:
         self.lockstep.any_calls(True)
         out = self.model(ids.to(self.device), cache=cache, outputs=True, keep_routing=keep_routing)
         return out.logits, out.routing  # (plain: model/serving.py gathers vocab-sharded logits)
+
+    def _decode(self, ids: torch.Tensor, cache, keep_routing: bool, graph: "_DecodeGraph | None"):
+        """One token per row: the static-shape decode step (model.serving.decode_step), replayed from its CUDA graph
+        when there is one; the dynamic serving forward when routing records are kept (R3)."""
+        if keep_routing:
+            return self._call(ids, cache, True)
+        self.lockstep.any_calls(True)
+        ids = ids.to(self.device)
+        return (graph(ids) if graph is not None else self.model(ids, cache=cache, static=True)), None
 
     def _drain(self) -> None:
         """After this rank's last call: match every call the other ranks still make with a one-token call."""
@@ -230,6 +255,7 @@ class Engine:
         t0 = time.perf_counter()
         logits = torch.cat(last)
         active = [True] * B
+        graph = _DecodeGraph(self.model, cache) if self.cuda_graph and not keep else None
         while True:
             tok, lp, mlp = sample(logits.float(), params, gens)
             for b in range(B):
@@ -248,7 +274,7 @@ class Engine:
             if not any(active):
                 break
             feed = torch.tensor([[c.token_ids[-1]] for c in comps])
-            step, rec = self._call(feed, cache, keep)
+            step, rec = self._decode(feed, cache, keep, graph)
             logits = step[:, -1]
             self.stats["decode_tokens"] += sum(active)
             if keep:
@@ -289,6 +315,33 @@ class Engine:
             if b == boundary:
                 pc.insert(row_cache, ids, boundary)
         return logits, records
+
+
+class _DecodeGraph:
+    """The decode step of one cache captured as a CUDA graph (Engine(cuda_graph=True)): a token per row is copied
+    into the graph's input and the graph replayed, so a decode step costs one launch instead of the model's
+    thousands. The step is `decode_step` (static shapes, no host synchronisation, the cache preallocated); it is
+    warmed up on a scratch cache of the same shapes (kernels compiled, workspaces allocated: the warm-up runs, the
+    capture only records) and captured on the batch's cache, whose buffers stay where they are for its life."""
+
+    def __init__(self, model, cache):
+        self.ids = torch.zeros(cache.batch_size, 1, dtype=torch.long, device=cache.lengths.device)
+        scratch = model.new_cache(cache.batch_size, cache.max_len, replay="none")
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                model(self.ids, cache=scratch, static=True)
+        torch.cuda.current_stream().wait_stream(side)
+        del scratch
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.logits = model(self.ids, cache=cache, static=True)
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        self.ids.copy_(ids)
+        self.graph.replay()
+        return self.logits.clone()
 
 
 def _no_records(model, n: int):

@@ -150,10 +150,15 @@ def clip_grad_norm_(params, max_norm: float, pm: ParallelModel) -> torch.Tensor:
     grads = [p.grad for p in params if p.grad is not None]
     # The compute device: host-resident Engram blocks (parallel.engram_host_memory) sum their squares there too.
     device = next((g.device for g in grads if g.device.type != "cpu"), grads[0].device if grads else None)
-    squares: dict[tuple, torch.Tensor] = {}  # shard groups -> sum of squares of this rank's pieces
+    # One multi-tensor norm per (shard groups, device, dtype) instead of a cast, a square and a sum per gradient (three
+    # launches each, 1,800 a step on v41_small: BENCHMARKS.md, issue 16), accumulated in fp64 as before.
+    buckets: dict[tuple, list[torch.Tensor]] = {}
     for g in grads:
-        key = _shard_groups(g)
-        sq = local_shard(g).double().pow(2).sum().to(device)
+        t = local_shard(g)
+        buckets.setdefault((_shard_groups(g), t.device, t.dtype), []).append(t)
+    squares: dict[tuple, torch.Tensor] = {}  # shard groups -> sum of squares of this rank's pieces
+    for (key, _, _), ts in buckets.items():
+        sq = torch.stack(torch._foreach_norm(ts, 2, dtype=torch.float64)).square().sum().to(device)
         squares[key] = squares[key] + sq if key in squares else sq
     total = torch.zeros((), dtype=torch.float64, device=device)
     for groups, sq in squares.items():  # same parameter order, so the same keys in the same order, on every peer
@@ -164,8 +169,8 @@ def clip_grad_norm_(params, max_norm: float, pm: ParallelModel) -> torch.Tensor:
         dist.all_reduce(total, group=pm.meshes.pp.get_group())
     norm = total.sqrt().float()
     coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)  # torch's coefficient
-    for g in grads:
-        local_shard(g).mul_(coef.to(g.device, g.dtype))
+    for (_, dev, dtype), ts in buckets.items():
+        torch._foreach_mul_(ts, coef.to(dev, dtype))
     return norm
 
 
