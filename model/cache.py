@@ -115,14 +115,16 @@ class Store:
         for buf, part in zip(self.buffers, parts):
             _bytes(buf)[batch_idx, row_idx] = _bytes(part.to(buf.dtype))
 
-    def write_where(self, mask: torch.Tensor, batch_idx: torch.Tensor, row_idx: torch.Tensor, parts: tuple) -> None:
-        """Store parts[k][b, g] at (batch_idx[b, g], row_idx[b, g]) where mask[b, g], leaving the old bytes elsewhere
-        (parts: [B, G, ...]; the indices distinct where the mask is set): static shapes, for a captured step."""
+    def write_where(self, mask: torch.Tensor, idx: torch.Tensor, parts: tuple) -> None:
+        """Store parts[k][b, g] at row idx[b, g] of request b where mask[b, g], leaving the old bytes elsewhere
+        (parts: [B, G, ...]; idx [B, G] in range, distinct where the mask is set): static shapes, for a captured
+        step (`write` takes the selected rows instead)."""
+        b = torch.arange(idx.shape[0], device=idx.device)[:, None]
         for buf, part in zip(self.buffers, parts):
             raw = _bytes(buf)
-            old = raw[batch_idx, row_idx]
             new = _bytes(part.to(buf.dtype))
-            raw[batch_idx, row_idx] = torch.where(mask.view(*mask.shape, *([1] * (new.dim() - mask.dim()))), new, old)
+            keep = mask.view(*mask.shape, *([1] * (new.dim() - mask.dim())))
+            raw[b, idx] = torch.where(keep, new, raw[b, idx])
 
     def read(self, idx: torch.Tensor) -> torch.Tensor:
         """idx [B, K] row indices (in range) -> [B, K, D] decoded."""

@@ -105,21 +105,18 @@ def _write_entries(layer, lc, state, kv_src: torch.Tensor):
     # a stored entry stays (prefix-cache replay recomputes rows whose global KV is cached)
     capacity = lc.main.buffers[0].shape[1]
     write = closed & (ids >= lc.entries[:, None]) & (ids < capacity)
-    total = (call_start + kv_src.shape[1]) // m
     if state.static:
         # every group's slot is written, with its old bytes where the group does not close: no selection of the
         # rows (its size would be data), and every entry up to the capacity is presented (masked by visibility)
-        b = torch.arange(ids.shape[0], device=ids.device)[:, None].expand_as(ids)
         slot = ids.clamp(0, capacity - 1)
-        for store, parts in ((lc.main, main_parts), (lc.keys, key_parts)):
-            store.write_where(write, b, slot, parts)
-        lc.entries.copy_(torch.maximum(lc.entries, total))
-        return StoredEntries(lc.main, capacity), lc.keys.read_prefix(capacity)
-    b, g = write.nonzero(as_tuple=True)
-    lc.main.write(b, ids[b, g], tuple(p[b, g] for p in main_parts))
-    lc.keys.write(b, ids[b, g], tuple(p[b, g] for p in key_parts))
-    lc.entries.copy_(torch.maximum(lc.entries, total))
-    E = int(lc.entries.max())
+        lc.main.write_where(write, slot, main_parts)
+        lc.keys.write_where(write, slot, key_parts)
+    else:
+        b, g = write.nonzero(as_tuple=True)
+        lc.main.write(b, ids[b, g], tuple(p[b, g] for p in main_parts))
+        lc.keys.write(b, ids[b, g], tuple(p[b, g] for p in key_parts))
+    lc.entries.copy_(torch.maximum(lc.entries, (call_start + kv_src.shape[1]) // m))
+    E = capacity if state.static else int(lc.entries.max())
     return StoredEntries(lc.main, E), lc.keys.read_prefix(E)
 
 
@@ -244,10 +241,7 @@ def serve_forward(model, input_ids: torch.Tensor, cache, *, image_mask=None, rou
                          f"[0, {cfg.vocab_size})")
     B, T = input_ids.shape
     dev = input_ids.device
-    start = cache.lengths.clone()
-    positions = start[:, None] + torch.arange(T, device=dev)
-    cache.tokens.scatter_(1, positions, input_ids)
-    engram_in = _engram_rows(model, cache, input_ids, start, image_mask)
+    start, positions, engram_in = _append_tokens(model, cache, input_ids, image_mask)
     first_call = not bool(cache.prefilled.any())
     keep = _kept_rows(cache, model, T) if first_call else T
     state = ForwardState(positions=positions, phase=cfg.indexer.phase, cache=cache, call_start=start,
@@ -294,10 +288,7 @@ def decode_step(model, input_ids: torch.Tensor, cache) -> torch.Tensor:
     if input_ids.dim() != 2 or input_ids.shape != (cache.batch_size, 1):
         raise ValueError(f"decode_step: input_ids must be [{cache.batch_size}, 1], got {tuple(input_ids.shape)}")
     cfg = model.cfg
-    start = cache.lengths.clone()
-    positions = start[:, None]
-    cache.tokens.scatter_(1, positions, input_ids)
-    engram_in = _engram_rows(model, cache, input_ids, start, None)
+    start, positions, engram_in = _append_tokens(model, cache, input_ids, None)
     # (the shard passed, not defaulted: torch.compile cannot construct the frozen dataclass)
     state = ForwardState(positions=positions, phase=cfg.indexer.phase, shard=_WHOLE, cache=cache, call_start=start,
                          static=True)
@@ -306,6 +297,15 @@ def decode_step(model, input_ids: torch.Tensor, cache) -> torch.Tensor:
     logits = _whole(head_logits(model.norm, model.head, S, pre))
     cache.lengths += 1
     return logits
+
+
+def _append_tokens(model, cache, input_ids: torch.Tensor, image_mask):
+    """A call's new tokens into the cache's history: (the rows' lengths before the call [B], the new tokens'
+    positions [B, T], their Engram row ids)."""
+    start = cache.lengths.clone()
+    positions = start[:, None] + torch.arange(input_ids.shape[1], device=input_ids.device)
+    cache.tokens.scatter_(1, positions, input_ids)
+    return start, positions, _engram_rows(model, cache, input_ids, start, image_mask)
 
 
 def _whole(t: torch.Tensor) -> torch.Tensor:
