@@ -26,6 +26,8 @@ pipeline: $(STAMP)
 
 # Two pytest workers (pytest-xdist), each test file whole on one worker (its module fixtures built once): the tiny
 # models leave a core idle most of the time, so two workers on the CI's two cores take 844 s where one took 1,304.
+# Each worker runs one torch thread (tests/conftest.py: two threads each oversubscribed the cores) and gets the
+# longest files first.
 # TEST_WORKERS=0 runs in this process (e.g. `make test TEST_WORKERS=0 PYTEST_ARGS="tests/model -x"`).
 TEST_WORKERS ?= 2
 test: $(STAMP)

@@ -389,35 +389,58 @@ def profile_step(m, cache, tok, env: Env, n: int, steps: int = 3) -> None:
 
 # -- 4. batch -------------------------------------------------------------------------------------------------------
 def run_batch(args, env: Env) -> None:
+    from trainer.engine.engine import _DecodeGraph
+
     m = build(args.model, env.device)
     sizes = [int(b) for b in args.batch_sizes.split(",")]
+    modes = args.step.split(",")
+    bad = [s for s in modes if s not in _STEP_MODES]
+    if bad or ("graph" in modes and env.device.type != "cuda"):
+        raise SystemExit(f"--step: {bad or ['graph']} not one of {list(_STEP_MODES)} (graph: CUDA only)")
     for n in (int(c) for c in args.context.split(",")):
         print(f"decode throughput, {args.model}, context {n} per row (--fill {args.fill}), {args.steps} steps after 2 "
-              f"warm-up steps, the batch sizes alternated ({env.header()})")
-        caches = {}
-        with torch.no_grad():
-            for B in sizes:
-                cache = m.new_cache(B, n + args.steps + 16, replay="none")
-                if args.fill == "prefill":
-                    fill(m, cache, random_ids(m.cfg, B, n, 3, env.device), max(1, args.chunk // B), env)
-                else:
-                    synthetic_fill(m, cache, n, 3)
-                caches[B] = cache
-                decode_steps(m, cache, random_ids(m.cfg, B, 1, 4, env.device), 2, env)
-            times: dict[int, list[float]] = defaultdict(list)
-            for i in range(args.steps):
-                for B in sizes if i % 2 == 0 else sizes[::-1]:
-                    times[B].append(decode_steps(m, caches[B], random_ids(m.cfg, B, 1, 4, env.device), 1, env)[0])
-        del caches
+              f"warm-up steps, the steps of one batch size alternated; steps: "
+              f"{', '.join(f'{s} = {_STEP_MODES[s]}' for s in modes)} ({env.header()})")
         base = None
-        for B in sizes:
-            med = statistics.median(times[B])
-            tps = B / med
-            base = base or tps
-            print(f"  batch {B:3d}: {med * 1e3:8.1f} ms/step  {tps:8.1f} tokens/s  ({tps / base:.1f}x batch "
-                  f"{sizes[0]})")
-            env.emit("batch", dict(model=args.model, context=n, fill=args.fill, batch=B, median_step_s=med,
-                                   tokens_per_s=tps, times_s=times[B]))
+        for B in sizes:  # one batch size at a time: its caches (and graphs) freed before the next
+            steps = {}
+            with torch.no_grad(), env.autocast():
+                for mode in modes:
+                    cache = m.new_cache(B, n + 3 * args.steps + 16, replay="none")
+                    if args.fill == "prefill":
+                        fill(m, cache, random_ids(m.cfg, B, n, 3, env.device), max(1, args.chunk // B), env)
+                    else:
+                        synthetic_fill(m, cache, n, 3)
+                    if mode == "graph":
+                        step = _DecodeGraph(m, cache)
+                    elif mode == "static":
+                        step = (lambda c: lambda x: m(x, cache=c, static=True))(cache)
+                    else:
+                        step = (lambda c: lambda x: m(x, cache=c))(cache)
+                    for _ in range(2):
+                        step(random_ids(m.cfg, B, 1, 4, env.device))
+                    steps[mode] = step
+                times: dict[str, list[float]] = defaultdict(list)
+                for i in range(args.steps):
+                    for mode in modes if i % 2 == 0 else modes[::-1]:
+                        tok = random_ids(m.cfg, B, 1, 4 + i, env.device)
+                        t0 = env.now()
+                        steps[mode](tok)
+                        times[mode].append(env.now() - t0)
+            del steps
+            for mode in modes:
+                med = statistics.median(times[mode])
+                tps = B / med
+                base = base or tps
+                print(f"  batch {B:3d} {mode:7s}: {med * 1e3:8.2f} ms/step  {tps:9.1f} tokens/s  ({tps / base:.2f}x "
+                      f"batch {sizes[0]} {modes[0]})")
+                env.emit("batch", dict(model=args.model, context=n, fill=args.fill, batch=B, step=mode,
+                                       median_step_s=med, tokens_per_s=tps, times_s=times[mode]))
+
+
+_STEP_MODES = {"dynamic": "the serving forward (model(ids, cache=cache))",
+               "static": "model.serving.decode_step (static shapes, op by op)",
+               "graph": "decode_step replayed from a CUDA graph (Engine(cuda_graph=True))"}
 
 
 # -- 5. deviation ---------------------------------------------------------------------------------------------------
@@ -540,6 +563,8 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="decode: torch.profiler table at the long context")
     ap.add_argument("--context", default="2048,32768", help="batch: context tokens per row (comma list: one run each)")
     ap.add_argument("--batch-sizes", default="1,32", help="batch: batch sizes to compare")
+    ap.add_argument("--step", default="dynamic", help="batch: decode steps to compare (comma list of dynamic, static, "
+                    "graph)")
     ap.add_argument("--checkpoint", default="", help="deviation: run dir, checkpoints/ dir or a step_<N> dir")
     ap.add_argument("--data-path", default=str(ROOT / ".data" / "stdlib"), help="deviation: prepared shards")
     ap.add_argument("--data-seed", type=int, default=0, help="deviation: the run's data.seed (its shard order)")

@@ -74,12 +74,13 @@ def _block_scales(amax: torch.Tensor, scale_fmt: str) -> tuple[torch.Tensor, tor
     if scale_fmt == "e4m3":
         # A true division here, as the reference does; the clamp at 448 only matters for amax > 2688,
         # where the e4m3 cast would otherwise saturate anyway (B2 clamps the same range).
-        # (a 0-dim tensor divisor: with a Python scalar, CUDA torch multiplies by its reciprocal instead)
-        ratio = amax.clamp_min(FP4_MAX * _E4M3_RATIO_FLOOR) / amax.new_tensor(FP4_MAX)
+        # (a 0-dim tensor divisor: with a Python scalar, CUDA torch multiplies by its reciprocal instead; filled,
+        # not copied from the host, so a CUDA graph can capture it)
+        ratio = amax.clamp_min(FP4_MAX * _E4M3_RATIO_FLOOR) / amax.new_full((), FP4_MAX)
         scale_e4m3 = ratio.clamp_max(FP8_MAX).to(torch.float8_e4m3fn)
         return scale_e4m3.float(), scale_e4m3
     # ue8m0: multiply by the fp32 reciprocal of 6, then the exact power-of-two ceiling.
-    inv_max = torch.tensor(1.0 / FP4_MAX, dtype=torch.float32, device=amax.device)
+    inv_max = torch.full((), 1.0 / FP4_MAX, dtype=torch.float32, device=amax.device)  # (filled: see above)
     return pow2_ceil(amax.clamp_min(_UE8M0_AMAX_FLOOR) * inv_max)
 
 

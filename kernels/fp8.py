@@ -120,7 +120,7 @@ def quantize_fp8(
     x_blk = x.detach().float().unflatten(-1, (num_blocks, block))  # [..., NB, block]
     amax = x_blk.abs().amax(dim=-1, keepdim=True)  # [..., NB, 1]
     # fp32 reciprocal of 448, multiplied (REFERENCE A9); a division can differ in the last bit.
-    inv_max = torch.tensor(1.0 / FP8_MAX, dtype=torch.float32, device=x.device)
+    inv_max = torch.full((), 1.0 / FP8_MAX, dtype=torch.float32, device=x.device)  # (filled: a CUDA graph captures it)
     scale_f32, scale_e8m0 = pow2_ceil(amax.clamp_min(FP8_AMAX_FLOOR) * inv_max)
     # scale >= amax/448, so the clamp only bites on non-finite input; the cast rounds to nearest even.
     values = (x_blk / scale_f32).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)

@@ -163,7 +163,7 @@ def first_pre(num_streams: int, batch_shape: tuple[int, ...] = (), device: torch
               ) -> torch.Tensor:
     """The pre_prev of the very first site: one-hot on stream 0, fp32, [*batch_shape, n] (broadcasts)."""
     pre = torch.zeros(*batch_shape, num_streams, dtype=torch.float32, device=device)
-    pre[..., 0] = 1.0
+    pre.narrow(-1, 0, 1).fill_(1.0)  # (a fill, not an indexed assignment: no host-to-device copy in a CUDA graph)
     return pre
 
 

@@ -209,8 +209,10 @@ class GroupedExperts(nn.Module):
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
         # None: the grouped GEMM (sync-free) on CUDA in bf16 and in compiled graphs where torch._grouped_mm takes the
-        # dtype and the row strides, the per-expert loop elsewhere. True / False force one path (tests compare them).
-        self.use_grouped_mm: bool | None = None
+        # dtype and the row strides; the padded batched GEMM (sync-free too) where a step must not read the device
+        # but the grouped GEMM does not apply (a CUDA graph's capture in fp32, a compiled graph of misaligned rows);
+        # the per-expert loop elsewhere. "grouped" / "padded" / "loop" force one path (tests compare them).
+        self.path: str | None = None
 
     def init_weights(self, init_std: float) -> None:
         # w2 uses init_std as well: no depth-scaled output init is prescribed (REFERENCE A1 inits at 0.02).
@@ -218,9 +220,15 @@ class GroupedExperts(nn.Module):
             for w in (self.w1, self.w3, self.w2):
                 init_normal(w, init_std)
 
+    def _path(self, x: torch.Tensor, dtype: torch.dtype) -> str:
+        if self.path is not None:
+            return self.path
+        if self._grouped_ok(x, dtype):
+            return "grouped"
+        capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+        return "padded" if capturing or torch.compiler.is_compiling() else "loop"
+
     def _grouped_ok(self, x: torch.Tensor, dtype: torch.dtype) -> bool:
-        if self.use_grouped_mm is not None:
-            return self.use_grouped_mm
         if not hasattr(torch, "_grouped_mm"):
             return False
         # Both kernels want 16-byte aligned row strides; the CUDA one bf16 only, the CPU one any float dtype.
@@ -244,7 +252,10 @@ class GroupedExperts(nn.Module):
         w1, w3, w2 = (local(w) for w in (self.w1, self.w3, self.w2))  # [E, F, D], [E, F, D], [E, D, F]
         # The GEMMs' dtype: autocast's where it is on (the loop's matmuls get it from autocast itself).
         dtype = autocast_dtype(x.device.type) or x.dtype
-        if self._grouped_ok(x, dtype):
+        path = self._path(x, dtype)
+        if path == "padded":
+            return self._padded(x, weights, tokens_per_expert, w1, w3, w2)
+        if path == "grouped":
             offs = tokens_per_expert.cumsum(0).to(torch.int32)  # [E], end row of each group
             xc = x.to(dtype)
             g = grouped_mm(xc, w1.to(dtype), offs)  # [S, F]
@@ -266,6 +277,25 @@ class GroupedExperts(nn.Module):
             # parallelism the backward all-to-all behind them must run here too, because the peers run theirs.
             return (x * weights[:, None]).to(x.dtype)
         return torch.cat(outs)
+
+    def _padded(self, x, weights, tokens_per_expert, w1, w3, w2) -> torch.Tensor:
+        """The experts without a host read and without the grouped GEMM: expert e's rows in slab e of an [E, S, D]
+        buffer (row r at slot r - start of its group), one batched GEMM per projection, the rows gathered back. It
+        reads each expert's weights once and computes E times the rows' FLOPs: for a decode step (S = batch x k
+        rows) in a CUDA graph where the grouped GEMM does not take the dtype, not for training."""
+        S, E = x.shape[0], tokens_per_expert.shape[0]
+        expert = torch.repeat_interleave(torch.arange(E, device=x.device), tokens_per_expert, output_size=S)
+        slot = torch.arange(S, device=x.device) - (tokens_per_expert.cumsum(0) - tokens_per_expert)[expert]
+
+        def slab(rows: torch.Tensor) -> torch.Tensor:
+            out = rows.new_zeros(E, S, rows.shape[-1])
+            out[expert, slot] = rows
+            return out
+
+        xs = slab(x)
+        a = clamped_swiglu(xs @ w1.transpose(1, 2), xs @ w3.transpose(1, 2), self.swiglu_limit)[expert, slot]
+        a = (a * weights[:, None]).to(x.dtype)
+        return (slab(a) @ w2.transpose(1, 2))[expert, slot]
 
 
 class SharedExpert(nn.Module):

@@ -130,7 +130,7 @@ def test_dispatch_combine_round_trip_is_exact():
 def test_experts_match_naive_per_token_loop(grouped):
     # T=7, D=24, E=5, k=2; the grouped GEMM (CPU fallback) needs 16-byte rows, hence F=12 there.
     moe = make_moe(hidden=12 if grouped else 10)
-    moe.experts.use_grouped_mm = grouped
+    moe.experts.path = "grouped" if grouped else "loop"
     x = torch.randn(7, 24)
     w, idx, _ = moe.gate(x)
     with torch.no_grad():
@@ -286,37 +286,40 @@ def test_meta_build_shapes():
 
 
 @pytest.mark.parametrize("forced", [False, True])
-def test_grouped_experts_match_the_loop_in_both_passes_without_host_reads(forced, monkeypatch):
-    """The default path (grouped GEMMs, torch._grouped_mm, device-side group ends) equals the per-expert loop in the
-    output and in every gradient, with experts that receive no token (forced: every token to experts 0 and 3), and
-    reads nothing on the host: no .tolist() / .item() in its forward or backward (what lets torch.compile capture it
-    whole and a CUDA graph replay it)."""
+def test_sync_free_experts_match_the_loop_in_both_passes_without_host_reads(forced, monkeypatch):
+    """The sync-free paths (grouped GEMMs, torch._grouped_mm with device-side group ends; the padded batched GEMM of
+    a CUDA graph where the grouped one does not apply) equal the per-expert loop in the output and in every
+    gradient, with experts that receive no token (forced: every token to experts 0 and 3), and read nothing on the
+    host: no .tolist() / .item() in their forward or backward (what lets torch.compile capture them whole and a CUDA
+    graph replay them)."""
     moe = make_moe(hidden=12)
     gen = torch.Generator().manual_seed(3)
     x0 = torch.randn(2, 7, 24, generator=gen)
     probe = torch.randn(2, 7, 24, generator=gen)
     experts = torch.tensor([0, 3]).expand(2, 7, 2) if forced else None
     got = {}
-    for grouped in (False, True):
-        moe.experts.use_grouped_mm = grouped
+    for path in ("loop", "grouped", "padded"):
+        moe.experts.path = path
         moe.zero_grad(set_to_none=True)
         x = x0.clone().requires_grad_()
         with monkeypatch.context() as m:
-            if grouped:
+            if path != "loop":
                 for name in ("tolist", "item"):
                     m.setattr(torch.Tensor, name, lambda *a, _n=name, **k: pytest.fail(f"host read: Tensor.{_n}"))
             y, load, _ = moe(x, experts=experts)
             (y * probe).sum().backward()
-        got[grouped] = (y.detach(), x.grad, {n: p.grad.clone() for n, p in moe.named_parameters()}, load)
-    (y_l, gx_l, g_l, load_l), (y_g, gx_g, g_g, load_g) = got[False], got[True]
-    torch.testing.assert_close(y_g, y_l, rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(gx_g, gx_l, rtol=1e-5, atol=1e-6)
-    assert g_g.keys() == g_l.keys()
-    for n in g_l:
-        torch.testing.assert_close(g_g[n], g_l[n], rtol=1e-5, atol=1e-6, msg=n)
-    assert torch.equal(load_g, load_l)
-    if forced:  # the experts no token reached get an exact zero gradient
-        assert torch.count_nonzero(g_g["experts.w1"][[1, 2, 4]]) == 0
+        got[path] = (y.detach(), x.grad, {n: p.grad.clone() for n, p in moe.named_parameters()}, load)
+    y_l, gx_l, g_l, load_l = got["loop"]
+    for path in ("grouped", "padded"):
+        y_g, gx_g, g_g, load_g = got[path]
+        torch.testing.assert_close(y_g, y_l, rtol=1e-6, atol=1e-6, msg=path)
+        torch.testing.assert_close(gx_g, gx_l, rtol=1e-5, atol=1e-6, msg=path)
+        assert g_g.keys() == g_l.keys()
+        for n in g_l:
+            torch.testing.assert_close(g_g[n], g_l[n], rtol=1e-5, atol=1e-6, msg=f"{path}: {n}")
+        assert torch.equal(load_g, load_l)
+        if forced:  # the experts no token reached get an exact zero gradient
+            assert torch.count_nonzero(g_g["experts.w1"][[1, 2, 4]]) == 0, path
 
 
 def test_router_scores_stay_fp32_under_bf16_autocast():

@@ -198,7 +198,7 @@ def _no_drop_worker(rank: int, world: int) -> dict:
     results = []
     for f in (0.0, float(world)):
         m = _moe(seed=3, ep_mesh=mesh, capacity_factor=f)
-        m.experts.use_grouped_mm = False
+        m.experts.path = "loop"
         results.append((*_run(m, x[toks], probe[toks], None)[:3], _grads(m)))
     (o0, l0, gx0, g0), (o1, l1, gx1, g1) = results
     assert torch.equal(o0, o1) and torch.equal(l0, l1) and torch.equal(gx0, gx1)

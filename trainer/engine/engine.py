@@ -37,6 +37,7 @@ log-probs; vLLM can return routed experts for R3) into Completions. docs/generat
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
@@ -329,19 +330,27 @@ class _DecodeGraph:
         scratch = model.new_cache(cache.batch_size, cache.max_len, replay="none")
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
+        with torch.cuda.stream(side), _uncached_autocast():
             for _ in range(2):
                 model(self.ids, cache=scratch, static=True)
         torch.cuda.current_stream().wait_stream(side)
         del scratch
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
+        with torch.cuda.graph(self.graph), _uncached_autocast():
             self.logits = model(self.ids, cache=cache, static=True)
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         self.ids.copy_(ids)
         self.graph.replay()
         return self.logits.clone()
+
+
+def _uncached_autocast():
+    """The caller's autocast, without its cache of cast weights: a captured graph would keep reading a cast copy
+    that the cache frees when the autocast region ends (torch's CUDA-graph notes)."""
+    if not torch.is_autocast_enabled("cuda"):
+        return contextlib.nullcontext()
+    return torch.autocast("cuda", dtype=torch.get_autocast_dtype("cuda"), cache_enabled=False)
 
 
 def _no_records(model, n: int):
