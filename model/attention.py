@@ -217,6 +217,16 @@ def indexer_kl(attn_mass: torch.Tensor, scores: torch.Tensor, domain: torch.Tens
     return torch.where(num_rows > 0, total / num_rows.clamp_min(1.0), 0.0)
 
 
+def head_rows(cfg) -> dict[str, int]:
+    """The query and key projections' head layout, for head-wise optimisers (optim.rules headwise=true): parameter
+    name suffix -> rows per head. The attention's query wq_b is [H * head_dim, q_lora] and its one shared KV head wkv
+    [head_dim, D]; the indexer's query wq_b is [Hi * index_head_dim, q_lora] and its one key head wk
+    [index_head_dim, latent]."""
+    a, ix = cfg.attention, cfg.csa2
+    return {"attn.wq_b.weight": a.head_dim, "attn.wkv.weight": a.head_dim,
+            "indexer.wq_b.weight": ix.index_head_dim, "indexer.wk.weight": ix.index_head_dim}
+
+
 class CSA2Attention(kern.KernelPath, nn.Module):
     def __init__(self, cfg: ModelConfig, spec: LayerSpec):
         super().__init__()

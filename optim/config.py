@@ -8,12 +8,51 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from config_checks import at_least, check_choices, choice_field, in_range, positive
+from optim.rules import ParamRule
+
+
+@dataclass
+class MuonConfig:
+    momentum: float = 0.95
+    """the momentum buffer's decay"""
+    nesterov: bool = True
+    """orthogonalise g + momentum * buffer (Nesterov) rather than the buffer"""
+    rms: float = 0.2
+    """each block's update RMS (optim/muon.py: AdamW's typical update RMS, so its learning rates carry over)"""
+
+    def __post_init__(self) -> None:
+        in_range("optim.muon.momentum", self.momentum, 0, 1)
+        positive("optim.muon.rms", self.rms)
+
+
+@dataclass
+class SinkhornConfig:
+    momentum: float = 0.9
+    """the momentum buffer's decay"""
+    nesterov: bool = True
+    """balance g + momentum * buffer (Nesterov) rather than the buffer"""
+    rms: float = 0.2
+    """the balanced update's row and column RMS"""
+    iters: int = 8
+    """alternating row / column normalisations per step"""
+
+    def __post_init__(self) -> None:
+        in_range("optim.sinkhorn.momentum", self.momentum, 0, 1)
+        positive("optim.sinkhorn.rms", self.rms)
+        at_least("optim.sinkhorn.iters", self.iters, 1)
 
 
 @dataclass
 class OptimConfig:
-    name: str = choice_field("adamw", ("adamw",))
-    """the optimiser; Muon and Sinkhorn-Nesterov (SPEC 1.7) come in a later issue"""
+    name: str = choice_field("adamw", ("adamw", "muon"))
+    """adamw: AdamW for every parameter (decay on matrices only); muon: the report's optimisers (SPEC 1.7) by
+    `rules` (conf/optim/muon.yaml: Muon for matrices, head-wise for Q/K, Sinkhorn momentum for the embedding, the
+    head and the Engram tables, AdamW for the rest)"""
+    rules: list[ParamRule] = field(default_factory=list)
+    """name patterns -> optimiser, learning-rate multiplier, weight decay (optim/rules.py); every trainable
+    parameter matches exactly one. Empty: optim.name=adamw's one AdamW"""
+    muon: MuonConfig = field(default_factory=MuonConfig)
+    sinkhorn: SinkhornConfig = field(default_factory=SinkhornConfig)
     lr: float = 3e-4
     """peak learning rate, reached at the end of warmup"""
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
@@ -46,3 +85,5 @@ class OptimConfig:
         at_least("optim.warmup_steps", self.warmup_steps, 0)
         in_range("optim.min_lr_ratio", self.min_lr_ratio, 0, 1)
         in_range("optim.decay_fraction", self.decay_fraction, 0, 1)
+        if self.name == "muon" and not self.rules:
+            raise ValueError("optim.name=muon needs optim.rules (conf/optim/muon.yaml has the report's)")

@@ -60,6 +60,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -110,6 +111,11 @@ class TrainState:
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler) -> None:
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        # An optimiser whose param groups differ between layouts (optim.rules: a pipeline stage holds only some
+        # rules' parameters) saves each parameter's hyperparameters under its name, not under a group's position:
+        # the checkpoint then loads into any layout's groups. AdamW alone keeps torch's default (its two groups).
+        self.optim_options = (StateDictOptions(flatten_optimizer_state_dict=True)
+                              if getattr(optimizer, "groups_vary_by_layout", False) else None)
         self.step = 0
         self.tokens_seen = 0
         self.skipped_steps = 0  # steps whose loss or gradient norm was not finite (no update); kept in the marker
@@ -118,7 +124,7 @@ class TrainState:
     def state_dict(self) -> dict:
         return {
             "model": get_model_state_dict(self.model),
-            "optim": get_optimizer_state_dict(self.model, self.optimizer),
+            "optim": get_optimizer_state_dict(self.model, self.optimizer, options=self.optim_options),
             "scheduler": self.scheduler.state_dict(),
             "step": self.step,
             "tokens_seen": self.tokens_seen,
@@ -131,7 +137,7 @@ class TrainState:
         # checkpoint's). Only the state (moments, step counts) comes from the checkpoint. The scheduler loads after
         # this, so it scales the config's initial_lr.
         live = [{k: v for k, v in group.items() if k != "params"} for group in self.optimizer.param_groups]
-        set_optimizer_state_dict(self.model, self.optimizer, state["optim"])
+        set_optimizer_state_dict(self.model, self.optimizer, state["optim"], options=self.optim_options)
         self.loaded_hyperparameters = [{k: v for k, v in g.items() if k != "params"}
                                        for g in self.optimizer.param_groups]
         for group, values in zip(self.optimizer.param_groups, live):

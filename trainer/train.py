@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 import model as model_pkg
 from model.config import ModelConfig
+from model.attention import head_rows
 from optim import LRScheduler, build_optimizer
 from trainer.callbacks import Callbacks, load_callbacks, ordered
 from trainer.checkpoint import Checkpointer, RankLocalState, TrainState
@@ -293,7 +294,8 @@ def build(cfg: Config, run_dir: Path) -> Job:
     install_canonical_vocab(pm.module, model_cfg, tokenizer.path)
     trainable = stage.trainable_parameters(pm.module, model_cfg)
     freeze_all_but(pm.module, trainable)
-    optimizer = build_optimizer(trainable, cfg.optim)
+    optimizer = build_optimizer(trainable, cfg.optim, named=pm.module.named_parameters(),
+                                head_rows=head_rows(model_cfg), log=log.info)
     scheduler = LRScheduler(optimizer, cfg.optim, total_steps=cfg.trainer.max_steps)
     state = TrainState(pm.module, optimizer, scheduler)
     ckpt_states = {"train": state, "rank_local": RankLocalState(loader, rt.rank, data_rank)}

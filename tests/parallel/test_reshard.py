@@ -1,10 +1,13 @@
 """Proves checkpoints move between layouts: saved by one process, resumed under tp 2 x pp 2 (4 gloo ranks, torchrun),
-and the reverse, through the real CLI (trainer.main) with AdamW, the micro model with Engram on.
+and the reverse, through the real CLI (trainer.main) with optim=muon (conf/optim/muon.yaml: Muon and head-wise Muon
+momentum, Sinkhorn momentum for the embedding, head and Engram table, AdamW's moments for the rest, every state a
+DTensor like its parameter under tp), the micro model with Engram on.
 
 - A: one process trains steps 1-4, saving at 2 and 4.
 - B: tp 2 x pp 2 resumes from A's step-2 checkpoint and trains steps 3-6, saving at 4 and 6; every rank writes its
   part (its stages, its tp shards, under the whole model's names). It logs A's losses and gradient norms at steps 3
-  and 4 (1e-5 relative). Step 4 depends on the step-3 update, so AdamW's moments and step count, the LR schedule,
+  and 4 (1e-5 relative). Step 4 depends on the step-3 update, so the momentum buffers, AdamW's moments and step
+  count, the LR schedule,
   the data position and the MoE balancing biases all came back; step 3 alone shows the weights and the data
   position.
 - C: one process resumes from B's step-4 checkpoint (written by the 4 ranks) and logs B's steps 5 and 6, the same
@@ -27,7 +30,8 @@ from data.config import DataConfig, ensure_prepared
 from tests.trainer.harness import REPO, env, micro_overrides, read_metrics, run_cli, side_by_side
 
 # The runs stop at different steps (trainer.max_steps); the LR warms up over 100 steps, so it does not depend on that.
-STEPS = ["checkpoint.interval=2", "trainer.grad_accum=2", "data.batch_size=2", "optim.warmup_steps=100"]
+STEPS = ["optim=muon", "checkpoint.interval=2", "trainer.grad_accum=2", "data.batch_size=2",
+         "optim.warmup_steps=100"]
 TP2_PP2 = ["parallel.tp=2", "parallel.pp=2"]
 
 
