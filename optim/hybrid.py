@@ -29,6 +29,10 @@ from optim import muon as muon_lib
 from optim import sinkhorn as sinkhorn_lib
 
 
+CHUNK = 1 << 27
+"""Muon's values per batched Newton-Schulz call (134 M: a transient of about 1.3 GB)"""
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
@@ -92,29 +96,49 @@ class Hybrid(torch.optim.Optimizer):
         return loss
 
     def _muon(self, group: dict) -> None:
-        lr, wd, mu = group["lr"], group["weight_decay"], group["momentum"]
-        local, owned = [], []
-        for p in group["params"]:
-            if p.grad is None:
-                continue
-            g = _local(p.grad).float()
-            state = self.state[p]
-            if "momentum_buffer" not in state:  # (a DTensor like p: checkpoints reshard it as they do p)
-                state["momentum_buffer"] = torch.zeros_like(p, dtype=torch.float32)
-            buf = _local(state["momentum_buffer"])
-            buf.mul_(mu).add_(g)
-            u = g.add(buf, alpha=mu) if group["nesterov"] else buf.clone()
-            (owned if id(p) in self._owners else local).append((p, u))
-        factors = muon_lib.orthogonal_factors([u for _, u in local], [group["head_rows"]] * len(local),
-                                              group["rms"])
-        done = [(p, o, scale) for (p, _), (o, scale) in zip(local, factors)]
-        for p, u in owned:
-            done.append((p, self._owners[id(p)].orthogonalise(u, group["head_rows"], group["rms"]), 1.0))
-        for p, o, scale in done:
-            w = _local(p)
-            if wd:
-                w.mul_(1 - lr * wd)
-            w.add_(o, alpha=-lr * scale)  # (o in bf16 on a GPU: promoted inside the add)
+        """Momentum, Newton-Schulz and the update, in chunks of at most CHUNK values of parameters whose blocks have
+        one shape (one batched iteration each), so the step's transient (the fp32 Nesterov updates, the bf16
+        stacked blocks and iterates: about 10 B a value) is bounded by a chunk, not by the group."""
+        with_grad = [p for p in group["params"] if p.grad is not None]
+        owned = [p for p in with_grad if id(p) in self._owners]
+        by_shape: dict[tuple, list] = {}
+        for p in with_grad:
+            if id(p) not in self._owners:
+                shape = tuple(muon_lib.blocks(torch.empty(_local(p).shape, device="meta"), group["head_rows"]).shape)
+                by_shape.setdefault(shape[1:], []).append(p)
+        for ps in by_shape.values():
+            chunk, size = [], 0
+            for p in ps + [None]:
+                if p is not None and (not chunk or size + _local(p).numel() <= CHUNK):
+                    chunk.append(p)
+                    size += _local(p).numel()
+                    continue
+                us = [self._nesterov(q, group) for q in chunk]
+                factors = muon_lib.orthogonal_factors(us, [group["head_rows"]] * len(us), group["rms"])
+                del us
+                for q, (o, scale) in zip(chunk, factors):
+                    self._apply(q, o, scale, group)
+                chunk, size = ([p], _local(p).numel()) if p is not None else ([], 0)
+        for p in owned:
+            o = self._owners[id(p)].orthogonalise(self._nesterov(p, group), group["head_rows"], group["rms"])
+            self._apply(p, o, 1.0, group)
+
+    def _nesterov(self, p, group: dict) -> torch.Tensor:
+        """The momentum buffer updated with p's gradient; the update to orthogonalise (local shard, fp32)."""
+        g = _local(p.grad).float()
+        state = self.state[p]
+        if "momentum_buffer" not in state:  # (a DTensor like p: checkpoints reshard it as they do p)
+            state["momentum_buffer"] = torch.zeros_like(p, dtype=torch.float32)
+        buf = _local(state["momentum_buffer"])
+        buf.mul_(group["momentum"]).add_(g)
+        return g.add(buf, alpha=group["momentum"]) if group["nesterov"] else buf.clone()
+
+    @staticmethod
+    def _apply(p, o: torch.Tensor, scale: float, group: dict) -> None:
+        w = _local(p)
+        if group["weight_decay"]:
+            w.mul_(1 - group["lr"] * group["weight_decay"])
+        w.add_(o, alpha=-group["lr"] * scale)  # (o in bf16 on a GPU: promoted inside the add)
 
     def _sinkhorn(self, group: dict) -> None:
         lr, wd, mu = group["lr"], group["weight_decay"], group["momentum"]

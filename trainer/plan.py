@@ -27,6 +27,9 @@ except Engram rows, where the figure is the largest block):
 - optimiser state: AdamW, two fp32 moments, plus an fp32 master copy for a parameter not stored in fp32 (the
   flagship's bf16 Engram tables; the trainer keeps every other parameter in fp32 and computes under bf16 autocast).
   The step of torch's default (foreach) AdamW also allocates an fp32 denominator per parameter for its duration.
+  Under optim.rules (optim=muon) a Muon or Sinkhorn parameter has one fp32 momentum buffer instead; the step's
+  transient adds the largest of a Muon chunk (optim.hybrid.CHUNK values, 10 B each), an owner's gathered matrix
+  and a Sinkhorn table with every row touched (24 B a value).
 - activations: micro-batches in flight x what each layer keeps for backward (model.accounting.layer_activation_bytes,
   itemised there, including the bf16 weight copies autocast keeps per micro-batch), plus per micro-batch the
   compressed KV entries the stage's layers read and the last stage's fp32 logits and log-softmax (with
@@ -57,6 +60,10 @@ Communication, bytes each rank sends per optimiser step (received volumes are th
   and of expert weights over dp x cp; with FSDP (dp_shard > 1), per micro-batch the fp32 parameter all-gathers
   (forward, and again in backward for blocks, which reshard after forward) and gradient reduce-scatters over
   dp_shard, HSDP's all-reduce over dp_replicate, and once per step the non-expert shards' all-reduce over ep x cp;
+- optimizer (optim.rules only): once per step, each Muon matrix whose blocks a layout splits (FSDP's row shards, a
+  tp split of the input dim, shards that cut an expert or a head) goes to its owner rank and back, 2 x its fp32
+  shard per rank (optim/hybrid.py); the Sinkhorn tables' per-iteration all-reduces of row / column sums are a few
+  KB and not counted;
 - engram: per Engram layer and micro-batch the row exchange (ids and rows forward, row gradients backward), bounded
   by C distinct rows per token (repeats only lower it), (group - 1) / group of it off-rank.
 Under activation_checkpoint=full the recomputation repeats every forward collective of tp, ep, cp and engram.
@@ -142,6 +149,7 @@ class Layout:
     engram_shard: bool = False  # parallel.engram_shard: rows over dp x ep x cp (trainer/parallel/engram.py)
     engram_shard_over: tuple[str, ...] = ("dp_replicate", "dp_shard", "ep", "cp")  # parallel.engram_shard_over
     fused_loss: bool = False  # trainer.fused_loss: the head and the cross-entropy chunked (trainer/fused_loss.py)
+    optim_rules: tuple = ()  # optim.rules (optim=muon): which optimiser each parameter has; () = AdamW for all
     device_bytes: float = 141e9
     notes: list[str] = field(default_factory=list)
 
@@ -171,7 +179,8 @@ def layout_from_config(cfg, dims, cuts: list[int], device_memory_gb: float = 141
         batch_size=cfg.data.batch_size, seq_len=cfg.data.seq_len, grad_accum=cfg.trainer.grad_accum,
         activation_checkpoint=par.activation_checkpoint,
         engram_shard=par.engram_shard, engram_shard_over=tuple(par.engram_shard_over),
-        fused_loss=cfg.trainer.fused_loss, device_bytes=float(device_memory_gb) * _GB)
+        fused_loss=cfg.trainer.fused_loss, device_bytes=float(device_memory_gb) * _GB,
+        optim_rules=tuple(cfg.optim.rules))
     if par.dp_replicate == -1 and not world_size_given:
         lay.notes.append("parallel.dp_replicate=-1 (fill) planned as 1: give --world-size=N to plan N processes")
     return lay
@@ -267,16 +276,54 @@ def stage_parameters(model, lay: Layout, bounds: list[int]) -> list[dict[str, di
     "low_precision_numel": elements not stored in fp32 (they get an fp32 master copy)}."""
     from model.parallelize import tp_shard_dims
 
-    out = [{k: {"numel": 0, "bytes": 0, "low_precision_numel": 0} for k in _KINDS} for _ in range(len(bounds) - 1)]
+    from model.attention import head_rows
+    from optim.rules import assign
+
+    out = [{k: {"numel": 0, "bytes": 0, "low_precision_numel": 0, "momentum_numel": 0, "owner_numel": 0,
+                "largest_sinkhorn_numel": 0, "largest_owned_numel": 0} for k in _KINDS} for _ in range(len(bounds) - 1)]
     tp_dims = tp_shard_dims(model)
-    for name, p in model.named_parameters():
+    named = list(model.named_parameters())
+    rules = list(lay.optim_rules)
+    which = assign([name for name, _ in named], rules) if rules else [None] * len(named)
+    rows_of = head_rows(model.cfg)
+    for (name, p), i in zip(named, which):
         n = local_numel(name, tuple(p.shape), lay, tp_dims)
         rec = out[_stage_of(name, bounds)][param_kind(name)]
         rec["numel"] += n
         rec["bytes"] += n * p.element_size()
         if p.dtype != torch.float32:
             rec["low_precision_numel"] += n
+        if i is not None and rules[i].optimizer != "adamw":
+            rec["momentum_numel"] += n
+            rows = (next((r for sfx, r in rows_of.items() if name.endswith("." + sfx)), None)
+                    if rules[i].headwise else None)
+            if rules[i].optimizer == "sinkhorn":
+                rec["largest_sinkhorn_numel"] = max(rec["largest_sinkhorn_numel"], n)
+            elif _muon_needs_owner(name, tuple(p.shape), lay, tp_dims, rows):
+                rec["owner_numel"] += n
+                rec["largest_owned_numel"] = max(rec["largest_owned_numel"], p.numel())
     return out
+
+
+def _muon_needs_owner(name: str, shape: tuple[int, ...], lay: Layout, tp_dims: dict[str, int],
+                      rows: int | None) -> bool:
+    """Whether a Muon matrix's blocks are split across ranks in this layout, so an owner gathers it
+    (optim/hybrid.py): any split of a dim other than 0, or a split of dim 0 that cuts a block (an expert, a head)."""
+    ways = 1
+    if lay.tp > 1 and name in tp_dims:
+        if tp_dims[name] != 0:
+            return True
+        ways *= lay.tp
+    if param_kind(name) == "routed_experts":
+        ways *= lay.ep
+    ways *= lay.dp_shard
+    if ways == 1:
+        return False
+    if len(shape) == 3 and rows is None:
+        return shape[0] % ways != 0
+    if len(shape) == 2 and rows is not None:
+        return (shape[0] // rows) % ways != 0
+    return True
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -354,13 +401,26 @@ def rank_memory(model, lay: Layout, bounds: list[int], params: list[dict], stage
     numel = sum(params[s][k]["numel"] for s in stages for k in _KINDS)
     low = sum(params[s][k]["low_precision_numel"] for s in stages for k in _KINDS)
     grads = dict(by_kind)
-    optimizer = {k: sum(8 * params[s][k]["numel"] + 4 * params[s][k]["low_precision_numel"] for s in stages)
-                 for k in _KINDS}
+    # AdamW: two fp32 moments; Muon and Sinkhorn momentum: one fp32 buffer; a low-precision parameter: its fp32 master
+    momentum = sum(params[s][k]["momentum_numel"] for s in stages for k in _KINDS)
+    optimizer = {k: sum(8 * (params[s][k]["numel"] - params[s][k]["momentum_numel"])
+                        + 4 * params[s][k]["momentum_numel"] + 4 * params[s][k]["low_precision_numel"]
+                        for s in stages) for k in _KINDS}
     mems = [_stage_memory(model, lay, bounds, s) for s in stages]
     in_flight = _in_flight(lay, rank)
     activations = in_flight * sum(m["saved_per_microbatch"] for m in mems)
     working = max(m["working_set"] for m in mems)
-    step_transient = 4 * numel  # foreach AdamW's denominators
+    # foreach AdamW's denominators, then the largest of what optim/hybrid.py's Muon and Sinkhorn steps hold at once:
+    # a chunk of Muon updates (fp32 Nesterov update + bf16 stacked blocks, iterate and result: 10 B a value), an
+    # owner's whole gathered matrix (the same), a Sinkhorn table's touched rows, all of them at worst (gradient,
+    # momentum and update rows, their squares, the balanced and the new rows: 24 B a value)
+    from optim.hybrid import CHUNK
+
+    def _largest(key: str) -> int:
+        return max((params[s][k][key] for s in stages for k in _KINDS), default=0)
+
+    step_transient = 4 * (numel - momentum) + max(10 * min(momentum, CHUNK), 10 * _largest("largest_owned_numel"),
+                                                  24 * _largest("largest_sinkhorn_numel"))
     static = sum(by_kind.values()) + sum(grads.values()) + sum(optimizer.values())
     peak = static + max(activations + working, step_transient) + _RESERVE
     itemised: dict[str, float] = {}
@@ -370,7 +430,7 @@ def rank_memory(model, lay: Layout, bounds: list[int], params: list[dict], stage
     return {
         "pp_rank": rank, "stages": stages, "layers": [[bounds[s], bounds[s + 1]] for s in stages],
         "microbatches_in_flight": in_flight,
-        "params_numel": numel, "params_low_precision_numel": low,
+        "params_numel": numel, "params_low_precision_numel": low, "params_momentum_numel": momentum,
         "params_bytes": by_kind, "grads_bytes": grads, "optimizer_bytes": optimizer,
         "activations_bytes": activations, "activations_per_microbatch_itemised": itemised,
         "working_set_bytes": working, "optimizer_step_transient_bytes": step_transient,
@@ -381,7 +441,7 @@ def rank_memory(model, lay: Layout, bounds: list[int], params: list[dict], stage
 def dominant_term(mem: dict) -> tuple[str, float]:
     """The largest single term of a rank's peak: one kind's parameters + gradients + optimiser state, the
     activations, or the working set."""
-    terms = {f"{k} (params + grads + AdamW state)": mem["params_bytes"][k] + mem["grads_bytes"][k]
+    terms = {f"{k} (params + grads + optimiser state)": mem["params_bytes"][k] + mem["grads_bytes"][k]
              + mem["optimizer_bytes"][k] for k in _KINDS}
     terms["activations"] = mem["activations_bytes"]
     terms["working_set"] = mem["working_set_bytes"]
@@ -473,6 +533,10 @@ def rank_communication(model, lay: Layout, bounds: list[int], params: list[dict]
             out["dp"] += M * 2 * _ring(lay.dp_replicate) * sharded
         if lay.ep * lay.cp > 1:
             out["dp"] += 2 * _ring(lay.ep * lay.cp) * replicated
+    if lay.optim_rules:
+        # Muon matrices split across ranks: each rank's fp32 shard of the update goes to the matrix's owner and comes
+        # back orthogonalised (optim/hybrid.py), twice the shard per step on balance
+        out["optimizer"] = 2 * 4 * sum(params[st][k]["owner_numel"] for st in stages for k in _KINDS)
     out["total"] = sum(out.values())
     return out
 
@@ -485,8 +549,13 @@ def _assumptions(lay: Layout) -> list[str]:
     out = [
         "CUDA run: bf16 autocast, parameters (so the residual streams) fp32 except the Engram tables "
         "(model.engram.table_dtype); Triton kernels for attention, indexer and the fused mHC step; PyTorch Engram",
-        "AdamW: 2 fp32 moments per parameter, plus an fp32 master copy of every parameter not stored in fp32 "
-        "(optim/builder.py refuses such parameters today); foreach step allocates an fp32 denominator per parameter",
+        ("optim.rules (optim=muon): Muon and Sinkhorn momentum 1 fp32 buffer per parameter, AdamW 2 moments; the "
+         "step's transient the largest Muon chunk, owner matrix or Sinkhorn table (every row touched); Muon "
+         "matrices split across ranks gathered by an owner and scattered back (the 'optimizer' communication)"
+         if lay.optim_rules else
+         "AdamW: 2 fp32 moments per parameter, plus an fp32 master copy of every parameter not stored in fp32 "
+         "(optim/builder.py refuses such parameters today); foreach step allocates an fp32 denominator per "
+         "parameter"),
         "gradients in the parameters' dtypes; FSDP2 (dp_shard > 1) shards dim 0 over dp_shard and gathers in fp32 "
         "(no param_dtype in trainer/parallel/apply.py), reduce-scatters every micro-batch",
         ("Engram tables row-sharded over dp x ep x cp (trainer/parallel/engram.py), kept out of FSDP"

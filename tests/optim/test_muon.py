@@ -169,3 +169,25 @@ def test_the_builder_groups_the_tiny_model_and_logs_the_table():
     assert {g["head_rows"] for g in opt.param_groups if g["kind"] == "muon"} == {None, 64, 32}
     table = lines[0]
     assert "Q/K projections" in table and "heads of 64 rows" in table and "Engram tables" in table
+
+
+def test_muon_in_chunks_equals_muon_in_one_batch(monkeypatch):
+    """The step orthogonalises blocks of one shape in chunks of at most optim.hybrid.CHUNK values (its transient
+    memory bounded by a chunk): the same parameters after two steps as one batch of all of them."""
+    import optim.hybrid as hybrid
+
+    def run() -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        ps = [torch.nn.Parameter(torch.randn(3, 8, 12)) for _ in range(3)] + [torch.nn.Parameter(torch.randn(8, 12))]
+        opt = hybrid.Hybrid([dict(params=ps, kind="muon", lr=0.05, weight_decay=0.1, momentum=0.9, nesterov=True,
+                                  rms=RMS, head_rows=None)])
+        for step in range(2):
+            for i, p in enumerate(ps):
+                p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(10 * step + i))
+            opt.step()
+        return [p.detach().clone() for p in ps]
+
+    whole = run()
+    monkeypatch.setattr(hybrid, "CHUNK", 300)  # one [3, 8, 12] parameter (288 values) a chunk
+    for a, b in zip(run(), whole):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)

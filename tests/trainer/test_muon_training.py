@@ -13,8 +13,8 @@ from tests.trainer.harness import kill_9_when, losses, micro_overrides, read_met
 MAX_STEPS, INTERVAL = 12, 3
 # (optim.lr 3e-2: Muon's updates have RMS 0.2 from the first step, where AdamW's early ones are near 1, so over 12
 # steps the default 3e-3 moves the micro model's loss by 0.03 (AdamW's by 0.2); at 3e-2 by 0.7)
-ARGS = ["optim=muon", "optim.lr=3e-2", "optim.warmup_steps=3", f"trainer.max_steps={MAX_STEPS}", f"checkpoint.interval={INTERVAL}",
-        "checkpoint.keep_last=2"]
+ARGS = ["optim=muon", "optim.lr=3e-2", "optim.warmup_steps=3", f"trainer.max_steps={MAX_STEPS}",
+        f"checkpoint.interval={INTERVAL}", "checkpoint.keep_last=2"]
 
 
 @pytest.mark.slow

@@ -160,7 +160,7 @@ def test_flagship_layout_fits_with_activation_checkpointing():
     assert lay["world_size"] == 256 and (lay["pp"], lay["ep"], lay["tp"], lay["engram_group"]) == (4, 64, 1, 64)
     assert lay["activation_checkpoint"] == "full"
     assert plan["fits"] and plan["peak_bytes"] < 141e9
-    assert plan["dominant"]["term"] == "routed_experts (params + grads + AdamW state)"
+    assert plan["dominant"]["term"] == "routed_experts (params + grads + optimiser state)"
     ranks = plan["per_pp_rank"]
     assert len(ranks) == 4 and plan["peak_bytes"] == max(r["peak_bytes"] for r in ranks)
     for rank in ranks:
@@ -177,6 +177,29 @@ def test_flagship_layout_fits_with_activation_checkpointing():
     rows_l14 = 384_016_682
     assert ranks[1]["params_bytes"]["engram_tables"] == -(-rows_l14 // 64) * 256 * 2
     assert ranks[2]["params_bytes"]["engram_tables"] == 0 and ranks[1]["communication_bytes_per_step"]["engram"] > 0
+
+
+def test_flagship_layout_with_the_reports_optimisers():
+    """optim=muon on the flagship layout: Muon and Sinkhorn parameters keep one fp32 buffer (AdamW two), so the peak
+    falls below AdamW's 133 GB (the layout's conf file) even with a whole Engram table's rows touched at once; the
+    layout splits no Muon block (experts whole per ep rank, dense weights replicated), so no owner gathers.
+    v41_small under FSDP2 (dp_shard 2) has its dense matrices gathered by owners (2 x 4 B per local value), not its
+    experts (FSDP's row shards hold whole experts)."""
+    r_muon = _run(*FLAGSHIP, "optim=muon")
+    assert r_muon.returncode == 0, r_muon.stderr
+    muon = json.loads(r_muon.stdout)["training"]
+    assert muon["fits"] and muon["peak_bytes"] < 125e9
+    for rank in muon["per_pp_rank"]:
+        m = rank["params_momentum_numel"]
+        assert 0.99 * rank["params_numel"] < m < rank["params_numel"]  # all but the norms, gates, sinks and mHC
+        assert sum(rank["optimizer_bytes"].values()) == (8 * (rank["params_numel"] - m) + 4 * m
+                                                          + 4 * rank["params_low_precision_numel"])
+        assert rank["communication_bytes_per_step"]["optimizer"] == 0
+    r = _run("model=v41_small", "optim=muon", "parallel.dp_shard=2", "--world-size=2")
+    assert r.returncode == 0, r.stderr
+    (rank,) = json.loads(r.stdout)["training"]["per_pp_rank"]
+    comm = rank["communication_bytes_per_step"]["optimizer"]
+    assert 0 < comm < 2 * 4 * 0.25 * rank["params_momentum_numel"]
 
 
 def test_flagship_layout_without_activation_checkpointing_does_not_fit():
