@@ -14,7 +14,7 @@ from collections.abc import Iterable
 import torch
 
 from optim.config import OptimConfig
-from optim.rules import assign, describe
+from optim.rules import assign, describe, rows_per_head
 
 
 def param_groups(params: Iterable[torch.nn.Parameter], weight_decay: float) -> list[dict]:
@@ -24,17 +24,19 @@ def param_groups(params: Iterable[torch.nn.Parameter], weight_decay: float) -> l
         if not p.requires_grad or id(p) in seen:
             continue
         seen.add(id(p))
-        if p.dtype != torch.float32:
-            raise ValueError(
-                f"optimizer: trainable parameters must be fp32 (they are the master weights), got {p.dtype} "
-                f"for a parameter of shape {tuple(p.shape)}"
-            )
+        _check_fp32(p, f"a parameter of shape {tuple(p.shape)}")
         (decay if p.ndim >= 2 else no_decay).append(p)
     groups = [
         {"params": decay, "weight_decay": weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
     return [g for g in groups if g["params"]]
+
+
+def _check_fp32(p: torch.Tensor, what: str) -> None:
+    if p.dtype != torch.float32:
+        raise ValueError(f"optimizer: trainable parameters must be fp32 (they are the master weights), got {p.dtype} "
+                         f"for {what}")
 
 
 def _kind(p: torch.Tensor) -> tuple:
@@ -110,11 +112,6 @@ def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: OptimConfig, *,
     raise ValueError(f"optim.name={cfg.name!r} has no builder")
 
 
-def _plain_name(name: str) -> str:
-    """The parameter's name in the plain model: wrappers' segments (activation checkpointing, torch.compile) out."""
-    return name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
-
-
 def rule_groups(params: list[torch.nn.Parameter], named, cfg: OptimConfig, head_rows: dict[str, int]
                 ) -> tuple[list[dict], list[dict]]:
     """The Hybrid optimiser's groups by optim.rules (one per rule, AdamW's split by decay, head-wise Muon's by rows
@@ -124,15 +121,13 @@ def rule_groups(params: list[torch.nn.Parameter], named, cfg: OptimConfig, head_
     for name, p in named:
         if id(p) in wanted and id(p) not in seen:
             seen.add(id(p))
-            names.append(_plain_name(name))
+            names.append(name)  # (the plain model's: checkpointing and compile keep the names)
             ps.append(p)
     missing = wanted - seen
     if missing:
         raise ValueError(f"optim.rules: {len(missing)} trainable parameter(s) not among the module's named parameters")
     for name, p in zip(names, ps):
-        if p.dtype != torch.float32:
-            raise ValueError(f"optimizer: trainable parameters must be fp32 (they are the master weights), got "
-                             f"{p.dtype} for {name}")
+        _check_fp32(p, name)
     which = assign(names, cfg.rules)
     # One group per rule and variant, in rule order, those this rank holds parameters of (a pipeline stage holds
     # only some): checkpoints key the Hybrid optimiser's hyperparameters by parameter name (trainer/checkpoint.py).
@@ -145,8 +140,7 @@ def rule_groups(params: list[torch.nn.Parameter], named, cfg: OptimConfig, head_
         if rule.optimizer == "adamw":
             variant = "decay" if p.ndim >= 2 or rule.weight_decay is not None else "no_decay"
         elif rule.headwise:
-            variant = next((r for suffix, r in head_rows.items() if name == suffix or name.endswith("." + suffix)),
-                           None)
+            variant = rows_per_head(name, head_rows)
             if variant is None:
                 raise ValueError(f"optim.rules {rule.label!r}: head-wise Muon for {name}, which has no head "
                                  f"layout (model.attention.head_rows: {sorted(head_rows)})")

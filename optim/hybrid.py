@@ -22,9 +22,12 @@ Sharded parameters (DTensors):
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.distributed as dist
 
+from model.common import local
 from optim import muon as muon_lib
 from optim import sinkhorn as sinkhorn_lib
 
@@ -33,8 +36,6 @@ CHUNK = 1 << 27
 """Muon's values per batched Newton-Schulz call (134 M: a transient of about 1.3 GB)"""
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
 
 
 class Hybrid(torch.optim.Optimizer):
@@ -66,9 +67,8 @@ class Hybrid(torch.optim.Optimizer):
                 continue
             for p in group["params"]:
                 if getattr(p, "device_mesh", None) is not None and not _blocks_local(p, group["head_rows"]):
-                    v = muon_lib.blocks(torch.empty(p.shape, device="meta"), group["head_rows"])
-                    m, n = v.shape[1:]
-                    todo.append((v.shape[0] * m * n * min(m, n), p))
+                    nb, m, n = muon_lib.block_shape(p.shape, group["head_rows"])
+                    todo.append((nb * m * n * min(m, n), p))
         for cost, p in sorted(todo, key=lambda x: -x[0]):
             ranks = p.device_mesh.mesh.flatten().tolist()
             key = tuple(ranks)
@@ -104,38 +104,37 @@ class Hybrid(torch.optim.Optimizer):
         by_shape: dict[tuple, list] = {}
         for p in with_grad:
             if id(p) not in self._owners:
-                shape = tuple(muon_lib.blocks(torch.empty(_local(p).shape, device="meta"), group["head_rows"]).shape)
-                by_shape.setdefault(shape[1:], []).append(p)
+                by_shape.setdefault(muon_lib.block_shape(local(p).shape, group["head_rows"])[1:], []).append(p)
         for ps in by_shape.values():
             chunk, size = [], 0
             for p in ps + [None]:
-                if p is not None and (not chunk or size + _local(p).numel() <= CHUNK):
+                if p is not None and (not chunk or size + local(p).numel() <= CHUNK):
                     chunk.append(p)
-                    size += _local(p).numel()
+                    size += local(p).numel()
                     continue
                 us = [self._nesterov(q, group) for q in chunk]
                 factors = muon_lib.orthogonal_factors(us, [group["head_rows"]] * len(us), group["rms"])
                 del us
                 for q, (o, scale) in zip(chunk, factors):
                     self._apply(q, o, scale, group)
-                chunk, size = ([p], _local(p).numel()) if p is not None else ([], 0)
+                chunk, size = ([p], local(p).numel()) if p is not None else ([], 0)
         for p in owned:
             o = self._owners[id(p)].orthogonalise(self._nesterov(p, group), group["head_rows"], group["rms"])
             self._apply(p, o, 1.0, group)
 
     def _nesterov(self, p, group: dict) -> torch.Tensor:
         """The momentum buffer updated with p's gradient; the update to orthogonalise (local shard, fp32)."""
-        g = _local(p.grad).float()
+        g = local(p.grad).float()
         state = self.state[p]
         if "momentum_buffer" not in state:  # (a DTensor like p: checkpoints reshard it as they do p)
             state["momentum_buffer"] = torch.zeros_like(p, dtype=torch.float32)
-        buf = _local(state["momentum_buffer"])
+        buf = local(state["momentum_buffer"])
         buf.mul_(group["momentum"]).add_(g)
         return g.add(buf, alpha=group["momentum"]) if group["nesterov"] else buf.clone()
 
     @staticmethod
     def _apply(p, o: torch.Tensor, scale: float, group: dict) -> None:
-        w = _local(p)
+        w = local(p)
         if group["weight_decay"]:
             w.mul_(1 - group["lr"] * group["weight_decay"])
         w.add_(o, alpha=-group["lr"] * scale)  # (o in bf16 on a GPU: promoted inside the add)
@@ -143,7 +142,7 @@ class Hybrid(torch.optim.Optimizer):
     def _sinkhorn(self, group: dict) -> None:
         lr, wd, mu = group["lr"], group["weight_decay"], group["momentum"]
         for p in group["params"]:
-            w = _local(p)
+            w = local(p)
             state = self.state[p]
             if "momentum_buffer" not in state:
                 state["momentum_buffer"] = torch.zeros_like(p, dtype=torch.float32)
@@ -152,15 +151,15 @@ class Hybrid(torch.optim.Optimizer):
                 continue
             if w.ndim != 2:
                 raise ValueError(f"Sinkhorn momentum takes [rows, D] tables, got shape {tuple(p.shape)}")
-            reducer = sinkhorn_lib._Reducer(p)
-            g = _local(p.grad) if p.grad is not None else torch.zeros_like(w)
+            reducer = sinkhorn_lib.ShardSums(p)
+            g = local(p.grad) if p.grad is not None else torch.zeros_like(w)
             touched = g.ne(0).any(dim=1)
             if reducer.groups[1]:  # column shards: a row is touched if any shard's part of it is
                 touched = reducer.sum(touched.to(torch.int32), 1) > 0
             rows = touched.nonzero().squeeze(1)
             if rows.numel() == 0 and not sharded:
                 continue
-            buf = _local(state["momentum_buffer"])
+            buf = local(state["momentum_buffer"])
             gr = g.index_select(0, rows).float()
             m = buf.index_select(0, rows).mul_(mu).add_(gr)
             buf.index_copy_(0, rows, m)
@@ -207,11 +206,7 @@ class _Owner:
         self.group = groups[key]
         # every rank's (shape, offset) of the shard it holds, the same arithmetic on every rank
         self.slices = []
-        coords = {}
-        for idx in torch.cartesian_prod(*[torch.arange(s) for s in p.device_mesh.shape]).reshape(
-                -1, p.device_mesh.ndim).tolist():
-            rank = int(p.device_mesh.mesh[tuple(idx)])
-            coords[rank] = idx
+        coords = {int(p.device_mesh.mesh[idx]): idx for idx in itertools.product(*map(range, p.device_mesh.shape))}
         for rank in self.ranks:
             shape, offset = _shard_of(p, coords[rank])
             self.slices.append(tuple(slice(o, o + s) for o, s in zip(offset, shape)))

@@ -61,17 +61,23 @@ def newton_schulz(g: torch.Tensor, schedule=NS_SCHEDULE, eps: float = 1e-7) -> t
     return x.reshape(shape)
 
 
+def block_shape(shape, head_rows: int | None) -> tuple[int, int, int]:
+    """(N, m, n): a parameter of `shape` as Muon's batch of N blocks [m, n]."""
+    shape = tuple(shape)
+    if head_rows is not None:
+        if len(shape) != 2 or shape[0] % head_rows:
+            raise ValueError(f"head-wise Muon: a [H * {head_rows}, n] matrix, got shape {shape}")
+        return shape[0] // head_rows, head_rows, shape[1]
+    if len(shape) == 2:
+        return (1, *shape)
+    if len(shape) == 3:
+        return shape
+    raise ValueError(f"Muon takes matrices ([m, n]) or stacked matrices ([E, m, n]), got shape {shape}")
+
+
 def blocks(t: torch.Tensor, head_rows: int | None) -> torch.Tensor:
     """The parameter-shaped tensor t as its batch of Muon blocks [N, m, n] (a view)."""
-    if head_rows is not None:
-        if t.ndim != 2 or t.shape[0] % head_rows:
-            raise ValueError(f"head-wise Muon: a [H * {head_rows}, n] matrix, got shape {tuple(t.shape)}")
-        return t.view(t.shape[0] // head_rows, head_rows, t.shape[1])
-    if t.ndim == 2:
-        return t.unsqueeze(0)
-    if t.ndim == 3:
-        return t
-    raise ValueError(f"Muon takes matrices ([m, n]) or stacked matrices ([E, m, n]), got shape {tuple(t.shape)}")
+    return t.view(block_shape(t.shape, head_rows))
 
 
 def orthogonal_factors(updates: list[torch.Tensor], head_rows: list[int | None], rms: float = RMS

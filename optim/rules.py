@@ -73,6 +73,12 @@ def assign(names: list[str], rules: list[ParamRule]) -> list[int]:
     return out
 
 
+def rows_per_head(name: str, head_rows: dict[str, int]) -> int | None:
+    """The rows per head of parameter `name` by the model's head layout (model.attention.head_rows: name suffix ->
+    rows), None if it has none."""
+    return next((r for suffix, r in head_rows.items() if name == suffix or name.endswith("." + suffix)), None)
+
+
 def describe(rows: list[dict]) -> str:
     """The start-up table: rows of {rule, optimizer, lr, weight_decay, params, values}."""
     head = ("rule", "optimizer", "lr", "weight decay", "parameters", "values")

@@ -25,7 +25,7 @@ RMS = 0.2
 """the balanced update's row and column RMS: AdamW's typical update RMS, as Muon's (optim/muon.py)"""
 
 
-class _Reducer:
+class ShardSums:
     """Sums over the shards of a sharded table's rows (dim 0) or columns (dim 1): None where the dim is whole."""
 
     def __init__(self, param: torch.Tensor):
@@ -49,7 +49,7 @@ class _Reducer:
 
 
 def balance(u: torch.Tensor, iters: int = ITERS, rms: float = RMS, eps: float = 1e-12,
-            reducer: _Reducer | None = None, total_cols: int | None = None) -> torch.Tensor:
+            reducer: ShardSums | None = None, total_cols: int | None = None) -> torch.Tensor:
     """u [R, D] fp32 -> the same entries rescaled per row and per column so that every row and every column has RMS
     `rms` (to the iteration's convergence; the columns exactly after the last step). With a reducer, u is one
     shard of the rows (or columns) and the sums it needs run over all shards.
@@ -58,7 +58,7 @@ def balance(u: torch.Tensor, iters: int = ITERS, rms: float = RMS, eps: float = 
     r_i^2 (u^2 c^2)_i and a column's c_j^2 (r^2 u^2)_j, so each half-step sets r^2 = D / (u^2 c^2) and
     c^2 = R / (r^2 u^2): two matrix-vector products over u^2 per step, and u' formed once at the end. (An all-zero
     row or column keeps a finite scale: the floor eps on its sum.)"""
-    reducer = reducer or _Reducer(u)
+    reducer = reducer or ShardSums(u)
     u = u.float()
     sq = u.square()
     rows = torch.tensor(float(u.shape[0]), device=u.device)
@@ -69,8 +69,3 @@ def balance(u: torch.Tensor, iters: int = ITERS, rms: float = RMS, eps: float = 
         r2 = cols / reducer.sum(sq @ c2, 1).clamp_min(eps)  # [R]: a row's entries may lie on several column shards
         c2 = rows / reducer.sum(r2 @ sq, 0).clamp_min(eps)  # [D]
     return u * (r2.sqrt() * rms)[:, None] * c2.sqrt()[None, :]
-
-
-def touched_rows(grad: torch.Tensor) -> torch.Tensor:
-    """The row ids [R] (sorted) whose gradient has a nonzero entry."""
-    return grad.ne(0).any(dim=1).nonzero().squeeze(1)

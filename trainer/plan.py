@@ -277,7 +277,7 @@ def stage_parameters(model, lay: Layout, bounds: list[int]) -> list[dict[str, di
     from model.parallelize import tp_shard_dims
 
     from model.attention import head_rows
-    from optim.rules import assign
+    from optim.rules import assign, rows_per_head
 
     out = [{k: {"numel": 0, "bytes": 0, "low_precision_numel": 0, "momentum_numel": 0, "owner_numel": 0,
                 "largest_sinkhorn_numel": 0, "largest_owned_numel": 0} for k in _KINDS} for _ in range(len(bounds) - 1)]
@@ -295,8 +295,7 @@ def stage_parameters(model, lay: Layout, bounds: list[int]) -> list[dict[str, di
             rec["low_precision_numel"] += n
         if i is not None and rules[i].optimizer != "adamw":
             rec["momentum_numel"] += n
-            rows = (next((r for sfx, r in rows_of.items() if name.endswith("." + sfx)), None)
-                    if rules[i].headwise else None)
+            rows = rows_per_head(name, rows_of) if rules[i].headwise else None
             if rules[i].optimizer == "sinkhorn":
                 rec["largest_sinkhorn_numel"] = max(rec["largest_sinkhorn_numel"], n)
             elif _muon_needs_owner(name, tuple(p.shape), lay, tp_dims, rows):
