@@ -10,7 +10,7 @@ every block through torch.compile, trainer/parallel/compile.py), each optionally
 head and the cross-entropy chunked, trainer/fused_loss.py). Per mode, after `--warmup` steps (compilation
 included) it times `--steps` steps without the profiler, then profiles `--steps` more and prints: the step time,
 tokens/s and MFU (the model's training FLOPs per token, model/accounting.py, over the device's measured bf16 matmul
-rate); operators dispatched per step (aten:: ops seen by the profiler, nested calls included), kernel launches per
+rate); operators dispatched per step (aten:: ops seen by the profiler, nested calls included; the `--top` by calls), kernel launches per
 step (CUDA), the optimiser step's wall time; the device time by kernel family (GEMMs, the Triton kernels by module,
 elementwise, reductions, copies, communication, other) and the `--top` kernels. A last table compares the modes.
 `--trace` writes each mode's Chrome trace (mode name appended). On CPU the "device time" is the CPU ops' self time.
@@ -84,6 +84,40 @@ def gemm_table(prof, steps: int, cuda: bool) -> None:
     print(f"\n{'GEMM operator, input shapes':96s} {'ms/step':>9s} {'calls':>6s}")
     for us, n, key, shapes, odd in sorted(rows, key=lambda r: -r[0])[:40]:
         print(f"{('* ' if odd else '  ') + key + ' ' + str(shapes)[:86]:96s} {us / 1e3:9.2f} {n:6.0f}")
+
+
+def _source(ev) -> str:
+    """Where an operator was dispatched from: the nearest enclosing range that is not an operator (a compiled graph's
+    call, the optimiser's step, an autograd node), or "(top level)"."""
+    p = ev.cpu_parent
+    while p is not None and p.name.startswith("aten::"):
+        p = p.cpu_parent
+    if p is None:
+        return "(top level)"
+    name = p.name
+    if name.startswith("## Call CompiledFxGraph"):
+        return "compiled graph"
+    return name[:60]
+
+
+def source_table(prof, steps: int, top: int) -> None:
+    """Outermost operators (those no other operator dispatched) by where they came from, and all operators, nested
+    included, by the same sources: what is left outside the compiled graphs."""
+    outer: dict[tuple[str, str], int] = defaultdict(int)
+    nested: dict[str, int] = defaultdict(int)
+    for ev in prof.events():
+        if ev.device_type != torch.autograd.DeviceType.CPU or not ev.name.startswith("aten::"):
+            continue
+        src = _source(ev)
+        nested[src] += 1
+        if ev.cpu_parent is None or not ev.cpu_parent.name.startswith("aten::"):
+            outer[(src, ev.name)] += 1
+    print(f"\n{'operators (nested included) by source':90s} {'calls':>9s}")
+    for src, n in sorted(nested.items(), key=lambda kv: -kv[1])[:top]:
+        print(f"{src[:90]:90s} {n / steps:9,.0f}")
+    print(f"\n{'outermost operators by source':90s} {'calls':>9s}")
+    for (src, op), n in sorted(outer.items(), key=lambda kv: -kv[1])[:2 * top]:
+        print(f"{(src + ': ' + op)[:90]:90s} {n / steps:9,.0f}")
 
 
 def run_mode(args, name: str, fullgraph: bool = True) -> dict:
@@ -160,10 +194,12 @@ def run_mode(args, name: str, fullgraph: bool = True) -> dict:
     # device time per kernel: the CUDA events (kernels, memcpy/memset) on CUDA, the CPU ops' self time on CPU
     per_kernel: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     ops = launches = 0
+    op_calls: dict[str, int] = defaultdict(int)
     for ev in prof.events():
         if ev.device_type == torch.autograd.DeviceType.CPU:
             if ev.name.startswith("aten::"):
                 ops += 1
+                op_calls[ev.name] += 1
             if ev.name in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC"):
                 launches += 1
         if cuda:
@@ -200,6 +236,11 @@ def run_mode(args, name: str, fullgraph: bool = True) -> dict:
     print(f"\n{'top kernels':90s} {'ms/step':>9s} {'calls':>6s}")
     for kname, (us, n) in sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[:args.top]:
         print(f"{kname[:90]:90s} {us / 1e3:9.2f} {n // args.steps:6d}")
+    print(f"\n{'operators by calls (nested included)':90s} {'calls':>9s}")
+    for oname, n in sorted(op_calls.items(), key=lambda kv: -kv[1])[:args.top]:
+        print(f"{oname[:90]:90s} {n / args.steps:9,.0f}")
+    if args.op_sources:
+        source_table(prof, args.steps, args.top)
     if args.gemm_shapes:
         gemm_table(prof, args.steps, cuda)
     return {"mode": name, "step_ms": wall * 1e3, "busy_ms": busy * 1e3, "tokens_s": tokens / wall,
@@ -222,6 +263,9 @@ def main() -> None:
     p.add_argument("--trace", default=None)
     p.add_argument("--gemm-shapes", action="store_true",
                    help="record input shapes: a table of the GEMM operators by shape (* = a dimension not a multiple of 8)")
+    p.add_argument("--op-sources", action="store_true",
+                   help="tables of the operators by where they were dispatched from (a compiled graph, the optimiser, "
+                        "an autograd node, the top level)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = p.parse_args()
     modes = args.modes.split(",")

@@ -8,6 +8,7 @@ from omegaconf import OmegaConf
 
 import model as model_pkg
 from model.config import ModelConfig
+from optim.config import OptimConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -16,6 +17,14 @@ def load_config(name: str, **overrides) -> ModelConfig:
     y = OmegaConf.load(ROOT / "conf" / "model" / f"{name}.yaml")
     y.pop("defaults")
     cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), y))
+    return dataclasses.replace(cfg, **overrides) if overrides else cfg
+
+
+def load_optim_config(name: str, **overrides) -> OptimConfig:
+    """conf/optim/<name>.yaml as the trainer reads it, with `overrides` replaced."""
+    y = OmegaConf.load(ROOT / "conf" / "optim" / f"{name}.yaml")
+    y.pop("defaults")
+    cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(OptimConfig), y))
     return dataclasses.replace(cfg, **overrides) if overrides else cfg
 
 

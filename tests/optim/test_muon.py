@@ -3,27 +3,16 @@ Newton-Schulz, head-wise and stacked Muon, the Sinkhorn balance and its untouche
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
-from omegaconf import OmegaConf
 
 import model as model_pkg
 from model.attention import head_rows
 from optim.builder import build_optimizer
-from optim.config import OptimConfig
 from optim.muon import RMS, newton_schulz, orthogonalise
 from optim.rules import ParamRule, assign
 from optim.sinkhorn import balance
-from tests.helpers import ROOT, load_config
-
-
-def muon_config(**overrides) -> OptimConfig:
-    y = OmegaConf.load(ROOT / "conf" / "optim" / "muon.yaml")
-    y.pop("defaults")
-    cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(OptimConfig), y))
-    return dataclasses.replace(cfg, **overrides) if overrides else cfg
+from tests.helpers import load_config, load_optim_config
 
 
 def _conditioned(m: int, n: int, cond: float, seed: int) -> torch.Tensor:
@@ -132,7 +121,7 @@ def test_sinkhorn_momentum_leaves_untouched_rows_and_their_state_bit_identical()
 def test_the_rules_cover_every_parameter_exactly_once(name):
     """conf/optim/muon.yaml's rules give each parameter of every config one optimiser: the matrices Muon (the Q/K
     projections head-wise), the embedding, head and Engram tables Sinkhorn, the rest AdamW."""
-    cfg = muon_config()
+    cfg = load_optim_config("muon")
     mc = load_config(name)
     with torch.device("meta"):
         m = model_pkg.build(mc)
@@ -161,7 +150,7 @@ def test_the_builder_groups_the_tiny_model_and_logs_the_table():
         m = model_pkg.build(mc)
     m.to_empty(device="cpu")
     lines = []
-    opt = build_optimizer(m.parameters(), muon_config(), named=m.named_parameters(), head_rows=head_rows(mc),
+    opt = build_optimizer(m.parameters(), load_optim_config("muon"), named=m.named_parameters(), head_rows=head_rows(mc),
                           log=lines.append)
     kinds = {g["kind"] for g in opt.param_groups}
     assert kinds == {"adamw", "muon", "sinkhorn"}
