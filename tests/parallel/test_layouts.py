@@ -335,6 +335,14 @@ def _check(name: str, ranks: list, single: dict, tol: float = 1e-5) -> None:
         assert torch.equal(biases[n], b), f"{name}: bias {n}"
 
 
+def _reversed_run(monkeypatch, optim: str | None = None) -> dict:
+    """The single process fed each step's micro-batches in reverse order: the same sums in another order."""
+    forward_order = _global_batch
+    monkeypatch.setattr(__import__(__name__, fromlist=["_global_batch"]), "_global_batch",
+                        lambda step, seq_len=SEQ_LEN: forward_order(step, seq_len)[::-1])
+    return _single(lambda fields: _train_small(fields, optim=optim))
+
+
 def test_reference_is_not_vacuous(single_small):
     single = single_small
     assert all(norm > MAX_NORM for norm in single["grad_norm"])  # clipping active at both steps
@@ -348,15 +356,7 @@ def test_tolerance_is_the_rounding_floor(single_small, monkeypatch):
     process alone, fed the same 4 micro-batches in reverse order (the same sum in another order), moves the
     gradient of some mHC `base` / `scale` parameter (a few entries each, sums that cancel to ~1% of the gradient's
     RMS) by more than 1e-5 of its own norm at the second step, while with the floor every tensor stays far below."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    forward_order = _global_batch
-    monkeypatch.setattr(__import__(__name__, fromlist=["_global_batch"]), "_global_batch",
-                        lambda step, seq_len=SEQ_LEN: forward_order(step, seq_len)[::-1])
-    try:
-        reversed_run = _train_small({})
-    finally:
-        torch.set_num_threads(threads)
+    reversed_run = _reversed_run(monkeypatch)
     grads, twin = single_small["grads"][1], reversed_run["grads"][1]
     own_norm = {n: _rel(twin[n], g) for n, g in grads.items()}
     assert max(own_norm.values()) > 1e-5  # without a floor, the single process would fail against itself
@@ -382,15 +382,7 @@ def test_muon_tolerance_is_the_rounding_floor(single_small_muon, monkeypatch):
     reverse order, ends more than 1e-5 from itself (Newton-Schulz lifts the rounding in a gradient's near-null
     directions), and less than a quarter of MUON_TOL; while every parameter's update is more than 10 x MUON_TOL of
     its norm, so the tolerance still sees any tensor's update go wrong."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    forward_order = _global_batch
-    monkeypatch.setattr(__import__(__name__, fromlist=["_global_batch"]), "_global_batch",
-                        lambda step, seq_len=SEQ_LEN: forward_order(step, seq_len)[::-1])
-    try:
-        reversed_run = _train_small({}, optim="muon")
-    finally:
-        torch.set_num_threads(threads)
+    reversed_run = _reversed_run(monkeypatch, optim="muon")
     ref = single_small_muon
     floor = max(_errors(reversed_run["params"], ref["params"], "param").values())
     assert 1e-5 < floor < MUON_TOL / 4
