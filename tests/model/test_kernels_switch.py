@@ -20,7 +20,9 @@
 The model is not continuous everywhere: top-k and the pool are discrete, QAT rounds, and the Engram gate's signed
 square root is steep at 0. Two correct paths differ by fp32 rounding (sums in another order), which moves a result
 by far more than rounding where an input sits on such an edge. The fp32 test therefore checks, on its fixed ids,
-that no input sits on one (`Edges`) before it compares, so a failure of those checks names the edge, not a bug.
+that no input sits on one (`Edges`) before it compares, so a failure of those checks names the edge, not a bug; QAT's
+rounding edges are too many to avoid, so there the triton run takes the reference's codes and may differ in a few
+(`MAX_FLIPS`).
 On CPU the kernels run in the Triton interpreter (tests/conftest.py sets TRITON_INTERPRET=1); on a GPU, on CUDA.
 """
 
@@ -128,6 +130,9 @@ class Launches:
     def __init__(self, monkeypatch):
         self.calls: collections.Counter = collections.Counter()
         self.quantised: list[torch.Tensor] = []
+        self.replay: list[torch.Tensor] | None = None
+        """the other path's fake-quant outputs: with it set, each site returns the replayed values (keeping its own
+        straight-through gradient), so a code flipped by fp32 noise on a rounding edge does not move later sites"""
         for entry, (module_name, fn) in ENTRIES.items():
             module = importlib.import_module(module_name)
             monkeypatch.setattr(module, fn, self._spy(entry, getattr(module, fn)))
@@ -137,7 +142,11 @@ class Launches:
             self.calls[(entry, kwargs.get("impl", "triton"))] += 1
             out = real(*args, **kwargs)
             if entry in ("fp4", "fp8") or (entry == "norm_rope" and kwargs["quant"] is not None):
-                self.quantised.append((out[0] if isinstance(out, tuple) else out).detach().clone())
+                q = out[0] if isinstance(out, tuple) else out
+                self.quantised.append(q.detach().clone())
+                if self.replay is not None:
+                    q = q + (self.replay[len(self.quantised) - 1] - q).detach()
+                    out = (q, *out[1:]) if isinstance(out, tuple) else q
             return out
 
         return spy
@@ -145,6 +154,7 @@ class Launches:
     def clear(self) -> None:
         self.calls.clear()
         self.quantised = []
+        self.replay = None
 
     def kernel_calls(self) -> list:
         return [k for k in self.calls if k[1] != "reference"]
@@ -236,6 +246,14 @@ def test_shrunk_plan_keeps_every_role():
 # code of the QAT cases sits on a rounding edge (flipped by fp32 noise, then later sites follow); of the seeds 0 to 7
 # only 0, 1 and 3 sit on no edge there, and 3 keeps the widest margins in all three cases (top-k gap >= 7.6e-4 of the
 # row's largest score, Engram |s| >= 1.3e-2; `Edges` asks for 1e-5 and 1e-3).
+MAX_FLIPS = 4
+"""fake-quantised values the two paths may round to different codes in one run. Both paths quantise bit for bit
+alike (tests/kernels' FP4/FP8 tests), but their inputs differ by fp32 rounding (sums in another order), so a value
+within ~1e-7 of a rounding midpoint may go either way; which values sit there depends on the CPU's own rounding
+(seed 3's dense warm-up case flips 2 of its 44k values on one CPU, none on another). The triton run replays the
+reference's codes at every site (`Launches.replay`), so one flip does not spread to later sites, and the comparison
+stays as tight as without QAT; a quantiser bug flips far more than a handful."""
+
 CASES = [("sparse", "qat", 3), ("dense_warmup", "qat", 3), ("sparse", "main_kv", 3)] + (
     [("sparse", "none", 4)] if DEVICE == "cuda" else [])
 
@@ -251,12 +269,16 @@ def test_triton_equals_reference_fp32(phase, qat, seed, launches, monkeypatch):
     assert not launches.kernel_calls(), f"the reference run launched kernels: {launches.calls}"
     ref_quantised = launches.quantised
     launches.clear()
+    launches.replay = ref_quantised  # each site continues from the reference's codes (see MAX_FLIPS)
     got = _step(tri, ids)
     assert launches.calls == _expected_launches(tri.plan, phase, QUANT[qat])
-    # QAT rounds: same values on both paths unless an input sat on a rounding edge (then fp32 noise flips a code)
     assert len(launches.quantised) == len(ref_quantised)
-    flips = [i for i, (a, b) in enumerate(zip(launches.quantised, ref_quantised)) if not torch.equal(a, b)]
-    assert not flips, f"QAT rounded differently at fake-quant calls {flips} (an input on a rounding edge?)"
+    flipped = {i: int((a != b).sum()) for i, (a, b) in enumerate(zip(launches.quantised, ref_quantised))}
+    flipped = {i: n for i, n in flipped.items() if n}
+    total = sum(q.numel() for q in ref_quantised)
+    print(f"{phase}, QAT {qat}: {sum(flipped.values())} of {total} fake-quantised values flipped, by site {flipped}")
+    assert sum(flipped.values()) <= MAX_FLIPS, (
+        f"QAT rounded differently at {flipped} (site: values): more than rounding edges explain")
     assert want["indexer_kl"] > 0  # the KL is live: its gradient reaches the indexers
     worst = max(((got[k] - want[k]).abs().max() / want[k].abs().max()).item() for k in want)
     print(f"{phase}, QAT {qat}: worst error {worst:.1e} of a tensor's largest magnitude ({len(want)} tensors)")
