@@ -41,6 +41,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
+import torch
 
 from data.config import DataConfig, ensure_prepared
 from data.shards import read_meta
@@ -51,7 +52,7 @@ STEPS = 30
 """steps the asset records"""
 CHECKED = 15
 """steps the test runs and compares, the first of the asset's: a change of numerics shows within a few steps (the
-fused AdamW's at step 3), and the run is the suite's longest test"""
+fused AdamW's at step 3), and each step is a full default-job step"""
 LOSS_RTOL = 1e-3
 """relative loss drift allowed on a machine without a recorded curve: two CPUs drifted 1.7e-4 apart in 15 steps"""
 GRAD_NORM_RTOL = 0.25
@@ -72,8 +73,6 @@ def _machine() -> str:
     """What the curve's rounding depends on besides the code: the CPU (model name, family/model/stepping and a hash of
     its feature flags: virtual machines often share one model name), the instruction set torch dispatches to, torch
     and Python versions."""
-    import torch
-
     info: dict[str, str] = {}
     cpuinfo = Path("/proc/cpuinfo")
     for line in cpuinfo.read_text().splitlines() if cpuinfo.exists() else []:
