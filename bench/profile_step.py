@@ -2,7 +2,7 @@
 
     python bench/profile_step.py [--model v41_small] [--batch-size 4] [--seq-len 2048] [--kernels auto]
                                  [--modes eager,compiled] [--steps 3] [--warmup 3] [--top 25] [--trace trace.json]
-                                 [--gemm-shapes]
+                                 [--gemm-shapes] [--op-sources] [--compile-mode reduce-overhead]
 
 Builds the model and runs steps exactly as the trainer does (trainer.train.build_model -> compute_gradients, bf16
 autocast on CUDA, AdamW from optim/), on random token batches, once per mode: `eager`, `compiled` (trainer.compile:
@@ -10,8 +10,9 @@ every block through torch.compile, trainer/parallel/compile.py), each optionally
 head and the cross-entropy chunked, trainer/fused_loss.py). Per mode, after `--warmup` steps (compilation
 included) it times `--steps` steps without the profiler, then profiles `--steps` more and prints: the step time,
 tokens/s and MFU (the model's training FLOPs per token, model/accounting.py, over the device's measured bf16 matmul
-rate); operators dispatched per step (aten:: ops seen by the profiler, nested calls included; the `--top` by calls), kernel launches per
-step (CUDA), the optimiser step's wall time; the device time by kernel family (GEMMs, the Triton kernels by module,
+rate); operators dispatched per step (aten:: ops seen by the profiler, nested calls included; the `--top` by calls)
+and the outermost ones (called from Python, a compiled graph or an autograd node, not from inside another
+operator), kernel launches per step (CUDA), the optimiser step's wall time; the device time by kernel family (GEMMs, the Triton kernels by module,
 elementwise, reductions, copies, communication, other) and the `--top` kernels. A last table compares the modes.
 `--trace` writes each mode's Chrome trace (mode name appended). On CPU the "device time" is the CPU ops' self time.
 """
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import re
 import sys
 import time
@@ -100,6 +102,12 @@ def _source(ev) -> str:
     return name[:60]
 
 
+def _outermost(ev) -> bool:
+    """An operator no other operator dispatched: one Python, a compiled graph or an autograd node called (its nested
+    operators are C++ calls inside it, e.g. the per-group views and GEMMs of CPU's `_grouped_mm`)."""
+    return ev.cpu_parent is None or not ev.cpu_parent.name.startswith("aten::")
+
+
 def source_table(prof, steps: int, top: int) -> None:
     """Outermost operators (those no other operator dispatched) by where they came from, and all operators, nested
     included, by the same sources: what is left outside the compiled graphs."""
@@ -110,7 +118,7 @@ def source_table(prof, steps: int, top: int) -> None:
             continue
         src = _source(ev)
         nested[src] += 1
-        if ev.cpu_parent is None or not ev.cpu_parent.name.startswith("aten::"):
+        if _outermost(ev):
             outer[(src, ev.name)] += 1
     print(f"\n{'operators (nested included) by source':90s} {'calls':>9s}")
     for src, n in sorted(nested.items(), key=lambda kv: -kv[1])[:top]:
@@ -148,18 +156,19 @@ def run_mode(args, name: str, fullgraph: bool = True) -> dict:
     counters.clear()
     pm = build_model(cfg, rt, parallel, 0, batch_size=args.batch_size, seq_len=args.seq_len, grad_accum=1)
     if compiled:  # one process: compiling after materialize is what build_model's compile_backend does before it
-        compile_blocks(pm.module, args.backend, fullgraph=fullgraph)
+        compile_blocks(pm.module, args.backend, fullgraph=fullgraph, mode=args.compile_mode)
     params = trainable_parameters(pm.module, cfg)
     opt = build_optimizer(params, OptimConfig(lr=3e-4, warmup_steps=0))
     pm.module.train()
     gen = torch.Generator().manual_seed(0)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    opt_time = []
+    opt_time, losses = [], []
 
     def step(i: int) -> None:
         ids = torch.randint(0, cfg.vocab_size, (args.batch_size, args.seq_len + 1), generator=gen)
-        compute_gradients(pm, [{"input_ids": ids[:, :-1], "labels": ids[:, 1:]}], params, 1.0, rt.autocast_dtype,
+        stats = compute_gradients(pm, [{"input_ids": ids[:, :-1], "labels": ids[:, 1:]}], params, 1.0, rt.autocast_dtype,
                           step=i + 1, loss=LMLoss(fused=fused))
+        losses.append(stats.loss)
         sync()
         t = time.perf_counter()
         opt.step()
@@ -173,7 +182,9 @@ def run_mode(args, name: str, fullgraph: bool = True) -> dict:
         step(i)
     sync()
     warmup_s = time.perf_counter() - t0
-    if cuda:
+    if cuda:  # the earlier modes' cached blocks go back, so that "reserved" is this mode's
+        gc.collect()
+        torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     opt_time.clear()
     t0 = time.perf_counter()
@@ -182,7 +193,10 @@ def run_mode(args, name: str, fullgraph: bool = True) -> dict:
     sync()
     wall = (time.perf_counter() - t0) / args.steps
     opt_s = sum(opt_time) / len(opt_time)
+    # allocated: the tensors' peak; reserved: what the allocator holds, CUDA graphs' private memory pools included
+    # (a recorded graph's activations live in its pool, which the allocated count does not see)
     peak_gb = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
+    reserved_gb = torch.cuda.max_memory_reserved() / 2**30 if cuda else float("nan")
     activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
     with torch.profiler.profile(activities=activities, record_shapes=args.gemm_shapes) as prof:
         for i in range(args.steps):
@@ -193,14 +207,16 @@ def run_mode(args, name: str, fullgraph: bool = True) -> dict:
 
     # device time per kernel: the CUDA events (kernels, memcpy/memset) on CUDA, the CPU ops' self time on CPU
     per_kernel: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
-    ops = launches = 0
+    ops = outer = launches = 0
     op_calls: dict[str, int] = defaultdict(int)
     for ev in prof.events():
         if ev.device_type == torch.autograd.DeviceType.CPU:
             if ev.name.startswith("aten::"):
                 ops += 1
                 op_calls[ev.name] += 1
-            if ev.name in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC"):
+                outer += _outermost(ev)
+            if ev.name in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC",
+                           "cudaGraphLaunch"):  # a CUDA graph's replay is one launch of the host
                 launches += 1
         if cuda:
             # on the device track: kernels, memcpy / memset, and the ranges that annotate them (a compiled graph's
@@ -217,13 +233,15 @@ def run_mode(args, name: str, fullgraph: bool = True) -> dict:
     tokens = args.batch_size * args.seq_len
     flops = pm.module.flops_per_token(args.seq_len) * tokens if hasattr(pm.module, "flops_per_token") else 0.0
     peak = device_peak_flops(rt.device)
+    if compiled and args.compile_mode != "default":
+        name += f"[{args.compile_mode}]"
     print(f"\n=== {name}: {args.model}  {args.batch_size} x {args.seq_len} tokens  kernels={args.kernels}  "
           f"device={args.device}  torch {torch.__version__}  threads {torch.get_num_threads()}")
     print(f"warm-up {warmup_s:.1f} s ({args.warmup} steps, compilation included); step {wall * 1e3:.1f} ms wall "
           f"(unprofiled), {busy * 1e3:.1f} ms device-busy (profiled), {tokens / wall:,.0f} tokens/s, "
           f"MFU {flops / wall / peak:.1%} (peak {peak / 1e12:.0f} TFLOP/s); {ops / args.steps:,.0f} operators "
-          f"dispatched / step, {launches / args.steps:,.0f} kernel launches / step; optimiser step {opt_s * 1e3:.1f} ms"
-          + (f"; peak memory {peak_gb:.2f} GiB" if cuda else ""))
+          f"dispatched / step ({outer / args.steps:,.0f} outermost), {launches / args.steps:,.0f} kernel launches / step; optimiser step {opt_s * 1e3:.1f} ms"
+          + (f"; peak memory {peak_gb:.2f} GiB allocated, {reserved_gb:.2f} GiB reserved" if cuda else ""))
     fams: dict[str, float] = defaultdict(float)
     for kname, (us, _) in per_kernel.items():
         fams[family(kname)] += us
@@ -244,8 +262,8 @@ def run_mode(args, name: str, fullgraph: bool = True) -> dict:
     if args.gemm_shapes:
         gemm_table(prof, args.steps, cuda)
     return {"mode": name, "step_ms": wall * 1e3, "busy_ms": busy * 1e3, "tokens_s": tokens / wall,
-            "mfu": flops / wall / peak, "ops": ops / args.steps, "launches": launches / args.steps,
-            "opt_ms": opt_s * 1e3, "peak_gb": peak_gb, "warmup_s": warmup_s}
+            "mfu": flops / wall / peak, "ops": ops / args.steps, "outer_ops": outer / args.steps, "launches": launches / args.steps,
+            "opt_ms": opt_s * 1e3, "peak_gb": peak_gb, "reserved_gb": reserved_gb, "warmup_s": warmup_s, "losses": losses}
 
 
 def main() -> None:
@@ -256,6 +274,9 @@ def main() -> None:
     p.add_argument("--kernels", default="auto")
     p.add_argument("--modes", default="eager,compiled", help="comma-separated: eager, compiled, each with +fused")
     p.add_argument("--backend", default="inductor", help="torch.compile backend of the compiled modes")
+    p.add_argument("--compile-mode", default="default",
+                   help="torch.compile mode of the compiled modes (trainer.compile_mode): default, reduce-overhead "
+                        "(CUDA graphs), max-autotune-no-cudagraphs, max-autotune")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--top", type=int, default=25)
@@ -282,12 +303,18 @@ def main() -> None:
             rows.append(run_mode(args, m, fullgraph=False))
             rows[-1]["mode"] = m + "(breaks)"
     base = rows[0]
-    print(f"\n{'mode':16s} {'step ms':>9s} {'vs ' + base['mode']:>14s} {'ops/step':>10s} {'vs':>7s} "
-          f"{'launches':>9s} {'optim ms':>9s} {'MFU':>7s} {'peak GiB':>9s} {'warm-up s':>10s}")
+    # every mode starts from the same initial weights and sees the same batches: its losses step by step
+    print("\nlosses by step (same weights and batches in every mode):")
     for r in rows:
-        print(f"{r['mode']:16s} {r['step_ms']:9.1f} {base['step_ms'] / r['step_ms']:13.2f}x {r['ops']:10,.0f} "
-              f"{base['ops'] / max(r['ops'], 1):6.1f}x {r['launches']:9,.0f} {r['opt_ms']:9.1f} {r['mfu']:7.1%} "
-              f"{r['peak_gb']:9.2f} {r['warmup_s']:10.1f}")
+        print(f"{r['mode']:32s} " + " ".join(f"{v:.5f}" for v in r["losses"]))
+    print(f"\n{'mode':32s} {'step ms':>9s} {'vs ' + base['mode']:>14s} {'ops/step':>10s} {'vs':>7s} "
+          f"{'outermost':>10s} {'vs':>7s} {'launches':>9s} {'optim ms':>9s} {'MFU':>7s} {'peak GiB':>9s} {'reserved':>9s} "
+          f"{'warm-up s':>10s}")
+    for r in rows:
+        print(f"{r['mode']:32s} {r['step_ms']:9.1f} {base['step_ms'] / r['step_ms']:13.2f}x {r['ops']:10,.0f} "
+              f"{base['ops'] / max(r['ops'], 1):6.1f}x {r['outer_ops']:10,.0f} {base['outer_ops'] / max(r['outer_ops'], 1):6.1f}x "
+              f"{r['launches']:9,.0f} {r['opt_ms']:9.1f} {r['mfu']:7.1%} "
+              f"{r['peak_gb']:9.2f} {r['reserved_gb']:9.2f} {r['warmup_s']:10.1f}")
 
 
 if __name__ == "__main__":

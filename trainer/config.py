@@ -19,6 +19,9 @@ from model.config import ModelConfig
 from optim.config import OptimConfig
 
 
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs", "max-autotune")
+
+
 @dataclass
 class TrainerConfig:
     max_steps: int = 300
@@ -54,6 +57,12 @@ class TrainerConfig:
     compile_backend: str = "inductor"
     """torch.compile's backend with trainer.compile=true: inductor (fused kernels); aot_eager traces forward and
     backward without generating code (to tell a compiler bug from a model bug), eager runs only Dynamo's capture"""
+    compile_mode: str = choice_field("default", COMPILE_MODES)
+    """torch.compile's mode with trainer.compile=true and the inductor backend. reduce-overhead records each block's
+    forward and backward graphs as CUDA graphs (cudagraph trees): one replay instead of a launch per kernel, for a
+    step whose device idles between launches (BENCHMARKS.md, issue 16); it costs a memory pool for the graphs'
+    activations and is not used on a CPU. max-autotune(-no-cudagraphs) also tunes the GEMMs and kernels (long
+    compiles)"""
     fused_loss: bool = False
     """output head + cross-entropy fused and chunked over tokens (trainer/fused_loss.py): the [B, T, V] fp32 logits
     of a training forward never exist; the plain-LM losses only (pretraining, SFT), not under loss_parallel or pp"""
@@ -70,6 +79,9 @@ class TrainerConfig:
         at_least("trainer.num_threads", self.num_threads, 0)
         at_least("trainer.peak_flops", self.peak_flops, 0.0)
         check_choices(self, "trainer")
+        if self.compile_mode != "default" and self.compile_backend != "inductor":
+            raise ValueError(f"trainer.compile_mode={self.compile_mode} is a mode of the inductor backend, got "
+                             f"trainer.compile_backend={self.compile_backend}: set trainer.compile_mode=default")
 
 
 ENGRAM_SHARD_AXES = ("dp_replicate", "dp_shard", "ep", "cp")  # the axes of Meshes.dp_ep_cp, in mesh order

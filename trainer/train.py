@@ -44,6 +44,7 @@ from trainer.config import Config, ParallelConfig, ParallelDims, StageConfig, Tr
 from trainer.loss import LMLoss, StepTokens, valid_tokens
 from trainer.metrics import MetricsLogger, device_peak_flops
 from trainer.parallel.apply import ParallelModel, describe, materialize, parallelize, validate_layout
+from trainer.parallel.compile import CUDAGRAPH_MODES, mark_step
 from trainer.parallel.gradients import clip_grad_norm_, mean_over_data, reduce_gradients, sum_over_data
 from trainer.preemption import StopRequest
 from trainer.run_lock import RunLock
@@ -115,19 +116,29 @@ def apply_stage_hooks(model_cfg: ModelConfig, stage: StageConfig) -> ModelConfig
 
 
 def build_model(cfg: ModelConfig, rt: Runtime, parallel: ParallelConfig, seed: int, *, batch_size: int,
-                seq_len: int, grad_accum: int, compile_backend: str | None = None) -> ParallelModel:
+                seq_len: int, grad_accum: int, compile_backend: str | None = None,
+                compile_mode: str = "default") -> ParallelModel:
     """This rank's part of the model, parallelised and holding the single process's initial values
     (trainer/parallel/apply.py); with pp > 1 also the pipeline schedule over grad_accum micro-batches.
     compile_backend: torch.compile every block with that backend (trainer.compile: "inductor"), after the plans and
-    activation checkpointing, before FSDP (trainer/parallel/compile.py)."""
+    activation checkpointing, before FSDP (trainer/parallel/compile.py), in torch.compile's `compile_mode`."""
     cuts = validate_layout(parallel, cfg, seq_len=seq_len, grad_accum=grad_accum)
     with torch.device("meta"):
         model = model_pkg.build(cfg)
     pm = parallelize(model, rt.meshes, parallel, rt.dims, cuts=cuts)
+    if compile_backend is not None and compile_mode in CUDAGRAPH_MODES and (pm.fsdp or pm.dims.pp > 1
+                                                                           or grad_accum > 1):
+        # FSDP2 frees and re-allocates the gathered parameters around each block (a CUDA graph reads fixed
+        # addresses); a pipeline schedule interleaves micro-batches' forwards and backwards; and a second
+        # micro-batch's replay overwrites the graph outputs the first one's gradients were taken from (.grad)
+        raise ValueError(f"trainer.compile_mode={compile_mode} (CUDA graphs) runs one micro-batch a step without FSDP "
+                         f"and pipeline parallelism (parallel.dp_shard={parallel.dp_shard}, parallel.pp="
+                         f"{parallel.pp}, trainer.grad_accum={grad_accum}): set trainer.compile_mode=default, or "
+                         "grad_accum=1 and dp_replicate / tp / ep / cp only")
     if compile_backend is not None:
         from trainer.parallel.compile import compile_blocks
 
-        compile_blocks(pm.module, compile_backend)
+        compile_blocks(pm.module, compile_backend, mode=compile_mode)
     materialize(pm, rt.device, seed, microbatch_size=batch_size, seq_len=seq_len, grad_accum=grad_accum,
                 schedule=parallel.pp_schedule, autocast_dtype=rt.autocast_dtype)
     return pm
@@ -289,7 +300,8 @@ def build(cfg: Config, run_dir: Path) -> Job:
         checkpointer.check_model(resume_from, model_cfg)
     pm = build_model(model_cfg, rt, cfg.parallel, cfg.trainer.seed, batch_size=cfg.data.batch_size,
                      seq_len=cfg.data.seq_len, grad_accum=cfg.trainer.grad_accum,
-                     compile_backend=cfg.trainer.compile_backend if cfg.trainer.compile else None)
+                     compile_backend=cfg.trainer.compile_backend if cfg.trainer.compile else None,
+                     compile_mode=cfg.trainer.compile_mode)
     log.info("parallel layout: %s", describe(pm))
     install_canonical_vocab(pm.module, model_cfg, tokenizer.path)
     trainable = stage.trainable_parameters(pm.module, model_cfg)
@@ -457,6 +469,7 @@ def forward_backward(pm: ParallelModel, batches: list[dict], autocast_dtype: tor
         tokens += input_ids.numel()
         seq_len = input_ids.shape[1]
         input_ids, labels, image_mask, weights = _local_chunk(pm, input_ids, labels, image_mask, weights)
+        mark_step(pm.module)
         if pm.engram is not None:
             # Row ids depend only on token ids: the rows' exchange goes out before the forward and travels while
             # the layers in front of each Engram layer compute. Not issued earlier (during the previous micro-

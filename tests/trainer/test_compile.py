@@ -129,3 +129,46 @@ def test_compile_blocks_is_idempotent():
     keys = list(pm.module.state_dict())
     assert compile_blocks(pm.module, "eager") == 0  # already compiled: nothing wrapped twice
     assert list(pm.module.state_dict()) == keys and not any("_orig_mod" in k for k in keys)
+
+
+def test_cudagraph_mode_marks_each_micro_batch(monkeypatch):
+    """trainer.compile_mode=reduce-overhead (CUDA graphs, measured on an H200: BENCHMARKS.md, issue 16): each
+    micro-batch's forward begins a new generation of the graph trees; a model compiled in the default mode, none."""
+    import trainer.parallel.compile as compile_module
+    import trainer.train as train_module
+
+    parallel = ParallelConfig()
+    rt = setup_runtime(TrainerConfig(device="cpu", precision="fp32", num_threads=1), parallel)
+    # torch.compile is lazy: nothing is compiled until a block runs, and the blocks do not run here
+    graphs = build_model(_config(), rt, parallel, 0, batch_size=2, seq_len=EVERY_ROLE_SEQ_LEN, grad_accum=1,
+                         compile_backend="inductor", compile_mode="reduce-overhead")
+    plain = build_model(_config(), rt, parallel, 0, batch_size=2, seq_len=EVERY_ROLE_SEQ_LEN, grad_accum=1,
+                        compile_backend="inductor")
+    begun = []
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: begun.append(1))
+    compile_module.mark_step(graphs.module)
+    compile_module.mark_step(plain.module)
+    assert begun == [1]
+
+    seen = []
+    monkeypatch.setattr(train_module, "mark_step", lambda module: seen.append(module))
+    eager = build_model(_config(), rt, parallel, 0, batch_size=2, seq_len=EVERY_ROLE_SEQ_LEN, grad_accum=2)
+    forward_backward(eager, _batches(0) + _batches(1), None)
+    assert seen == [eager.module, eager.module]
+
+
+def test_cudagraph_mode_refuses_what_it_cannot_replay():
+    """CUDA graphs read fixed addresses and one generation's outputs: a second micro-batch (its replay overwrites
+    the outputs the first one's .grad came from), FSDP (re-gathered parameters) and a pipeline are refused by name,
+    before anything is built on the device; a compile mode of another backend fails in the config."""
+    parallel = ParallelConfig()
+    rt = setup_runtime(TrainerConfig(device="cpu", precision="fp32", num_threads=1), parallel)
+    with pytest.raises(ValueError, match="trainer.grad_accum=2"):
+        build_model(_config(), rt, parallel, 0, batch_size=2, seq_len=EVERY_ROLE_SEQ_LEN, grad_accum=2,
+                    compile_backend="inductor", compile_mode="reduce-overhead")
+    with pytest.raises(ValueError, match="trainer.compile_mode=reduce-overhead is a mode of the inductor backend"):
+        TrainerConfig(compile=True, compile_backend="aot_eager", compile_mode="reduce-overhead")
+    with pytest.raises(ValueError, match="compile_mode"):
+        TrainerConfig(compile_mode="fast")
+    with pytest.raises(ValueError, match="not of 'eager'"):
+        compile_blocks(torch.nn.Module(), "eager", mode="max-autotune")

@@ -16,6 +16,11 @@ on the device, the indexer KL masked instead of selected; tests/trainer/test_com
 Graphs per block: each block has its own guards (its spec: layer role, which KV it reads), so a model gets one graph
 per block and mode (training, evaluation, no-grad scoring); the recompile limit is raised to cover that.
 
+CUDA graphs (`trainer.compile_mode=reduce-overhead`): Inductor records each block's forward and backward graph as a
+CUDA graph (cudagraph trees) and replays it, one launch where the graph had hundreds; the step's eager parts between
+the blocks still launch their kernels one by one. Each micro-batch's forward begins a new generation of the trees
+(`mark_step`, trainer/train.py's forward_backward), so the previous step's graph outputs may be overwritten.
+
 Names and checkpoints are unchanged: the compiled callable is an instance attribute, not a wrapper module (no
 `_orig_mod.` prefix), so state dicts, DCP checkpoints and the pipeline's stage modules see the same blocks.
 """
@@ -25,9 +30,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["compile_blocks", "is_compiled"]
+__all__ = ["CUDAGRAPH_MODES", "compile_blocks", "is_compiled", "mark_step"]
 
 _COMPILED = "_cedar_compiled"
+_CUDAGRAPHS = "_cedar_cudagraphs"  # set on the model whose blocks compile with CUDA graphs
+CUDAGRAPH_MODES = ("reduce-overhead", "max-autotune")  # torch.compile's modes that record CUDA graphs
 # graphs a block may need: training, evaluation and no-grad forwards, each possibly at a second sequence length
 _GRAPHS_PER_BLOCK = 8
 
@@ -42,12 +49,24 @@ def is_compiled(block: nn.Module) -> bool:
     return getattr(block, _COMPILED, False)
 
 
-def compile_blocks(model: nn.Module, backend="inductor", fullgraph: bool = True) -> int:
+def mark_step(model: nn.Module) -> None:
+    """Before a micro-batch's forward: a new generation of the CUDA graph trees when `model`'s blocks run as CUDA
+    graphs (the outputs of the graphs' earlier replays are then dead), nothing otherwise."""
+    if getattr(model, _CUDAGRAPHS, False):
+        torch.compiler.cudagraph_mark_step_begin()
+
+
+def compile_blocks(model: nn.Module, backend="inductor", fullgraph: bool = True, mode: str = "default") -> int:
     """Compile the forward of every block of `model` (a Transformer or a pipeline StageGroup) in place; idempotent.
     Returns the number of blocks compiled. Call it after activation checkpointing and the tp / ep / cp plans and
     before FSDP (torchtitan's order). fullgraph=False lets a block fall back to Python at a graph break (to find
-    the breaks: bench/profile_step.py counts them) instead of failing."""
+    the breaks: bench/profile_step.py counts them) instead of failing. mode: torch.compile's (trainer.compile_mode;
+    the inductor backend's), "default" for none."""
     import torch._dynamo.config as dynamo_config
+
+    if mode != "default" and backend != "inductor":
+        raise ValueError(f"compile mode {mode!r} is a mode of the inductor backend, not of {backend!r}")
+    options = {} if mode == "default" else {"mode": mode}
 
     blocks = [b for b in _blocks(model) if not is_compiled(b)]
     need = _GRAPHS_PER_BLOCK * len(_blocks(model))
@@ -59,6 +78,8 @@ def compile_blocks(model: nn.Module, backend="inductor", fullgraph: bool = True)
         dynamo_config.accumulated_recompile_limit = max(dynamo_config.accumulated_recompile_limit, 4 * need)
     for block in blocks:
         # the class's forward (the checkpointed one under activation checkpointing), bound to this block
-        block.forward = torch.compile(block.forward, fullgraph=fullgraph, backend=backend)
+        block.forward = torch.compile(block.forward, fullgraph=fullgraph, backend=backend, **options)
         setattr(block, _COMPILED, True)
+    if mode in CUDAGRAPH_MODES:
+        setattr(model, _CUDAGRAPHS, True)
     return len(blocks)
