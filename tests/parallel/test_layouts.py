@@ -38,7 +38,8 @@ the head blocks and experts held whole, the Sinkhorn tables' row shards, in the 
 raises a gradient's near-null directions towards singular value 1, rounding included: the single process fed its
 micro-batches in reverse order moves parameters by 2e-5 of their norm after the two steps, so these layouts are
 held to MUON_TOL = 1e-4 (test_muon_tolerance_is_the_rounding_floor), while every parameter's own update is above
-2e-3 of its norm (a wrong update of any tensor shows).
+2e-3 of its norm (a wrong update of any tensor shows); the second step's gradients, taken after one such update, to
+MUON_STEP2_GRAD_TOL = 5e-4.
 
 The model is tests/helpers.py's every-role config: v41_tiny shrunk to 6 layers that keep every layer role (SWA,
 encoder Full + Reuse, the decoder Full that builds the candidate pool, Reuse, the pool-restricted Reindex), its
@@ -102,6 +103,9 @@ LAYOUTS = {
 # the layouts trained with optim=muon too, in the 2-rank spawn, under the name "muon <layout>"
 MUON_LAYOUTS = ["dp_shard2", "tp2", "ep2", "pp2_1f1b"]
 MUON_LR, MUON_TOL = 3e-3, 1e-4
+# the second step's gradients under optim=muon: taken at parameters one Newton-Schulz update apart, so each layout's
+# rounding is lifted once more (the reversed single process: 7.5e-5 on an AMD EPYC, for Engram's wkv)
+MUON_STEP2_GRAD_TOL = 5e-4
 
 
 def _world(fields: dict) -> int:
@@ -303,7 +307,8 @@ def _merge(ranks: list[dict], key: str, step: int | None = None) -> dict:
     return merged
 
 
-def _check(name: str, ranks: list, single: dict, tol: float = 1e-5) -> None:
+def _check(name: str, ranks: list, single: dict, tol: float = 1e-5, later_grad_tol: float | None = None) -> None:
+    """`later_grad_tol`: the tolerance of the gradients after the first step (default `tol`)."""
     for r in ranks:
         assert not isinstance(r, str), f"{name} failed on a rank:\n{r}"
     first = ranks[0]
@@ -327,8 +332,10 @@ def _check(name: str, ranks: list, single: dict, tol: float = 1e-5) -> None:
     for step in range(STEPS):
         errors.update(_errors(_merge(ranks, "grads", step), single["grads"][step], f"step {step + 1} grad"))
     errors.update(_errors(_merge(ranks, "params"), single["params"], "param"))
-    bad = {k: v for k, v in errors.items() if not v < tol}
-    assert not bad, f"{name}: relative errors above {tol}: {bad}"
+    limit = {k: later_grad_tol if later_grad_tol and " grad" in k and not k.startswith("step 1 ") else tol
+             for k in errors}
+    bad = {k: v for k, v in errors.items() if not v < limit[k]}
+    assert not bad, f"{name}: relative errors above {tol} (later gradients {later_grad_tol or tol}): {bad}"
     biases = _merge(ranks, "biases")
     assert biases.keys() == single["biases"].keys()
     for n, b in single["biases"].items():
@@ -374,18 +381,23 @@ def test_two_rank_layouts_match_single_process(name, single_small):
 def test_muon_layouts_match_single_process(name, single_small_muon):
     assert _world(LAYOUTS[name]) == 2
     _check(f"muon {name}", [r.get(f"muon {name}", f"muon {name} did not run") for r in _runs(2)], single_small_muon,
-           tol=MUON_TOL)
+           tol=MUON_TOL, later_grad_tol=MUON_STEP2_GRAD_TOL)
 
 
 def test_muon_tolerance_is_the_rounding_floor(single_small_muon, monkeypatch):
     """Why optim=muon's layouts are held to MUON_TOL, not 1e-5: the single process alone, fed its micro-batches in
     reverse order, ends more than 1e-5 from itself (Newton-Schulz lifts the rounding in a gradient's near-null
     directions), and less than a quarter of MUON_TOL; while every parameter's update is more than 10 x MUON_TOL of
-    its norm, so the tolerance still sees any tensor's update go wrong."""
+    its norm, so the tolerance still sees any tensor's update go wrong. The second step's gradients, taken at those
+    parameters, move more (7.5e-5 of their share on an AMD EPYC, 2-rank ep 1.0e-4), hence MUON_STEP2_GRAD_TOL; the first
+    step's stay at MUON_TOL (no update yet: 1e-7)."""
     reversed_run = _reversed_run(monkeypatch, optim="muon")
     ref = single_small_muon
     floor = max(_errors(reversed_run["params"], ref["params"], "param").values())
     assert 1e-5 < floor < MUON_TOL / 4
+    assert max(_errors(reversed_run["grads"][0], ref["grads"][0], "grad").values()) < MUON_TOL / 100
+    later = max(_errors(reversed_run["grads"][1], ref["grads"][1], "grad").values())
+    assert 1e-5 < later < MUON_STEP2_GRAD_TOL / 4
     moved = {n: _rel(p, ref["init"][n]) for n, p in ref["params"].items()}
     assert min(moved.values()) > 10 * MUON_TOL, min(moved.items(), key=lambda kv: kv[1])
 
