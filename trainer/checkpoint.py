@@ -393,9 +393,10 @@ class Checkpointer:
                 if isinstance(state, RankLocalState):
                     state.keys_in_checkpoint = state.checkpoint_path = None
 
-    def save(self, step: int, states: dict, extra: dict | None = None) -> Path:
-        """Write `states` as checkpoint `step` (every rank); `extra` joins `info` in the marker. Raises
-        CheckpointSaveError, on every rank, when the files could not be written."""
+    def save(self, step: int, states: dict, extra: dict | None = None, planner=None) -> Path:
+        """Write `states` as checkpoint `step` (every rank); `extra` joins `info` in the marker; `planner`: DCP's
+        save planner (default DCP's; trainer/hf_checkpoint.py's import gives one that reads its tensors lazily).
+        Raises CheckpointSaveError, on every rank, when the files could not be written."""
         final = self.root / step_dir_name(step)
         tmp = self.root / f".tmp_{step_dir_name(step)}"
         try:
@@ -407,7 +408,7 @@ class Checkpointer:
             _barrier()
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-                dcp.save(states, storage_writer=FileSystemWriter(str(tmp)))
+                dcp.save(states, storage_writer=FileSystemWriter(str(tmp)), planner=planner)
             _barrier()  # every rank's files are on disk before the checkpoint is declared complete
             files = file_checksums(tmp)
             if self.rank == 0:

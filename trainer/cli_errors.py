@@ -100,3 +100,27 @@ def one_line(e: Exception) -> str:
         if err is not None:
             lines += [ln.strip() for ln in str(err).splitlines() if ln.strip() and not ln.strip().startswith(drop)]
     return " ".join(lines) if lines else type(e).__name__
+
+
+def compose_app(config_name: str, schema, argv: Sequence[str]):
+    """A small app's config: conf/<config_name>.yaml (whose defaults list starts with the schema registered as
+    `<config_name>_schema`) with Hydra's override syntax from `argv`, as a validated `schema` instance; ValueError in
+    one line (naming the key) for what Hydra, OmegaConf or the schema refuses."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.config_store import ConfigStore
+    from hydra.errors import HydraException, MissingConfigException
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    ConfigStore.instance().store(name=f"{config_name}_schema", node=schema)
+    check_config_groups(list(argv))
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+            node = compose(config_name=config_name, overrides=list(argv))
+        plain = OmegaConf.to_container(node, resolve=True)
+        plain.pop("hydra", None)
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), plain))
+    except MissingConfigException as e:
+        raise ValueError(missing_config_message(e)) from None
+    except (HydraException, OmegaConfBaseException) as e:
+        raise ValueError(one_line(e)) from None

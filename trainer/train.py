@@ -289,9 +289,11 @@ def build(cfg: Config, run_dir: Path) -> Job:
             "optim": dataclasses.asdict(cfg.optim), "max_steps": cfg.trainer.max_steps, "stage": cfg.stage.name}
     if cfg.checkpoint.init_from:  # which weights the run started from, in every checkpoint's marker
         from trainer.engine.loading import find_checkpoint
+        from trainer.hf_checkpoint import is_hf_dir
 
         try:
-            info["init_from"] = str(find_checkpoint(cfg.checkpoint.init_from).resolve())
+            init = Path(cfg.checkpoint.init_from)
+            info["init_from"] = str((init if is_hf_dir(init) else find_checkpoint(cfg.checkpoint.init_from)).resolve())
         except ValueError as e:
             raise ValueError(f"checkpoint.init_from: {e}".replace("ckpt=", "")) from None
     checkpointer = Checkpointer(run_dir / "checkpoints", cfg.checkpoint, rt.rank, info=info)
@@ -343,7 +345,10 @@ def build(cfg: Config, run_dir: Path) -> Job:
 def init_weights_from(ckpt: str, pm: ParallelModel, optimizer: torch.optim.Optimizer | None, model_cfg: ModelConfig,
                       checkpointer: Checkpointer) -> Path:
     """Load another run's weights (and, with `optimizer`, its optimiser moments) into this rank's part of the model,
-    whatever layout saved them (DCP reshards): checkpoint.init_from. The step count and schedule stay at 0."""
+    whatever layout saved them (DCP reshards): checkpoint.init_from. The step count and schedule stay at 0.
+    A Hugging Face directory (config.json + safetensors) is first imported, streaming, as a checkpoint beside the
+    run's own (`<run dir>/hf_init/`, trainer/hf_checkpoint.py), by every rank its share; its config.json must give
+    the run's model."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
@@ -351,6 +356,10 @@ def init_weights_from(ckpt: str, pm: ParallelModel, optimizer: torch.optim.Optim
 
     from trainer.engine.loading import find_checkpoint, read_marker
 
+    from trainer.hf_checkpoint import is_hf_dir
+
+    if is_hf_dir(Path(ckpt)):
+        ckpt = str(_import_hf_init(Path(ckpt), pm, optimizer, model_cfg, checkpointer))
     try:
         path = find_checkpoint(ckpt)
         read_marker(path)  # every file there, with its checksum
@@ -376,6 +385,34 @@ def init_weights_from(ckpt: str, pm: ParallelModel, optimizer: torch.optim.Optim
         for group, values in zip(optimizer.param_groups, live):  # the config's hyperparameters, as on resume
             group.update(values)
     log.info("initialised from %s%s", path, " (weights and optimiser moments)" if optimizer is not None else "")
+    return path
+
+
+def _import_hf_init(src: Path, pm: ParallelModel, optimizer, model_cfg: ModelConfig,
+                    checkpointer: Checkpointer) -> Path:
+    """checkpoint.init_from=<Hugging Face directory>: its weights as a checkpoint under `<run dir>/hf_init/`."""
+    import torch.distributed as dist
+
+    from trainer.checkpoint import model_config_differences
+    from trainer.hf_checkpoint import import_
+    from trainer.import_hf import hf_model_config
+
+    if optimizer is not None:
+        raise ValueError(f"checkpoint.init_from={src} is a Hugging Face directory: it holds no optimiser state, so "
+                         "checkpoint.init_optimizer=true cannot apply; set checkpoint.init_optimizer=false")
+    hf_cfg = hf_model_config(src)
+    # the tables' storage dtype is the run's choice: the file's values are cast to it
+    hf_cfg = dataclasses.replace(hf_cfg, engram=dataclasses.replace(hf_cfg.engram,
+                                                                    table_dtype=model_cfg.engram.table_dtype))
+    diff = model_config_differences(dataclasses.asdict(hf_cfg), dataclasses.asdict(model_cfg))
+    if diff:
+        shown = "; ".join(f"model.{k}={a!r} there, {b!r} here" for k, a, b in diff[:8])
+        raise ValueError(f"checkpoint.init_from={src}: its config.json gives another model: {shown}"
+                         + (f" (and {len(diff) - 8} more)" if len(diff) > 8 else ""))
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    out = checkpointer.root.parent / "hf_init"
+    path = import_(src, out, hf_cfg, rank=rank, world=world)
+    log.info("checkpoint.init_from: imported the Hugging Face weights of %s as %s", src, path)
     return path
 
 

@@ -36,8 +36,16 @@ def stage_tokenizer(cfg, *, progress: bool = False):
     if cfg.checkpoint.init_from:
         from trainer.engine.loading import find_checkpoint, run_tokenizer
 
+        from trainer.hf_checkpoint import is_hf_dir
+
+        hf = Path(cfg.checkpoint.init_from)
         try:
-            path = run_tokenizer(find_checkpoint(cfg.checkpoint.init_from))
+            if is_hf_dir(hf):  # a Hugging Face directory: its own tokenizer.json, when it ships one
+                if not (hf / "tokenizer.json").is_file():
+                    raise ValueError(f"{hf} has no tokenizer.json")
+                path = str(hf / "tokenizer.json")
+            else:
+                path = run_tokenizer(find_checkpoint(cfg.checkpoint.init_from))
         except ValueError as e:
             log.warning("checkpoint.init_from: %s; using data.path's tokenizer", e)
     if path is None:

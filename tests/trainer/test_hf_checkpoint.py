@@ -1,0 +1,210 @@
+"""Hugging Face checkpoints in and out (model/hf.py, trainer/hf_checkpoint.py, trainer.export_hf / import_hf):
+the official names and shapes on the flagship (REFERENCE A11), the config both ways, a bit-exact round trip in
+pieces smaller than a tensor, bad directories refused by name, and a run started from an exported directory
+(checkpoint.init_from=<HF dir>) with the weights of the run it was exported from."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+import model as model_pkg
+from model import hf
+from tests.helpers import ROOT, build_tiny, load_config
+from tests.trainer.harness import env, losses, micro_overrides, run_cli
+from trainer.checkpoint import Checkpointer, model_config_differences
+from trainer.config import CheckpointConfig
+from trainer.hf_checkpoint import INDEX, export, import_
+from trainer.import_hf import hf_model_config
+
+
+def test_flagship_names_and_shapes_are_the_reference_ones():
+    cfg = load_config("v41_flash")
+    with torch.device("meta"):
+        m = model_pkg.build(cfg)
+    got = {t.name: t.shape for k, v in m.state_dict().items() for t in hf.hf_tensors(k, tuple(v.shape))}
+    assert got["model.embed.weight"] == (129280, 5120) and got["lm_head.weight"] == (129280, 5120)
+    assert got["model.norm.weight"] == (5120,)
+    for i in (0, 20, 39):
+        p = f"model.layers.{i}."
+        assert got[p + "hc_attn_fn"] == got[p + "hc_ffn_fn"] == (24, 20480)
+        assert got[p + "hc_attn_base"] == (24,) and got[p + "hc_ffn_scale"] == (3,)
+        assert got[p + "attn.wq_a.weight"] == (1280, 5120) and got[p + "attn.wq_b.weight"] == (32768, 1280)
+        assert got[p + "attn.wkv.weight"] == (512, 5120) and got[p + "attn.kv_norm.weight"] == (512,)
+        assert got[p + "attn.wo_a.weight"] == (8192, 4096) and got[p + "attn.wo_b.weight"] == (5120, 8192)
+        assert got[p + "attn.attn_sink"] == (64,)
+        assert got[p + "ffn.gate.weight"] == (384, 5120) and got[p + "ffn.gate.bias_vl"] == (384,)
+        assert got[p + "ffn.experts.383.w1.weight"] == got[p + "ffn.experts.0.w3.weight"] == (2304, 5120)
+        assert got[p + "ffn.experts.7.w2.weight"] == (5120, 2304)
+        assert got[p + "ffn.shared_experts.w2.weight"] == (5120, 2304)
+        assert p + "ffn.experts.384.w1.weight" not in got
+    wgate = sorted(int(n.split(".")[2]) for n in got if n.endswith("compressor.wgate.weight"))
+    wk = sorted(int(n.split(".")[2]) for n in got if n.endswith("indexer.wk.weight"))
+    wq = sorted(int(n.split(".")[2]) for n in got if n.endswith("indexer.wq_b.weight"))
+    assert wgate == [2, 8, 14] and wk == [2, 8, 14, 20] and wq == [2, 8, 14, 20, 24, 28, 32, 36]
+    assert got["model.layers.1.engram.embed.weight"] == (384006168, 256)
+    assert got["model.layers.14.engram.embed.weight"] == (384016682, 256)
+    assert got["model.layers.14.engram.wkv.weight"] == (25600, 6144)
+    assert got["model.layers.1.engram.q_weight"] == (4, 5120)
+    # every name maps back to its Cedar tensor; what Cedar does not model is dropped, not misread
+    for name in got:
+        assert hf.cedar_name(name) is not None
+    assert hf.cedar_name("mtp.0.attn.wq_a.weight") is None and hf.dropped_reason("vision.blocks.0.w") is not None
+    assert hf.keeps_fp32("layers.3.hc_ffn.base") and hf.keeps_fp32("layers.0.ffn.gate.bias_image")
+    assert not hf.keeps_fp32("layers.0.attn.q_norm.weight")
+
+    c = hf.hf_config(cfg)
+    assert c["compress_ratios"] == [0, 0] + [2] * 18 + [1] * 20 and c["kv_source_layer_ids"] == [2, 8, 14, 20]
+    assert c["index_source_layer_ids"] == [2, 8, 14, 20, 24, 28, 32, 36] and c["candidate_source_layer_id"] == 20
+    assert c["engram_num_embeddings"] == [384006168, 384016682] and c["engram_layer_ids"] == [1, 14]
+    assert (c["hidden_size"], c["num_hidden_layers"], c["n_routed_experts"], c["moe_intermediate_size"]) == \
+        (5120, 40, 384, 2304)
+    assert c["rms_norm_eps"] == 1e-20 and c["rope_scaling"]["factor"] == 16.0 and c["routed_scaling_factor"] == 1.5
+
+
+@pytest.mark.parametrize("name", ["v41_flash", "v41_tiny"])
+def test_config_both_ways(name):
+    cfg = load_config(name)
+    back = hf.model_config(hf.hf_config(cfg))
+    # the tables' storage dtype is the files' (trainer/import_hf.py), not config.json's
+    back = dataclasses.replace(back, engram=dataclasses.replace(back.engram, table_dtype=cfg.engram.table_dtype))
+    assert model_config_differences(dataclasses.asdict(cfg), dataclasses.asdict(back)) == []
+    # a composite config (text_config) with the released draft-layer entries of compress_ratios reads the same
+    text = {**hf.hf_config(cfg), "num_nextn_predict_layers": 3}
+    text["compress_ratios"] = text["compress_ratios"] + [0, 0, 0]
+    assert hf.model_config({"text_config": text, "model_type": "deepseek_v41"}) == hf.model_config(hf.hf_config(cfg))
+    with pytest.raises(ValueError, match="scoring_func='softmax'; Cedar models scoring_func='sqrtsoftplus'"):
+        hf.model_config({**hf.hf_config(cfg), "scoring_func": "softmax"})
+    with pytest.raises(ValueError, match="engram_num_embeddings"):
+        hf.model_config({**hf.hf_config(cfg), "engram_num_embeddings": [1, 2][:len(cfg.engram.layers)]})
+
+
+def _random_checkpoint(tmp: Path):
+    """v41_tiny with random weights and balancing biases, saved as a Cedar checkpoint: (checkpoint, config, state)."""
+    cfg = load_config("v41_tiny")
+    m = build_tiny(seed=3)
+    with torch.no_grad():
+        for b in m.buffers():
+            if b.is_floating_point():
+                b.normal_()
+    state = {k: v.clone() for k, v in m.state_dict().items()}
+    info = {"model": dataclasses.asdict(cfg)}
+    ckpt = Checkpointer(tmp / "run" / "checkpoints", CheckpointConfig(), 0, info=info).save(2, {"train": {"model": state}})
+    return ckpt, cfg, state
+
+
+def _load(ckpt: Path, cfg) -> dict:
+    with torch.device("meta"):
+        m = model_pkg.build(cfg)
+    st = {k: torch.empty(v.shape, dtype=v.dtype) for k, v in m.state_dict().items()}
+    dcp.load({"train": {"model": st}}, checkpoint_id=str(ckpt))
+    return st
+
+
+def test_round_trip_is_exact_in_pieces(tmp_path):
+    """Pieces of 64 KiB (smaller than most tensors: row and expert ranges) and files of 2 MB. float32 export ->
+    import is the original bit for bit; a bf16 export holds each tensor rounded to bf16 (the fp32-kept ones as they
+    are), and exporting its import again gives the same files byte for byte (HF -> Cedar -> HF is exact)."""
+    ckpt, cfg, state = _random_checkpoint(tmp_path)
+    small = dict(max_shard_bytes=2 * 2**20, chunk_bytes=64 * 1024)
+    index = export(ckpt, tmp_path / "f32", cfg, dtype=torch.float32, **small)
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 5 and len(index["weight_map"]) == sum(
+        len(hf.hf_tensors(k, tuple(v.shape))) for k, v in state.items())
+    data = sum((tmp_path / "f32" / f).stat().st_size for f in files)
+    assert index["metadata"]["total_size"] == sum(v.numel() * 4 for v in state.values()) <= data
+    assert data - index["metadata"]["total_size"] < 8 * 2**10 * len(files)  # the headers only: nothing grows
+    back = _load(import_(tmp_path / "f32", tmp_path / "imp32", cfg, chunk_bytes=64 * 1024), cfg)
+    assert all(torch.equal(back[k], v) for k, v in state.items())
+
+    index = export(ckpt, tmp_path / "bf16", cfg, dtype=torch.bfloat16, **small)
+    for k, v in state.items():
+        for t in hf.hf_tensors(k, tuple(v.shape)):
+            with safe_open(str(tmp_path / "bf16" / index["weight_map"][t.name]), framework="pt") as f:
+                got = f.get_tensor(t.name)
+            want = v if t.expert is None else v[t.expert]
+            assert torch.equal(got, want.to(torch.float32 if hf.keeps_fp32(k) else torch.bfloat16)), t.name
+    imported = import_(tmp_path / "bf16", tmp_path / "imp16", cfg, chunk_bytes=64 * 1024)
+    again = export(imported, tmp_path / "bf16_again", cfg, dtype=torch.bfloat16, **small)
+    assert again["weight_map"] == index["weight_map"]
+    for f in set(index["weight_map"].values()):
+        assert (tmp_path / "bf16" / f).read_bytes() == (tmp_path / "bf16_again" / f).read_bytes()
+    config = json.loads((tmp_path / "bf16" / "config.json").read_text())
+    assert config["model_type"] == "deepseek_v41_text"
+    # the model of the directory: config.json's, with the tables' dtype of the files
+    assert model_config_differences(dataclasses.asdict(hf_model_config(tmp_path / "bf16")), dataclasses.asdict(cfg)) \
+        == [("engram.table_dtype", "bfloat16", "float32")]
+    assert model_config_differences(dataclasses.asdict(hf_model_config(tmp_path / "f32")), dataclasses.asdict(cfg)) == []
+
+
+def test_import_refuses_by_name_and_drops_what_it_does_not_model(tmp_path, caplog):
+    ckpt, cfg, state = _random_checkpoint(tmp_path)
+    src = tmp_path / "hf"
+    index = export(ckpt, src, cfg, dtype=torch.float32)
+    first = sorted(set(index["weight_map"].values()))[0]
+    save_file({"mtp.0.attn.wq_a.weight": torch.zeros(2, 2), "vision.patch.weight": torch.zeros(2)},
+              str(src / "extra.safetensors"))
+    index["weight_map"].update({"mtp.0.attn.wq_a.weight": "extra.safetensors", "vision.patch.weight": "extra.safetensors"})
+    (src / INDEX).write_text(json.dumps(index))
+    with caplog.at_level("WARNING"):
+        back = _load(import_(src, tmp_path / "imp", cfg), cfg)
+    assert all(torch.equal(back[k], v) for k, v in state.items())
+    assert "dropped 1 tensor(s): the DSpark / MTP draft layers" in caplog.text and "vision tower" in caplog.text
+
+    name = next(iter(index["weight_map"]))  # a tensor of the wrong shape
+    with safe_open(str(src / first), framework="pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    tensors[name] = tensors[name][:1]
+    save_file(tensors, str(src / first))
+    with pytest.raises(ValueError, match=f"{name} has shape"):
+        import_(src, tmp_path / "imp2", cfg)
+    del index["weight_map"][name]
+    (src / INDEX).write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=f"no tensor '{name}'"):
+        import_(src, tmp_path / "imp3", cfg)
+
+
+def _cli(module: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, env=env(), capture_output=True, text=True,
+                          timeout=300)
+
+
+@pytest.mark.slow
+def test_a_run_starts_from_an_exported_directory(tmp_path, small_data):
+    """Pretrain 2 steps; export its checkpoint (float32, and bf16 with the CLI); a run with checkpoint.init_from=
+    <the float32 HF directory> takes the same first step as one started from the checkpoint itself."""
+    pre = tmp_path / "pre"
+    r = run_cli(micro_overrides(pre, small_data, "trainer.max_steps=2", "checkpoint.interval=2"))
+    assert r.returncode == 0, r.stderr[-2000:]
+    r = _cli("trainer.export_hf", f"ckpt={pre}", f"out={tmp_path / 'hf32'}", "dtype=float32")
+    assert r.returncode == 0 and "exported" in r.stdout, r.stderr[-2000:]
+    assert (tmp_path / "hf32" / "tokenizer.json").is_file()  # the run's, beside the weights
+    r = _cli("trainer.export_hf", f"ckpt={pre}", f"out={tmp_path / 'hf16'}")
+    assert r.returncode == 0, r.stderr[-2000:]
+    r = _cli("trainer.import_hf", f"src={tmp_path / 'hf16'}", f"out={tmp_path / 'imp'}")
+    assert r.returncode == 0 and "checkpoint.init_from=" in r.stdout, r.stderr[-2000:]
+
+    runs = {}
+    for name, init in (("ckpt", pre), ("hf", tmp_path / "hf32")):
+        runs[name] = tmp_path / name
+        r = run_cli(micro_overrides(runs[name], small_data, "trainer.max_steps=1", f"checkpoint.init_from={init}"))
+        assert r.returncode == 0, r.stderr[-2000:]
+    assert losses(runs["hf"]) == losses(runs["ckpt"])
+    assert (runs["hf"] / "hf_init" / "checkpoints" / "step_00000000" / "COMPLETE").is_file()
+
+    r = run_cli(micro_overrides(tmp_path / "bad", small_data, "trainer.max_steps=1", "model.dim=64",
+                                f"checkpoint.init_from={tmp_path / 'hf32'}"))
+    assert r.returncode == 2 and "its config.json gives another model: model.dim=32 there, 64 here" in r.stderr
+    r = _cli("trainer.export_hf", f"ckpt={tmp_path / 'nowhere'}", "out=x")
+    assert r.returncode == 2 and "does not exist" in r.stderr and "Traceback" not in r.stderr
+    r = _cli("trainer.import_hf", f"src={pre}", "out=x")
+    assert r.returncode == 2 and "is not a Hugging Face checkpoint directory" in r.stderr

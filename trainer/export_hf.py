@@ -1,0 +1,103 @@
+"""`python -m trainer.export_hf ckpt=<checkpoint or run dir> out=<dir> [dtype=bfloat16|float32]`: a Cedar checkpoint
+(any parallel layout) as Hugging Face safetensors in the official DeepSeek-V4.1-Flash names, streaming
+(trainer/hf_checkpoint.py; conf/export_hf.yaml lists the keys). Under torchrun every rank writes its share of the
+files. Exit status 2 with one line on stderr for a bad key, a missing or corrupt checkpoint, a file it cannot write.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from config_checks import check_choices, choice_field, positive
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+@dataclass
+class ExportConfig:
+    ckpt: str = ""
+    """<run dir>/checkpoints/step_<N>, or a run directory (its newest complete checkpoint)"""
+    out: str = ""
+    """the directory to write"""
+    dtype: str = choice_field("bfloat16", tuple(DTYPES))
+    """bfloat16 (as released) or float32 (bit for bit); mHC parameters, sinks and router biases stay fp32"""
+    max_shard_gb: float = 5.0
+    chunk_mb: int = 256
+    tokenizer: str = ""
+    """a tokenizer.json to copy beside the weights; "" = the training run's when it is known"""
+
+    def __post_init__(self) -> None:
+        check_choices(self, "export_hf")
+        positive("export_hf.max_shard_gb", self.max_shard_gb)
+        positive("export_hf.chunk_mb", self.chunk_mb)
+        for key in ("ckpt", "out"):
+            if not getattr(self, key):
+                raise ValueError(f"{key}= is required: python -m trainer.export_hf ckpt=<checkpoint or run dir> "
+                                 "out=<dir>")
+
+
+def _world() -> tuple[int, int]:
+    """(rank, world size), starting gloo when torchrun launched several processes."""
+    import torch.distributed as dist
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("gloo")
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
+def export(cfg: ExportConfig) -> dict:
+    from trainer.engine.loading import _model_from_dict, find_checkpoint, read_marker, run_tokenizer
+    from trainer.hf_checkpoint import export as export_files
+
+    path = find_checkpoint(cfg.ckpt)
+    marker = read_marker(path)
+    if "model" not in marker:
+        raise ValueError(f"checkpoint {path} records no model config (format 1): it cannot be exported")
+    model_cfg = _model_from_dict(marker["model"], path)
+    tokenizer = cfg.tokenizer
+    if not tokenizer:
+        try:
+            tokenizer = run_tokenizer(path)
+        except (ValueError, OSError):
+            tokenizer = ""
+    rank, world = _world()
+    t0 = time.perf_counter()
+    index = export_files(path, Path(cfg.out), model_cfg, dtype=DTYPES[cfg.dtype],
+                         max_shard_bytes=int(cfg.max_shard_gb * 1e9), chunk_bytes=cfg.chunk_mb * 2**20, rank=rank,
+                         world=world, tokenizer=tokenizer or None)
+    if world > 1:
+        import torch.distributed as dist
+
+        dist.barrier()
+    if rank == 0:
+        files = sorted(set(index["weight_map"].values()))
+        print(f"exported {path} -> {cfg.out}: {len(index['weight_map'])} tensors, {len(files)} files, "
+              f"{index['metadata']['total_size'] / 1e9:.3f} GB ({cfg.dtype}), {time.perf_counter() - t0:.1f} s"
+              + (f"; tokenizer {tokenizer}" if tokenizer else ""))
+    return index
+
+
+def main(argv: list[str] | None = None) -> None:
+    from trainer.cli_errors import compose_app
+
+    try:
+        export(compose_app("export_hf", ExportConfig, sys.argv[1:] if argv is None else argv))
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    except OSError as e:
+        from trainer.main import _io_message
+
+        print(f"error: {_io_message(e)}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

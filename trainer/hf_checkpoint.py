@@ -1,0 +1,407 @@
+"""Cedar checkpoints <-> Hugging Face safetensors shards, streaming: `python -m trainer.export_hf` and
+`python -m trainer.import_hf` (and `checkpoint.init_from=<HF dir>`) call `export` and `import_`.
+
+Nothing here holds a whole model, nor a whole large tensor: a tensor moves in pieces of at most `chunk_bytes`
+(default 256 MiB; row ranges, or expert ranges of a stacked expert weight), so host memory stays near one piece
+whatever the model's size (the flagship's Engram tables are 196 GB each in bf16).
+- Export reads each piece from the DCP checkpoint with a load plan of that piece alone (DCP reads the byte ranges
+  that hold it, in whatever layout the checkpoint was saved), casts it, and appends it to a safetensors file whose
+  header was written first (the format is a JSON header of names, dtypes, shapes and byte offsets, then the raw
+  little-endian bytes; `safetensors.safe_open` reads the result). Files hold whole tensors, about `max_shard_bytes`
+  each (a larger tensor gets a file of its own); `model.safetensors.index.json` maps every name to its file. The
+  files' sizes add up to the tensors' bytes plus the headers: nothing grows.
+- Import writes a DCP checkpoint whose save plan lists every tensor as pieces; each piece is read from the
+  safetensors files (`get_slice`, only its rows) when DCP's writer asks for it, cast, and written.
+Under several processes (torchrun), export gives rank r the files r, r + world, ...; import splits the tensors the
+same way, and DCP writes one checkpoint from all ranks.
+
+Dtypes: export writes `dtype` (bf16 by default, as released; float32 for an exact round trip), except what the
+reference keeps in fp32 (model/hf.py `keeps_fp32`). Import casts to the dtypes Cedar's model holds (its fp32 master
+weights; the Engram tables in `model.engram.table_dtype`). bf16 -> fp32 -> bf16 is exact, so the released weights
+come back out of a Cedar checkpoint bit for bit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import struct
+from pathlib import Path
+
+import torch
+
+from model.config import ModelConfig
+from model.hf import cedar_name, dropped_reason, hf_config, hf_tensors, keeps_fp32
+
+log = logging.getLogger(__name__)
+
+PREFIX = "train.model."  # where a Cedar checkpoint keeps the model's tensors (trainer/checkpoint.py TrainState)
+INDEX = "model.safetensors.index.json"
+CHUNK_BYTES = 256 * 2**20
+SHARD_BYTES = 5 * 2**30
+
+_ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
+              torch.float8_e4m3fn: "F8_E4M3", torch.int64: "I64", torch.int32: "I32", torch.uint8: "U8"}
+
+
+@dataclasses.dataclass
+class _Entry:
+    """One HF tensor of the export: its name, shape and dtype, and where it comes from (a Cedar tensor, all of it or
+    one expert of a stacked weight)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    source: str
+    expert: int | None
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+def _model_shapes(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    """Every tensor of Cedar's model of `cfg` (parameters and persistent buffers), in state-dict order, from a model
+    on the meta device (no memory)."""
+    import model as model_pkg
+
+    with torch.device("meta"):
+        m = model_pkg.build(cfg)
+    return [(k, tuple(v.shape), v.dtype) for k, v in m.state_dict().items()]
+
+
+def _pieces(shape: tuple[int, ...], itemsize: int, chunk_bytes: int) -> list[tuple[int, int]]:
+    """Row ranges [start, stop) of dim 0 that split a tensor into pieces of at most chunk_bytes (at least a row)."""
+    if not shape:
+        return [(0, 1)]
+    row = math.prod(shape[1:]) * itemsize
+    step = max(1, chunk_bytes // max(row, 1))
+    return [(a, min(a + step, shape[0])) for a in range(0, shape[0], step)]
+
+
+# -- safetensors, written as a stream -----------------------------------------------------------------------------
+
+class _SafetensorsWriter:
+    """A safetensors file written tensor by tensor: the header first (every tensor's name, dtype, shape and byte
+    range, in the order they will come), then each tensor's bytes as pieces arrive, in that order."""
+
+    def __init__(self, path: Path, entries: list[_Entry], metadata: dict | None = None) -> None:
+        header, offset = {}, 0
+        for e in entries:
+            header[e.name] = {"dtype": _ST_DTYPES[e.dtype], "shape": list(e.shape),
+                              "data_offsets": [offset, offset + e.nbytes]}
+            offset += e.nbytes
+        header["__metadata__"] = {"format": "pt", **(metadata or {})}
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+        self.path, self.expected, self.written = path, offset, 0
+        self.f = open(path, "wb")
+        self.f.write(struct.pack("<Q", len(raw)))
+        self.f.write(raw)
+
+    def write(self, piece: torch.Tensor) -> None:
+        data = piece.contiguous().view(-1).view(torch.uint8).numpy()
+        self.f.write(memoryview(data))
+        self.written += data.nbytes
+
+    def close(self) -> None:
+        import os
+
+        self.f.flush()
+        os.fsync(self.f.fileno())
+        self.f.close()
+        if self.written != self.expected:
+            raise RuntimeError(f"{self.path}: wrote {self.written} bytes of tensor data, the header says "
+                               f"{self.expected}")
+
+
+# -- reading pieces of a DCP checkpoint ----------------------------------------------------------------------------
+
+def _dcp_reader(path: Path):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    class _Reader(FileSystemReader):  # the metadata read once, not at every piece's load
+        _md = None
+
+        def read_metadata(self):
+            if self._md is None:
+                self._md = super().read_metadata()
+            return self._md
+
+    return _Reader(str(path))
+
+
+def _read_pieces(reader, requests: list[tuple[str, tuple[int, ...], tuple[int, ...], torch.Tensor]]) -> None:
+    """Fill each destination tensor with the piece (fqn, offsets, sizes) of a DCP checkpoint's tensor: one load
+    plan of exactly those pieces, so DCP reads only the byte ranges that hold them."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+    from torch.distributed.checkpoint.planner import LoadPlan
+    from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+    class _Pieces(DefaultLoadPlanner):
+        def set_up_planner(self, state_dict, metadata=None, is_coordinator=False):
+            self.metadata, self.is_coordinator = metadata, is_coordinator
+            self.dest = {}
+
+        def create_local_plan(self):
+            items = []
+            for fqn, offsets, sizes, dest in requests:
+                md = self.metadata.state_dict_metadata[fqn]
+                chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
+                for item in create_read_items_for_chunk_list(fqn, md, [chunk]):
+                    self.dest[(fqn, tuple(offsets))] = dest
+                    items.append(item)
+            return LoadPlan(items)
+
+        def resolve_tensor(self, read_item):
+            dest = self.dest[(read_item.dest_index.fqn, tuple(read_item.dest_index.offset))]
+            for dim, (start, length) in enumerate(zip(read_item.dest_offsets, read_item.lengths)):
+                dest = dest.narrow(dim, start, length)
+            return dest
+
+        def commit_tensor(self, read_item, tensor):
+            pass
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+        dcp.load({}, storage_reader=reader, planner=_Pieces())
+
+
+# -- export ------------------------------------------------------------------------------------------------------
+
+def export_plan(cfg: ModelConfig, dtype: torch.dtype, max_shard_bytes: int = SHARD_BYTES) -> list[list[_Entry]]:
+    """The export's files, each a list of HF tensors (about max_shard_bytes a file, whole tensors, state-dict
+    order): the same on every rank, computed from the model config alone."""
+    shards: list[list[_Entry]] = [[]]
+    size = 0
+    for name, shape, _ in _model_shapes(cfg):
+        out = torch.float32 if keeps_fp32(name) else dtype
+        for t in hf_tensors(name, shape):
+            e = _Entry(t.name, t.shape, out, name, t.expert)
+            if shards[-1] and size + e.nbytes > max_shard_bytes:
+                shards.append([])
+                size = 0
+            shards[-1].append(e)
+            size += e.nbytes
+    return shards
+
+
+def export(ckpt: Path, out: Path, cfg: ModelConfig, *, dtype: torch.dtype = torch.bfloat16,
+           max_shard_bytes: int = SHARD_BYTES, chunk_bytes: int = CHUNK_BYTES, rank: int = 0, world: int = 1,
+           tokenizer: str | None = None) -> dict:
+    """Cedar checkpoint `ckpt` (a step directory; any layout) -> HF safetensors shards, index and config.json in
+    `out`. This rank writes the files rank, rank + world, ...; rank 0 the index and the config (call it on every
+    rank, then wait for all). Returns the index."""
+    reader = _dcp_reader(ckpt)
+    saved = reader.read_metadata().state_dict_metadata
+    shards = export_plan(cfg, dtype, max_shard_bytes)
+    names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    missing = [e.source for s in shards for e in s if PREFIX + e.source not in saved]
+    if missing:
+        raise ValueError(f"checkpoint {ckpt} has no tensor {missing[0]!r} ({len(missing)} missing): not a checkpoint "
+                         "of this model config")
+    out.mkdir(parents=True, exist_ok=True)
+    for i in range(rank, len(shards), world):
+        writer = _SafetensorsWriter(out / names[i], shards[i])
+        pending: list[tuple] = []  # pieces read by one load plan, then written in order
+
+        def flush() -> None:
+            _read_pieces(reader, [p[:4] for p in pending])
+            for _, _, _, piece, shape, out_dtype in pending:
+                writer.write(piece.reshape(shape).to(out_dtype))
+            pending.clear()
+
+        try:
+            size = 0
+            for e in shards[i]:
+                fqn = PREFIX + e.source
+                src_dtype = saved[fqn].properties.dtype
+                full = tuple(saved[fqn].size)
+                inner = full[1:] if e.expert is not None else full
+                for a, b in _pieces(inner, src_dtype.itemsize, chunk_bytes):
+                    if not inner:  # a 0-d tensor
+                        offsets, sizes, shape = (), (), ()
+                    elif e.expert is not None:
+                        offsets = (e.expert, a) + (0,) * (len(inner) - 1)
+                        sizes, shape = (1, b - a) + inner[1:], (b - a,) + inner[1:]
+                    else:
+                        offsets, sizes = (a,) + (0,) * (len(inner) - 1), (b - a,) + inner[1:]
+                        shape = sizes
+                    piece = torch.empty(sizes, dtype=src_dtype)
+                    if size + piece.nbytes > chunk_bytes and pending:
+                        flush()
+                        size = 0
+                    pending.append((fqn, offsets, sizes, piece, shape, e.dtype))
+                    size += piece.nbytes
+            if pending:
+                flush()
+        finally:
+            writer.close()
+    index = {"metadata": {"total_size": sum(e.nbytes for s in shards for e in s), "format": "cedar-export",
+                          "dtype": str(dtype).replace("torch.", "")},
+             "weight_map": {e.name: names[i] for i, s in enumerate(shards) for e in s}}
+    if rank == 0:
+        (out / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+        (out / "config.json").write_text(json.dumps(hf_config(cfg), indent=2) + "\n")
+        if tokenizer:
+            import shutil
+
+            shutil.copyfile(tokenizer, out / "tokenizer.json")
+    return index
+
+
+# -- import ------------------------------------------------------------------------------------------------------
+
+def is_hf_dir(path: Path) -> bool:
+    """A directory in the Hugging Face layout: config.json and safetensors weights (one file, or an index)."""
+    return (path / "config.json").is_file() and ((path / INDEX).is_file() or (path / "model.safetensors").is_file())
+
+
+def weight_map(src: Path) -> dict[str, str]:
+    """HF tensor name -> the safetensors file (in `src`) that holds it."""
+    if (src / INDEX).is_file():
+        return json.loads((src / INDEX).read_text())["weight_map"]
+    from safetensors import safe_open
+
+    with safe_open(str(src / "model.safetensors"), framework="pt") as f:
+        return {k: "model.safetensors" for k in f.keys()}
+
+
+class _Files:
+    """The safetensors files of an HF directory, opened once each (memory-mapped: reading a slice reads its bytes)."""
+
+    def __init__(self, src: Path, where: dict[str, str]) -> None:
+        self.src, self.where, self.open = src, where, {}
+
+    def slice(self, name: str):
+        from safetensors import safe_open
+
+        file = self.where[name]
+        if file not in self.open:
+            self.open[file] = safe_open(str(self.src / file), framework="pt")
+        return self.open[file].get_slice(name)
+
+    def dtype(self, name: str) -> str:
+        return self.slice(name).get_dtype()
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.slice(name).get_shape())
+
+
+def import_plan(cfg: ModelConfig, src: Path) -> tuple[list[tuple[str, tuple[int, ...], torch.dtype]], list[str]]:
+    """Check that the HF directory holds every tensor of `cfg`'s model with its shape. Returns the model's tensors and
+    the messages on what the directory holds that Cedar does not (dropped tensors, by kind)."""
+    where = weight_map(src)
+    files = _Files(src, where)
+    model = _model_shapes(cfg)
+    wanted: dict[str, tuple[str, tuple]] = {}
+    for name, shape, _ in model:
+        for t in hf_tensors(name, shape):
+            wanted[t.name] = (name, t.shape)
+    missing = [n for n in wanted if n not in where]
+    if missing:
+        raise ValueError(f"{src}: no tensor {missing[0]!r} ({len(missing)} of the model's {len(wanted)} missing)")
+    for n, (_, shape) in wanted.items():
+        got = files.shape(n)
+        if got != shape:
+            raise ValueError(f"{src}: {n} has shape {list(got)}, the model config gives {list(shape)}")
+    dropped: dict[str, int] = {}
+    for n in where:
+        if n in wanted:
+            continue
+        why = dropped_reason(n)
+        if why is None and not n.endswith(".engram.embed.scale"):
+            try:
+                cedar_name(n)
+                why = "not a tensor of this model config"
+            except KeyError:
+                why = "not a DeepSeek-V4.1 tensor"
+        if why is not None:
+            dropped[why] = dropped.get(why, 0) + 1
+    return model, [f"dropped {k} tensor(s): {why}" for why, k in dropped.items()]
+
+
+def _read_hf(files: _Files, name: str, shape: tuple[int, ...], dtype: torch.dtype, rows: tuple[int, int]):
+    """Rows [a, b) of Cedar tensor `name` read from the HF files, cast to `dtype` (a stacked expert weight: experts
+    a..b-1, one HF tensor each)."""
+    a, b = rows
+    parts = hf_tensors(name, shape)
+    if parts[0].expert is not None:
+        return torch.stack([_cast(files, parts[e].name, files.slice(parts[e].name)[:], dtype)
+                            for e in range(a, b)])
+    t = parts[0].name
+    piece = files.slice(t)[a:b] if shape else files.slice(t)[:]
+    return _cast(files, t, piece, dtype, rows)
+
+
+def _cast(files: _Files, name: str, piece: torch.Tensor, dtype: torch.dtype, rows=None) -> torch.Tensor:
+    if piece.dtype == torch.float8_e4m3fn:
+        if not name.endswith(".engram.embed.weight"):
+            raise ValueError(f"{name}: fp8 weights other than the Engram tables are not imported yet")
+        scale = files.slice(name[:-len("weight")] + "scale")
+        scale = scale[rows[0]:rows[1]] if rows else scale[:]
+        block = piece.shape[-1] // scale.shape[-1]  # 32 channels a scale (A8)
+        piece = piece.float() * scale.float().repeat_interleave(block, dim=-1)
+    elif not piece.dtype.is_floating_point:
+        raise ValueError(f"{name}: dtype {piece.dtype} (a packed or quantised format) is not imported yet")
+    return piece.to(dtype)
+
+
+def import_(src: Path, out: Path, cfg: ModelConfig, *, chunk_bytes: int = CHUNK_BYTES, rank: int = 0, world: int = 1,
+            info: dict | None = None) -> Path:
+    """HF directory `src` -> a Cedar checkpoint `out/checkpoints/step_0` holding the weights (no optimiser state:
+    for checkpoint.init_from). Call it on every rank of a job (or on one process); this rank reads and writes the
+    tensors rank, rank + world, ... Returns the checkpoint's path."""
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+    from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
+
+    from trainer.checkpoint import Checkpointer
+    from trainer.config import CheckpointConfig
+
+    model, notes = import_plan(cfg, src)
+    for note in notes:
+        log.warning("import %s: %s", src, note)
+    files = _Files(src, weight_map(src))
+    mine = [m for i, m in enumerate(model) if i % world == rank]
+    shapes = {name: (shape, dtype) for name, shape, dtype in mine}
+
+    class _Lazy(DefaultSavePlanner):
+        """Every tensor of this rank as row pieces, each read from the HF files when the writer asks for it."""
+
+        def set_up_planner(self, state_dict, storage_meta=None, is_coordinator=False):
+            self.state_dict, self.is_coordinator, self.mappings = {}, is_coordinator, {}
+
+        def create_local_plan(self):
+            items = []
+            for name, shape, dtype in mine:
+                fqn = PREFIX + name
+                self.mappings[fqn] = tuple(fqn.split(".", 2)[:2]) + (name,)
+                props = TensorProperties(dtype=dtype)
+                for a, b in _pieces(shape, dtype.itemsize, chunk_bytes):
+                    offsets = (a,) + (0,) * (len(shape) - 1) if shape else ()
+                    sizes = (b - a,) + shape[1:] if shape else ()
+                    chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
+                    items.append(WriteItem(index=MetadataIndex(fqn, torch.Size(offsets)), type=WriteItemType.SHARD,
+                                           tensor_data=TensorWriteData(chunk=chunk, properties=props,
+                                                                       size=torch.Size(shape))))
+            self.plan = SavePlan(items, planner_data=self.mappings)
+            return self.plan
+
+        def resolve_data(self, write_item):
+            name = write_item.index.fqn[len(PREFIX):]
+            shape, dtype = shapes[name]
+            offsets, sizes = write_item.tensor_data.chunk.offsets, write_item.tensor_data.chunk.sizes
+            rows = (offsets[0], offsets[0] + sizes[0]) if shape else (0, 1)
+            return _read_hf(files, name, shape, dtype, rows).reshape(sizes).contiguous()
+
+    marker = {"model": dataclasses.asdict(cfg), "imported_from": str(src.resolve()), "weights_only": True,
+              **(info or {})}
+    checkpointer = Checkpointer(out / "checkpoints", CheckpointConfig(), rank, info=marker)
+    return checkpointer.save(0, {}, planner=_Lazy())

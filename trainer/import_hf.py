@@ -1,0 +1,95 @@
+"""`python -m trainer.import_hf src=<HF dir> out=<dir>`: Hugging Face safetensors weights in the official
+DeepSeek-V4.1-Flash layout as a Cedar checkpoint (`<out>/checkpoints/step_00000000`, weights only) for
+`checkpoint.init_from=<out>`, streaming (trainer/hf_checkpoint.py; conf/import_hf.yaml lists the keys). The model
+config comes from the directory's config.json (model/hf.py `model_config`). Under torchrun every rank reads and
+writes its share of the tensors. Exit status 2 with one line on stderr for a bad key, a directory that is not a
+DeepSeek-V4.1 checkpoint, a tensor of the wrong shape.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from config_checks import check_choices, choice_field, positive
+
+
+@dataclass
+class ImportConfig:
+    src: str = ""
+    """the HF directory: config.json and model.safetensors, or model-*.safetensors with their index"""
+    out: str = ""
+    """the directory to write; <out>/checkpoints/step_00000000 is the checkpoint"""
+    chunk_mb: int = 256
+    table_dtype: str = choice_field("", ("", "float32", "bfloat16"))
+    """the Engram tables' storage dtype in the checkpoint (model.engram.table_dtype); "" = the files' (fp8 tables:
+    bfloat16)"""
+
+    def __post_init__(self) -> None:
+        positive("import_hf.chunk_mb", self.chunk_mb)
+        check_choices(self, "import_hf")
+        for key in ("src", "out"):
+            if not getattr(self, key):
+                raise ValueError(f"{key}= is required: python -m trainer.import_hf src=<HF dir> out=<dir>")
+
+
+def hf_model_config(src: Path):
+    """The ModelConfig of HF directory `src`: its config.json, the Engram tables' dtype from the files."""
+    import dataclasses
+
+    from model.hf import model_config
+    from trainer.hf_checkpoint import _Files, is_hf_dir, weight_map
+
+    if not is_hf_dir(src):
+        raise ValueError(f"{src} is not a Hugging Face checkpoint directory (config.json and model.safetensors, or "
+                         "model-*.safetensors with model.safetensors.index.json)")
+    cfg = model_config(json.loads((src / "config.json").read_text()))
+    if cfg.engram.layers:  # the tables' storage dtype: as in the files (fp8 tables dequantise to bf16)
+        where = weight_map(src)
+        name = f"model.layers.{cfg.engram.layers[0]}.engram.embed.weight"
+        if name in where:
+            dtype = "float32" if _Files(src, where).dtype(name) == "F32" else "bfloat16"
+            cfg = dataclasses.replace(cfg, engram=dataclasses.replace(cfg.engram, table_dtype=dtype))
+    return cfg
+
+
+def import_checkpoint(cfg: ImportConfig) -> Path:
+    from trainer.export_hf import _world
+    from trainer.hf_checkpoint import import_
+
+    src = Path(cfg.src)
+    model_cfg = hf_model_config(src)
+    if cfg.table_dtype:
+        import dataclasses
+
+        model_cfg = dataclasses.replace(model_cfg, engram=dataclasses.replace(model_cfg.engram,
+                                                                              table_dtype=cfg.table_dtype))
+    rank, world = _world()
+    t0 = time.perf_counter()
+    path = import_(src, Path(cfg.out), model_cfg, chunk_bytes=cfg.chunk_mb * 2**20, rank=rank, world=world)
+    if rank == 0:
+        print(f"imported {src} -> {path} ({time.perf_counter() - t0:.1f} s); train from it with "
+              f"checkpoint.init_from={cfg.out}")
+    return path
+
+
+def main(argv: list[str] | None = None) -> None:
+    from trainer.cli_errors import compose_app
+
+    try:
+        import_checkpoint(compose_app("import_hf", ImportConfig, sys.argv[1:] if argv is None else argv))
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    except OSError as e:
+        from trainer.main import _io_message
+
+        print(f"error: {_io_message(e)}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()
