@@ -47,10 +47,23 @@ print(json.dumps({{"wall": wall, "hwm_kb": int(hwm)}}))
 
 
 def _child(**kw) -> dict:
-    r = subprocess.run([sys.executable, "-c", _CHILD.format(root=str(ROOT), **kw)], capture_output=True, text=True)
-    if r.returncode:
-        raise SystemExit(r.stderr[-3000:])
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    """Run one step in a child process, sampling its anonymous resident memory (RssAnon: what it allocated, not the
+    file pages it maps, which the kernel can drop) every 10 ms; its own VmHWM counts both."""
+    proc = subprocess.Popen([sys.executable, "-c", _CHILD.format(root=str(ROOT), **kw)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    anon = 0
+    while proc.poll() is None:
+        try:
+            for line in open(f"/proc/{proc.pid}/status"):
+                if line.startswith("RssAnon"):
+                    anon = max(anon, int(line.split()[1]))
+        except OSError:
+            pass
+        time.sleep(0.01)
+    out, err = proc.communicate()
+    if proc.returncode:
+        raise SystemExit(err[-3000:])
+    return {**json.loads(out.strip().splitlines()[-1]), "anon_kb": anon}
 
 
 def plan(args) -> None:
@@ -65,7 +78,8 @@ def plan(args) -> None:
     print(f"v41_flash export ({args.dtype}): {len(entries):,} tensors, {sum(e.nbytes for e in entries) / 1e9:,.1f} GB "
           f"in {len(shards):,} files of <= {args.shard_gb} GB (a larger tensor alone); largest tensor {biggest.name} "
           f"{biggest.nbytes / 1e9:.1f} GB; {pieces:,} pieces of <= {args.chunk_mb} MiB (fp32 source): host memory "
-          f"about two pieces (the source piece and its cast), whatever the file or tensor size")
+          f"about two buffers of {args.chunk_mb} MiB (the pieces read and their casts) and one stored piece "
+          f"(checkpoint.piece_mb), whatever the file or tensor size")
 
 
 def main() -> None:
@@ -111,10 +125,12 @@ def main() -> None:
     print(f"{args.model}: {model_bytes / gib:.2f} GiB of tensors (fp32 masters), largest {largest[0]} "
           f"{largest[1].numel() * largest[1].element_size() / gib:.3f} GiB; checkpoint saved in {save_s:.1f} s; "
           f"--chunk-mb {args.chunk_mb} --shard-gb {args.shard_gb} --dtype {args.dtype}")
-    print(f"baseline child (imports only): {base['hwm_kb'] / 2**20:.2f} GiB peak resident")
+    print(f"baseline child (imports only): peak {base['anon_kb'] / 2**20:.2f} GiB anonymous, "
+          f"{base['hwm_kb'] / 2**20:.2f} GiB resident")
     for name, r in (("export", exp), ("import", imp)):
-        print(f"{name}: {r['wall']:.1f} s, peak resident {r['hwm_kb'] / 2**20:.2f} GiB, "
-              f"{(r['hwm_kb'] - base['hwm_kb']) / 2**20:.2f} GiB above the baseline")
+        print(f"{name}: {r['wall']:.1f} s; peak anonymous memory {r['anon_kb'] / 2**20:.2f} GiB "
+              f"({(r['anon_kb'] - base['anon_kb']) / 2**20:.2f} GiB above the baseline); peak resident with mapped "
+              f"file pages {r['hwm_kb'] / 2**20:.2f} GiB")
     print(f"export files: {files / 1e9:.3f} GB in {len(set(index['weight_map'].values()))} files; tensors "
           f"{index['metadata']['total_size'] / 1e9:.3f} GB (headers {files - index['metadata']['total_size']:,} bytes)")
     if args.work is None:

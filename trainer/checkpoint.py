@@ -45,6 +45,7 @@ import dataclasses
 import errno
 import json
 import logging
+import math
 import os
 import pickle
 import random
@@ -59,6 +60,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+from torch.distributed.checkpoint.planner import WriteItemType
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -87,6 +91,56 @@ CHECKPOINT_FORMAT = 2  # bump when the layout of the Stateful entries changes; k
 RESUMABLE_MODEL_KEYS = ("name", "init_std", "kernels", "image_token_id", "mhc.impl", "indexer.", "quant.",
                         "moe.bias_update_rate", "moe.seq_aux_loss_coef", "csa2.hierarchical_pool")
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+PIECE_BYTES = 256 * 2**20  # the largest tensor piece a checkpoint stores as one item
+
+
+class PieceSavePlanner(DefaultSavePlanner):
+    """DCP's default save plan with every tensor item above `piece_bytes` split into row ranges (dim 0) of at most
+    that size. DCP reads a stored item whole before it narrows it to what a load asks for, so pieces bound the host
+    memory of any partial read: a resharded resume, the Hugging Face export (trainer/hf_checkpoint.py), which reads
+    a tensor a piece at a time. A piece is written as its own copy (DCP clones a view before writing it), so saving
+    holds at most a piece more than the tensors themselves. The checkpoint's metadata lists a tensor's pieces as its
+    chunks, as it lists a sharded tensor's shards; every layout loads it."""
+
+    def __init__(self, piece_bytes: int = PIECE_BYTES) -> None:
+        super().__init__()
+        self.piece_bytes = piece_bytes
+        self._whole: dict = {}  # a piece's index -> (the whole item, its first row, its rows)
+
+    def create_local_plan(self):
+        plan = super().create_local_plan()
+        items = []
+        for item in plan.items:
+            td = item.tensor_data
+            if td is None or not len(td.chunk.sizes) or td.chunk.sizes[0] < 2:
+                items.append(item)
+                continue
+            sizes = list(td.chunk.sizes)
+            row = math.prod(sizes[1:]) * td.properties.dtype.itemsize
+            step = max(1, self.piece_bytes // max(row, 1))
+            if step >= sizes[0]:
+                items.append(item)
+                continue
+            for a in range(0, sizes[0], step):
+                rows = min(step, sizes[0] - a)
+                offsets = torch.Size([td.chunk.offsets[0] + a, *td.chunk.offsets[1:]])
+                chunk = ChunkStorageMetadata(offsets=offsets, sizes=torch.Size([rows, *sizes[1:]]))
+                piece = dataclasses.replace(item, index=dataclasses.replace(item.index, offset=offsets, index=None),
+                                            type=WriteItemType.SHARD,
+                                            tensor_data=dataclasses.replace(td, chunk=chunk))
+                self._whole[piece.index] = (item, a, rows)
+                items.append(piece)
+        self.plan = dataclasses.replace(plan, items=items)
+        return self.plan
+
+    def resolve_data(self, write_item):
+        whole = self._whole.get(write_item.index)
+        if whole is None:
+            return super().resolve_data(write_item)
+        item, a, rows = whole
+        return super().resolve_data(item).narrow(0, a, rows)
 
 
 def step_dir_name(step: int) -> str:
@@ -393,9 +447,12 @@ class Checkpointer:
                 if isinstance(state, RankLocalState):
                     state.keys_in_checkpoint = state.checkpoint_path = None
 
-    def save(self, step: int, states: dict, extra: dict | None = None, planner=None) -> Path:
+    def save(self, step: int, states: dict, extra: dict | None = None, planner=None,
+             file_per_item: bool = False) -> Path:
         """Write `states` as checkpoint `step` (every rank); `extra` joins `info` in the marker; `planner`: DCP's
-        save planner (default DCP's; trainer/hf_checkpoint.py's import gives one that reads its tensors lazily).
+        save planner (default DCP's; trainer/hf_checkpoint.py's import gives one that reads its tensors lazily);
+        `file_per_item`: a file per tensor piece instead of one per rank (DCP's writer keeps every tensor of a file
+        alive until the file is closed, so a lazy planner's pieces would otherwise all be in memory at the end).
         Raises CheckpointSaveError, on every rank, when the files could not be written."""
         final = self.root / step_dir_name(step)
         tmp = self.root / f".tmp_{step_dir_name(step)}"
@@ -408,7 +465,8 @@ class Checkpointer:
             _barrier()
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-                dcp.save(states, storage_writer=FileSystemWriter(str(tmp)), planner=planner)
+                dcp.save(states, storage_writer=FileSystemWriter(str(tmp), single_file_per_rank=not file_per_item),
+                         planner=planner or PieceSavePlanner(int(self.cfg.piece_mb * 2**20)))
             _barrier()  # every rank's files are on disk before the checkpoint is declared complete
             files = file_checksums(tmp)
             if self.rank == 0:

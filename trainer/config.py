@@ -309,6 +309,9 @@ class CheckpointConfig:
     """auto: newest complete checkpoint under <run dir>/checkpoints/, if any; none: start fresh; else a path"""
     save_final: bool = True
     """also save at trainer.max_steps"""
+    piece_mb: float = 256.0
+    """a tensor (or a rank's shard of one) larger than this is stored as row ranges of at most this size: a partial
+    read (a resharded resume, the Hugging Face export) then holds one piece, not the whole tensor, in host memory"""
     init_from: str = ""
     """start from another run's weights (a checkpoint directory, a run's checkpoints/ folder meaning its newest
     complete checkpoint, or a run directory; saved under any layout) when this run has no checkpoint of its own
@@ -320,6 +323,7 @@ class CheckpointConfig:
     def __post_init__(self) -> None:
         at_least("checkpoint.interval", self.interval, 0)
         at_least("checkpoint.keep_last", self.keep_last, 1)
+        positive("checkpoint.piece_mb", self.piece_mb)
         if not self.resume:
             raise ValueError("checkpoint.resume must be 'auto', 'none' or a checkpoint path, got ''")
 

@@ -2,8 +2,9 @@
 `python -m trainer.import_hf` (and `checkpoint.init_from=<HF dir>`) call `export` and `import_`.
 
 Nothing here holds a whole model, nor a whole large tensor: a tensor moves in pieces of at most `chunk_bytes`
-(default 256 MiB; row ranges, or expert ranges of a stacked expert weight), so host memory stays near one piece
-whatever the model's size (the flagship's Engram tables are 196 GB each in bf16).
+(default 256 MiB; row ranges, or expert ranges of a stacked expert weight), so host memory stays near two pieces
+whatever the model's size (the flagship's Engram tables are 196 GB each in bf16). Checkpoints store large tensors
+as pieces too (trainer/checkpoint.py `PieceSavePlanner`): DCP reads a stored item whole for every request.
 - Export reads each piece from the DCP checkpoint with a load plan of that piece alone (DCP reads the byte ranges
   that hold it, in whatever layout the checkpoint was saved), casts it, and appends it to a safetensors file whose
   header was written first (the format is a JSON header of names, dtypes, shapes and byte offsets, then the raw
@@ -175,6 +176,48 @@ def _read_pieces(reader, requests: list[tuple[str, tuple[int, ...], tuple[int, .
 
 # -- export ------------------------------------------------------------------------------------------------------
 
+def _view(buffer: torch.Tensor, start: int, shape, dtype: torch.dtype) -> torch.Tensor:
+    """A tensor of `shape` and `dtype` over the bytes of uint8 `buffer` from `start` (a multiple of 64)."""
+    n = math.prod(shape) * dtype.itemsize
+    return buffer[start:start + n].view(dtype).view(tuple(shape))
+
+
+def _source_pieces(entries: list[_Entry], saved: dict, chunk_bytes: int):
+    """The reads that produce `entries` in order: (fqn, offsets, sizes, parts, out dtype, source dtype), where
+    parts(piece) yields the HF tensors' bytes in order. Consecutive experts of one stacked weight are read together
+    (a range of whole experts, at most chunk_bytes; DCP reads a stored item whole for every request, so one request
+    per expert would read the stacked weight once per expert); any other tensor in row ranges of at most chunk_bytes."""
+    k = 0
+    while k < len(entries):
+        e = entries[k]
+        fqn = PREFIX + e.source
+        src_dtype, full = saved[fqn].properties.dtype, tuple(saved[fqn].size)
+        if e.expert is not None:
+            per = math.prod(full[1:]) * src_dtype.itemsize
+            run = 1
+            while (k + run < len(entries) and entries[k + run].source == e.source
+                   and entries[k + run].expert == e.expert + run and (run + 1) * per <= chunk_bytes):
+                run += 1
+            if run > 1 or per <= chunk_bytes:
+                offsets = (e.expert,) + (0,) * (len(full) - 1)
+                yield fqn, offsets, (run,) + full[1:], (lambda piece: iter(piece)), e.dtype, src_dtype
+                k += run
+                continue
+            inner = full[1:]  # one expert above chunk_bytes: its rows
+            for a, b in _pieces(inner, src_dtype.itemsize, chunk_bytes):
+                offsets = (e.expert, a) + (0,) * (len(inner) - 1)
+                yield fqn, offsets, (1, b - a) + inner[1:], (lambda piece: iter(piece)), e.dtype, src_dtype
+            k += 1
+            continue
+        for a, b in _pieces(full, src_dtype.itemsize, chunk_bytes):
+            if not full:  # a 0-d tensor
+                yield fqn, (), (), (lambda piece: iter([piece])), e.dtype, src_dtype
+            else:
+                offsets = (a,) + (0,) * (len(full) - 1)
+                yield fqn, offsets, (b - a,) + full[1:], (lambda piece: iter([piece])), e.dtype, src_dtype
+        k += 1
+
+
 def export_plan(cfg: ModelConfig, dtype: torch.dtype, max_shard_bytes: int = SHARD_BYTES) -> list[list[_Entry]]:
     """The export's files, each a list of HF tensors (about max_shard_bytes a file, whole tensors, state-dict
     order): the same on every rank, computed from the model config alone."""
@@ -207,38 +250,39 @@ def export(ckpt: Path, out: Path, cfg: ModelConfig, *, dtype: torch.dtype = torc
         raise ValueError(f"checkpoint {ckpt} has no tensor {missing[0]!r} ({len(missing)} missing): not a checkpoint "
                          "of this model config")
     out.mkdir(parents=True, exist_ok=True)
+    # Two buffers of chunk_bytes, reused by every load: the pieces read (source dtype) and their casts. Allocating
+    # each piece anew grew the process by about a piece per load (a v41_small export: 3.3 GiB resident at the end,
+    # 2 of its tensors alive; the allocator kept what the pieces had used).
+    source, cast = torch.empty(chunk_bytes, dtype=torch.uint8), [torch.empty(chunk_bytes, dtype=torch.uint8)]
     for i in range(rank, len(shards), world):
         writer = _SafetensorsWriter(out / names[i], shards[i])
         pending: list[tuple] = []  # pieces read by one load plan, then written in order
 
         def flush() -> None:
             _read_pieces(reader, [p[:4] for p in pending])
-            for _, _, _, piece, shape, out_dtype in pending:
-                writer.write(piece.reshape(shape).to(out_dtype))
+            for _, _, _, piece, parts, out_dtype in pending:
+                for part in parts(piece):  # a piece: one tensor's rows, or whole experts of a stacked weight
+                    if part.dtype == out_dtype:
+                        writer.write(part)
+                        continue
+                    if cast[0].numel() < part.numel() * out_dtype.itemsize:  # a cast to a wider dtype (bf16 -> fp32)
+                        cast[0] = torch.empty(part.numel() * out_dtype.itemsize, dtype=torch.uint8)
+                    writer.write(_view(cast[0], 0, part.shape, out_dtype).copy_(part))
             pending.clear()
 
         try:
-            size = 0
-            for e in shards[i]:
-                fqn = PREFIX + e.source
-                src_dtype = saved[fqn].properties.dtype
-                full = tuple(saved[fqn].size)
-                inner = full[1:] if e.expert is not None else full
-                for a, b in _pieces(inner, src_dtype.itemsize, chunk_bytes):
-                    if not inner:  # a 0-d tensor
-                        offsets, sizes, shape = (), (), ()
-                    elif e.expert is not None:
-                        offsets = (e.expert, a) + (0,) * (len(inner) - 1)
-                        sizes, shape = (1, b - a) + inner[1:], (b - a,) + inner[1:]
-                    else:
-                        offsets, sizes = (a,) + (0,) * (len(inner) - 1), (b - a,) + inner[1:]
-                        shape = sizes
+            used = 0
+            for fqn, offsets, sizes, parts, out_dtype, src_dtype in _source_pieces(shards[i], saved, chunk_bytes):
+                nbytes = math.prod(sizes) * src_dtype.itemsize
+                if used + nbytes > chunk_bytes and pending:
+                    flush()
+                    used = 0
+                if nbytes > chunk_bytes:  # one row above chunk_bytes: a buffer of its own
                     piece = torch.empty(sizes, dtype=src_dtype)
-                    if size + piece.nbytes > chunk_bytes and pending:
-                        flush()
-                        size = 0
-                    pending.append((fqn, offsets, sizes, piece, shape, e.dtype))
-                    size += piece.nbytes
+                else:
+                    piece = _view(source, used, sizes, src_dtype)
+                    used += -(-nbytes // 64) * 64  # 64-byte aligned
+                pending.append((fqn, offsets, sizes, piece, parts, out_dtype))
             if pending:
                 flush()
         finally:
@@ -404,4 +448,4 @@ def import_(src: Path, out: Path, cfg: ModelConfig, *, chunk_bytes: int = CHUNK_
     marker = {"model": dataclasses.asdict(cfg), "imported_from": str(src.resolve()), "weights_only": True,
               **(info or {})}
     checkpointer = Checkpointer(out / "checkpoints", CheckpointConfig(), rank, info=marker)
-    return checkpointer.save(0, {}, planner=_Lazy())
+    return checkpointer.save(0, {}, planner=_Lazy(), file_per_item=True)

@@ -30,8 +30,9 @@ from data.config import DataConfig, ensure_prepared
 from tests.trainer.harness import REPO, env, micro_overrides, read_metrics, run_cli, side_by_side
 
 # The runs stop at different steps (trainer.max_steps); the LR warms up over 100 steps, so it does not depend on that.
+# checkpoint.piece_mb=0.01: every tensor above 10 KB (and every tp shard of one) stored as row pieces
 STEPS = ["optim=muon", "checkpoint.interval=2", "trainer.grad_accum=2", "data.batch_size=2",
-         "optim.warmup_steps=100"]
+         "optim.warmup_steps=100", "checkpoint.piece_mb=0.01"]
 TP2_PP2 = ["parallel.tp=2", "parallel.pp=2"]
 
 

@@ -208,3 +208,20 @@ def test_a_run_starts_from_an_exported_directory(tmp_path, small_data):
     assert r.returncode == 2 and "does not exist" in r.stderr and "Traceback" not in r.stderr
     r = _cli("trainer.import_hf", f"src={pre}", "out=x")
     assert r.returncode == 2 and "is not a Hugging Face checkpoint directory" in r.stderr
+
+
+def test_large_tensors_are_stored_in_pieces(tmp_path):
+    """Checkpointer's save plan (PieceSavePlanner) stores a tensor above checkpoint.piece_mb as row ranges of at most
+    that size, and loads it back whole, bit for bit; a partial read (the export's) then reads only pieces."""
+    from trainer.checkpoint import PieceSavePlanner
+
+    state = {"big": torch.randn(100, 37), "small": torch.randn(3, 2), "scalar": torch.tensor(2.5),
+             "long": torch.arange(1000)}
+    dcp.save({"train": {"model": state}}, checkpoint_id=str(tmp_path), planner=PieceSavePlanner(piece_bytes=1024))
+    md = dcp.FileSystemReader(str(tmp_path)).read_metadata().state_dict_metadata
+    chunks = {k.rsplit(".", 1)[-1]: v.chunks for k, v in md.items()}
+    assert [c.sizes[0] for c in chunks["big"]] == [6] * 16 + [4]  # 6 rows x 37 x 4 bytes <= 1 KiB
+    assert len(chunks["small"]) == len(chunks["scalar"]) == 1 and len(chunks["long"]) == 8
+    back = {k: torch.empty_like(v) for k, v in state.items()}
+    dcp.load({"train": {"model": back}}, checkpoint_id=str(tmp_path))
+    assert all(torch.equal(back[k], v) for k, v in state.items())
