@@ -165,7 +165,8 @@ class PeriodicCheckpoint(Callback):
 
     def on_step_end(self, job, step, stats):
         if stats.finite and job.checkpointer.due(step, job.trainer.max_steps):
-            job.save_checkpoint(step)
+            # with checkpoint.async_save the write overlaps the next steps; the last one is waited for
+            job.save_checkpoint(step, wait=step >= job.trainer.max_steps)
 
 
 def ordered(extra: list[Callback]) -> Callbacks:

@@ -41,6 +41,7 @@ counts come from the checkpoint).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import json
@@ -385,6 +386,8 @@ class Checkpointer:
     def __init__(self, root: Path, cfg: CheckpointConfig, rank: int = 0, info: dict | None = None) -> None:
         self.root, self.cfg, self.rank = Path(root), cfg, rank
         self.info = info or {}
+        self.pending = None  # the asynchronous save in flight: (step, tmp dir, final dir, extra, future)
+        self._group = None
 
     def due(self, step: int, max_steps: int) -> bool:
         periodic = self.cfg.interval > 0 and step % self.cfg.interval == 0
@@ -448,15 +451,21 @@ class Checkpointer:
                     state.keys_in_checkpoint = state.checkpoint_path = None
 
     def save(self, step: int, states: dict, extra: dict | None = None, planner=None,
-             file_per_item: bool = False) -> Path:
+             file_per_item: bool = False, wait: bool = True) -> Path | None:
         """Write `states` as checkpoint `step` (every rank); `extra` joins `info` in the marker; `planner`: DCP's
         save planner (default DCP's; trainer/hf_checkpoint.py's import gives one that reads its tensors lazily);
         `file_per_item`: a file per tensor piece instead of one per rank (DCP's writer keeps every tensor of a file
         alive until the file is closed, so a lazy planner's pieces would otherwise all be in memory at the end).
+        With checkpoint.async_save and wait=False the states are copied (staged) and the files written by a
+        background thread: it returns None at once and `poll` / `finish` complete the checkpoint (the marker and the
+        rename) once every rank's write is done; a save still in flight is finished first (at most one at a time).
         Raises CheckpointSaveError, on every rank, when the files could not be written."""
+        self.finish()
         final = self.root / step_dir_name(step)
         tmp = self.root / f".tmp_{step_dir_name(step)}"
-        try:
+        writer = FileSystemWriter(str(tmp), single_file_per_rank=not file_per_item)
+        planner = planner or PieceSavePlanner(int(self.cfg.piece_mb * 2**20))
+        with self._failures(step, tmp):
             if self.rank == 0:
                 self.root.mkdir(parents=True, exist_ok=True)
                 for stale in self.root.glob(".tmp_step_*"):  # left by a crash during an earlier save
@@ -465,8 +474,50 @@ class Checkpointer:
             _barrier()
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-                dcp.save(states, storage_writer=FileSystemWriter(str(tmp), single_file_per_rank=not file_per_item),
-                         planner=planner or PieceSavePlanner(int(self.cfg.piece_mb * 2**20)))
+                if self.cfg.async_save and not wait:
+                    future = dcp.async_save(states, storage_writer=writer, planner=planner,
+                                            process_group=self._async_group(), no_dist=not dist.is_initialized())
+                    self.pending = (step, tmp, final, extra, getattr(future, "upload_completion", future))
+                    return None
+                dcp.save(states, storage_writer=writer, planner=planner)
+        return self._complete(step, tmp, final, extra)
+
+    def poll(self) -> Path | None:
+        """The in-flight asynchronous save's checkpoint once every rank's write finished (then completed: marker and
+        rename), else None. Every rank calls it at the same points (one small all-reduce while a save is in
+        flight): all of them complete the checkpoint together."""
+        if self.pending is None:
+            return None
+        done = torch.tensor([int(self.pending[-1].done())], dtype=torch.int32)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(done, op=dist.ReduceOp.MIN)
+        return self.finish() if done.item() else None
+
+    def finish(self) -> Path | None:
+        """Wait for the in-flight asynchronous save (every rank) and complete it; its path, or None if none."""
+        if self.pending is None:
+            return None
+        step, tmp, final, extra, future = self.pending
+        self.pending = None
+        with self._failures(step, tmp):
+            future.result()  # the background write's error, if any, raises here
+        return self._complete(step, tmp, final, extra)
+
+    @property
+    def pending_step(self) -> int | None:
+        return None if self.pending is None else self.pending[0]
+
+    def _async_group(self):
+        """A process group of its own for the background thread's collectives (DCP's planning and its final
+        gather), so that they never interleave with the training step's on the default group."""
+        if not dist.is_initialized():
+            return None
+        if self._group is None:
+            self._group = dist.new_group(backend="gloo")
+        return self._group
+
+    def _complete(self, step: int, tmp: Path, final: Path, extra: dict | None) -> Path:
+        with self._failures(step, tmp):
             _barrier()  # every rank's files are on disk before the checkpoint is declared complete
             files = file_checksums(tmp)
             if self.rank == 0:
@@ -480,6 +531,14 @@ class Checkpointer:
                     shutil.rmtree(final)
                 os.replace(tmp, final)
                 self._prune()
+        _barrier()
+        return final
+
+    @contextlib.contextmanager
+    def _failures(self, step: int, tmp: Path):
+        """A save's I/O failure as CheckpointSaveError (its partial files removed), on every rank."""
+        try:
+            yield
         except BaseException as e:  # DCP's CheckpointException is a BaseException
             cause = _os_error(e)
             if cause is None:
@@ -492,8 +551,6 @@ class Checkpointer:
             keep = (f"the previous checkpoint {previous[-1]} stays the one a resume starts from" if previous
                     else "no earlier checkpoint exists")
             raise CheckpointSaveError(f"saving checkpoint step {step} failed: {what} ({where}); {keep}") from None
-        _barrier()
-        return final
 
     def _prune(self) -> None:
         for old in complete_checkpoints(self.root)[: -self.cfg.keep_last]:

@@ -309,6 +309,11 @@ class CheckpointConfig:
     """auto: newest complete checkpoint under <run dir>/checkpoints/, if any; none: start fresh; else a path"""
     save_final: bool = True
     """also save at trainer.max_steps"""
+    async_save: bool = False
+    """periodic saves write in a background thread while training goes on (torch.distributed.checkpoint's
+    async_save): the step pays only for copying the state to host memory (which then holds a copy of this rank's
+    state until the write ends); the checkpoint counts once every rank's write is done (at most one in flight; the
+    last save and a stop's save wait). A crash mid-write leaves the previous checkpoint the newest complete one"""
     piece_mb: float = 256.0
     """a tensor (or a rank's shard of one) larger than this is stored as row ranges of at most this size: a partial
     read (a resharded resume, the Hugging Face export) then holds one piece, not the whole tensor, in host memory"""

@@ -39,7 +39,7 @@ from model.config import ModelConfig
 from model.attention import head_rows
 from optim import LRScheduler, build_optimizer
 from trainer.callbacks import Callbacks, load_callbacks, ordered
-from trainer.checkpoint import Checkpointer, RankLocalState, TrainState
+from trainer.checkpoint import Checkpointer, RankLocalState, TrainState, step_dir_name
 from trainer.config import Config, ParallelConfig, ParallelDims, StageConfig, TrainerConfig
 from trainer.loss import LMLoss, StepTokens, valid_tokens
 from trainer.metrics import MetricsLogger, device_peak_flops
@@ -216,13 +216,29 @@ class Job:
         """This rank's parameters under the whole model's names (the Transformer, or its pipeline stages)."""
         return self.pm.module
 
-    def save_checkpoint(self, step: int) -> Path:
-        """Save the run at `step` (every rank; a collective), then tell the callbacks."""
-        self.last_checkpoint = self.checkpointer.save(step, self.ckpt_states,
-                                                      extra={"skipped_steps": self.state.skipped_steps})
+    def save_checkpoint(self, step: int, wait: bool = True) -> Path | None:
+        """Save the run at `step` (every rank; a collective), then tell the callbacks. wait=False with
+        checkpoint.async_save: the write goes on in the background and `poll_checkpoint` completes it (None here)."""
         self.last_checkpoint_step = step
-        self.callbacks.on_checkpoint(self, step, self.last_checkpoint)
-        return self.last_checkpoint
+        earlier = self.checkpointer.pending_step
+        path = self.checkpointer.save(step, self.ckpt_states, extra={"skipped_steps": self.state.skipped_steps},
+                                      wait=wait)
+        if earlier is not None:  # the save in flight was completed first
+            self._saved(earlier, self.checkpointer.root / step_dir_name(earlier))
+        if path is not None:
+            self._saved(step, path)
+        return path
+
+    def poll_checkpoint(self, wait: bool = False) -> None:
+        """Complete the asynchronous save in flight once every rank's write is done (wait: block until then)."""
+        step = self.checkpointer.pending_step
+        path = self.checkpointer.finish() if wait else self.checkpointer.poll()
+        if path is not None:
+            self._saved(step, path)
+
+    def _saved(self, step: int, path: Path) -> None:
+        self.last_checkpoint = path
+        self.callbacks.on_checkpoint(self, step, path)
 
 
 def hyperparameter_changes(marker: dict, loaded_groups: list[dict], cfg: Config) -> list[tuple[str, object, object]]:
@@ -640,11 +656,14 @@ def train_loop(job: Job) -> None:
             state.step = step
             state.tokens_seen += stats.tokens
             callbacks.on_step_end(job, step, stats)
+            job.poll_checkpoint()
             if job.stop is not None and job.stop.agreed(rt.distributed):
                 if job.last_checkpoint_step != step:
                     job.save_checkpoint(step)
+                job.poll_checkpoint(wait=True)
                 job.outcome = "stopped"
                 return
+        job.poll_checkpoint(wait=True)
         job.outcome = "finished"
     finally:
         callbacks.on_train_end(job)

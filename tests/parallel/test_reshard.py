@@ -4,7 +4,8 @@ momentum, Sinkhorn momentum for the embedding, head and Engram table, AdamW's mo
 DTensor like its parameter under tp), the micro model with Engram on.
 
 - A: one process trains steps 1-4, saving at 2 and 4.
-- B: tp 2 x pp 2 resumes from A's step-2 checkpoint and trains steps 3-6, saving at 4 and 6; every rank writes its
+- B: tp 2 x pp 2 resumes from A's step-2 checkpoint and trains steps 3-6, saving at 4 and 6 (asynchronously: in
+  the background while training goes on); every rank writes its
   part (its stages, its tp shards, under the whole model's names). It logs A's losses and gradient norms at steps 3
   and 4 (1e-5 relative). Step 4 depends on the step-3 update, so the momentum buffers, AdamW's moments and step
   count, the LR schedule,
@@ -33,7 +34,9 @@ from tests.trainer.harness import REPO, env, micro_overrides, read_metrics, run_
 # checkpoint.piece_mb=0.01: every tensor above 10 KB (and every tp shard of one) stored as row pieces
 STEPS = ["optim=muon", "checkpoint.interval=2", "trainer.grad_accum=2", "data.batch_size=2",
          "optim.warmup_steps=100", "checkpoint.piece_mb=0.01"]
-TP2_PP2 = ["parallel.tp=2", "parallel.pp=2"]
+# B saves asynchronously (checkpoint.async_save): the 4 ranks' background writes, their own process group, the
+# per-step completion poll; C resumes from what they wrote
+TP2_PP2 = ["parallel.tp=2", "parallel.pp=2", "checkpoint.async_save=true"]
 
 
 @pytest.fixture(scope="module")

@@ -29,9 +29,9 @@ def _crash_in_save(step: int) -> None:
     original_save, original_finish = checkpoint.Checkpointer.save, FileSystemWriter.finish
     saving = {}
 
-    def save(self, at, states, extra=None):
+    def save(self, at, states, extra=None, **options):
         saving["step"] = at
-        return original_save(self, at, states, extra)
+        return original_save(self, at, states, extra, **options)
 
     def finish(self, metadata, results):
         if saving.get("step") == step:
@@ -49,9 +49,9 @@ def _enospc_in_save(step: int) -> None:
     original_save, original_write = checkpoint.Checkpointer.save, FileSystemWriter.write_data
     saving = {}
 
-    def save(self, at, states, extra=None):
+    def save(self, at, states, extra=None, **options):
         saving["step"] = at
-        return original_save(self, at, states, extra)
+        return original_save(self, at, states, extra, **options)
 
     def write_data(self, plan, planner):
         if saving.get("step") == step:

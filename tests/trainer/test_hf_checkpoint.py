@@ -225,3 +225,24 @@ def test_large_tensors_are_stored_in_pieces(tmp_path):
     back = {k: torch.empty_like(v) for k, v in state.items()}
     dcp.load({"train": {"model": back}}, checkpoint_id=str(tmp_path))
     assert all(torch.equal(back[k], v) for k, v in state.items())
+
+
+@pytest.mark.distributed
+def test_two_ranks_export_and_import_the_same_files(tmp_path):
+    """Under torchrun each rank writes its share (export: files 0, 2, ... and 1, 3, ...; import: every other
+    tensor): the same files as one process, byte for byte, and a checkpoint that loads the same weights."""
+    ckpt, cfg, state = _random_checkpoint(tmp_path)
+    one = export(ckpt, tmp_path / "one", cfg, max_shard_bytes=2 * 2**20)
+    run = lambda module, *args: subprocess.run(  # noqa: E731
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", module, *args],
+        cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
+    r = run("trainer.export_hf", f"ckpt={ckpt}", f"out={tmp_path / 'two'}", "max_shard_gb=0.002097152")
+    assert r.returncode == 0, r.stderr[-3000:]
+    files = set(one["weight_map"].values())
+    assert len(files) > 2 and json.loads((tmp_path / "two" / INDEX).read_text())["weight_map"] == one["weight_map"]
+    for f in files:
+        assert (tmp_path / "one" / f).read_bytes() == (tmp_path / "two" / f).read_bytes(), f
+    r = run("trainer.import_hf", f"src={tmp_path / 'two'}", f"out={tmp_path / 'imp'}", "table_dtype=float32")
+    assert r.returncode == 0, r.stderr[-3000:]
+    back = _load(tmp_path / "imp" / "checkpoints" / "step_00000000", cfg)
+    assert all(torch.equal(back[k], v if hf.keeps_fp32(k) else v.to(torch.bfloat16).float()) for k, v in state.items())
