@@ -317,11 +317,24 @@ def weight_map(src: Path) -> dict[str, str]:
         return {k: "model.safetensors" for k in f.keys()}
 
 
+def fp8_block(src: Path) -> tuple[int, int]:
+    """The [rows, columns] block of the directory's FP8 block-scaled matrices: config.json's `quantization_config`
+    (`weight_block_size`, DeepSeek's [128, 128] by default). Another quantisation method is refused by name."""
+    config = json.loads((src / "config.json").read_text()) if (src / "config.json").is_file() else {}
+    quant = config.get("quantization_config") or (config.get("text_config") or {}).get("quantization_config") or {}
+    method = quant.get("quant_method", "fp8")
+    if method != "fp8" or quant.get("fmt", "e4m3") != "e4m3":
+        raise ValueError(f"{src}/config.json: quantization_config {quant!r}; only fp8 (e4m3) block scales are read")
+    rows, cols = quant.get("weight_block_size", [128, 128])
+    return int(rows), int(cols)
+
+
 class _Files:
     """The safetensors files of an HF directory, opened once each (memory-mapped: reading a slice reads its bytes)."""
 
     def __init__(self, src: Path, where: dict[str, str]) -> None:
         self.src, self.where, self.open = src, where, {}
+        self.block = fp8_block(src)
 
     def slice(self, name: str):
         from safetensors import safe_open
@@ -355,9 +368,13 @@ def import_plan(cfg: ModelConfig, src: Path) -> tuple[list[tuple[str, tuple[int,
         got = files.shape(n)
         if got != shape:
             raise ValueError(f"{src}: {n} has shape {list(got)}, the model config gives {list(shape)}")
+        if files.dtype(n) == "F8_E4M3":
+            scale = n[:-len("weight")] + "scale" if n.endswith(".engram.embed.weight") else n + "_scale_inv"
+            if scale not in where:
+                raise ValueError(f"{src}: {n} is fp8 but its scales {scale!r} are missing")
     dropped: dict[str, int] = {}
     for n in where:
-        if n in wanted:
+        if n in wanted or (n.endswith("_scale_inv") and n[:-len("_scale_inv")] in wanted):
             continue
         why = dropped_reason(n)
         if why is None and not n.endswith(".engram.embed.scale"):
@@ -385,9 +402,18 @@ def _read_hf(files: _Files, name: str, shape: tuple[int, ...], dtype: torch.dtyp
 
 
 def _cast(files: _Files, name: str, piece: torch.Tensor, dtype: torch.dtype, rows=None) -> torch.Tensor:
-    if piece.dtype == torch.float8_e4m3fn:
-        if not name.endswith(".engram.embed.weight"):
-            raise ValueError(f"{name}: fp8 weights other than the Engram tables are not imported yet")
+    """A piece (rows [a, b) of HF tensor `name`, or all of it) dequantised where the file holds it quantised, cast to
+    `dtype`: an fp8 Engram table times its per-32-channel scales (A8); an fp8 matrix times its block scales
+    (`<name>_scale_inv`, one per `files.block` block: DeepSeek's convention for its FP8 releases)."""
+    if piece.dtype == torch.float8_e4m3fn and not name.endswith(".engram.embed.weight"):
+        if piece.dim() != 2:
+            raise ValueError(f"{name}: an fp8 tensor of {piece.dim()} dimensions (block scales are for matrices)")
+        a, b = rows if rows else (0, piece.shape[0])
+        bo, bi = files.block
+        scale = files.slice(name + "_scale_inv")[a // bo:(b - 1) // bo + 1].float()  # the blocks rows a..b-1 touch
+        scale = scale.repeat_interleave(bo, 0)[a - (a // bo) * bo:][:b - a]
+        piece = piece.float() * scale.repeat_interleave(bi, 1)[:, :piece.shape[1]]
+    elif piece.dtype == torch.float8_e4m3fn:
         scale = files.slice(name[:-len("weight")] + "scale")
         scale = scale[rows[0]:rows[1]] if rows else scale[:]
         block = piece.shape[-1] // scale.shape[-1]  # 32 channels a scale (A8)

@@ -246,3 +246,57 @@ def test_two_ranks_export_and_import_the_same_files(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     back = _load(tmp_path / "imp" / "checkpoints" / "step_00000000", cfg)
     assert all(torch.equal(back[k], v if hf.keeps_fp32(k) else v.to(torch.bfloat16).float()) for k, v in state.items())
+
+
+def _fp8_blocks(w: torch.Tensor, bo: int, bi: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [R, C] -> (fp8 e4m3 values, fp32 scales [ceil(R / bo), ceil(C / bi)]): each block's amax maps to 448."""
+    R, C = w.shape
+    nb = (-(-R // bo), -(-C // bi))
+    padded = torch.zeros(nb[0] * bo, nb[1] * bi)
+    padded[:R, :C] = w
+    amax = padded.view(nb[0], bo, nb[1], bi).abs().amax(dim=(1, 3)).clamp_min(1e-12)
+    scale = amax / 448.0
+    q = (w / scale.repeat_interleave(bo, 0)[:R].repeat_interleave(bi, 1)[:, :C]).to(torch.float8_e4m3fn)
+    return q, scale
+
+
+def test_fp8_block_scaled_matrices_are_dequantised(tmp_path):
+    """A directory with some matrices in FP8 and their block scales (`<name>_scale_inv`, config.json's
+    quantization_config.weight_block_size: here [3, 8], so blocks straddle the import's 16-row pieces and the last is
+    partial): each imports as q x its block's scale, exactly, whatever the pieces; a missing scale is refused."""
+    ckpt, cfg, state = _random_checkpoint(tmp_path)
+    src = tmp_path / "hf"
+    index = export(ckpt, src, cfg, dtype=torch.float32)
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [3, 8]}
+    (src / "config.json").write_text(json.dumps(config))
+    chosen = ["model.layers.0.attn.wq_a.weight", "model.layers.2.attn.compressor.wkv.weight",
+              "model.layers.1.ffn.experts.3.w1.weight", "model.layers.1.ffn.shared_experts.w2.weight"]
+    want = {}
+    for file in sorted(set(index["weight_map"].values())):
+        with safe_open(str(src / file), framework="pt") as f:
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+        for name in [n for n in chosen if n in tensors]:
+            q, scale = _fp8_blocks(tensors[name], 3, 8)
+            rows, cols = tensors[name].shape
+            want[name] = q.float() * scale.repeat_interleave(3, 0)[:rows].repeat_interleave(8, 1)[:, :cols]
+            tensors[name], tensors[name + "_scale_inv"] = q, scale
+            index["weight_map"][name + "_scale_inv"] = file
+        save_file(tensors, str(src / file))
+    (src / INDEX).write_text(json.dumps(index))
+    back = _load(import_(src, tmp_path / "imp", cfg, chunk_bytes=8192), cfg)  # 16-row pieces of wq_a
+    assert back["layers.0.attn.wq_a.weight"].shape[0] % 3  # a partial last block
+    assert torch.equal(back["layers.0.attn.wq_a.weight"], want[chosen[0]])
+    assert torch.equal(back["layers.2.attn.compressor.wkv.weight"], want[chosen[1]])
+    assert torch.equal(back["layers.1.ffn.experts.w1"][3], want[chosen[2]])
+    assert torch.equal(back["layers.1.ffn.shared_experts.w2.weight"], want[chosen[3]])
+    # fp8 with per-block scales stays within e4m3's rounding (2^-4 relative) of the original
+    w = state["layers.0.attn.wq_a.weight"]
+    assert (back["layers.0.attn.wq_a.weight"] - w).abs().max() <= w.abs().max() / 16
+    others = [k for k in state if k not in ("layers.0.attn.wq_a.weight", "layers.2.attn.compressor.wkv.weight",
+                                            "layers.1.ffn.experts.w1", "layers.1.ffn.shared_experts.w2.weight")]
+    assert all(torch.equal(back[k], state[k]) for k in others)
+    del index["weight_map"][chosen[0] + "_scale_inv"]
+    (src / INDEX).write_text(json.dumps(index))
+    with pytest.raises(ValueError, match="is fp8 but its scales"):
+        import_(src, tmp_path / "imp2", cfg)
