@@ -1,6 +1,7 @@
 """What a checkpoint save costs the training steps, blocking vs asynchronous (checkpoint.async_save), in one process.
 
     python bench/checkpoint_save.py [--model v41_tiny] [--batch-size 8] [--seq-len 128] [--steps 6] [--threads 1]
+                                    [--device cpu|cuda] [--dir DIR]
 
 Builds the model and AdamW as the trainer does (one process), trains `--steps` steps as a baseline, then per mode
 saves a checkpoint of the trainer's states (weights, optimiser moments, schedule; trainer/checkpoint.py) and trains
@@ -33,6 +34,8 @@ def main() -> None:
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--device", default="cpu", help="cpu, or cuda (bf16 autocast, the state on the device)")
+    p.add_argument("--dir", default=None, help="where to write the checkpoints (default: a temporary directory)")
     args = p.parse_args()
     from optim.builder import build_optimizer
     from optim.config import OptimConfig
@@ -44,7 +47,10 @@ def main() -> None:
 
     cfg = load_config(args.model)
     parallel = ParallelConfig()
-    rt = setup_runtime(TrainerConfig(device="cpu", precision="fp32", num_threads=args.threads), parallel)
+    cuda = args.device == "cuda"
+    rt = setup_runtime(TrainerConfig(device=args.device, precision="bf16" if cuda else "fp32",
+                                     num_threads=args.threads), parallel)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     pm = build_model(cfg, rt, parallel, 0, batch_size=args.batch_size, seq_len=args.seq_len, grad_accum=1)
     params = trainable_parameters(pm.module, cfg)
     opt = build_optimizer(params, OptimConfig(lr=3e-4, warmup_steps=0))
@@ -54,12 +60,14 @@ def main() -> None:
     def step(i: int) -> float:
         t = time.perf_counter()
         ids = torch.randint(0, cfg.vocab_size, (args.batch_size, args.seq_len + 1), generator=gen)
-        compute_gradients(pm, [{"input_ids": ids[:, :-1], "labels": ids[:, 1:]}], params, 1.0, None, step=i)
+        compute_gradients(pm, [{"input_ids": ids[:, :-1], "labels": ids[:, 1:]}], params, 1.0, rt.autocast_dtype,
+                          step=i)
         opt.step()
         opt.zero_grad(set_to_none=True)
+        sync()
         return time.perf_counter() - t
 
-    work = Path(tempfile.mkdtemp(prefix="ckpt_bench_"))
+    work = Path(tempfile.mkdtemp(prefix="ckpt_bench_", dir=args.dir))
     n_bytes = sum(v.numel() * v.element_size() for v in pm.module.state_dict().values())
     for i in range(2):  # warm-up, and the optimiser's state exists
         step(i)
@@ -69,8 +77,10 @@ def main() -> None:
     for mode in ("blocking", "async"):
         ck = Checkpointer(work / mode, CheckpointConfig(async_save=mode == "async"), 0,
                           info={"model": dataclasses.asdict(cfg)})
+        sync()
         t = time.perf_counter()
         ck.save(1, {"train": state}, wait=mode == "blocking")
+        sync()
         blocked = time.perf_counter() - t
         during, finished_at = [], None
         for i in range(args.steps):
@@ -83,7 +93,7 @@ def main() -> None:
         mean_ms = 1e3 * sum(during) / len(during)
         rows.append((mode, blocked * 1e3, mean_ms, finished_at, wait * 1e3))
     print(f"{args.model}: {n_bytes / 2**20:.1f} MiB of weights (+ AdamW's two moments), {args.batch_size} x "
-          f"{args.seq_len} tokens, {torch.get_num_threads()} thread(s); baseline step {base_ms:.1f} ms "
+          f"{args.seq_len} tokens, {args.device}, {torch.get_num_threads()} thread(s); baseline step {base_ms:.1f} ms "
           f"(mean of {args.steps})")
     print(f"{'save':10s} {'blocks (ms)':>12s} {'steps after (ms)':>17s} {'vs baseline':>12s} {'done after':>11s} "
           f"{'wait (ms)':>10s}")

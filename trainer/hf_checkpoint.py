@@ -12,7 +12,8 @@ as pieces too (trainer/checkpoint.py `PieceSavePlanner`): DCP reads a stored ite
   each (a larger tensor gets a file of its own); `model.safetensors.index.json` maps every name to its file. The
   files' sizes add up to the tensors' bytes plus the headers: nothing grows.
 - Import writes a DCP checkpoint whose save plan lists every tensor as pieces; each piece is read from the
-  safetensors files (`get_slice`, only its rows) when DCP's writer asks for it, cast, and written.
+  safetensors files (`get_slice`, only its rows) when DCP's writer asks for it, cast, and written, a file per piece
+  (DCP's writer keeps every tensor of a file alive until the file is closed).
 Under several processes (torchrun), export gives rank r the files r, r + world, ...; import splits the tensors the
 same way, and DCP writes one checkpoint from all ranks.
 
@@ -41,7 +42,7 @@ log = logging.getLogger(__name__)
 PREFIX = "train.model."  # where a Cedar checkpoint keeps the model's tensors (trainer/checkpoint.py TrainState)
 INDEX = "model.safetensors.index.json"
 CHUNK_BYTES = 256 * 2**20
-SHARD_BYTES = 5 * 2**30
+SHARD_BYTES = 5 * 10**9  # export_hf's max_shard_gb=5
 
 _ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
               torch.float8_e4m3fn: "F8_E4M3", torch.int64: "I64", torch.int32: "I32", torch.uint8: "U8"}

@@ -47,3 +47,17 @@ def test_async_saves_equal_blocking_ones_and_survive_kill_9(tmp_path, small_data
     assert r.returncode == 0, r.stderr[-3000:]
     assert "resumed from" in r.stdout + r.stderr and "step_00000002" in r.stdout + r.stderr
     assert losses(killed) == losses(background)
+
+
+def test_a_full_disk_during_an_async_write_is_one_line(tmp_path, small_data):
+    """The background write of step 4 fails (ENOSPC): the run stops when it completes the save (the next step), exit
+    status 4 with the blocking save's one line, its partial files removed; step 2 stays the newest checkpoint."""
+    from tests.trainer.harness import run_faulty
+
+    r = run_faulty("enospc_in_save=4", micro_overrides(tmp_path, small_data, *STEPS, ASYNC))
+    ckpts = tmp_path / "checkpoints"
+    assert r.returncode == 4, r.stderr[-3000:]
+    assert r.stderr.strip().splitlines()[-1] == (
+        f"error: saving checkpoint step 4 failed: no space left on device ({ckpts / '.tmp_step_00000004'}); the "
+        f"previous checkpoint {ckpts / 'step_00000002'} stays the one a resume starts from")
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step_00000002"]
