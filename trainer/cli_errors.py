@@ -124,3 +124,24 @@ def compose_app(config_name: str, schema, argv: Sequence[str]):
         raise ValueError(missing_config_message(e)) from None
     except (HydraException, OmegaConfBaseException) as e:
         raise ValueError(one_line(e)) from None
+
+
+def run_app(config_name: str, schema, run, argv: Sequence[str] | None, doc: str) -> None:
+    """A small app's main: `-h` / `--help` prints `doc` and conf/<config_name>.yaml; otherwise `run` gets the composed
+    config (`compose_app`). A bad key, a bad value or a file it cannot read or write ends it with one line on stderr
+    and exit status 2."""
+    import sys
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if any(a in ("-h", "--help") for a in argv):
+        print(doc.strip() + f"\n\nKeys (conf/{config_name}.yaml):\n" + (CONF_DIR / f"{config_name}.yaml").read_text())
+        return
+    try:
+        run(compose_app(config_name, schema, argv))
+    except (ValueError, OSError) as e:
+        if isinstance(e, OSError):
+            from trainer.main import _io_message
+
+            e = _io_message(e)
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)

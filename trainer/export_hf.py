@@ -7,7 +7,6 @@ files. Exit status 2 with one line on stderr for a bad key, a missing or corrupt
 from __future__ import annotations
 
 import os
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -85,18 +84,9 @@ def export(cfg: ExportConfig) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from trainer.cli_errors import compose_app
+    from trainer.cli_errors import run_app
 
-    try:
-        export(compose_app("export_hf", ExportConfig, sys.argv[1:] if argv is None else argv))
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        sys.exit(2)
-    except OSError as e:
-        from trainer.main import _io_message
-
-        print(f"error: {_io_message(e)}", file=sys.stderr, flush=True)
-        sys.exit(2)
+    run_app("export_hf", ExportConfig, export, argv, __doc__)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,6 @@ DeepSeek-V4.1 checkpoint, a tensor of the wrong shape.
 from __future__ import annotations
 
 import json
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -77,18 +76,9 @@ def import_checkpoint(cfg: ImportConfig) -> Path:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from trainer.cli_errors import compose_app
+    from trainer.cli_errors import run_app
 
-    try:
-        import_checkpoint(compose_app("import_hf", ImportConfig, sys.argv[1:] if argv is None else argv))
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        sys.exit(2)
-    except OSError as e:
-        from trainer.main import _io_message
-
-        print(f"error: {_io_message(e)}", file=sys.stderr, flush=True)
-        sys.exit(2)
+    run_app("import_hf", ImportConfig, import_checkpoint, argv, __doc__)
 
 
 if __name__ == "__main__":

@@ -208,6 +208,10 @@ def test_a_run_starts_from_an_exported_directory(tmp_path, small_data):
     assert r.returncode == 2 and "does not exist" in r.stderr and "Traceback" not in r.stderr
     r = _cli("trainer.import_hf", f"src={pre}", "out=x")
     assert r.returncode == 2 and "is not a Hugging Face checkpoint directory" in r.stderr
+    r = _cli("trainer.import_hf", "nosuch=1")
+    assert r.returncode == 2 and "Key 'nosuch' not in 'ImportConfig'" in r.stderr and "Traceback" not in r.stderr
+    r = _cli("trainer.export_hf", "--help")
+    assert r.returncode == 0 and "max_shard_gb" in r.stdout
 
 
 def test_large_tensors_are_stored_in_pieces(tmp_path):
