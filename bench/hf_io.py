@@ -68,13 +68,14 @@ def _child(**kw) -> dict:
 
 def plan(args) -> None:
     from tests.helpers import load_config
-    from trainer.hf_checkpoint import _pieces, export_plan
+    from trainer.checkpoint import row_ranges
+    from trainer.hf_checkpoint import export_plan
 
     cfg = load_config("v41_flash")
     shards = export_plan(cfg, getattr(torch, args.dtype), int(args.shard_gb * 1e9))
     entries = [e for s in shards for e in s]
     biggest = max(entries, key=lambda e: e.nbytes)
-    pieces = sum(len(_pieces(e.shape, 4, args.chunk_mb * 2**20)) for e in entries)
+    pieces = sum(len(row_ranges(e.shape, 4, args.chunk_mb * 2**20)) for e in entries)
     print(f"v41_flash export ({args.dtype}): {len(entries):,} tensors, {sum(e.nbytes for e in entries) / 1e9:,.1f} GB "
           f"in {len(shards):,} files of <= {args.shard_gb} GB (a larger tensor alone); largest tensor {biggest.name} "
           f"{biggest.nbytes / 1e9:.1f} GB; {pieces:,} pieces of <= {args.chunk_mb} MiB (fp32 source): host memory "

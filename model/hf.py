@@ -45,25 +45,37 @@ _FP32_KEPT = re.compile(r"(\.hc_(attn|ffn)\.(fn|base|scale)|\.attn\.attn_sink|\.
 
 _EXPERTS = re.compile(r"^layers\.(\d+)\.ffn\.experts\.(w[123])$")
 _HF_EXPERT = re.compile(r"^model\.layers\.(\d+)\.ffn\.experts\.(\d+)\.(w[123])\.weight$")
-# one-to-one renames, Cedar <-> HF, applied in order (the first that matches)
-_RENAMES = (
-    (r"^embed\.weight$", "model.embed.weight"),
-    (r"^norm\.weight$", "model.norm.weight"),
-    (r"^head\.weight$", "lm_head.weight"),
-    (r"^layers\.(\d+)\.hc_(attn|ffn)\.(fn|base|scale)$", r"model.layers.\1.hc_\2_\3"),
-    (r"^layers\.(\d+)\.ffn\.gate\.bias_image$", r"model.layers.\1.ffn.gate.bias_vl"),
-    (r"^layers\.(\d+)\.engram\.table$", r"model.layers.\1.engram.embed.weight"),
-    (r"^layers\.(.*)$", r"model.layers.\1"),
+# One-to-one renames, (Cedar, HF), tried in order (the first that matches wins), in both directions. A `{name}` is a
+# field: {i} a layer index, {site} attn or ffn, {part} an mHC parameter, {rest} the remaining path.
+_FIELDS = {"i": r"\d+", "site": "attn|ffn", "part": "fn|base|scale", "rest": ".*"}
+_RENAME_PAIRS = (
+    ("embed.weight", "model.embed.weight"),
+    ("norm.weight", "model.norm.weight"),
+    ("head.weight", "lm_head.weight"),
+    ("layers.{i}.hc_{site}.{part}", "model.layers.{i}.hc_{site}_{part}"),
+    ("layers.{i}.ffn.gate.bias_image", "model.layers.{i}.ffn.gate.bias_vl"),
+    ("layers.{i}.engram.table", "model.layers.{i}.engram.embed.weight"),
+    ("layers.{rest}", "model.layers.{rest}"),
 )
-_HF_RENAMES = (
-    (r"^model\.embed\.weight$", "embed.weight"),
-    (r"^model\.norm\.weight$", "norm.weight"),
-    (r"^lm_head\.weight$", "head.weight"),
-    (r"^model\.layers\.(\d+)\.hc_(attn|ffn)_(fn|base|scale)$", r"layers.\1.hc_\2.\3"),
-    (r"^model\.layers\.(\d+)\.ffn\.gate\.bias_vl$", r"layers.\1.ffn.gate.bias_image"),
-    (r"^model\.layers\.(\d+)\.engram\.embed\.weight$", r"layers.\1.engram.table"),
-    (r"^model\.layers\.(.*)$", r"layers.\1"),
-)
+
+
+def _pattern(template: str) -> re.Pattern:
+    """A rename template as an anchored regex whose named groups are its fields."""
+    parts = re.split(r"\{(\w+)\}", template)  # literal, field, literal, field, ...
+    return re.compile("^" + "".join(re.escape(p) if k % 2 == 0 else f"(?P<{p}>{_FIELDS[p]})"
+                                    for k, p in enumerate(parts)) + "$")
+
+
+_TO_HF = tuple((_pattern(cedar), hf) for cedar, hf in _RENAME_PAIRS)
+_FROM_HF = tuple((_pattern(hf), cedar) for cedar, hf in _RENAME_PAIRS)
+
+
+def _rename(name: str, rules) -> str | None:
+    for pattern, template in rules:
+        m = pattern.match(name)
+        if m:
+            return template.format(**m.groupdict())
+    return None
 
 
 @dataclass(frozen=True)
@@ -83,9 +95,9 @@ def hf_tensors(name: str, shape: tuple[int, ...]) -> list[HFTensor]:
         layer, w = m.groups()
         return [HFTensor(f"model.layers.{layer}.ffn.experts.{e}.{w}.weight", tuple(shape[1:]), e)
                 for e in range(shape[0])]
-    for pattern, template in _RENAMES:
-        if re.match(pattern, name):
-            return [HFTensor(re.sub(pattern, template, name), tuple(shape))]
+    hf_name = _rename(name, _TO_HF)
+    if hf_name is not None:
+        return [HFTensor(hf_name, tuple(shape))]
     raise KeyError(f"{name!r} has no Hugging Face name")
 
 
@@ -98,9 +110,9 @@ def cedar_name(hf_name: str) -> tuple[str, int | None] | None:
     if m:
         layer, e, w = m.groups()
         return f"layers.{layer}.ffn.experts.{w}", int(e)
-    for pattern, template in _HF_RENAMES:
-        if re.match(pattern, hf_name):
-            return re.sub(pattern, template, hf_name), None
+    name = _rename(hf_name, _FROM_HF)
+    if name is not None:
+        return name, None
     raise KeyError(f"{hf_name!r} is not a DeepSeek-V4.1 tensor name")
 
 

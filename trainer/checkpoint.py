@@ -97,6 +97,16 @@ _STEP_DIR = re.compile(r"^step_(\d+)$")
 PIECE_BYTES = 256 * 2**20  # the largest tensor piece a checkpoint stores as one item
 
 
+def row_ranges(shape, itemsize: int, max_bytes: int) -> list[tuple[int, int]]:
+    """Row ranges [start, stop) of dim 0 that split a tensor of `shape` into pieces of at most max_bytes (at least a
+    row each); [(0, 1)] for a 0-d tensor."""
+    if not len(shape):
+        return [(0, 1)]
+    row = math.prod(shape[1:]) * itemsize
+    step = max(1, max_bytes // max(row, 1))
+    return [(a, min(a + step, shape[0])) for a in range(0, shape[0], step)]
+
+
 class PieceSavePlanner(DefaultSavePlanner):
     """DCP's default save plan with every tensor item above `piece_bytes` split into row ranges (dim 0) of at most
     that size. DCP reads a stored item whole before it narrows it to what a load asks for, so pieces bound the host
@@ -119,13 +129,12 @@ class PieceSavePlanner(DefaultSavePlanner):
                 items.append(item)
                 continue
             sizes = list(td.chunk.sizes)
-            row = math.prod(sizes[1:]) * td.properties.dtype.itemsize
-            step = max(1, self.piece_bytes // max(row, 1))
-            if step >= sizes[0]:
+            ranges = row_ranges(sizes, td.properties.dtype.itemsize, self.piece_bytes)
+            if len(ranges) == 1:
                 items.append(item)
                 continue
-            for a in range(0, sizes[0], step):
-                rows = min(step, sizes[0] - a)
+            for a, b in ranges:
+                rows = b - a
                 offsets = torch.Size([td.chunk.offsets[0] + a, *td.chunk.offsets[1:]])
                 chunk = ChunkStorageMetadata(offsets=offsets, sizes=torch.Size([rows, *sizes[1:]]))
                 piece = dataclasses.replace(item, index=dataclasses.replace(item.index, offset=offsets, index=None),

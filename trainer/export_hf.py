@@ -45,10 +45,11 @@ def _world() -> tuple[int, int]:
     """(rank, world size), starting gloo when torchrun launched several processes."""
     import torch.distributed as dist
 
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1 and not dist.is_initialized():
+    from trainer.checkpoint import _world as world_of
+
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
         dist.init_process_group("gloo")
-    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    return world_of()
 
 
 def export(cfg: ExportConfig) -> dict:

@@ -36,6 +36,7 @@ import torch
 
 from model.config import ModelConfig
 from model.hf import cedar_name, dropped_reason, hf_config, hf_tensors, keeps_fp32
+from trainer.checkpoint import row_ranges
 
 log = logging.getLogger(__name__)
 
@@ -72,15 +73,6 @@ def _model_shapes(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...], torch.dt
     with torch.device("meta"):
         m = model_pkg.build(cfg)
     return [(k, tuple(v.shape), v.dtype) for k, v in m.state_dict().items()]
-
-
-def _pieces(shape: tuple[int, ...], itemsize: int, chunk_bytes: int) -> list[tuple[int, int]]:
-    """Row ranges [start, stop) of dim 0 that split a tensor into pieces of at most chunk_bytes (at least a row)."""
-    if not shape:
-        return [(0, 1)]
-    row = math.prod(shape[1:]) * itemsize
-    step = max(1, chunk_bytes // max(row, 1))
-    return [(a, min(a + step, shape[0])) for a in range(0, shape[0], step)]
 
 
 # -- safetensors, written as a stream -----------------------------------------------------------------------------
@@ -205,12 +197,12 @@ def _source_pieces(entries: list[_Entry], saved: dict, chunk_bytes: int):
                 k += run
                 continue
             inner = full[1:]  # one expert above chunk_bytes: its rows
-            for a, b in _pieces(inner, src_dtype.itemsize, chunk_bytes):
+            for a, b in row_ranges(inner, src_dtype.itemsize, chunk_bytes):
                 offsets = (e.expert, a) + (0,) * (len(inner) - 1)
                 yield fqn, offsets, (1, b - a) + inner[1:], (lambda piece: iter(piece)), e.dtype, src_dtype
             k += 1
             continue
-        for a, b in _pieces(full, src_dtype.itemsize, chunk_bytes):
+        for a, b in row_ranges(full, src_dtype.itemsize, chunk_bytes):
             if not full:  # a 0-d tensor
                 yield fqn, (), (), (lambda piece: iter([piece])), e.dtype, src_dtype
             else:
@@ -455,7 +447,7 @@ def import_(src: Path, out: Path, cfg: ModelConfig, *, chunk_bytes: int = CHUNK_
                 fqn = PREFIX + name
                 self.mappings[fqn] = tuple(fqn.split(".", 2)[:2]) + (name,)
                 props = TensorProperties(dtype=dtype)
-                for a, b in _pieces(shape, dtype.itemsize, chunk_bytes):
+                for a, b in row_ranges(shape, dtype.itemsize, chunk_bytes):
                     offsets = (a,) + (0,) * (len(shape) - 1) if shape else ()
                     sizes = (b - a,) + shape[1:] if shape else ()
                     chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))

@@ -39,7 +39,7 @@ from model.config import ModelConfig
 from model.attention import head_rows
 from optim import LRScheduler, build_optimizer
 from trainer.callbacks import Callbacks, load_callbacks, ordered
-from trainer.checkpoint import Checkpointer, RankLocalState, TrainState, step_dir_name
+from trainer.checkpoint import Checkpointer, RankLocalState, TrainState
 from trainer.config import Config, ParallelConfig, ParallelDims, StageConfig, TrainerConfig
 from trainer.loss import LMLoss, StepTokens, valid_tokens
 from trainer.metrics import MetricsLogger, device_peak_flops
@@ -219,12 +219,10 @@ class Job:
     def save_checkpoint(self, step: int, wait: bool = True) -> Path | None:
         """Save the run at `step` (every rank; a collective), then tell the callbacks. wait=False with
         checkpoint.async_save: the write goes on in the background and `poll_checkpoint` completes it (None here)."""
+        self.poll_checkpoint(wait=True)  # at most one save in flight: the earlier one completes first
         self.last_checkpoint_step = step
-        earlier = self.checkpointer.pending_step
         path = self.checkpointer.save(step, self.ckpt_states, extra={"skipped_steps": self.state.skipped_steps},
                                       wait=wait)
-        if earlier is not None:  # the save in flight was completed first
-            self._saved(earlier, self.checkpointer.root / step_dir_name(earlier))
         if path is not None:
             self._saved(step, path)
         return path
@@ -407,9 +405,7 @@ def init_weights_from(ckpt: str, pm: ParallelModel, optimizer: torch.optim.Optim
 def _import_hf_init(src: Path, pm: ParallelModel, optimizer, model_cfg: ModelConfig,
                     checkpointer: Checkpointer) -> Path:
     """checkpoint.init_from=<Hugging Face directory>: its weights as a checkpoint under `<run dir>/hf_init/`."""
-    import torch.distributed as dist
-
-    from trainer.checkpoint import model_config_differences
+    from trainer.checkpoint import _world, model_config_differences
     from trainer.hf_checkpoint import import_
     from trainer.import_hf import hf_model_config
 
@@ -425,7 +421,7 @@ def _import_hf_init(src: Path, pm: ParallelModel, optimizer, model_cfg: ModelCon
         shown = "; ".join(f"model.{k}={a!r} there, {b!r} here" for k, a, b in diff[:8])
         raise ValueError(f"checkpoint.init_from={src}: its config.json gives another model: {shown}"
                          + (f" (and {len(diff) - 8} more)" if len(diff) > 8 else ""))
-    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    rank, world = _world()
     out = checkpointer.root.parent / "hf_init"
     path = import_(src, out, hf_cfg, rank=rank, world=world)
     log.info("checkpoint.init_from: imported the Hugging Face weights of %s as %s", src, path)
