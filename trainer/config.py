@@ -314,6 +314,10 @@ class CheckpointConfig:
     async_save): the step pays only for copying the state to host memory (which then holds a copy of this rank's
     state until the write ends); the checkpoint counts once every rank's write is done (at most one in flight; the
     last save and a stop's save wait). A crash mid-write leaves the previous checkpoint the newest complete one"""
+    async_staging: str = choice_field("reused", ("reused", "fresh"))
+    """where an asynchronous save copies the state: reused = host buffers allocated at the first save and kept for
+    the run (page-locked when the state is on a GPU, so the copy runs at DMA speed), fresh = new pageable buffers
+    each save, freed when the write ends (less host memory between saves, a slower copy)"""
     piece_mb: float = 256.0
     """a tensor (or a rank's shard of one) larger than this is stored as row ranges of at most this size: a partial
     read (a resharded resume, the Hugging Face export) then holds one piece, not the whole tensor, in host memory"""
@@ -329,6 +333,7 @@ class CheckpointConfig:
         at_least("checkpoint.interval", self.interval, 0)
         at_least("checkpoint.keep_last", self.keep_last, 1)
         positive("checkpoint.piece_mb", self.piece_mb)
+        check_choices(self, "checkpoint")
         if not self.resume:
             raise ValueError("checkpoint.resume must be 'auto', 'none' or a checkpoint path, got ''")
 

@@ -1,4 +1,4 @@
-"""`python -m trainer.export_hf ckpt=<checkpoint or run dir> out=<dir> [dtype=bfloat16|float32]`: a Cedar checkpoint
+"""`python -m trainer.export_hf ckpt=<checkpoint or run dir> out=<dir> [dtype=bfloat16|float32] [quant=none|released]`: a Cedar checkpoint
 (any parallel layout) as Hugging Face safetensors in the official DeepSeek-V4.1-Flash names, streaming
 (trainer/hf_checkpoint.py; conf/export_hf.yaml lists the keys). Under torchrun every rank writes its share of the
 files. Exit status 2 with one line on stderr for a bad key, a missing or corrupt checkpoint, a file it cannot write.
@@ -26,6 +26,10 @@ class ExportConfig:
     """the directory to write"""
     dtype: str = choice_field("bfloat16", tuple(DTYPES))
     """bfloat16 (as released) or float32 (bit for bit); mHC parameters, sinks and router biases stay fp32"""
+    quant: str = choice_field("none", ("none", "released"))
+    """none: every tensor in `dtype`; released: the released checkpoints' quantised formats (routed experts FP4, the
+    linear layers' other matrices FP8 in 128 x 128 blocks, Engram tables FP8; ue8m0 scales; model/hf_quant.py), the
+    rest in `dtype`"""
     max_shard_gb: float = 5.0
     chunk_mb: int = 256
     tokenizer: str = ""
@@ -71,7 +75,7 @@ def export(cfg: ExportConfig) -> dict:
     t0 = time.perf_counter()
     index = export_files(path, Path(cfg.out), model_cfg, dtype=DTYPES[cfg.dtype],
                          max_shard_bytes=int(cfg.max_shard_gb * 1e9), chunk_bytes=cfg.chunk_mb * 2**20, rank=rank,
-                         world=world, tokenizer=tokenizer or None)
+                         world=world, tokenizer=tokenizer or None, quant=cfg.quant)
     if world > 1:
         import torch.distributed as dist
 
@@ -79,7 +83,7 @@ def export(cfg: ExportConfig) -> dict:
     if rank == 0:
         files = sorted(set(index["weight_map"].values()))
         print(f"exported {path} -> {cfg.out}: {len(index['weight_map'])} tensors, {len(files)} files, "
-              f"{index['metadata']['total_size'] / 1e9:.3f} GB ({cfg.dtype}), {time.perf_counter() - t0:.1f} s"
+              f"{index['metadata']['total_size'] / 1e9:.3f} GB ({cfg.dtype}{', quantised as released' if cfg.quant == 'released' else ''}), {time.perf_counter() - t0:.1f} s"
               + (f"; tokenizer {tokenizer}" if tokenizer else ""))
     return index
 

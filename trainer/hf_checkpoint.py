@@ -20,7 +20,9 @@ same way, and DCP writes one checkpoint from all ranks.
 Dtypes: export writes `dtype` (bf16 by default, as released; float32 for an exact round trip), except what the
 reference keeps in fp32 (model/hf.py `keeps_fp32`). Import casts to the dtypes Cedar's model holds (its fp32 master
 weights; the Engram tables in `model.engram.table_dtype`). bf16 -> fp32 -> bf16 is exact, so the released weights
-come back out of a Cedar checkpoint bit for bit.
+come back out of a Cedar checkpoint bit for bit. Quantised formats (model/hf_quant.py): the import dequantises what
+the files hold quantised; export's quant="released" writes them, a weight's scales computed from each piece as it
+passes (FP8 block rows are read in whole blocks of rows) and written beside it in the file.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from pathlib import Path
 
 import torch
 
+from model import hf_quant
 from model.config import ModelConfig
 from model.hf import cedar_name, dropped_reason, hf_config, hf_tensors, keeps_fp32
 from trainer.checkpoint import row_ranges
@@ -46,7 +49,8 @@ CHUNK_BYTES = 256 * 2**20
 SHARD_BYTES = 5 * 10**9  # export_hf's max_shard_gb=5
 
 _ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
-              torch.float8_e4m3fn: "F8_E4M3", torch.int64: "I64", torch.int32: "I32", torch.uint8: "U8"}
+              torch.float8_e4m3fn: "F8_E4M3", torch.float8_e8m0fnu: "F8_E8M0", torch.int64: "I64",
+              torch.int32: "I32", torch.int8: "I8", torch.uint8: "U8"}
 
 
 @dataclasses.dataclass
@@ -57,12 +61,17 @@ class _Entry:
     name: str
     shape: tuple[int, ...]
     dtype: torch.dtype
-    source: str
+    source: str | None
     expert: int | None
+    kind: str | None = None  # a quantised format (model/hf_quant.py released_kind), None = a cast
+    scale: _Entry | None = None  # a quantised weight's scales, written beside it
 
     @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * self.dtype.itemsize
+
+    def with_scale(self) -> list[_Entry]:
+        return [self] + ([self.scale] if self.scale else [])
 
 
 def _model_shapes(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
@@ -78,27 +87,33 @@ def _model_shapes(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...], torch.dt
 # -- safetensors, written as a stream -----------------------------------------------------------------------------
 
 class _SafetensorsWriter:
-    """A safetensors file written tensor by tensor: the header first (every tensor's name, dtype, shape and byte
-    range, in the order they will come), then each tensor's bytes as pieces arrive, in that order."""
+    """A safetensors file written as a stream: the header first (every tensor's name, dtype, shape and byte range),
+    then each tensor's bytes in pieces, in row order; a quantised weight's scales arrive beside its pieces."""
 
     def __init__(self, path: Path, entries: list[_Entry], metadata: dict | None = None) -> None:
-        header, offset = {}, 0
+        header, offset, self.at, self.end = {}, 0, {}, {}
         for e in entries:
             header[e.name] = {"dtype": _ST_DTYPES[e.dtype], "shape": list(e.shape),
                               "data_offsets": [offset, offset + e.nbytes]}
+            self.at[e.name], self.end[e.name] = offset, offset + e.nbytes
             offset += e.nbytes
         header["__metadata__"] = {"format": "pt", **(metadata or {})}
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned, as safetensors writes it
-        self.path, self.expected, self.written = path, offset, 0
+        self.path, self.data = path, 8 + len(raw)
         self.f = open(path, "wb")
         self.f.write(struct.pack("<Q", len(raw)))
         self.f.write(raw)
 
-    def write(self, piece: torch.Tensor) -> None:
+    def write(self, name: str, piece: torch.Tensor) -> None:
+        """The next bytes of tensor `name`."""
         data = piece.contiguous().view(-1).view(torch.uint8).numpy()
+        if self.at[name] + data.nbytes > self.end[name]:
+            raise RuntimeError(f"{self.path}: more bytes for {name} than its header gives")
+        if self.f.tell() != self.data + self.at[name]:
+            self.f.seek(self.data + self.at[name])
         self.f.write(memoryview(data))
-        self.written += data.nbytes
+        self.at[name] += data.nbytes
 
     def close(self) -> None:
         import os
@@ -106,9 +121,10 @@ class _SafetensorsWriter:
         self.f.flush()
         os.fsync(self.f.fileno())
         self.f.close()
-        if self.written != self.expected:
-            raise RuntimeError(f"{self.path}: wrote {self.written} bytes of tensor data, the header says "
-                               f"{self.expected}")
+        short = [n for n in self.at if self.at[n] != self.end[n]]
+        if short:
+            raise RuntimeError(f"{self.path}: {short[0]} got {self.at[short[0]]} of its bytes' end "
+                               f"{self.end[short[0]]} ({len(short)} tensor(s) incomplete)")
 
 
 # -- reading pieces of a DCP checkpoint ----------------------------------------------------------------------------
@@ -176,10 +192,12 @@ def _view(buffer: torch.Tensor, start: int, shape, dtype: torch.dtype) -> torch.
 
 
 def _source_pieces(entries: list[_Entry], saved: dict, chunk_bytes: int):
-    """The reads that produce `entries` in order: (fqn, offsets, sizes, parts, out dtype, source dtype), where
-    parts(piece) yields the HF tensors' bytes in order. Consecutive experts of one stacked weight are read together
-    (a range of whole experts, at most chunk_bytes; DCP reads a stored item whole for every request, so one request
-    per expert would read the stacked weight once per expert); any other tensor in row ranges of at most chunk_bytes."""
+    """The reads that produce `entries` in order: (fqn, offsets, sizes, the entries the piece's parts go to, source
+    dtype). A piece of a stacked expert weight holds whole experts, one part each (consecutive experts are read
+    together, at most chunk_bytes: DCP reads a stored item whole for every request, so one request per expert would
+    read the stacked weight once per expert), or the rows of one expert above chunk_bytes; a piece of any other
+    tensor is one part, a row range of at most chunk_bytes (starting a block of rows where its format scales
+    blocks: model/hf_quant.py)."""
     k = 0
     while k < len(entries):
         e = entries[k]
@@ -193,50 +211,60 @@ def _source_pieces(entries: list[_Entry], saved: dict, chunk_bytes: int):
                 run += 1
             if run > 1 or per <= chunk_bytes:
                 offsets = (e.expert,) + (0,) * (len(full) - 1)
-                yield fqn, offsets, (run,) + full[1:], (lambda piece: iter(piece)), e.dtype, src_dtype
+                yield fqn, offsets, (run,) + full[1:], entries[k:k + run], src_dtype
                 k += run
                 continue
             inner = full[1:]  # one expert above chunk_bytes: its rows
             for a, b in row_ranges(inner, src_dtype.itemsize, chunk_bytes):
                 offsets = (e.expert, a) + (0,) * (len(inner) - 1)
-                yield fqn, offsets, (1, b - a) + inner[1:], (lambda piece: iter(piece)), e.dtype, src_dtype
+                yield fqn, offsets, (1, b - a) + inner[1:], [e], src_dtype
             k += 1
             continue
-        for a, b in row_ranges(full, src_dtype.itemsize, chunk_bytes):
-            if not full:  # a 0-d tensor
-                yield fqn, (), (), (lambda piece: iter([piece])), e.dtype, src_dtype
-            else:
-                offsets = (a,) + (0,) * (len(full) - 1)
-                yield fqn, offsets, (b - a,) + full[1:], (lambda piece: iter([piece])), e.dtype, src_dtype
+        multiple = hf_quant.BLOCK[0] if e.kind == "fp8_block" else 1
+        for a, b in row_ranges(full, src_dtype.itemsize, chunk_bytes, multiple):
+            offsets = (a,) + (0,) * (len(full) - 1) if full else ()
+            yield fqn, offsets, (b - a,) + full[1:] if full else (), [e], src_dtype
         k += 1
 
 
-def export_plan(cfg: ModelConfig, dtype: torch.dtype, max_shard_bytes: int = SHARD_BYTES) -> list[list[_Entry]]:
-    """The export's files, each a list of HF tensors (about max_shard_bytes a file, whole tensors, state-dict
-    order): the same on every rank, computed from the model config alone."""
+def export_plan(cfg: ModelConfig, dtype: torch.dtype, max_shard_bytes: int = SHARD_BYTES,
+                quant: str = "none") -> list[list[_Entry]]:
+    """The export's files, each a list of HF tensors (about max_shard_bytes a file, whole tensors with their scales,
+    state-dict order): the same on every rank, computed from the model config alone. quant="released": the
+    released checkpoints' quantised formats where they use them (model/hf_quant.py), `dtype` elsewhere."""
     shards: list[list[_Entry]] = [[]]
     size = 0
     for name, shape, _ in _model_shapes(cfg):
         out = torch.float32 if keeps_fp32(name) else dtype
+        kind = hf_quant.released_kind(name) if quant == "released" else None
         for t in hf_tensors(name, shape):
-            e = _Entry(t.name, t.shape, out, name, t.expert)
-            if shards[-1] and size + e.nbytes > max_shard_bytes:
+            if kind is None:
+                e = _Entry(t.name, t.shape, out, name, t.expert)
+            else:
+                hf_quant.check_quantisable(kind, t.name, t.shape)
+                scale_name = t.name[:-len(".weight")] + ".scale"
+                e = _Entry(t.name, hf_quant.stored_shape(kind, t.shape),
+                           torch.int8 if kind == "fp4" else torch.float8_e4m3fn, name, t.expert, kind,
+                           _Entry(scale_name, hf_quant.scale_shape(kind, t.shape), torch.float8_e8m0fnu, None, None))
+            nbytes = sum(x.nbytes for x in e.with_scale())
+            if shards[-1] and size + nbytes > max_shard_bytes:
                 shards.append([])
                 size = 0
             shards[-1].append(e)
-            size += e.nbytes
+            size += nbytes
     return shards
 
 
 def export(ckpt: Path, out: Path, cfg: ModelConfig, *, dtype: torch.dtype = torch.bfloat16,
            max_shard_bytes: int = SHARD_BYTES, chunk_bytes: int = CHUNK_BYTES, rank: int = 0, world: int = 1,
-           tokenizer: str | None = None) -> dict:
+           tokenizer: str | None = None, quant: str = "none") -> dict:
     """Cedar checkpoint `ckpt` (a step directory; any layout) -> HF safetensors shards, index and config.json in
     `out`. This rank writes the files rank, rank + world, ...; rank 0 the index and the config (call it on every
-    rank, then wait for all). Returns the index."""
+    rank, then wait for all). quant="released": the released quantised formats (model/hf_quant.py). Returns the
+    index."""
     reader = _dcp_reader(ckpt)
     saved = reader.read_metadata().state_dict_metadata
-    shards = export_plan(cfg, dtype, max_shard_bytes)
+    shards = export_plan(cfg, dtype, max_shard_bytes, quant)
     names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     missing = [e.source for s in shards for e in s if PREFIX + e.source not in saved]
     if missing:
@@ -248,24 +276,29 @@ def export(ckpt: Path, out: Path, cfg: ModelConfig, *, dtype: torch.dtype = torc
     # 2 of its tensors alive; the allocator kept what the pieces had used).
     source, cast = torch.empty(chunk_bytes, dtype=torch.uint8), [torch.empty(chunk_bytes, dtype=torch.uint8)]
     for i in range(rank, len(shards), world):
-        writer = _SafetensorsWriter(out / names[i], shards[i])
+        writer = _SafetensorsWriter(out / names[i], [x for e in shards[i] for x in e.with_scale()])
         pending: list[tuple] = []  # pieces read by one load plan, then written in order
 
         def flush() -> None:
             _read_pieces(reader, [p[:4] for p in pending])
-            for _, _, _, piece, parts, out_dtype in pending:
-                for part in parts(piece):  # a piece: one tensor's rows, or whole experts of a stacked weight
-                    if part.dtype == out_dtype:
-                        writer.write(part)
-                        continue
-                    if cast[0].numel() < part.numel() * out_dtype.itemsize:  # a cast to a wider dtype (bf16 -> fp32)
-                        cast[0] = torch.empty(part.numel() * out_dtype.itemsize, dtype=torch.uint8)
-                    writer.write(_view(cast[0], 0, part.shape, out_dtype).copy_(part))
+            for _, _, _, piece, targets in pending:
+                # a piece: one tensor's rows, or whole experts of a stacked weight (a part each)
+                for e, part in zip(targets, piece if targets[0].expert is not None else [piece]):
+                    if e.kind is not None:
+                        codes, scales = hf_quant.quantise(e.kind, part)
+                        writer.write(e.name, codes)
+                        writer.write(e.scale.name, scales)
+                    elif part.dtype == e.dtype:
+                        writer.write(e.name, part)
+                    else:
+                        if cast[0].numel() < part.numel() * e.dtype.itemsize:  # a cast to a wider dtype
+                            cast[0] = torch.empty(part.numel() * e.dtype.itemsize, dtype=torch.uint8)
+                        writer.write(e.name, _view(cast[0], 0, part.shape, e.dtype).copy_(part))
             pending.clear()
 
         try:
             used = 0
-            for fqn, offsets, sizes, parts, out_dtype, src_dtype in _source_pieces(shards[i], saved, chunk_bytes):
+            for fqn, offsets, sizes, targets, src_dtype in _source_pieces(shards[i], saved, chunk_bytes):
                 nbytes = math.prod(sizes) * src_dtype.itemsize
                 if used + nbytes > chunk_bytes and pending:
                     flush()
@@ -275,17 +308,22 @@ def export(ckpt: Path, out: Path, cfg: ModelConfig, *, dtype: torch.dtype = torc
                 else:
                     piece = _view(source, used, sizes, src_dtype)
                     used += -(-nbytes // 64) * 64  # 64-byte aligned
-                pending.append((fqn, offsets, sizes, piece, parts, out_dtype))
+                pending.append((fqn, offsets, sizes, piece, targets))
             if pending:
                 flush()
         finally:
             writer.close()
-    index = {"metadata": {"total_size": sum(e.nbytes for s in shards for e in s), "format": "cedar-export",
-                          "dtype": str(dtype).replace("torch.", "")},
-             "weight_map": {e.name: names[i] for i, s in enumerate(shards) for e in s}}
+    index = {"metadata": {"total_size": sum(x.nbytes for s in shards for e in s for x in e.with_scale()),
+                          "format": "cedar-export", "dtype": str(dtype).replace("torch.", ""), "quant": quant},
+             "weight_map": {x.name: names[i] for i, s in enumerate(shards) for e in s for x in e.with_scale()}}
     if rank == 0:
         (out / INDEX).write_text(json.dumps(index, indent=2) + "\n")
-        (out / "config.json").write_text(json.dumps(hf_config(cfg), indent=2) + "\n")
+        config = hf_config(cfg)
+        if quant == "released":
+            config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                             "weight_block_size": list(hf_quant.BLOCK), "scale_fmt": "ue8m0",
+                                             "expert_dtype": "fp4"}
+        (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         if tokenizer:
             import shutil
 
@@ -310,15 +348,22 @@ def weight_map(src: Path) -> dict[str, str]:
         return {k: "model.safetensors" for k in f.keys()}
 
 
-def fp8_block(src: Path) -> tuple[int, int]:
-    """The [rows, columns] block of the directory's FP8 block-scaled matrices: config.json's `quantization_config`
-    (`weight_block_size`, DeepSeek's [128, 128] by default). Another quantisation method is refused by name."""
+def quantization(src: Path) -> dict:
+    """The directory's `quantization_config` (config.json, or its text_config's); {} when none. Another method than
+    DeepSeek's FP8 (with FP4 experts) is refused by name."""
     config = json.loads((src / "config.json").read_text()) if (src / "config.json").is_file() else {}
     quant = config.get("quantization_config") or (config.get("text_config") or {}).get("quantization_config") or {}
-    method = quant.get("quant_method", "fp8")
-    if method != "fp8" or quant.get("fmt", "e4m3") != "e4m3":
-        raise ValueError(f"{src}/config.json: quantization_config {quant!r}; only fp8 (e4m3) block scales are read")
-    rows, cols = quant.get("weight_block_size", [128, 128])
+    if quant and (quant.get("quant_method", "fp8") != "fp8" or quant.get("fmt", "e4m3") != "e4m3"
+                  or quant.get("expert_dtype", "fp8") not in ("fp8", "fp4")):
+        raise ValueError(f"{src}/config.json: quantization_config {quant!r}; only DeepSeek's fp8 (e4m3) block scales "
+                         "with fp8 or fp4 experts are read")
+    return quant
+
+
+def fp8_block(src: Path) -> tuple[int, int]:
+    """The [rows, columns] block of the directory's FP8 block-scaled matrices: `quantization_config`'s
+    `weight_block_size` (DeepSeek's [128, 128] by default)."""
+    rows, cols = quantization(src).get("weight_block_size", list(hf_quant.BLOCK))
     return int(rows), int(cols)
 
 
@@ -343,10 +388,23 @@ class _Files:
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self.slice(name).get_shape())
 
+    def scale_name(self, name: str) -> str | None:
+        """The scales of quantised weight `name` in the directory: `<m>.scale` (V4's files; an Engram table's
+        `engram.embed.scale`) or `<m>.weight_scale_inv` (V3's); None when neither is there."""
+        for scale in (name[:-len(".weight")] + ".scale" if name.endswith(".weight") else None, name + "_scale_inv"):
+            if scale in self.where:
+                return scale
+        return None
+
+
+_PACKED = ("I8", "U8")  # an FP4-packed weight: two E2M1 codes a byte
+_QUANTISED = ("F8_E4M3",) + _PACKED
+
 
 def import_plan(cfg: ModelConfig, src: Path) -> tuple[list[tuple[str, tuple[int, ...], torch.dtype]], list[str]]:
-    """Check that the HF directory holds every tensor of `cfg`'s model with its shape. Returns the model's tensors and
-    the messages on what the directory holds that Cedar does not (dropped tensors, by kind)."""
+    """Check that the HF directory holds every tensor of `cfg`'s model with its shape (an FP4-packed one with half
+    the columns), and the scales of every quantised one. Returns the model's tensors and the messages on what the
+    directory holds that Cedar does not (dropped tensors, by kind)."""
     where = weight_map(src)
     files = _Files(src, where)
     model = _model_shapes(cfg)
@@ -357,27 +415,30 @@ def import_plan(cfg: ModelConfig, src: Path) -> tuple[list[tuple[str, tuple[int,
     missing = [n for n in wanted if n not in where]
     if missing:
         raise ValueError(f"{src}: no tensor {missing[0]!r} ({len(missing)} of the model's {len(wanted)} missing)")
+    scales = set()
     for n, (_, shape) in wanted.items():
-        got = files.shape(n)
-        if got != shape:
+        got, dtype = files.shape(n), files.dtype(n)
+        packed = dtype in _PACKED and shape and got == hf_quant.stored_shape("fp4", shape)
+        if got != shape and not packed:
             raise ValueError(f"{src}: {n} has shape {list(got)}, the model config gives {list(shape)}")
-        if files.dtype(n) == "F8_E4M3":
-            scale = n[:-len("weight")] + "scale" if n.endswith(".engram.embed.weight") else n + "_scale_inv"
-            if scale not in where:
-                raise ValueError(f"{src}: {n} is fp8 but its scales {scale!r} are missing")
+        if dtype in _QUANTISED:
+            scale = files.scale_name(n)
+            if scale is None:
+                raise ValueError(f"{src}: {n} is {'fp4-packed' if packed else 'fp8'} but its scales "
+                                 f"({n[:-len('weight')]}scale or {n}_scale_inv) are missing")
+            scales.add(scale)
     dropped: dict[str, int] = {}
     for n in where:
-        if n in wanted or (n.endswith("_scale_inv") and n[:-len("_scale_inv")] in wanted):
+        if n in wanted or n in scales:
             continue
         why = dropped_reason(n)
-        if why is None and not n.endswith(".engram.embed.scale"):
+        if why is None:
             try:
                 cedar_name(n)
                 why = "not a tensor of this model config"
             except KeyError:
                 why = "not a DeepSeek-V4.1 tensor"
-        if why is not None:
-            dropped[why] = dropped.get(why, 0) + 1
+        dropped[why] = dropped.get(why, 0) + 1
     return model, [f"dropped {k} tensor(s): {why}" for why, k in dropped.items()]
 
 
@@ -395,24 +456,22 @@ def _read_hf(files: _Files, name: str, shape: tuple[int, ...], dtype: torch.dtyp
 
 
 def _cast(files: _Files, name: str, piece: torch.Tensor, dtype: torch.dtype, rows=None) -> torch.Tensor:
-    """A piece (rows [a, b) of HF tensor `name`, or all of it) dequantised where the file holds it quantised, cast to
-    `dtype`: an fp8 Engram table times its per-32-channel scales (A8); an fp8 matrix times its block scales
-    (`<name>_scale_inv`, one per `files.block` block: DeepSeek's convention for its FP8 releases)."""
-    if piece.dtype == torch.float8_e4m3fn and not name.endswith(".engram.embed.weight"):
-        if piece.dim() != 2:
-            raise ValueError(f"{name}: an fp8 tensor of {piece.dim()} dimensions (block scales are for matrices)")
+    """A piece (rows [a, b) of HF tensor `name`, or all of it) dequantised where the file holds it quantised
+    (model/hf_quant.py: an FP8 block-scaled matrix, an FP4-packed expert, an FP8 Engram table), cast to `dtype`."""
+    if piece.dtype in (torch.float8_e4m3fn, torch.int8, torch.uint8):
+        scale = files.slice(files.scale_name(name))
         a, b = rows if rows else (0, piece.shape[0])
-        bo, bi = files.block
-        scale = files.slice(name + "_scale_inv")[a // bo:(b - 1) // bo + 1].float()  # the blocks rows a..b-1 touch
-        scale = scale.repeat_interleave(bo, 0)[a - (a // bo) * bo:][:b - a]
-        piece = piece.float() * scale.repeat_interleave(bi, 1)[:, :piece.shape[1]]
-    elif piece.dtype == torch.float8_e4m3fn:
-        scale = files.slice(name[:-len("weight")] + "scale")
-        scale = scale[rows[0]:rows[1]] if rows else scale[:]
-        block = piece.shape[-1] // scale.shape[-1]  # 32 channels a scale (A8)
-        piece = piece.float() * scale.float().repeat_interleave(block, dim=-1)
+        if piece.dtype != torch.float8_e4m3fn:
+            piece = hf_quant.dequantise_fp4(piece, scale[a:b])
+        elif name.endswith(".engram.embed.weight"):
+            piece = hf_quant.dequantise_rows(piece, scale[a:b])
+        else:
+            if piece.dim() != 2:
+                raise ValueError(f"{name}: an fp8 tensor of {piece.dim()} dimensions (block scales are for matrices)")
+            bo = files.block[0]
+            piece = hf_quant.dequantise_block(piece, scale[a // bo:(b - 1) // bo + 1], a, files.block)
     elif not piece.dtype.is_floating_point:
-        raise ValueError(f"{name}: dtype {piece.dtype} (a packed or quantised format) is not imported yet")
+        raise ValueError(f"{name}: dtype {piece.dtype} is not a format the import reads")
     return piece.to(dtype)
 
 

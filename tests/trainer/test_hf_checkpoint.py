@@ -304,3 +304,92 @@ def test_fp8_block_scaled_matrices_are_dequantised(tmp_path):
     (src / INDEX).write_text(json.dumps(index))
     with pytest.raises(ValueError, match="is fp8 but its scales"):
         import_(src, tmp_path / "imp2", cfg)
+
+
+def _decode_fp4(packed: torch.Tensor) -> torch.Tensor:
+    """E2M1 codes two a byte (element 2i in the low nibble) -> float32, written from the format alone."""
+    grid = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+    table = torch.tensor(grid + [-g for g in grid])
+    b = packed.view(torch.uint8).long()
+    return torch.stack([table[b % 16], table[b // 16]], dim=-1).flatten(-2)
+
+
+def test_released_quantised_formats_both_ways(tmp_path):
+    """quant=released writes the released kinds (FP4-packed routed experts with a ue8m0 scale per 32 channels of a
+    row, FP8 128 x 128 blocks for the linear layers' other matrices, FP8 Engram rows; the embedding, head, router,
+    gates and norms in bf16, the fp32-kept tensors in fp32), config.json's quantization_config says so, and the
+    import reads them back: each weight is its code times its scale (decoded here from the format), within the
+    format's rounding of the original, and the dequantised weights are a fixed point of export + import."""
+    ckpt, cfg, state = _random_checkpoint(tmp_path)
+    small = dict(max_shard_bytes=2 * 2**20, chunk_bytes=64 * 1024)
+    index = export(ckpt, tmp_path / "q", cfg, quant="released", **small)
+    config = json.loads((tmp_path / "q" / "config.json").read_text())
+    assert config["quantization_config"] == {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                             "weight_block_size": [128, 128], "scale_fmt": "ue8m0",
+                                             "expert_dtype": "fp4"}
+    tensors = {}
+    for file in set(index["weight_map"].values()):
+        with safe_open(str(tmp_path / "q" / file), framework="pt") as f:
+            tensors.update({k: f.get_tensor(k) for k in f.keys()})
+    assert set(tensors) == set(index["weight_map"])
+    dtypes = {n: t.dtype for n, t in tensors.items()}
+    p = "model.layers.1."
+    assert dtypes[p + "ffn.experts.3.w1.weight"] == torch.int8 and tensors[p + "ffn.experts.3.w1.weight"].shape == \
+        (96, 64) and tensors[p + "ffn.experts.3.w1.scale"].shape == (96, 4)
+    assert dtypes[p + "ffn.experts.3.w1.scale"] == torch.float8_e8m0fnu
+    assert dtypes[p + "attn.wq_b.weight"] == torch.float8_e4m3fn and tensors[p + "attn.wq_b.scale"].shape == (2, 1)
+    assert dtypes[p + "engram.embed.weight"] == torch.float8_e4m3fn and tensors[p + "engram.embed.scale"].shape == \
+        (state["layers.1.engram.table"].shape[0], 1)
+    for name in ("model.embed.weight", "lm_head.weight", p + "ffn.gate.weight", p + "attn.q_norm.weight",
+                 "model.layers.2.attn.compressor.wgate.weight", "model.layers.2.attn.indexer.weights_proj.weight"):
+        assert dtypes[name] == torch.bfloat16, name
+    assert dtypes[p + "hc_attn_fn"] == dtypes[p + "attn.attn_sink"] == dtypes[p + "ffn.gate.bias"] == torch.float32
+    # the data: sizes are the codes and scales, nothing more
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in tensors.values())
+
+    imported = import_(tmp_path / "q", tmp_path / "imp", cfg, chunk_bytes=64 * 1024)
+    back = _load(imported, cfg)
+    # an FP4 expert: code x 2^(e - 127), error at most a scale step
+    codes, e8 = tensors[p + "ffn.experts.3.w1.weight"], tensors[p + "ffn.experts.3.w1.scale"]
+    scale = torch.exp2(e8.view(torch.uint8).float() - 127).repeat_interleave(32, dim=1)
+    assert torch.equal(back["layers.1.ffn.experts.w1"][3], _decode_fp4(codes) * scale)
+    assert ((back["layers.1.ffn.experts.w1"][3] - state["layers.1.ffn.experts.w1"][3]).abs() <= scale).all()
+    # an FP8 block matrix (256 x 64: two row blocks) and an FP8 Engram table
+    for name, hf_name, rows, cols in (("layers.1.attn.wq_b.weight", p + "attn.wq_b", 128, 128),
+                                      ("layers.1.engram.table", p + "engram.embed", 1, 32)):
+        codes, e8 = tensors[hf_name + ".weight"], tensors[hf_name + ".scale"]
+        scale = torch.exp2(e8.view(torch.uint8).float() - 127).repeat_interleave(rows, 0).repeat_interleave(cols, 1)
+        scale = scale[:codes.shape[0], :codes.shape[1]]
+        assert torch.equal(back[name], codes.float() * scale), name
+        assert ((back[name] - state[name]).abs() <= state[name].abs() / 16 + scale * 2**-9).all(), name
+    for k in ("embed.weight", "layers.1.ffn.gate.weight", "layers.2.attn.compressor.wgate.weight"):
+        assert torch.equal(back[k], state[k].to(torch.bfloat16).float()), k
+    assert torch.equal(back["layers.1.hc_attn.fn"], state["layers.1.hc_attn.fn"])
+
+    # the dequantised weights export and import to themselves
+    export(imported, tmp_path / "q2", cfg, quant="released", **small)
+    again = _load(import_(tmp_path / "q2", tmp_path / "imp2", cfg), cfg)
+    assert all(torch.equal(again[k], back[k]) for k in back)
+
+
+def test_v3_scale_names_and_fp32_scales_are_read(tmp_path):
+    """DeepSeek-V3's convention (`<m>.weight_scale_inv`, fp32 scales) and uint8 exponent bytes read like V4's."""
+    ckpt, cfg, state = _random_checkpoint(tmp_path)
+    src = tmp_path / "q"
+    index = export(ckpt, src, cfg, quant="released")
+    name = "model.layers.0.ffn.experts.5.w2"
+    for file in set(index["weight_map"].values()):
+        with safe_open(str(src / file), framework="pt") as f:
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+        if name + ".scale" in tensors:
+            want = _decode_fp4(tensors[name + ".weight"]) * tensors[name + ".scale"].float().repeat_interleave(32, 1)
+            tensors[name + ".weight_scale_inv"] = tensors.pop(name + ".scale").float()
+            index["weight_map"][name + ".weight_scale_inv"] = index["weight_map"].pop(name + ".scale")
+            engram = "model.layers.1.engram.embed.scale"
+            if engram in tensors:
+                tensors[engram] = tensors[engram].view(torch.uint8)  # exponent bytes
+            save_file(tensors, str(src / file))
+    (src / INDEX).write_text(json.dumps(index))
+    back = _load(import_(src, tmp_path / "imp", cfg), cfg)
+    assert torch.equal(back["layers.0.ffn.experts.w2"][5], want)
+    assert (back["layers.1.engram.table"] - state["layers.1.engram.table"]).abs().max() > 0  # dequantised, not raw
