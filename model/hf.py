@@ -175,6 +175,15 @@ _CONFIG_KEYS = {
     "rms_norm_eps": "norm_eps",
     "initializer_range": "init_std",
     "tie_word_embeddings": "tie_embeddings",
+    # DSpark (A1): the reference's names where it has them; the drafter's MoE size and window under names of ours
+    "num_nextn_predict_layers": "dspark.num_layers",
+    "dspark_target_layer_ids": "dspark.target_layers",
+    "block_size": "dspark.block_size",
+    "noise_token": "dspark.noise_token",
+    "markov_rank": "dspark.markov_rank",
+    "dspark_n_routed_experts": "dspark.num_experts",
+    "dspark_num_experts_per_tok": "dspark.experts_per_token",
+    "dspark_sliding_window": "dspark.window",
 }
 # what the reference computes one way only: the config must say it, or say nothing (its default)
 _FIXED = {
@@ -214,7 +223,6 @@ def hf_config(cfg: ModelConfig) -> dict:
     out["rope_scaling"] = {"rope_type": "yarn", "factor": a.yarn_factor, "beta_fast": a.yarn_beta_fast,
                            "beta_slow": a.yarn_beta_slow, "original_max_position_embeddings": a.yarn_original_max_pos}
     out["engram_num_embeddings"] = [engram_table_rows(cfg.engram, layer) for layer in cfg.engram.layers]
-    out["num_nextn_predict_layers"] = 0  # no draft layers in the file (DSpark is not modelled yet)
     if cfg.image_token_id >= 0:
         out["image_token_id"] = cfg.image_token_id
     out["torch_dtype"] = "bfloat16"
