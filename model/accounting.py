@@ -158,7 +158,24 @@ def summary(model: nn.Module) -> dict:
     out.update(kv_bytes(model))
     out["decode_flops_per_token_4k"] = decode_flops_per_token(model, 4096)
     out["decode_flops_per_token_1m"] = decode_flops_per_token(model, 1 << 20)
+    if model.cfg.dspark.target_layers:
+        out.update(dspark_parameters(model.cfg))
     return out
+
+
+def dspark_parameters(cfg) -> dict[str, float]:
+    """The drafter's parameters (model/dspark.py; built on the meta device): all of them, its routed experts, and
+    those one drafted token reads (the routed experts times top-k / num_experts; the Markov tables one row each)."""
+    from model.dspark import DSpark
+
+    with torch.device("meta"):
+        d = DSpark(cfg)
+    routed = sum(_numel(layer.ffn.experts.parameters()) for layer in d.layers)
+    markov = d.markov_in.weight.numel()
+    total = _numel(d.parameters())
+    k, e = cfg.dspark.experts_per_token, cfg.dspark.num_experts
+    return {"params_dspark": total, "params_dspark_routed_experts": routed,
+            "params_dspark_active": total - routed + routed * k / e - markov + cfg.dspark.markov_rank}
 
 
 def train_flops_per_token(model: nn.Module, seq_len: int) -> float:

@@ -7,6 +7,7 @@ Every field documents where its value comes from (SPEC.md / REFERENCE.md) or why
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import List
 
 from config_checks import at_least, check_choices, choice_field, positive
 
@@ -176,6 +177,37 @@ class QuantConfig:
 
 
 @dataclass
+class DSparkConfig:
+    """DSpark, the speculative-decoding drafter (SPEC 1.6, REFERENCE B6; model/dspark.py): `num_layers` SWA blocks
+    fed from the backbone's `target_layers`, one forward drafting `block_size` tokens, a Markov head and a confidence
+    head. It shares the backbone's embedding, head, attention shape and mHC; its MoE is its own size."""
+
+    num_layers: int = 3
+    """draft blocks (the reference's num_nextn_predict_layers)"""
+    target_layers: List[int] = field(default_factory=lambda: [37, 38, 39])
+    """backbone layers whose entering residual (the mean over mHC streams) makes the drafter's context; the
+    reference's default: the last three layers that are not KV sources. [] = none (no drafter in this config)"""
+    block_size: int = 5
+    """draft tokens per forward: the anchor (last accepted token) and block_size - 1 noise tokens"""
+    window: int = 128
+    """context positions each draft query sees (the last `window` before the anchor); at most the backbone's
+    window (serving keeps the backbone's hidden states of the last window rows only, REFERENCE B3)"""
+    markov_rank: int = 256
+    """the Markov head's rank: logits_k += W2 W1[x_{k-1}]"""
+    noise_token: int = 128_799
+    """the token id filling the block's slots after the anchor"""
+    num_experts: int = 128
+    experts_per_token: int = 3
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "block_size", "window", "markov_rank", "num_experts", "experts_per_token"):
+            positive(f"model.dspark.{name}", getattr(self, name))
+        if self.experts_per_token > self.num_experts:
+            raise ValueError(f"model.dspark.experts_per_token={self.experts_per_token} exceeds num_experts="
+                             f"{self.num_experts}")
+
+
+@dataclass
 class ModelConfig:
     name: str = "v41_flash"
     vocab_size: int = 129_280
@@ -198,6 +230,7 @@ class ModelConfig:
     mhc: MHCConfig = field(default_factory=MHCConfig)
     engram: EngramConfig = field(default_factory=EngramConfig)
     quant: QuantConfig = field(default_factory=QuantConfig)
+    dspark: DSparkConfig = field(default_factory=DSparkConfig)
 
     def __post_init__(self) -> None:
         check_choices(self, "model")
@@ -207,6 +240,16 @@ class ModelConfig:
             raise ValueError(
                 f"model.num_encoder_layers={self.num_encoder_layers} must be < num_layers={self.num_layers}"
             )
+        d = self.dspark
+        if any(not 0 <= i < self.num_layers for i in d.target_layers) or len(set(d.target_layers)) != len(
+                d.target_layers):
+            raise ValueError(f"model.dspark.target_layers={list(d.target_layers)}: distinct layers in [0, "
+                             f"{self.num_layers})")
+        if d.window > self.attention.window:
+            raise ValueError(f"model.dspark.window={d.window} exceeds model.attention.window={self.attention.window}")
+        if d.target_layers and not 0 <= d.noise_token < self.vocab_size:
+            raise ValueError(f"model.dspark.noise_token={d.noise_token} is not an id of the vocabulary "
+                             f"({self.vocab_size})")
         if len(self.csa2.compress_ratios) != self.num_layers:
             raise ValueError(
                 f"model.csa2.compress_ratios has {len(self.csa2.compress_ratios)} entries, "

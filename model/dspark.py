@@ -1,0 +1,233 @@
+"""DSpark, the speculative-decoding drafter (SPEC 1.6, REFERENCE B6): `model.dspark.num_layers` SWA blocks that
+draft a block of `block_size` tokens in one forward, fed from the frozen backbone's hidden states.
+
+Shape legend: B sequences, A anchors per sequence, K block_size, W the drafter's context window, n mHC streams,
+dim hidden width, V vocabulary, r the Markov head's rank, L the number of target layers.
+
+- Context: main_x = RMSNorm(W_main [a_l1; a_l2; ...]) per position, where a_l is the residual entering backbone
+  layer l (`target_layers`), averaged over its mHC streams (`stream_means`). Each draft block projects its own
+  context KV from main_x (its wkv, kv_norm, RoPE, the SWA fake-quant).
+- Block: the anchor (the last accepted token, at position a) and K - 1 noise tokens, at positions a .. a + K - 1;
+  slot k predicts the token at a + k + 1 ("anchor as the first prediction"). The slots start as the backbone's
+  (shared, frozen) embedding and run through the blocks: mHC, attention, MoE, as a backbone layer ("main" RoPE, no
+  compressed KV). A slot attends to the context positions [a - W, a - 1] (the backbone has not seen the anchor yet)
+  and to every slot of its own block (non-causal inside the block), plus the sink.
+- Heads: U_k = head(norm(h_k)) through the backbone's (shared, frozen) head; the Markov head adds W2 W1[x_k], x_k
+  the token before slot k's target (the anchor for k = 0; the ground truth in training, the previous draft when
+  drafting); the confidence head c_k = sigmoid(w [norm(h_k); W1[x_k]] + b) predicts that draft k survives
+  verification.
+
+The drafter owns neither the embedding nor the head: its state dict is the drafter's own weights.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from model import kernels as kern
+from model import mhc
+from model.attention import CSA2Attention, attend
+from model.common import RMSNorm, init_linear, init_normal, linear, local
+from model.config import ModelConfig
+from model.layer_plan import LayerSpec
+from model.moe import MoE
+from model.rope import rope_tables
+
+__all__ = ["DSpark", "DraftOutput", "drafter_config", "stream_means", "acceptance_length"]
+
+
+def drafter_config(cfg: ModelConfig) -> ModelConfig:
+    """The model config the draft blocks are built from: the backbone's, with the drafter's MoE size."""
+    d = cfg.dspark
+    if not d.target_layers:
+        raise ValueError(f"model {cfg.name}: model.dspark.target_layers is empty, so it has no drafter")
+    return dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, num_experts=d.num_experts,
+                                                            experts_per_token=d.experts_per_token))
+
+
+@contextmanager
+def stream_means(backbone: nn.Module, layers):
+    """Within the block, every forward of `backbone` (a Transformer) writes into the yielded dict {layer: [B, T, dim]}
+    the residual entering each of `layers`, averaged over its mHC streams (forward pre-hooks on those blocks)."""
+    found: dict[int, torch.Tensor] = {}
+    handles = []
+    for i in layers:
+        def hook(module, args, i=i):
+            found[i] = args[0].float().mean(dim=-2).to(args[0].dtype)  # S [B, T, n, dim] -> [B, T, dim]
+        handles.append(backbone.layers[i].register_forward_pre_hook(hook))
+    try:
+        yield found
+    finally:
+        for h in handles:
+            h.remove()
+
+
+class DraftBlock(kern.KernelPath, nn.Module):
+    """One draft block: the backbone block's sites and modules, attention over the context and the block."""
+
+    def __init__(self, cfg: ModelConfig, index: int):
+        super().__init__()
+        spec = LayerSpec(index=index, is_decoder=True, role="swa", ratio=0, kv_source=None, index_source=None,
+                         builds_pool=False, uses_pool=False, engram=False, rope="main")
+        self.cfg, self.impl, self.kernels = cfg, cfg.mhc.impl, cfg.kernels
+        self.hc_attn = mhc.HCSite(cfg.dim, cfg.mhc, cfg.norm_eps)
+        self.hc_ffn = mhc.HCSite(cfg.dim, cfg.mhc, cfg.norm_eps)
+        self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attn = CSA2Attention(cfg, spec)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.ffn = MoE(cfg.dim, cfg.moe, cfg.init_std)
+        self._resolve_kernel_path()
+
+    def _kernel_device(self) -> torch.device:
+        return self.attn_norm.weight.device
+
+    def init_weights(self) -> None:
+        std = self.cfg.init_std
+        self.hc_attn.init_weights(std)
+        self.hc_ffn.init_weights(std)
+        self.attn_norm.init_weights()
+        self.ffn_norm.init_weights()
+        self.attn.init_weights()
+        self.ffn.init_weights()
+
+    def context_kv(self, main_x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """main_x [..., T, dim] at `positions` [..., T] -> this block's context KV [..., T, D] (rotated, quantised
+        as the backbone's window KV)."""
+        cos, sin = rope_tables(self.cfg.attention, "main", positions, main_x.dtype)
+        quant = "fp8" if self.cfg.quant.swa_kv == "fp8" else None
+        return kern.norm_rope_quant(self.attn.wkv(main_x), self.attn.kv_norm, cos, sin, quant, "reference")
+
+    def forward(self, S, pre_prev, positions, ctx_kv, ctx_visible):
+        """S [N, K, n, dim] the block's streams; pre_prev the previous site's `pre`; positions [N, K]; ctx_kv [N, W, D]
+        the context KV each block sees, ctx_visible [N, W] which of it exists. Returns (S, pre)."""
+        attn = self.attn
+        ca = self.hc_attn(S)
+        x = self.attn_norm(mhc.collapse(S, pre_prev))  # [N, K, dim]
+        cos, sin = rope_tables(self.cfg.attention, "main", positions, x.dtype)
+        _, q = attn._queries(x, cos, sin)  # [N, K, H, D]
+        quant = "fp8" if self.cfg.quant.swa_kv == "fp8" else None
+        kv_block = kern.norm_rope_quant(attn.wkv(x), attn.kv_norm, cos, sin, quant, "reference")  # [N, K, D]
+        keys = torch.cat((ctx_kv.to(kv_block.dtype), kv_block), dim=1)  # [N, W + K, D]
+        N, K = positions.shape
+        visible = torch.cat((ctx_visible[:, None, :].expand(N, K, -1),
+                             torch.ones(N, K, K, dtype=torch.bool, device=x.device)), dim=-1)  # [N, K, W + K]
+        out, _ = attend(q, keys, None, visible, None, local(attn.attn_sink))
+        y = attn._project_out(out, cos, sin)
+        S, x, cf = mhc.mhc_step(self.impl, y, S, ca, ca.pre, self.hc_ffn, self.kernel_path)
+        y, _, _ = self.ffn(self.ffn_norm(x))
+        return mhc.expand(y, S, cf.post, cf.comb), cf.pre
+
+
+@dataclass
+class DraftOutput:
+    logits: torch.Tensor  # [B, A, K, V] fp32: the Markov-corrected draft logits
+    confidence: torch.Tensor  # [B, A, K] fp32 logits of the confidence head (sigmoid: P(draft k survives))
+    hidden: torch.Tensor  # [B, A, K, dim] the blocks' final hidden states (after the drafter's norm)
+
+
+class DSpark(nn.Module):
+    """The drafter of `cfg` (a backbone ModelConfig whose `dspark` section is set)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        d = cfg.dspark
+        self.cfg, self.dcfg = cfg, drafter_config(cfg)
+        self.main_proj = linear(len(d.target_layers) * cfg.dim, cfg.dim)
+        self.main_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.layers = nn.ModuleList(DraftBlock(self.dcfg, cfg.num_layers + i) for i in range(d.num_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.markov_in = nn.Embedding(cfg.vocab_size, d.markov_rank)  # W1
+        self.markov_out = linear(d.markov_rank, cfg.vocab_size)  # W2
+        self.confidence = nn.Linear(cfg.dim + d.markov_rank, 1)
+
+    def init_weights(self) -> None:
+        std = self.cfg.init_std
+        init_linear(self.main_proj, std)
+        self.main_norm.init_weights()
+        self.norm.init_weights()
+        for layer in self.layers:
+            layer.init_weights()
+        init_normal(self.markov_in.weight, std)
+        nn.init.zeros_(self.markov_out.weight)  # the Markov term starts at 0: the draft logits are the head's
+        init_linear(self.confidence, std)
+        nn.init.zeros_(self.confidence.bias)
+
+    def moe_layers(self) -> list[MoE]:
+        return [layer.ffn for layer in self.layers]
+
+    def context(self, means: dict[int, torch.Tensor]) -> torch.Tensor:
+        """{target layer: [B, T, dim]} (`stream_means`) -> main_x [B, T, dim]."""
+        cat = torch.cat([means[i] for i in self.cfg.dspark.target_layers], dim=-1)
+        return self.main_norm(self.main_proj(cat))
+
+    def forward(self, embed: nn.Module, head: nn.Module, main_x: torch.Tensor, anchors: torch.Tensor,
+                anchor_tokens: torch.Tensor, prev_tokens: torch.Tensor) -> DraftOutput:
+        """main_x [B, T, dim] the context (`context`) at positions 0..T-1; anchors [B, A] the anchors' positions;
+        anchor_tokens [B, A] their tokens; prev_tokens [B, A, K] the token before each slot's target (the anchor,
+        then the ground truth or the drafts). embed, head: the backbone's. Returns the block's `DraftOutput`."""
+        d, dim = self.cfg.dspark, self.cfg.dim
+        B, A = anchors.shape
+        K, W = d.block_size, d.window
+        offsets = torch.arange(K, device=anchors.device)
+        positions = (anchors[..., None] + offsets).flatten(0, 1)  # [N, K], N = B * A
+        ctx_pos = anchors[..., None] - W + torch.arange(W, device=anchors.device)  # [B, A, W]: a - W .. a - 1
+        ctx_visible = (ctx_pos >= 0).flatten(0, 1)  # [N, W]
+        gather = ctx_pos.clamp_min(0).flatten(1)  # [B, A * W]
+
+        noise = torch.full((B, A, K - 1), d.noise_token, dtype=anchor_tokens.dtype, device=anchor_tokens.device)
+        tokens = torch.cat((anchor_tokens[..., None], noise), dim=-1).flatten(0, 1)  # [N, K]
+        S = mhc.init_streams(embed(tokens), self.cfg.mhc.num_streams)  # [N, K, n, dim]
+        pre = mhc.first_pre(self.cfg.mhc.num_streams, device=S.device)
+        all_pos = torch.arange(main_x.shape[1], device=main_x.device)
+        for layer in self.layers:
+            kv = layer.context_kv(main_x, all_pos)  # [B, T, D]: every position once, then each anchor's window
+            ctx_kv = kv.gather(1, gather[..., None].expand(-1, -1, kv.shape[-1])).unflatten(1, (A, W)).flatten(0, 1)
+            S, pre = layer(S, pre, positions, ctx_kv, ctx_visible)
+        h = self.norm(mhc.collapse(S, pre))  # [N, K, dim]
+        prev = self.markov_in(prev_tokens.flatten(0, 1))  # [N, K, r]
+        logits = head(h).float() + self.markov_out(prev).float()
+        confidence = self.confidence(torch.cat((h, prev.to(h.dtype)), dim=-1)).squeeze(-1).float()
+        return DraftOutput(logits.unflatten(0, (B, A)), confidence.unflatten(0, (B, A)), h.unflatten(0, (B, A)))
+
+
+def acceptance_length(alpha: torch.Tensor) -> torch.Tensor:
+    """Per-slot acceptance probabilities alpha [..., K] -> the expected tokens a verification yields,
+    tau = 1 + sum_k prod_{j <= k} alpha_j (REFERENCE B6) [...]."""
+    return 1 + torch.cumprod(alpha, dim=-1).sum(-1)
+
+
+@dataclass
+class DraftLoss:
+    """DeepSpec's drafter objective (REFERENCE B6) of one batch: `loss` (the weighted sum, divided by `weight`, the
+    weights' sum, which the caller may replace by the global batch's), and the per-anchor figures."""
+
+    loss: torch.Tensor  # scalar: sum of the weighted terms / weight
+    weight: torch.Tensor  # scalar: the sum of the slots' weights
+    terms: dict[str, torch.Tensor]  # "ce", "l1", "conf": each term's weighted sum (not divided)
+    alpha: torch.Tensor  # [B, A, K] the acceptance probabilities 1 - TV(p_draft, p_target), 0 past the valid prefix
+    predicted: torch.Tensor  # [B, A, K] sigmoid of the confidence head, 0 past the valid prefix
+
+
+def draft_loss(out: DraftOutput, target_logits: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor, *,
+               ce: float = 0.1, l1: float = 0.9, conf: float = 1.0, gamma: float = 4.0) -> DraftLoss:
+    """out: the drafter's block [B, A, K, V]; target_logits [B, A, K, V] the backbone's logits at the same positions
+    (its distribution of the token each slot drafts); targets [B, A, K] those tokens; valid [B, A, K] a contiguous
+    prefix per anchor (the slots whose target exists). L = sum_k w_k (ce CE + l1 |p_d - p_t|_1 + conf BCE(c_k,
+    alpha_k)), w_k = valid x exp(-k / gamma), alpha_k = clamp(1 - |p_d - p_t|_1 / 2, 0, 1) detached."""
+    K = out.logits.shape[-2]
+    log_pd = out.logits.float().log_softmax(-1)
+    p_t = target_logits.float().softmax(-1)
+    dist = (log_pd.exp() - p_t).abs().sum(-1)  # [B, A, K] the L1 distance
+    alpha = (1 - dist.detach() / 2).clamp(0, 1)
+    w = valid.float() * torch.exp(-torch.arange(K, device=dist.device, dtype=torch.float32) / gamma)
+    ce_k = -log_pd.gather(-1, targets.clamp_min(0)[..., None]).squeeze(-1)
+    bce_k = torch.nn.functional.binary_cross_entropy_with_logits(out.confidence.float(), alpha, reduction="none")
+    terms = {"ce": (w * ce_k).sum(), "l1": (w * dist).sum(), "conf": (w * bce_k).sum()}
+    weight = w.sum()
+    loss = (ce * terms["ce"] + l1 * terms["l1"] + conf * terms["conf"]) / weight.clamp_min(1e-9)
+    return DraftLoss(loss, weight, terms, alpha * valid, torch.sigmoid(out.confidence.detach().float()) * valid)
