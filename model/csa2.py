@@ -54,8 +54,10 @@ class Compressor(nn.Module):
             h = h[:, : E * m]
             # the reference pools in fp32 (weights upcast): the gate softmax over 2 tokens is precision-sensitive
             with full_precision(h.device.type):  # fp32 under a bf16 autocast too
-                kv = nn.functional.linear(h.float(), self.wkv.weight.float()).view(B, E, m, -1)
-                gate = nn.functional.linear(h.float(), self.wgate.weight.float()).view(B, E, m, -1)
+                kv = nn.functional.linear(h.float(), self.wkv.weight.float())
+                gate = nn.functional.linear(h.float(), self.wgate.weight.float())
+                # (the width named: with no whole group yet, E = 0 and a -1 would be ambiguous)
+                kv, gate = kv.view(B, E, m, kv.shape[-1]), gate.view(B, E, m, gate.shape[-1])
             latent = (gate.softmax(dim=2) * kv).sum(dim=2).to(h.dtype)  # [B, E, D]
         return self.norm(latent) if norm else latent
 

@@ -59,6 +59,17 @@ def test_causal_for_every_layer_kind(variant):
         assert not torch.allclose(logits[:, p], ref_logits[:, p])  # the change itself is visible
 
 
+def test_sequences_shorter_than_a_group(tiny):
+    """1 to 3 tokens (no whole ratio-2 group at 1: no compressed entry yet, nothing published) give the logits of the
+    same tokens at the start of a longer sequence."""
+    ids = _ids(B=2)[:, :9]
+    tiny.eval()
+    with torch.no_grad():
+        full = tiny(ids)
+        for t in (1, 2, 3):
+            torch.testing.assert_close(tiny(ids[:, :t]), full[:, :t], rtol=0, atol=1e-5)
+
+
 def test_reuse_layers_own_no_kv_or_indexer(tiny):
     for layer in tiny.layers:
         names = {n for n, _ in layer.attn.named_parameters()}
