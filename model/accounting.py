@@ -158,7 +158,7 @@ def summary(model: nn.Module) -> dict:
     out.update(kv_bytes(model))
     out["decode_flops_per_token_4k"] = decode_flops_per_token(model, 4096)
     out["decode_flops_per_token_1m"] = decode_flops_per_token(model, 1 << 20)
-    if model.cfg.dspark.target_layers:
+    if model.cfg.dspark.target_layers and all(i < model.cfg.num_layers for i in model.cfg.dspark.target_layers):
         out.update(dspark_parameters(model.cfg))
     return out
 

@@ -46,6 +46,13 @@ def drafter_config(cfg: ModelConfig) -> ModelConfig:
     d = cfg.dspark
     if not d.target_layers:
         raise ValueError(f"model {cfg.name}: model.dspark.target_layers is empty, so it has no drafter")
+    if any(not 0 <= i < cfg.num_layers for i in d.target_layers) or len(set(d.target_layers)) != len(d.target_layers):
+        raise ValueError(f"model.dspark.target_layers={list(d.target_layers)}: distinct layers in [0, "
+                         f"{cfg.num_layers})")
+    if d.window > cfg.attention.window:
+        raise ValueError(f"model.dspark.window={d.window} exceeds model.attention.window={cfg.attention.window}")
+    if not 0 <= d.noise_token < cfg.vocab_size:
+        raise ValueError(f"model.dspark.noise_token={d.noise_token} is not an id of the vocabulary ({cfg.vocab_size})")
     return dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, num_experts=d.num_experts,
                                                             experts_per_token=d.experts_per_token))
 

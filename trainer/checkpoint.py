@@ -403,7 +403,9 @@ class _ReusedStager(BlockingAsyncStager):
     def stage(self, state_dict):
         from torch.distributed._state_dict_utils import CompanionMismatch, _copy_state_dict, _create_cpu_state_dict
 
-        tensors = list(_tensors(state_dict))
+        from torch.utils._pytree import tree_leaves
+
+        tensors = [t for t in tree_leaves(state_dict) if isinstance(t, torch.Tensor)]
         cuda = any(t.is_cuda for t in tensors)
         shapes = [(tuple(t.shape), t.dtype) for t in tensors]
         if self.state_dict_cache is not None and shapes == self._shapes:
@@ -422,18 +424,6 @@ class _ReusedStager(BlockingAsyncStager):
         if cuda:
             torch.cuda.synchronize()
         return staged
-
-
-def _tensors(obj):
-    """The tensors of a nested state dict, in its order."""
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            yield from _tensors(v)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            yield from _tensors(v)
 
 
 class Checkpointer:

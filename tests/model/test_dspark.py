@@ -159,4 +159,6 @@ def test_flagship_drafter_is_counted():
     assert drafter_config(cfg).moe.num_experts == 128 and drafter_config(cfg).moe.experts_per_token == 3
     tiny = load_config("v41_tiny")
     with pytest.raises(ValueError, match="target_layers"):
-        dataclasses.replace(tiny, dspark=dataclasses.replace(tiny.dspark, target_layers=[9, 12]))
+        drafter_config(dataclasses.replace(tiny, dspark=dataclasses.replace(tiny.dspark, target_layers=[9, 12])))
+    with pytest.raises(ValueError, match="window"):
+        drafter_config(dataclasses.replace(tiny, dspark=dataclasses.replace(tiny.dspark, window=64)))
