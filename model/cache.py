@@ -1,16 +1,24 @@
 """The inference cache: what serving keeps per request between forwards (SPEC 1.4-1.5, REFERENCE B2).
 
-Shape legend: B cache rows (requests), N stored rows of one buffer, D channels, W window, E entries, m compression
-ratio, Di indexer key width.
+Shape legend: B cache rows (requests), N stored rows of one buffer, D channels, W window, k speculation headroom
+(`spec_tokens`), R = W + k SWA ring rows, C = m - 1 + k compressor ring rows, E entries, m compression ratio, Di indexer
+key width.
 
 Per layer (`LayerCache`):
 - Full (KV-source) layers: the global KV, persistent: every compressed entry's main KV (D channels) and indexer key
   (Di channels), `max_len // m` entries per request, in the formats `model.quant.cache_main_kv` / `cache_index`
   name. These are the bytes the prefix cache keeps and `trainer.plan` counts (890 B/token at flagship dims).
-  A compression group whose last token has not arrived is held as its tokens' fp32 projections (the compressor's kv
-  and gate rows, vLLM's compressor state ring) until it closes; not persistent.
-- Every layer: its SWA KV, a ring of `window` rows (row of position p at slot p % W) in `cache_swa_kv`'s format;
+  Ratio m > 1: the compressor's fp32 projections (kv and gate rows) of the last C = m - 1 + k tokens, a ring (position
+  p at slot p % C, vLLM's compressor state ring): a group whose last token has not arrived is read from it when it
+  closes; not persistent.
+- Every layer: its SWA KV, a ring of R = window + k rows (position p at slot p % R) in `cache_swa_kv`'s format;
   short-lived (REFERENCE B2: DeepSeek keeps it in a DRAM pool with a time-to-live), never persisted.
+
+Speculative decoding (`spec_tokens` = k, the most tokens one rollback takes back: a verify forward's drafts): a verify
+forward writes the rings' slots of its positions, and `KVCache.rollback` then takes back the drafts it rejected. Both
+rings are indexed by position and hold k rows more than a decode step reads (the window, the open group), so the rows
+the kept tokens need survive the rejected tokens' writes, and a rollback only moves the counts (and blanks the global
+entries the rejected tokens closed). k = 0 (the default) is the plain cache: rings of W and m - 1 rows.
 
 Storage formats (`Store`): "none" keeps the compute dtype (the forward's values exactly), "bf16", "fp8" (E4M3
 values, one UE8M0 scale per 32 channels), "fp4" (packed E2M1 codes, one E4M3 scale per 16: main KV) and
@@ -21,8 +29,11 @@ bit for bit what the training forward used; otherwise it quantises the value the
 
 Per request the cache tracks `lengths` (tokens appended), `swa_start` (the first position whose SWA rows are in
 the ring: > 0 after a prefix-cache hit whose SWA state expired and was rebuilt by bounded replay), `entries` per
-KV source (global entries stored; a replayed span never rewrites them) and the token ids (Engram's n-gram history,
-the prefix cache's block hashes).
+KV source (global entries stored; a replayed span never rewrites them), the token ids (Engram's n-gram history,
+the prefix cache's block hashes), and for rollbacks `reached` (the longest the row has been: the rings hold the
+positions from `reached - R` or `reached - C` on) and `prefill_end` (its length after its first call, the prefill:
+a bounded-replay prefill computed the decoder's SWA rows of its last rows only, and a prefix-cache replay keeps cached
+entries ahead of its rows, so no rollback goes below it).
 
 `KVCache.rows(i, j)` is a view of requests i..j-1 sharing the buffers: the engine prefills one request at a time
 into its row and decodes all rows together.
@@ -55,6 +66,23 @@ def model_fingerprint(cfg) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+# the byte of a scale of 1 (what a row holds before it is written): E4M3 0x38, UE8M0 127
+_ONE = {torch.float8_e4m3fn: 0x38, torch.float8_e8m0fnu: 127}
+
+
+def _layout(fmt: str, dim: int, dtype: torch.dtype) -> list[tuple[int, torch.dtype, int]]:
+    """A format's buffers: (channels, dtype, the raw fill of an unwritten row) each."""
+    if fmt == "none":
+        return [(dim, dtype, 0)]
+    if fmt == "bf16":
+        return [(dim, torch.bfloat16, 0)]
+    if fmt == "fp8":
+        return [(dim, torch.float8_e4m3fn, 0), (dim // 32, torch.float8_e8m0fnu, _ONE[torch.float8_e8m0fnu])]
+    block, scale_fmt = _FP4_SCALE[fmt]
+    scale = torch.float8_e4m3fn if scale_fmt == "e4m3" else torch.float8_e8m0fnu
+    return [(dim // 2, torch.uint8, 0), (dim // block, scale, _ONE[scale])]
+
+
 class Store:
     """Rows of D channels in one storage format: logically [B, N, D], physically the format's buffers."""
 
@@ -65,22 +93,8 @@ class Store:
         if buffers is not None:
             self.buffers = buffers
             return
-        shape = (batch, rows)
-        if fmt == "none":
-            self.buffers = (torch.zeros(*shape, dim, dtype=dtype, device=device),)
-        elif fmt == "bf16":
-            self.buffers = (torch.zeros(*shape, dim, dtype=torch.bfloat16, device=device),)
-        elif fmt == "fp8":
-            self.buffers = (torch.zeros(*shape, dim, dtype=torch.float8_e4m3fn, device=device),
-                            torch.full((*shape, dim // 32), 127, dtype=torch.uint8, device=device)
-                            .view(torch.float8_e8m0fnu))
-        else:
-            block, scale_fmt = _FP4_SCALE[fmt]
-            scale = (torch.ones((*shape, dim // block), dtype=torch.float32, device=device)
-                     .to(torch.float8_e4m3fn) if scale_fmt == "e4m3" else
-                     torch.full((*shape, dim // block), 127, dtype=torch.uint8, device=device)
-                     .view(torch.float8_e8m0fnu))
-            self.buffers = (torch.zeros(*shape, dim // 2, dtype=torch.uint8, device=device), scale)
+        self.buffers = tuple(_bytes(torch.empty(batch, rows, n, dtype=dt, device=device)).fill_(fill).view(dt)
+                             for n, dt, fill in _layout(fmt, dim, dtype))
 
     def rows(self, i: int, j: int) -> "Store":
         """Rows i..j-1 of every buffer (views: writes land here)."""
@@ -126,6 +140,11 @@ class Store:
             keep = mask.view(*mask.shape, *([1] * (new.dim() - mask.dim())))
             raw[b, idx] = torch.where(keep, new, raw[b, idx])
 
+    def clear(self, batch_idx: torch.Tensor, row_idx: torch.Tensor) -> None:
+        """The rows (batch_idx[n], row_idx[n]) back to a new store's bytes."""
+        for buf, (_, _, fill) in zip(self.buffers, _layout(self.fmt, self.dim, self.dtype)):
+            _bytes(buf)[batch_idx, row_idx] = fill
+
     def read(self, idx: torch.Tensor) -> torch.Tensor:
         """idx [B, K] row indices (in range) -> [B, K, D] decoded."""
         b = torch.arange(idx.shape[0], device=idx.device)[:, None]
@@ -145,17 +164,20 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 class LayerCache:
     """One layer's part of the cache (see the module docstring)."""
 
-    swa: Store  # [B, W, D] ring
+    swa: Store  # [B, R, D] ring, position p at slot p % R
     main: Store | None = None  # Full layers: [B, max_len // m, D]
     keys: Store | None = None  # Full layers: [B, max_len // m, Di]
-    pending: torch.Tensor | None = None  # Full layers with m > 1: [B, m - 1, 2, D] fp32 (kv, gate) of an open group
+    # Full layers with m > 1: [B, C, 2, D] fp32 (kv, gate) of the last C tokens, position p at slot p % C: the open
+    # group's rows (and, with a speculation headroom, those a rollback reopens)
+    pending: torch.Tensor | None = None
     entries: torch.Tensor | None = None  # Full layers: [B] int64 global entries stored
+    ratio: int = 0  # Full layers: the compression ratio m
 
     def rows(self, i: int, j: int) -> "LayerCache":
         return LayerCache(self.swa.rows(i, j), None if self.main is None else self.main.rows(i, j),
                           None if self.keys is None else self.keys.rows(i, j),
                           None if self.pending is None else self.pending[i:j],
-                          None if self.entries is None else self.entries[i:j])
+                          None if self.entries is None else self.entries[i:j], self.ratio)
 
 
 class KVCache:
@@ -167,11 +189,15 @@ class KVCache:
     approximation the model learns to tolerate with the `bounded_replay_sim` hook); "halo" keeps the last
     W + (n - 1)(W - 1) rows, n the decoder layers after the first, enough that every layer's last W rows and the last
     row's logits are exact (vLLM's "exact halo"). Rows the decoder skipped get NaN logits.
+
+    spec_tokens: the speculation headroom k, the most tokens a `rollback` takes back (a verify forward's drafts): the
+    SWA rings get W + k rows and the compressor rings m - 1 + k (see the module docstring); 0 is the plain cache.
     """
 
     REPLAYS = ("none", "window", "halo")
 
-    def __init__(self, model, batch_size: int, max_len: int, replay: str = "halo", *, dtype=None, device=None):
+    def __init__(self, model, batch_size: int, max_len: int, replay: str = "halo", *, dtype=None, device=None,
+                 spec_tokens: int = 0):
         cfg = model.cfg
         self.cfg = cfg
         self.fingerprint = model_fingerprint(cfg)
@@ -180,6 +206,9 @@ class KVCache:
             raise CacheError(f"new_cache: replay must be one of {list(self.REPLAYS)}, got {replay!r}")
         if batch_size < 1 or max_len < 1:
             raise CacheError(f"new_cache: batch_size and max_len must be >= 1, got {batch_size} and {max_len}")
+        if not isinstance(spec_tokens, int) or spec_tokens < 0:
+            raise CacheError(f"new_cache: spec_tokens must be an int >= 0, got {spec_tokens!r}")
+        self.spec_tokens = k = spec_tokens
         weight = model.embed.weight
         dtype = dtype or weight.dtype
         device = device or weight.device
@@ -188,20 +217,23 @@ class KVCache:
         index_fmt = "fp4_ue8m0" if q.cache_index == "fp4" else q.cache_index
         self.layers: dict[int, LayerCache] = {}
         for spec in model.plan:
-            lc = LayerCache(Store(q.cache_swa_kv, batch_size, a.window, a.head_dim, dtype, device))
+            lc = LayerCache(Store(q.cache_swa_kv, batch_size, a.window + k, a.head_dim, dtype, device))
             if spec.owns_kv:
                 n = max_len // spec.ratio
                 lc.main = Store(q.cache_main_kv, batch_size, n, a.head_dim, dtype, device)
                 lc.keys = Store(index_fmt, batch_size, n, c.index_head_dim, dtype, device)
                 lc.entries = torch.zeros(batch_size, dtype=torch.long, device=device)
+                lc.ratio = spec.ratio
                 if spec.ratio > 1:
-                    lc.pending = torch.zeros(batch_size, spec.ratio - 1, 2, a.head_dim, dtype=torch.float32,
+                    lc.pending = torch.zeros(batch_size, spec.ratio - 1 + k, 2, a.head_dim, dtype=torch.float32,
                                              device=device)
             self.layers[spec.index] = lc
         self.lengths = torch.zeros(batch_size, dtype=torch.long, device=device)
         self.swa_start = torch.zeros(batch_size, dtype=torch.long, device=device)
         self.tokens = torch.zeros(batch_size, max_len, dtype=torch.long, device=device)
         self.prefilled = torch.zeros(batch_size, dtype=torch.bool, device=device)
+        self.reached = torch.zeros(batch_size, dtype=torch.long, device=device)
+        self.prefill_end = torch.zeros(batch_size, dtype=torch.long, device=device)
 
     # -- views and bookkeeping -----------------------------------------------------------------------------------
     def rows(self, i: int, j: int) -> "KVCache":
@@ -210,9 +242,11 @@ class KVCache:
             raise CacheError(f"cache rows [{i}, {j}) are outside the cache's {self.batch_size} rows")
         out = KVCache.__new__(KVCache)  # the same fields, each a slice of this cache's
         out.cfg, out.fingerprint, out.replay, out.max_len = self.cfg, self.fingerprint, self.replay, self.max_len
+        out.spec_tokens = self.spec_tokens
         out.batch_size, out.layers = j - i, {k: v.rows(i, j) for k, v in self.layers.items()}
         out.lengths, out.swa_start = self.lengths[i:j], self.swa_start[i:j]
         out.tokens, out.prefilled = self.tokens[i:j], self.prefilled[i:j]
+        out.reached, out.prefill_end = self.reached[i:j], self.prefill_end[i:j]
         return out
 
     def reset(self) -> None:
@@ -220,13 +254,67 @@ class KVCache:
         self.lengths.zero_()
         self.swa_start.zero_()
         self.prefilled.zero_()
+        self.reached.zero_()
+        self.prefill_end.zero_()
         for lc in self.layers.values():
             if lc.entries is not None:
                 lc.entries.zero_()
 
+    def advance(self, n: int) -> None:
+        """Count n tokens appended to every row (the forward has written them): static, a captured step runs it."""
+        self.lengths += n
+        self.reached.copy_(torch.maximum(self.reached, self.lengths))
+
+    def rollback(self, lengths) -> None:
+        """Take back each row's last tokens: lengths [B] (a LongTensor or a list) the rows' new lengths, between
+        `reached - spec_tokens` (and the row's prefill end and swa_start) and the current length. Afterwards the
+        cache is what appending only each row's first lengths[b] tokens would have made: the counts, the token
+        history and the global entries (those the rejected tokens closed blanked, as a new cache has them); the
+        rings' rows the kept tokens need are still there (their slots are positions'), and the rejected tokens'
+        slots are never read (the next call writes its positions before any read of them). In place: a captured
+        decode step (trainer/engine/engine.py's _DecodeGraph) keeps decoding the same buffers."""
+        new = torch.as_tensor(lengths, dtype=torch.long).to(self.lengths.device)
+        if new.shape != (self.batch_size,):
+            raise CacheError(f"rollback: lengths of shape {tuple(new.shape)} do not fit a cache of batch size "
+                             f"{self.batch_size}: pass [{self.batch_size}]")
+        k = self.spec_tokens
+        above = (new > self.lengths).nonzero().flatten().tolist()
+        if above:
+            b = above[0]
+            raise CacheError(f"rollback: cache row {b} holds {int(self.lengths[b])} tokens: it cannot roll forward to "
+                             f"{int(new[b])}")
+        floors = ((self.reached - k, lambda b: f"it has reached {int(self.reached[b])} tokens and the cache's "
+                   f"speculation headroom is spec_tokens={k} (a cache made by new_cache(..., spec_tokens=k) takes "
+                   f"back up to k tokens from the longest a row has been)"),
+                  (self.prefill_end, lambda b: f"its prefill ended at {int(self.prefill_end[b])} tokens (a rollback "
+                   f"takes back only tokens appended after it)"),
+                  (self.swa_start, lambda b: f"its SWA rows start at position {int(self.swa_start[b])}"))
+        for floor, why in floors:
+            below = (new < floor).nonzero().flatten().tolist()
+            if below:
+                b = below[0]
+                raise CacheError(f"rollback: cache row {b} cannot go back to {int(new[b])} tokens (below "
+                                 f"{int(floor[b])}): {why(b)}")
+        old = self.lengths.clone()
+        for lc in self.layers.values():
+            if lc.entries is None:
+                continue
+            m = lc.ratio
+            # the entries the taken-back tokens closed: ids [new // m, old // m), at most k // m + 1 of them
+            kept = torch.where(new < old, torch.minimum(lc.entries, new // m), lc.entries)
+            ids = kept[:, None] + torch.arange(k // m + 1, device=new.device)
+            b, g = (ids < lc.entries[:, None]).nonzero(as_tuple=True)
+            lc.main.clear(b, ids[b, g])
+            lc.keys.clear(b, ids[b, g])
+            lc.entries.copy_(kept)
+        pos = torch.arange(self.max_len, device=new.device)[None]
+        self.tokens.masked_fill_((pos >= new[:, None]) & (pos < old[:, None]), 0)
+        self.lengths.copy_(new)
+
     def nbytes(self, persistent: bool | None = None) -> int:
         """Bytes of the allocated buffers: persistent=True the global KV (main KV + indexer keys, what a prefix
-        cache keeps), False the short-lived state (SWA rings, open compression groups), None all of it."""
+        cache keeps), False the short-lived state (SWA rings, compressor rings: with spec_tokens > 0 their headroom
+        rows too), None all of it."""
         total = 0
         for lc in self.layers.values():
             glob = sum(s.nbytes() for s in (lc.main, lc.keys) if s is not None)

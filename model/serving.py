@@ -1,18 +1,19 @@
 """The serving path of one CSA2 layer: attention over the inference cache (model/cache.py), filling it as it goes.
 
 Shape legend: B cache rows, T new rows of this layer (a prompt, a decode token, a chunk), Tk rows of the whole call
-(the compressor's input: more than T when a bounded-replay prefill trims the decoder), W window, E entries stored
-so far (the longest row's), m compression ratio, D latent width, Di indexer key width, K top-k.
+(the compressor's input: more than T when a bounded-replay prefill trims the decoder), W window, R SWA ring rows
+(W + the cache's spec_tokens), C compressor ring rows, E entries stored so far (the longest row's), m compression
+ratio, D latent width, Di indexer key width, K top-k.
 
 It computes what `CSA2Attention.forward` computes for the same tokens of a whole sequence (the teacher-forced
 forward), from what the cache keeps of the earlier ones:
 - window keys: the ring's rows (positions before the call, from `swa_start` on) then the new rows, each query
   seeing the last W positions; every key is what the cache stores, decoded (so a new row's own key is its stored
   value too);
-- Full layers: the compressor's projections of the new rows join the open group's (held in `pending`); every group
-  that closes in this call becomes an entry (norm, RoPE at its first token, the store's format) written at its id,
-  unless a global entry is already stored there (a prefix-cache hit replaying its last window keeps its cached
-  global KV); the indexer key likewise;
+- Full layers: the compressor's projections of the new rows join the open group's (read from the ring `pending`,
+  where the call then leaves its own last rows); every group that closes in this call becomes an entry (norm, RoPE
+  at its first token, the store's format) written at its id, unless a global entry is already stored there (a
+  prefix-cache hit replaying its last window keeps its cached global KV); the indexer key likewise;
 - index sources score every stored entry visible to each query (the pool builder publishing its pool), pick the
   top-k with the same tie rule; Reuse layers read them; the attention runs the reference `attend`, over every
   stored entry in a prefill and over the selected entries only (read from the store alone) in a decode step.
@@ -54,7 +55,8 @@ def _stored(store, pre: torch.Tensor, fmt: str | None) -> tuple[tuple, torch.Ten
 
 def _compress_new(layer, kv_src: torch.Tensor, lc, call_start: torch.Tensor):
     """Full layer: the entries the call's rows close. kv_src [B, Tk, dim] (rows at call_start + 0..Tk-1).
-    Returns (latent [B, G, D] normed pre-RoPE, entry ids [B, G], closed [B, G] bool) and updates `lc.pending`."""
+    Returns (latent [B, G, D] normed pre-RoPE, entry ids [B, G], closed [B, G] bool) and writes the call's rows into
+    the ring `lc.pending`."""
     comp = layer.compressor
     m = comp.ratio
     B, Tk, _ = kv_src.shape
@@ -69,7 +71,12 @@ def _compress_new(layer, kv_src: torch.Tensor, lc, call_start: torch.Tensor):
     gate = nn.functional.linear(kv_src.float(), local(comp.wgate.weight).float())
     new = torch.stack((kv, gate), dim=2)  # [B, Tk, 2, D]
     held = call_start % m  # [B] tokens of the open group before the call
-    both = torch.cat((lc.pending, new), dim=1)  # [B, m - 1 + Tk, 2, D]: held rows first (left-aligned), then new
+    ring = lc.pending  # [B, C, 2, D]: the last C tokens' rows, position p at slot p % C
+    C, D = ring.shape[1], ring.shape[-1]
+    # the open group's rows before the call (positions call_start - held + i; the rows i >= held are never read)
+    slot = ((call_start - held)[:, None] + torch.arange(m - 1, device=kv_src.device)) % C  # [B, m - 1]
+    held_rows = ring.gather(1, slot[..., None, None].expand(-1, -1, 2, D))
+    both = torch.cat((held_rows, new), dim=1)  # [B, m - 1 + Tk, 2, D]: held rows first (left-aligned), then new
     G = -(-(m - 1 + Tk) // m)
     j = torch.arange(G * m, device=kv_src.device)
     src = torch.where(j < held[:, None], j, m - 1 + j - held[:, None])  # [B, G*m] row of `both` at group slot j
@@ -80,14 +87,11 @@ def _compress_new(layer, kv_src: torch.Tensor, lc, call_start: torch.Tensor):
     first = (call_start - held) // m  # [B] id of the group the call starts in
     ids = first[:, None] + torch.arange(G, device=kv_src.device)
     closed = (torch.arange(1, G + 1, device=kv_src.device) * m)[None] <= (held + Tk)[:, None]
-    # the open group after the call: its rows, left-aligned
-    end = held + Tk  # [B] rows of `both` that hold tokens (from the group start)
-    rem = end % m
-    k = torch.arange(m - 1, device=kv_src.device)
-    keep = (end - rem)[:, None] + k  # slot index (in group-slot space) of each held row
-    keep_src = torch.where(keep < held[:, None], keep, m - 1 + keep - held[:, None]).clamp(0, both.shape[1] - 1)
-    lc.pending.copy_(torch.where((k[None] < rem[:, None])[..., None, None],
-                                 both.gather(1, keep_src[..., None, None].expand(-1, -1, 2, both.shape[-1])), 0.0))
+    # the ring keeps the call's last C rows: the open group after the call, and with a speculation headroom the rows
+    # of the groups a rollback reopens (model/cache.py)
+    n = min(Tk, C)
+    slot = (call_start[:, None] + torch.arange(Tk - n, Tk, device=kv_src.device)) % C  # [B, n]
+    ring.scatter_(1, slot[..., None, None].expand(-1, -1, 2, D), new[:, Tk - n:])
     return latent, ids, closed
 
 
@@ -157,18 +161,20 @@ def cached_attention(layer, x: torch.Tensor, state, kv_in: torch.Tensor | None):
     swa_pre = apply_rope(layer.kv_norm(layer.wkv(x)), cos, sin)
     swa_parts, kv_new = _stored(lc.swa, swa_pre, "fp8" if qc.swa_kv == "fp8" else None)
 
-    # window keys: the ring's last W positions before the call (those from swa_start on), then the new rows
+    # window keys: the ring's last W positions before the call (those from swa_start on), then the new rows; the
+    # ring has R >= W rows (a speculation headroom: model/cache.py), position p at slot p % R
     start = state.call_start
+    R = lc.swa.buffers[0].shape[1]
     ring_pos = start[:, None] - W + torch.arange(W, device=x.device)  # [B, W]
     ring_ok = (ring_pos >= state.cache.swa_start[:, None]) & (ring_pos >= 0)
-    ring = lc.swa.read(ring_pos % W)
+    ring = lc.swa.read(ring_pos % R)
     keys = torch.cat((ring, kv_new), dim=1)  # [B, W + T, D]
     k_pos = torch.cat((ring_pos, pos), dim=1)
     k_ok = torch.cat((ring_ok, torch.ones_like(pos, dtype=torch.bool)), dim=1)
     win_mask = (k_pos[:, None] <= pos[..., None]) & (k_pos[:, None] > pos[..., None] - W) & k_ok[:, None]
-    n = min(T, W)  # the ring keeps the last W rows
+    n = min(T, R)  # the ring keeps the last R rows
     b = torch.arange(B, device=x.device)[:, None].expand(B, n)
-    lc.swa.write(b.flatten(), (pos[:, T - n:] % W).flatten(), tuple(p[:, T - n:].flatten(0, 1) for p in swa_parts))
+    lc.swa.write(b.flatten(), (pos[:, T - n:] % R).flatten(), tuple(p[:, T - n:].flatten(0, 1) for p in swa_parts))
 
     kv_cmp = cmp_mask = None
     if spec.ratio > 0:
@@ -269,7 +275,9 @@ def serve_forward(model, input_ids: torch.Tensor, cache, *, image_mask=None, rou
             S, pre = forward_blocks(layers, S, pre, state, n_enc, e_in, _slice_rows(image_mask, rows))
         logits = torch.full((B, T, cfg.vocab_size), float("nan"), device=dev)
         logits[:, T - keep:] = _whole(head_logits(model.norm, model.head, S, pre))
-    cache.lengths += T
+    # a row's first call is its prefill: no rollback goes below its end (KVCache.rollback)
+    cache.advance(T)
+    cache.prefill_end.copy_(torch.where(cache.prefilled, cache.prefill_end, cache.lengths))
     cache.prefilled.fill_(True)
     return logits, state
 
@@ -295,7 +303,7 @@ def decode_step(model, input_ids: torch.Tensor, cache) -> torch.Tensor:
     S, pre = embed_streams(model.embed, input_ids, cfg.mhc.num_streams)
     S, pre = forward_blocks(model.layers, S, pre, state, cfg.num_encoder_layers, engram_in, None)
     logits = _whole(head_logits(model.norm, model.head, S, pre))
-    cache.lengths += 1
+    cache.advance(1)
     return logits
 
 
