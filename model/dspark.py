@@ -31,12 +31,13 @@ from torch import nn
 
 from model import kernels as kern
 from model import mhc
-from model.attention import CSA2Attention, attend
+from model.attention import attend
 from model.common import RMSNorm, init_linear, init_normal, linear, local
 from model.config import ModelConfig
 from model.layer_plan import LayerSpec
 from model.moe import MoE
 from model.rope import rope_tables
+from model.transformer import Block
 
 __all__ = ["DSpark", "DraftOutput", "drafter_config", "stream_means", "acceptance_length"]
 
@@ -74,33 +75,15 @@ def stream_means(backbone: nn.Module, layers):
             h.remove()
 
 
-class DraftBlock(kern.KernelPath, nn.Module):
-    """One draft block: the backbone block's sites and modules, attention over the context and the block."""
+class DraftBlock(Block):
+    """One draft block: a backbone block's sites and modules (SWA only, no Engram), its attention over the context
+    and the block."""
 
     def __init__(self, cfg: ModelConfig, index: int):
-        super().__init__()
-        spec = LayerSpec(index=index, is_decoder=True, role="swa", ratio=0, kv_source=None, index_source=None,
-                         builds_pool=False, uses_pool=False, engram=False, rope="main")
-        self.cfg, self.impl, self.kernels = cfg, cfg.mhc.impl, cfg.kernels
-        self.hc_attn = mhc.HCSite(cfg.dim, cfg.mhc, cfg.norm_eps)
-        self.hc_ffn = mhc.HCSite(cfg.dim, cfg.mhc, cfg.norm_eps)
-        self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.attn = CSA2Attention(cfg, spec)
-        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.ffn = MoE(cfg.dim, cfg.moe, cfg.init_std)
-        self._resolve_kernel_path()
-
-    def _kernel_device(self) -> torch.device:
-        return self.attn_norm.weight.device
-
-    def init_weights(self) -> None:
-        std = self.cfg.init_std
-        self.hc_attn.init_weights(std)
-        self.hc_ffn.init_weights(std)
-        self.attn_norm.init_weights()
-        self.ffn_norm.init_weights()
-        self.attn.init_weights()
-        self.ffn.init_weights()
+        super().__init__(cfg, LayerSpec(index=index, is_decoder=True, role="swa", ratio=0, kv_source=None,
+                                        index_source=None, builds_pool=False, uses_pool=False, engram=False,
+                                        rope="main"))
+        self.cfg = cfg
 
     def context_kv(self, main_x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """main_x [..., T, dim] at `positions` [..., T] -> this block's context KV [..., T, D] (rotated, quantised

@@ -28,6 +28,7 @@ import re
 
 import torch
 
+from kernels.fp4 import _pair_table
 from kernels.fp4 import quantize as fp4_quantize
 from kernels.fp8 import FP8_MAX, pow2_ceil, quantize_fp8
 
@@ -103,13 +104,9 @@ def scales_as_float(s: torch.Tensor) -> torch.Tensor:
     return s.float()
 
 
-_E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
-
-
 def dequantise_fp4(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """FP4-packed rows [..., C / 2] (int8 or uint8) with scales [..., C / B] -> float32 [..., C]."""
-    b = codes.view(torch.uint8).long()
-    values = torch.stack([_E2M1[b & 0xF], _E2M1[b >> 4]], dim=-1).flatten(-2)  # [..., C]
+    values = _pair_table(codes.device)[codes.view(torch.uint8).long()].flatten(-2)  # [..., C]: (low, high) a byte
     per = values.shape[-1] // scales.shape[-1]
     return (values.unflatten(-1, (-1, per)) * scales_as_float(scales).unsqueeze(-1)).flatten(-2)
 
