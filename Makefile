@@ -19,8 +19,9 @@ venv: $(STAMP)
 train: $(STAMP)
 	$(VPY) -m trainer.main $(ARGS)
 
-# pretrain -> SFT -> RL -> on-policy distillation on v41_tiny (trainer/pipeline.py), a run directory per stage under
-# runs/pipeline/, then a table of each stage's headline figure and checkpoint. ARGS: overrides for every stage.
+# pretrain -> SFT -> RL -> on-policy distillation -> DSpark drafter on v41_tiny (trainer/pipeline.py), a run
+# directory per stage under runs/pipeline/, then a table of each stage's headline figure and checkpoint. ARGS:
+# overrides for every stage.
 pipeline: $(STAMP)
 	$(VPY) -m trainer.pipeline -- $(ARGS)
 

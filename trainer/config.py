@@ -243,8 +243,8 @@ class ParallelDims:
 @dataclass
 class StageConfig:
     name: str = choice_field("pretrain", ("pretrain", "sft", "rl", "distill", "dspark"))
-    """the training stage (SPEC 2): pretrain, sft, rl, distill (each with its schema, trainer/stages/config.py);
-    dspark is not implemented yet"""
+    """the training stage (SPEC 2): pretrain, sft, rl, distill, dspark (each with its schema,
+    trainer/stages/config.py)"""
     fp4_kv_qat: bool = False
     """hook: fake-quantise, in the training forward, what the inference cache quantises, as it stores it (main KV
     FP4 + E4M3 scales, indexer queries and keys FP4 + UE8M0, SWA KV FP8; per model.quant.cache_*), straight-through

@@ -26,6 +26,10 @@ checkpoint saved under any parallel layout, in one process, through the built-in
   is built.
 - Stop strings: a completion ends at the token that completes one; its text ends before it. A stop string that is
   one token also ends the decoding there; others are found in the decoded text afterwards (the engine stops on ids).
+- Speculative decoding: `drafter=<a DSpark run (stage=dspark) trained on this model>` drafts with its drafter and
+  verifies with the model (trainer/engine/spec_decode.py: greedy tokens exactly the plain engine's, sampled ones
+  exactly the model's distribution), `spec_tokens` drafts at most a step, `spec_schedule` auto or fixed; the
+  throughput line adds the tokens per model forward.
 - Output: each completion on stdout (a header line: id, tokens, finish reason; then prompt + completion), or with
   `output=<path.jsonl>` one JSON object a line (`_record`), in the prompts' order; then one line of throughput.
 
@@ -104,6 +108,12 @@ class GenerateConfig:
     """auto: cuda when available, else cpu"""
     num_threads: int = 0
     """CPU threads; 0 = torch's default"""
+    drafter: str = ""
+    """a DSpark run (stage=dspark) trained on this model: speculative decoding with its drafter ("" = plain)"""
+    spec_tokens: int = 0
+    """with a drafter: the most drafts a step verifies (0 = its block size)"""
+    spec_schedule: str = choice_field("auto", ("auto", "fixed"))
+    """with a drafter: auto (each step's length from the confidences and the measured costs) or fixed"""
     model: Optional[ModelConfig] = None
     """null: the checkpoint's model config (`model=<option>` replaces it; see `model_config`)"""
 
@@ -126,7 +136,8 @@ class GenerateConfig:
         positive("max_batch", self.max_batch)
         positive("max_len", self.max_len)
         at_least("num_threads", self.num_threads, 0)
-        for name in ("replay", "device"):
+        at_least("spec_tokens", self.spec_tokens, 0)
+        for name in ("replay", "device", "spec_schedule"):
             choice(name, getattr(self, name), options(self, name))
         if "{prompt}" not in self.prompt_template:
             raise ValueError(f"prompt_template={self.prompt_template!r} must contain {{prompt}}")
@@ -363,7 +374,9 @@ def _throughput(stats: dict, completions: list[Completion], seconds: float) -> s
     prefill, decode = stats["prefill_tokens"], stats["decode_tokens"]
     return (f"{len(completions)} completion(s), {generated} tokens in {seconds:.2f} s: {rate(generated, seconds)} "
             f"tokens/s (prefill {prefill} tokens at {rate(prefill, stats['prefill_s'])} tokens/s, decode {decode} at "
-            f"{rate(decode, stats['decode_s'])} tokens/s)")
+            f"{rate(decode, stats['decode_s'])} tokens/s"
+            + (f"; speculative: {stats['tokens_per_forward']:.2f} tokens per model forward, {stats['accepted_tokens']} "
+               f"of {stats['drafted_tokens']} drafts accepted" if stats.get("drafted_tokens") else "") + ")")
 
 
 def generate(cfg: GenerateConfig, model_overrides: Sequence[str] = ()) -> int:
@@ -400,8 +413,17 @@ def _generate(cfg: GenerateConfig, model_overrides: list[str]) -> int:
     if cfg.output and not Path(cfg.output).resolve().parent.is_dir():
         raise ValueError(f"output={cfg.output!r}: directory {Path(cfg.output).resolve().parent} does not exist")
     model = load_model(path, model_cfg, _device(cfg.device), tokenizer_path)
+    spec = {}
+    if cfg.drafter:
+        from trainer.stages.dspark import load_drafter_weights
+
+        try:
+            drafter = load_drafter_weights(cfg.drafter, model_cfg, _device(cfg.device))
+        except ValueError as e:
+            raise ValueError(f"drafter={cfg.drafter}: {e}") from None
+        spec = dict(drafter=drafter, spec_tokens=cfg.spec_tokens or None, spec_schedule=cfg.spec_schedule)
     engine = Engine(model, max_batch=cfg.max_batch, max_len=cfg.max_len, replay=cfg.replay, tokenizer=tokenizer,
-                    cuda_graph=cfg.cuda_graph)
+                    cuda_graph=cfg.cuda_graph, **spec)
     start = time.perf_counter()
     completions = engine.generate(requests)
     seconds = time.perf_counter() - start

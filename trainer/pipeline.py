@@ -1,13 +1,15 @@
-"""The whole pipeline in one command: pretrain -> SFT -> RL -> on-policy distillation (`make pipeline`).
+"""The whole pipeline in one command: pretrain -> SFT -> RL -> on-policy distillation -> the DSpark drafter of the
+distilled model (`make pipeline`).
 
 `python -m trainer.pipeline [--root runs/pipeline] [--scale 1.0] [-- <overrides for every stage>]` runs each
 stage as its own `python -m trainer.main` launch (a run directory per stage under --root), each starting from the
 previous stage's checkpoint (checkpoint.init_from), and ends with a table of each stage's headline figure and where
 its checkpoint is. Distillation puts the post-trained model into a fresh student: the student starts from the
 pretrained weights and learns, on its own samples, the RL model's distributions (the SFT model itself as the
-student would start within 0.03 nats of its teachers, below the noise of the updates: BENCHMARKS.md). A stage
-whose run directory already holds its final checkpoint is not run again (relaunching resumes an interrupted stage:
-checkpoint.resume=auto), so an interrupted pipeline picks up where it stopped.
+student would start within 0.03 nats of its teachers, below the noise of the updates: BENCHMARKS.md). The drafter
+learns the distilled model's distributions on the pretraining data, the model frozen (trainer/stages/dspark.py).
+A stage whose run directory already holds its final checkpoint is not run again (relaunching resumes an interrupted
+stage: checkpoint.resume=auto), so an interrupted pipeline picks up where it stopped.
 
 On v41_tiny on a 2-core CPU each stage takes a few minutes (BENCHMARKS.md has the figures of a run).
 """
@@ -30,9 +32,12 @@ STAGES = (
             "data.seq_len=64", "checkpoint.interval=10"]),
     ("distill", ["stage=distill", "trainer.max_steps=30", "optim.lr=1e-3", "optim.warmup_steps=0", "data.seq_len=64",
                  "checkpoint.interval=10", "stage.envs=[arithmetic]", "stage.difficulty=[1]", "stage.num_eval=64"]),
+    ("dspark", ["stage=dspark", "trainer.max_steps=200", "optim.lr=3e-3", "optim.warmup_steps=20",
+                "checkpoint.interval=100"]),
 )
 HEADLINE = {"pretrain": ("loss", "train loss"), "sft": ("eval/loss", "held-out assistant loss"),
-            "rl": ("eval/success", "held-out success (effort 20/80)"), "distill": ("eval/kl", "held-out KL to teacher")}
+            "rl": ("eval/success", "held-out success (effort 20/80)"), "distill": ("eval/kl", "held-out KL to teacher"),
+            "dspark": ("acceptance_len", "held-out acceptance length tau")}
 
 
 def _records(run: Path) -> list[dict]:
@@ -86,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
             extra.append(f"checkpoint.init_from={runs['sft']}")
         elif name == "distill":
             extra += [f"checkpoint.init_from={runs['pretrain']}", f"stage.teacher.ckpt={runs['rl']}"]
+        elif name == "dspark":
+            extra.append(f"checkpoint.init_from={runs['distill']}")
         if final_checkpoint(run, steps) is None:
             cmd = [sys.executable, "-m", "trainer.main", *overrides, *extra, *args.overrides]
             print(f"== {name}: {' '.join(cmd[1:])}", flush=True)

@@ -10,9 +10,13 @@ A `Stage` (chosen by `stage.name`, `STAGES`) supplies, to trainer/train.py's one
 - `callbacks()`: its trainer/callbacks.py callbacks, run at every point of the loop after the router-bias update
   and before the metrics record and the periodic checkpoint.
 
-Pretraining is the first implementation; SFT, RL and distillation live in trainer/stages/ (dspark is named in
-StageConfig and raises until its issue lands). A stage whose batches need the model (RL's rollouts) also has
-`bind(job)`, called once the job is built.
+Pretraining is the first implementation; SFT, RL, distillation and DSpark drafter training live in trainer/stages/.
+A stage whose batches need the model (RL's rollouts) also has `bind(job)`, called once the job is built. Optional
+seams a stage may have (trainer/train.py reads them): `check_layout(parallel)` and `check(cfg)` (its rules, before
+any process group), `build_module(cfg)` (what is built, trained and saved instead of the Transformer: dspark's
+drafter), `reads_init_from = True` (checkpoint.init_from is the stage's own frozen model, not the starting weights),
+`forward_backward(pm, batches, autocast_dtype, loss)` (its own step forward, as trainer/train.py's), and
+`flops_per_token(cfg)` (for MFU).
 A new stage is a class with these five methods, registered in `STAGES` (docs/data_flow.md has a 20-line example).
 """
 
@@ -145,7 +149,7 @@ def _post_training(module: str, cls: str):
 
 
 STAGES = {"pretrain": Pretrain, "sft": _post_training("sft", "SFT"), "rl": _post_training("rl", "RL"),
-          "distill": _post_training("distill", "Distill")}
+          "distill": _post_training("distill", "Distill"), "dspark": _post_training("dspark", "DSparkStage")}
 
 
 def build_stage(stage: StageConfig) -> Stage:

@@ -117,14 +117,16 @@ def apply_stage_hooks(model_cfg: ModelConfig, stage: StageConfig) -> ModelConfig
 
 def build_model(cfg: ModelConfig, rt: Runtime, parallel: ParallelConfig, seed: int, *, batch_size: int,
                 seq_len: int, grad_accum: int, compile_backend: str | None = None,
-                compile_mode: str = "default") -> ParallelModel:
+                compile_mode: str = "default", module_fn=None) -> ParallelModel:
     """This rank's part of the model, parallelised and holding the single process's initial values
     (trainer/parallel/apply.py); with pp > 1 also the pipeline schedule over grad_accum micro-batches.
     compile_backend: torch.compile every block with that backend (trainer.compile: "inductor"), after the plans and
-    activation checkpointing, before FSDP (trainer/parallel/compile.py), in torch.compile's `compile_mode`."""
+    activation checkpointing, before FSDP (trainer/parallel/compile.py), in torch.compile's `compile_mode`.
+    module_fn: what to build from `cfg` on the meta device instead of the Transformer (a stage's `build_module`:
+    the DSpark drafter)."""
     cuts = validate_layout(parallel, cfg, seq_len=seq_len, grad_accum=grad_accum)
     with torch.device("meta"):
-        model = model_pkg.build(cfg)
+        model = (module_fn or model_pkg.build)(cfg)
     pm = parallelize(model, rt.meshes, parallel, rt.dims, cuts=cuts)
     if compile_backend is not None and compile_mode in CUDAGRAPH_MODES and (pm.fsdp or pm.dims.pp > 1
                                                                            or grad_accum > 1):
@@ -286,6 +288,8 @@ def build(cfg: Config, run_dir: Path) -> Job:
     user_callbacks = load_callbacks(cfg.trainer.callbacks)  # a bad import path fails before any process group
     if hasattr(stage, "check_layout"):  # a stage's own layout rules (RL's rollouts need the whole model), as early
         stage.check_layout(cfg.parallel)
+    if hasattr(stage, "check"):  # a stage's rules on the rest of the job (dspark needs its backbone), as early
+        stage.check(cfg)
     # Every layout rule before any process group exists (the model's first, then the world size): a bad layout
     # fails at once, on every rank alike, naming the key to change.
     validate_layout(cfg.parallel, model_cfg, seq_len=cfg.data.seq_len, grad_accum=cfg.trainer.grad_accum)
@@ -310,6 +314,8 @@ def build(cfg: Config, run_dir: Path) -> Job:
             info["init_from"] = str((init if is_hf_dir(init) else find_checkpoint(cfg.checkpoint.init_from)).resolve())
         except ValueError as e:
             raise ValueError(f"checkpoint.init_from: {e}".replace("ckpt=", "")) from None
+        if getattr(stage, "reads_init_from", False):  # the stage's frozen model (dspark's backbone), not these weights
+            info["backbone"] = info["init_from"]
     checkpointer = Checkpointer(run_dir / "checkpoints", cfg.checkpoint, rt.rank, info=info)
     resume_from = checkpointer.resume_path()
     if resume_from is not None:  # before the model is built: an incompatible checkpoint fails at once
@@ -317,7 +323,7 @@ def build(cfg: Config, run_dir: Path) -> Job:
     pm = build_model(model_cfg, rt, cfg.parallel, cfg.trainer.seed, batch_size=cfg.data.batch_size,
                      seq_len=cfg.data.seq_len, grad_accum=cfg.trainer.grad_accum,
                      compile_backend=cfg.trainer.compile_backend if cfg.trainer.compile else None,
-                     compile_mode=cfg.trainer.compile_mode)
+                     compile_mode=cfg.trainer.compile_mode, module_fn=getattr(stage, "build_module", None))
     log.info("parallel layout: %s", describe(pm))
     install_canonical_vocab(pm.module, model_cfg, tokenizer.path)
     trainable = stage.trainable_parameters(pm.module, model_cfg)
@@ -329,7 +335,7 @@ def build(cfg: Config, run_dir: Path) -> Job:
     ckpt_states = {"train": state, "rank_local": RankLocalState(loader, rt.rank, data_rank)}
     seed_everything(cfg.trainer.seed + rt.rank)  # anything random after init differs per rank
     metrics = MetricsLogger(run_dir, cfg.logger.wandb, rt.rank, config=dataclasses.asdict(cfg))
-    if resume_from is None and cfg.checkpoint.init_from:
+    if resume_from is None and cfg.checkpoint.init_from and not getattr(stage, "reads_init_from", False):
         init_weights_from(cfg.checkpoint.init_from, pm, optimizer if cfg.checkpoint.init_optimizer else None,
                           model_cfg, checkpointer)
     if resume_from is not None:
@@ -341,8 +347,11 @@ def build(cfg: Config, run_dir: Path) -> Job:
         for key, old, new in hyperparameter_changes(marker, state.loaded_hyperparameters, cfg):
             log.info("resume: %s changed from %r (checkpoint) to %r (config); the config's value is used", key, old,
                      new)
-    with torch.device("meta"):  # FLOPs of the whole model, whatever this rank holds of it
-        flops_per_token = model_pkg.build(model_cfg).flops_per_token
+    if hasattr(stage, "flops_per_token"):  # what the stage computes per token (dspark: a forward of the backbone
+        flops_per_token = stage.flops_per_token(model_cfg)  # and the drafter's training on the anchors)
+    else:
+        with torch.device("meta"):  # FLOPs of the whole model, whatever this rank holds of it
+            flops_per_token = model_pkg.build(model_cfg).flops_per_token
     job = Job(
         rt=rt, trainer=cfg.trainer, pm=pm, optimizer=optimizer, scheduler=scheduler, state=state,
         loader=loader, checkpointer=checkpointer, ckpt_states=ckpt_states, metrics=metrics,
@@ -596,14 +605,17 @@ class StepStats:
 
 
 def compute_gradients(pm: ParallelModel, batches: list[dict], params: list[torch.nn.Parameter], max_norm: float,
-                      autocast_dtype: torch.dtype | None = None, step: int = 0, loss: LMLoss | None = None) -> StepStats:
+                      autocast_dtype: torch.dtype | None = None, step: int = 0, loss: LMLoss | None = None,
+                      forward=None) -> StepStats:
     """Forward, backward, gradient reduction and clipping of one optimiser step; leaves the clipped gradients in
     .grad. loss: the stage's (default `LMLoss`), normalised over the step's global valid tokens (`step_tokens`).
+    forward: a stage's own `forward_backward` (same signature and result; dspark's runs the frozen backbone, then
+    the drafter), else the model's.
     A non-finite loss or norm (`StepStats.finite` false, the same on every rank: both are job-wide reductions)
     leaves gradients the caller must drop instead of applying."""
     loss = loss or LMLoss()
     loss.begin_step(step_tokens(pm, batches))
-    micro = forward_backward(pm, batches, autocast_dtype, loss)
+    micro = (forward or forward_backward)(pm, batches, autocast_dtype, loss)
     reduce_gradients(pm)
     names = sorted(micro.aux)
     loss, *aux = mean_over_data(pm, [micro.loss, *(micro.aux[n] for n in names)])
@@ -633,7 +645,8 @@ def train_loop(job: Job) -> None:
             lr = job.optimizer.param_groups[0]["lr"]
             callbacks.on_step_start(job, step)
             batches = [next(job.batches) for _ in range(cfg.grad_accum)]
-            stats = compute_gradients(job.pm, batches, params, max_norm, rt.autocast_dtype, step, job.loss)
+            stats = compute_gradients(job.pm, batches, params, max_norm, rt.autocast_dtype, step, job.loss,
+                                      forward=getattr(job.stage, "forward_backward", None))
             stats.lr = lr
             if stats.finite:
                 callbacks.on_before_optimizer_step(job, step, stats)

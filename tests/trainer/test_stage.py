@@ -40,9 +40,10 @@ def test_stage_name_picks_the_stage_and_pretrain_applies_its_hooks():
     assert build_stage(StageConfig(hierarchical_indexer=True)).model_config(off).csa2.hierarchical_pool
     with pytest.raises(ValueError, match="replay_sim_kinds"):
         StageConfig(replay_sim_kinds=["sometimes"])
-    with pytest.raises(ValueError, match=r"stage.name='dspark' is not implemented yet; only \['distill', 'pretrain', "
-                                         r"'rl', 'sft'\] run"):
-        build_stage(StageConfig(name="dspark"))
+    from trainer.stages.config import DSparkStageConfig
+    from trainer.stages.dspark import DSparkStage
+
+    assert isinstance(build_stage(DSparkStageConfig()), DSparkStage)
     from trainer.stages.config import DistillStageConfig, ModelRef, RLStageConfig, SFTStageConfig
     from trainer.stages.distill import Distill
     from trainer.stages.rl import RL

@@ -10,6 +10,16 @@ synchronisation, every KV source's whole capacity presented and masked, so `Engi
 step once per batch and replay it per token (one process, a CUDA device; not yet run on a GPU: issue 21). The checks
 such a step cannot make (token ids in range, room in the cache) are made here, on the prompts, before the prefill.
 A batch that keeps routing records (R3) decodes through the dynamic serving forward, which returns them.
+Requests of the same prompt length next to each other (a GRPO group) are prefilled in one call when there is no
+prefix cache and no routing record is kept.
+
+Speculative decoding (`Engine(drafter=<model.dspark.DSpark>, spec_tokens=k, spec_schedule="fixed" | "auto")`,
+trainer/engine/spec_decode.py): the drafter drafts up to k tokens a row, the backbone verifies them in one forward of
+k + 1 tokens and the cache rolls back past the rejected ones; the tokens are exactly the backbone's greedy tokens
+(temperature 0: to the rounding a forward of several tokens may change, as batching does) or distributed exactly as
+its samples (for a seed, other tokens than plain decoding's). The completions carry the same fields; `stats` counts
+the backbone's decode forwards, the drafted and accepted tokens and the tokens per row and forward. Not with
+cuda_graph, return_routing, or several processes (refused).
 
 Per generated token the completion has its log-prob under the sampling distribution and under the model's
 (trainer/engine/sampling.py) and, with `return_routing`, the routing records of every token the model read
@@ -141,7 +151,11 @@ class Engine:
 
     def __init__(self, model, *, max_batch: int = 32, max_len: int = 4096, replay: str = "halo",
                  prefix_cache=None, tokenizer=None, prompt_format: PromptFormat | None = None,
-                 cuda_graph: bool = False):
+                 cuda_graph: bool = False, drafter=None, spec_tokens: int | None = None,
+                 spec_schedule: str = "fixed"):
+        """drafter: a model.dspark.DSpark of this model for speculative decoding (module docstring); spec_tokens:
+        the most drafts a step verifies (None: the drafter's block_size); spec_schedule: "fixed" (always
+        spec_tokens) or "auto" (from the confidences and the measured cost: trainer/engine/speculative.py)."""
         model = serving_module(model)
         self.model, self.max_batch, self.max_len, self.replay = model, max_batch, max_len, replay
         self.cuda_graph = cuda_graph
@@ -159,7 +173,27 @@ class Engine:
         self.device = model.embed.weight.device
         self.lockstep = _Lockstep(self.device)
         self._scratch = None
-        self.stats = {"prefill_tokens": 0, "decode_tokens": 0, "prefill_s": 0.0, "decode_s": 0.0}
+        self.spec = None
+        if drafter is not None:
+            from torch.distributed.tensor import DTensor
+
+            from trainer.engine.spec_decode import SpecDecoder
+
+            if cuda_graph:
+                raise ValueError("Engine(cuda_graph=True) does not take a drafter: a verify forward's length changes "
+                                 "from step to step (spec_schedule=auto) and the cache rolls back")
+            if self.lockstep.dist is not None or any(isinstance(p, DTensor) for p in model.parameters()):
+                raise ValueError("Engine(drafter=...) runs one process with a plain (unsharded) model: the drafter "
+                                 "calls the backbone's embedding and head outside its forward")
+            self.spec = SpecDecoder(model, drafter, spec_tokens, spec_schedule)
+        elif spec_tokens is not None or spec_schedule != "fixed":
+            raise ValueError(f"spec_tokens={spec_tokens!r} / spec_schedule={spec_schedule!r} need a drafter "
+                             "(Engine(drafter=...))")
+        # decode_row_forwards: the rows still generating, summed over decode forwards; tokens_per_forward:
+        # decode_tokens / decode_row_forwards (1 without a drafter)
+        self.stats = {"prefill_tokens": 0, "decode_tokens": 0, "prefill_s": 0.0, "decode_s": 0.0,
+                      "decode_forwards": 0, "decode_row_forwards": 0, "drafted_tokens": 0, "accepted_tokens": 0,
+                      "draft_s": 0.0, "tokens_per_forward": 0.0}
 
     def sync_weights(self, module: torch.nn.Module) -> None:
         """The engine computes with the training module's own parameters: nothing to copy."""
@@ -215,6 +249,9 @@ class Engine:
     @torch.no_grad()
     def generate(self, requests: list[Request], on_token: Callable | None = None) -> list[Completion]:
         """Completions in the order of `requests`. on_token(request_id, token_id, logprob) streams each token."""
+        if self.spec is not None and any(req.return_routing for req in requests):
+            raise ValueError("return_routing=True is not supported with speculative decoding (Engine(drafter=...)): "
+                             "generate those requests on an engine without a drafter")
         done: list[Completion | None] = [None] * len(requests)
         todo = []
         for i, req in enumerate(requests):
@@ -238,51 +275,57 @@ class Engine:
     def _generate_batch(self, chunk, on_token) -> list[Completion]:
         B = len(chunk)
         keep = any(req.return_routing for _, req, _ in chunk)
+        spec = self.spec
         max_len = max(len(ids) for _, _, ids in chunk) + max(req.sampling.max_new_tokens for _, req, _ in chunk)
-        cache = self.model.new_cache(B, max_len, replay=self.replay)
+        cache = self.model.new_cache(B, max_len + (spec.spec_tokens if spec else 0), replay=self.replay,
+                                     spec_tokens=spec.cache_tokens if spec else 0)
         comps = [Completion(req.request_id, ids, effort=req.effort) for _, req, ids in chunk]
         records: list[list] = [[] for _ in range(B)]
         params = [req.sampling for _, req, _ in chunk]
         gens = [torch.Generator(device="cpu").manual_seed(int(p.seed)) for p in params]
-        last = []
-        t0 = time.perf_counter()
-        for b, (_, req, ids) in enumerate(chunk):
-            logits, rec = self._prefill(cache.rows(b, b + 1), ids, keep)
-            last.append(logits[:, -1])
-            if keep:
-                records[b].extend(rec)
-            self.stats["prefill_tokens"] += len(ids)
-        self.stats["prefill_s"] += time.perf_counter() - t0
-        t0 = time.perf_counter()
-        logits = torch.cat(last)
-        active = [True] * B
-        graph = _DecodeGraph(self.model, cache) if self.cuda_graph and not keep else None
-        while True:
-            tok, lp, mlp = sample(logits.float(), params, gens)
-            for b in range(B):
-                if not active[b]:
-                    continue
-                c, t = comps[b], int(tok[b])
-                c.token_ids.append(t)
-                c.logprobs.append(float(lp[b]))
-                c.model_logprobs.append(float(mlp[b]))
-                if on_token is not None:
-                    on_token(c.request_id, t, float(lp[b]))
-                if t in params[b].stop_token_ids:
-                    c.finish_reason, active[b] = "stop", False
-                elif len(c.token_ids) >= params[b].max_new_tokens:
-                    c.finish_reason, active[b] = "length", False
-            if not any(active):
-                break
-            feed = torch.tensor([[c.token_ids[-1]] for c in comps])
-            step, rec = self._decode(feed, cache, keep, graph)
-            logits = step[:, -1]
-            self.stats["decode_tokens"] += sum(active)
-            if keep:
-                for b in range(B):
-                    if active[b]:
-                        records[b].append(rec.rows(b, b + 1))
+
+        def emit(b: int, token: int, lp: float, model_lp: float) -> bool:
+            """Row b's next token into its completion (streamed); whether the row goes on."""
+            c, p = comps[b], params[b]
+            c.token_ids.append(token)
+            c.logprobs.append(lp)
+            c.model_logprobs.append(model_lp)
+            if on_token is not None:
+                on_token(c.request_id, token, lp)
+            if token in p.stop_token_ids:
+                c.finish_reason = "stop"
+                return False
+            if len(c.token_ids) >= p.max_new_tokens:
+                c.finish_reason = "length"
+                return False
+            return True
+
+        with spec.capture() if spec else contextlib.nullcontext() as means:
+            ring = spec.new_ring(B) if spec else None
+            last = []
+            t0 = time.perf_counter()
+            for b0, b1 in self._prefill_groups(chunk, keep):
+                def after_call(rows_cache, b0=b0):
+                    spec.record_prefill(ring, b0, rows_cache, means)
+
+                logits, rec = self._prefill(cache.rows(b0, b1), [ids for _, _, ids in chunk[b0:b1]], keep,
+                                            after_call if spec else None)
+                last.append(logits[:, -1])
+                if keep:
+                    records[b0].extend(rec)
+                self.stats["prefill_tokens"] += sum(len(ids) for _, _, ids in chunk[b0:b1])
+            self.stats["prefill_s"] += time.perf_counter() - t0
+            t0 = time.perf_counter()
+            tok, lp, mlp = sample(torch.cat(last).float(), params, gens)
+            active = [emit(b, int(tok[b]), float(lp[b]), float(mlp[b])) for b in range(B)]
+            if spec is not None:
+                spec.decode(cache, ring, means, tok.tolist(), params, gens, comps, active, emit,
+                            lambda ids: self._call(ids, cache, False)[0], self.stats)
+            else:
+                self._decode_plain(cache, active, comps, params, gens, records, keep, emit)
         self.stats["decode_s"] += time.perf_counter() - t0
+        if self.stats["decode_row_forwards"]:
+            self.stats["tokens_per_forward"] = self.stats["decode_tokens"] / self.stats["decode_row_forwards"]
         if keep:
             from model.routing import RoutingRecords
 
@@ -294,15 +337,51 @@ class Engine:
                 c.text = self.tokenizer.decode(c.token_ids)
         return comps
 
-    def _prefill(self, row_cache, ids: list[int], keep: bool):
-        """Prefill one request into its cache row: through the prefix cache when there is one (a hit restores the
-        cached global KV and, while it lives, the SWA state; else the last `window` hit tokens are replayed).
-        Returns (the logits of the last call, the routing records of the prompt's rows)."""
-        ids_t = torch.tensor([ids], dtype=torch.long)
+    def _decode_plain(self, cache, active, comps, params, gens, records, keep: bool, emit) -> None:
+        """A token a row and step until every row has stopped (the first is emitted)."""
+        B = cache.batch_size
+        graph = _DecodeGraph(self.model, cache) if self.cuda_graph and not keep else None
+        while any(active):
+            feed = torch.tensor([[c.token_ids[-1]] for c in comps])
+            step, rec = self._decode(feed, cache, keep, graph)
+            self.stats["decode_tokens"] += sum(active)
+            self.stats["decode_forwards"] += 1
+            self.stats["decode_row_forwards"] += sum(active)
+            if keep:
+                for b in range(B):
+                    if active[b]:
+                        records[b].append(rec.rows(b, b + 1))
+            tok, lp, mlp = sample(step[:, -1].float(), params, gens)
+            for b in range(B):
+                if active[b]:
+                    active[b] = emit(b, int(tok[b]), float(lp[b]), float(mlp[b]))
+
+    def _prefill_groups(self, chunk, keep: bool) -> list[tuple[int, int]]:
+        """Rows [b0, b1) prefilled in one call: neighbours of one prompt length, without a prefix cache (a row at a
+        time) or routing records (kept per row)."""
+        groups, b0 = [], 0
+        while b0 < len(chunk):
+            b1 = b0 + 1
+            if self.prefix_cache is None and not keep:
+                while b1 < len(chunk) and len(chunk[b1][2]) == len(chunk[b0][2]):
+                    b1 += 1
+            groups.append((b0, b1))
+            b0 = b1
+        return groups
+
+    def _prefill(self, row_cache, prompts: list[list[int]], keep: bool, after_call=None):
+        """Prefill requests of one prompt length into their cache rows (`row_cache`, a view): through the prefix
+        cache when there is one (one request: a hit restores the cached global KV and, while it lives, the SWA state;
+        else the last `window` hit tokens are replayed). after_call(row_cache) runs after each model call. Returns
+        (the logits of the last call, the routing records of the prompt's rows)."""
+        ids_t = torch.tensor(prompts, dtype=torch.long)
         pc = self.prefix_cache
         if pc is None:
             logits, rec = self._call(ids_t, row_cache, keep)
+            if after_call is not None:
+                after_call(row_cache)
             return logits, [rec] if keep else []
+        (ids,) = prompts
         start = pc.restore(row_cache, ids)
         boundary = pc.boundary(len(ids))  # block-aligned, < len(ids): its SWA state is worth keeping
         records = [_no_records(self.model, start)] if keep and start > 0 else []
@@ -311,6 +390,8 @@ class Engine:
             if b <= a:
                 continue
             logits, rec = self._call(ids_t[:, a:b], row_cache, keep)
+            if after_call is not None:
+                after_call(row_cache)
             if keep:
                 records.append(rec)
             if b == boundary:

@@ -285,21 +285,24 @@ def piece_seed(seed: int, piece: int) -> int:
     return (seed * 1_000_003 + piece) % 2**63
 
 
-def _pieces(module: nn.Module) -> list[tuple[int, nn.Module, object]]:
-    """(piece id, module, init) for what `module` (Transformer or StageGroup) holds, in Transformer.init_weights'
-    terms: embedding 0, head 1, final norm 2, Engram hasher 3, layer i -> 4 + i."""
+def _pieces(module: nn.Module) -> list[tuple[int, nn.Module, object, bool]]:
+    """(piece id, module, init, is a block) for what `module` holds. A Transformer or StageGroup, in
+    Transformer.init_weights' terms: embedding 0, head 1, final norm 2, Engram hasher 3, layer i -> 4 + i (the
+    layers are the blocks: FSDP units). Another module (the DSpark drafter) lists its own (`init_pieces`)."""
+    if hasattr(module, "init_pieces"):
+        return module.init_pieces()
     cfg = module.cfg
     out = []
     if getattr(module, "embed", None) is not None:
-        out.append((0, module.embed, lambda: init_normal(module.embed.weight, cfg.init_std)))
+        out.append((0, module.embed, lambda: init_normal(module.embed.weight, cfg.init_std), False))
     if getattr(module, "head", None) is not None:
-        out.append((1, module.head, lambda: init_normal(module.head.weight, cfg.init_std)))
+        out.append((1, module.head, lambda: init_normal(module.head.weight, cfg.init_std), False))
     if getattr(module, "norm", None) is not None:
-        out.append((2, module.norm, module.norm.init_weights))
+        out.append((2, module.norm, module.norm.init_weights, False))
     if getattr(module, "hasher", None) is not None:
-        out.append((3, module.hasher, module.hasher.init_buffers))
+        out.append((3, module.hasher, module.hasher.init_buffers, False))
     layers = module.layers.values() if isinstance(module.layers, nn.ModuleDict) else module.layers
-    out += [(4 + layer.spec.index, layer, layer.init_weights) for layer in layers]
+    out += [(4 + layer.spec.index, layer, layer.init_weights, True) for layer in layers]
     return out
 
 
@@ -325,19 +328,21 @@ def materialize(pm: ParallelModel, device: torch.device, seed: int, *, microbatc
     `microbatch_size` rows x `seq_len` tokens (whole sequences; chunks under cp)."""
     fully_shard = mp_policy = mesh = None
     if pm.fsdp:
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
         mp_policy = MixedPrecisionPolicy(reduce_dtype=torch.float32)
         mesh = _fsdp_mesh(pm.meshes, pm.dims)
     with torch.no_grad():
-        for piece, module, init in _pieces(pm.module):
+        for piece, module, init, block in _pieces(pm.module):
             module.to_empty(device=device)
             torch.manual_seed(piece_seed(seed, piece))
             init()
-            if pm.engram is not None and pm.engram.host_memory and piece >= 4:
+            if pm.engram is not None and pm.engram.host_memory and block:
                 pm.engram.to_host(module)  # the block's initialised rows to host memory, before FSDP sees it
-            if pm.fsdp and piece >= 4:  # a block: its own FSDP unit
+            if pm.fsdp and block:  # a block: its own FSDP unit
                 fully_shard(module, mesh=mesh, mp_policy=mp_policy, ignored_params=_engram_tables(module))
+                for method in getattr(module, "fsdp_forward_methods", ()):  # called besides forward (a draft block's
+                    register_fsdp_forward_method(module, method)  # context KV): gathers and frees as forward does
     left = [n for n, t in [*pm.module.named_parameters(), *pm.module.named_buffers()] if t.is_meta]
     if left:  # a tensor outside the pieces _pieces knows (a new top-level part of the model)
         raise RuntimeError(f"materialize: {left} are still on the meta device; add their piece to _pieces")

@@ -1,4 +1,4 @@
-"""Typed schemas of the post-training stages: `stage=sft|rl|distill` (conf/stage/<name>.yaml).
+"""Typed schemas of the post-training stages: `stage=sft|rl|distill|dspark` (conf/stage/<name>.yaml).
 
 Each stage's YAML starts with `defaults: [<name>_schema, _self_]`, so Hydra checks its keys against its own dataclass
 at composition (a misspelled `stage.group_sise` fails naming the key); trainer/config.py's `to_config` builds the
@@ -14,7 +14,7 @@ from typing import List
 from config_checks import at_least, check_choices, choice_field, positive
 from trainer.config import StageConfig
 
-__all__ = ["ModelRef", "SFTStageConfig", "RLStageConfig", "DistillStageConfig", "STAGE_SCHEMAS"]
+__all__ = ["ModelRef", "SFTStageConfig", "RLStageConfig", "DistillStageConfig", "DSparkStageConfig", "STAGE_SCHEMAS"]
 
 
 @dataclass
@@ -162,4 +162,44 @@ class DistillStageConfig(RolloutConfig):
                                  f"got {ref!r}")
 
 
-STAGE_SCHEMAS = {"pretrain": StageConfig, "sft": SFTStageConfig, "rl": RLStageConfig, "distill": DistillStageConfig}
+@dataclass
+class DSparkStageConfig(StageConfig):
+    """The drafter's training on the frozen backbone (trainer/stages/dspark.py); the model's drafter shape is
+    model.dspark. The hooks stay off by default: the backbone computes as it was trained (turn fp4_kv_qat on to
+    draft against the distributions of a quantised cache)."""
+
+    name: str = choice_field("dspark", ("dspark",))
+    anchors: int = 16
+    """anchors drawn per training sequence (without replacement, among positions whose next token counts)"""
+    heldout_rows: int = 1
+    """rows of each micro-batch not trained on: their anchors (whole blocks only) measure acceptance_len and
+    predicted_acceptance_len"""
+    ce_coef: float = 0.1
+    l1_coef: float = 0.9
+    conf_coef: float = 1.0
+    """the loss's weights (REFERENCE B6: DeepSpec's a_ce, a_l1, a_conf)"""
+    gamma: float = 4.0
+    """slot k's weight exp(-k / gamma)"""
+    generated_rows: int = 0
+    """training rows of each micro-batch whose text after their first `generation_prefix` tokens is the backbone's
+    own sampled continuation (the engine, seeded per step and row): the drafter then also learns what the model
+    writes, as served; 0 = the training data alone"""
+    generation_prefix: int = 16
+    """tokens of the data row kept as the prompt of a generated row"""
+    generation_temperature: float = 1.0
+    """the backbone's sampling temperature for generated rows (0 = greedy)"""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        at_least("stage.anchors", self.anchors, 1)
+        at_least("stage.generated_rows", self.generated_rows, 0)
+        at_least("stage.generation_prefix", self.generation_prefix, 1)
+        at_least("stage.generation_temperature", self.generation_temperature, 0.0)
+        at_least("stage.heldout_rows", self.heldout_rows, 0)
+        for key in ("ce_coef", "l1_coef", "conf_coef"):
+            at_least(f"stage.{key}", getattr(self, key), 0.0)
+        positive("stage.gamma", self.gamma)
+
+
+STAGE_SCHEMAS = {"pretrain": StageConfig, "sft": SFTStageConfig, "rl": RLStageConfig, "distill": DistillStageConfig,
+                 "dspark": DSparkStageConfig}
