@@ -178,6 +178,20 @@ def dspark_parameters(cfg) -> dict[str, float]:
             "params_dspark_active": total - routed + routed * k / e - markov + cfg.dspark.markov_rank}
 
 
+def vision_parameters(cfg) -> dict[str, int]:
+    """The vision side's parameters (model/vision/; built on the meta device): all of them, the ViT's, the aligner's
+    (the START / NEWLINE / END vectors are the rest). {} for a text-only model (model.vision.num_layers 0). Not part
+    of params_total, which counts the backbone that model.build returns."""
+    if cfg.vision.num_layers == 0:
+        return {}
+    from model.vision import VisionEncoder
+
+    with torch.device("meta"):
+        v = VisionEncoder(cfg.vision, cfg.dim, cfg.init_std)
+    return {"params_vision": _numel(v.parameters()), "params_vision_vit": _numel(v.vit.parameters()),
+            "params_vision_aligner": _numel(v.aligner.parameters())}
+
+
 def train_flops_per_token(model: nn.Module, seq_len: int) -> float:
     """Useful training FLOPs per token (forward + backward = 3x forward) at `seq_len`, averaged over positions:
     6 x active matmul parameters, plus the sparse attention over the window and the selected entries, plus the

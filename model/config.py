@@ -210,6 +210,46 @@ class DSparkConfig:
 
 
 @dataclass
+class VisionConfig:
+    """DeepSeek-ViT, the image tower, and its aligner into the backbone (SPEC 1.6, REFERENCE A12; model/vision/):
+    a linear patch embedding, `num_layers` pre-norm blocks (RMSNorm, bidirectional attention with 2-D RoPE inside
+    each image, RMSNorm, SwiGLU MLP), a final RMSNorm, an `unshuffle` x `unshuffle` pixel-unshuffle and an MLP
+    aligner to the backbone's width. num_layers 0 (the default) = text only: no tower, nothing built or counted."""
+
+    num_layers: int = 0
+    """ViT blocks; 0 = no vision tower (the flagship's 32 are set in conf/model/v41_flash.yaml)"""
+    dim: int = 1024
+    """the ViT's width (SPEC 1.6: hidden 1024)"""
+    num_heads: int = 16
+    """attention heads (REFERENCE A12: 16); head dim = dim / num_heads, a multiple of 4 (2-D RoPE: a rotated half
+    per axis, each in pairs)"""
+    mlp_dim: int = 4096
+    """the SwiGLU MLP's width. An assumption: no public source gives it (4 x dim, a ViT-L's MLP width)"""
+    patch: int = 14
+    """patch side in pixels; a patch is 3 x patch x patch values (SPEC 1.6, REFERENCE A12)"""
+    unshuffle: int = 3
+    """pixel-unshuffle factor: each unshuffle x unshuffle block of patches becomes one image token (1/9 of them)"""
+    rope_theta: float = 1e4
+    """2-D RoPE base (REFERENCE A12)"""
+    norm_eps: float = 1e-6
+    """every RMSNorm of the tower. An assumption: the reference does not give it (the backbone's 1e-20 is its own)"""
+    max_tokens: int = 1024
+    """the most placeholder tokens one image may take, (h/u)(w/u + 1) + 2 for a grid of h x w patches: the
+    processor shrinks larger images (REFERENCE A12 step 5), so 1024 allows a square of 31 x 31 image tokens,
+    1302 x 1302 pixels ("up to about 1344 x 1344", SPEC 1.6)"""
+
+    def __post_init__(self) -> None:
+        at_least("model.vision.num_layers", self.num_layers, 0)
+        for name in ("dim", "num_heads", "mlp_dim", "patch", "unshuffle", "rope_theta"):
+            positive(f"model.vision.{name}", getattr(self, name))
+        at_least("model.vision.norm_eps", self.norm_eps, 0)
+        at_least("model.vision.max_tokens", self.max_tokens, 4)  # one token: START, IMAGE, NEWLINE, END
+        if self.dim % self.num_heads or (self.dim // self.num_heads) % 4:
+            raise ValueError(f"model.vision.num_heads={self.num_heads} must divide model.vision.dim={self.dim} into "
+                             "heads whose dim is a multiple of 4 (2-D RoPE rotates pairs, half by row, half by column)")
+
+
+@dataclass
 class ModelConfig:
     name: str = "v41_flash"
     vocab_size: int = 129_280
@@ -233,6 +273,8 @@ class ModelConfig:
     engram: EngramConfig = field(default_factory=EngramConfig)
     quant: QuantConfig = field(default_factory=QuantConfig)
     dspark: DSparkConfig = field(default_factory=DSparkConfig)
+    vision: VisionConfig = field(default_factory=VisionConfig)
+    """the image tower (model/vision/); num_layers 0 = text only"""
 
     def __post_init__(self) -> None:
         check_choices(self, "model")

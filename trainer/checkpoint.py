@@ -89,9 +89,11 @@ class CorruptCheckpoint(ValueError):
 COMPLETE_MARKER = "COMPLETE"
 CHECKPOINT_FORMAT = 2  # bump when the layout of the Stateful entries changes; keep older formats loadable
 # Model config keys that change no parameter's name, shape or dtype: a resume may change them (switches of
-# post-training hooks, kernels, balancing rates, the initialisation that a checkpoint overrides anyway).
+# post-training hooks, kernels, balancing rates, the initialisation that a checkpoint overrides anyway). `vision.`:
+# the vision tower (model/vision/) is not yet part of the model the trainer builds (issue 20); drop it from here
+# when the backbone builds the tower.
 RESUMABLE_MODEL_KEYS = ("name", "init_std", "kernels", "image_token_id", "mhc.impl", "indexer.", "quant.",
-                        "moe.bias_update_rate", "moe.seq_aux_loss_coef", "csa2.hierarchical_pool")
+                        "moe.bias_update_rate", "moe.seq_aux_loss_coef", "csa2.hierarchical_pool", "vision.")
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
@@ -307,9 +309,13 @@ class RankLocalState:
 
 
 def model_config_differences(saved: dict, current: dict, prefix: str = "") -> list[tuple[str, object, object]]:
-    """(key, saved value, current value) for every model config key that differs and changes parameters."""
+    """(key, saved value, current value) for every model config key that differs and changes parameters. A key the
+    saved config lacks is none: the checkpoint predates it, and a key is added with a default that keeps the older
+    models' parameters (a section such as `dspark` or `vision` describes parts those checkpoints do not hold)."""
     out = []
     for key in sorted(set(saved) | set(current)):
+        if key not in saved:
+            continue
         name = f"{prefix}{key}"
         a, b = saved.get(key), current.get(key)
         if isinstance(a, dict) and isinstance(b, dict):

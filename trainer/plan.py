@@ -5,8 +5,9 @@ optimiser step.
 
 Example: `python -m trainer.plan model=v41_flash parallel=flagship_256xh200 data.seq_len=4096 data.batch_size=1
 trainer.grad_accum=16` -> params_total, params_backbone, params_engram, params_active_*, kv_bytes_per_token*,
-swa_kv_bytes_per_layer, decode_flops_per_token_* and "training": {layout, assumptions, per pipeline rank: memory
-by term and communication by dimension, the worst rank, whether it fits and what dominates}.
+swa_kv_bytes_per_layer, decode_flops_per_token_*, params_dspark* and params_vision* (the drafter and the image tower,
+not in params_total) and "training": {layout, assumptions, per pipeline rank: memory by term and communication by
+dimension, the worst rank, whether it fits and what dominates}.
 
 Only a layout the trainer would start is planned: first the trainer's own start-up checks run (`check_layout`: the
 typed config, the stage hooks, trainer.parallel.apply.validate_layout, ParallelConfig.resolve), and what they refuse
@@ -122,6 +123,7 @@ def plan_model(model_cfg) -> dict:
     m = _build_meta(model_cfg)
     out = {"model": m.cfg.name}
     out.update(accounting.summary(m))
+    out.update(accounting.vision_parameters(m.cfg))  # the image tower, beside the backbone (none: text only)
     return out
 
 
@@ -612,6 +614,7 @@ def plan(node, world_size: int | None = None) -> dict:
     m = _build_meta(model_cfg)
     out = {"model": m.cfg.name}
     out.update(accounting.summary(m))
+    out.update(accounting.vision_parameters(m.cfg))  # the image tower, beside the backbone (none: text only)
     lay = layout_from_config(cfg, dims, cuts, device_memory_gb, world_size_given=world_size is not None)
     out["training"] = plan_training(m, lay)
     return out

@@ -1,0 +1,225 @@
+"""The on-disk format of image-text data: webdataset tar shards of captioned images and interleaved documents, plus
+`meta.json`; a reader that resumes from a saved (shard, offset).
+
+A sample is a list of segments in reading order, each a text (str) or an image (PIL). Two kinds are stored:
+- a captioned image, segments [image, caption]: members `<key>.png` (the image) and `<key>.txt` (the caption,
+  UTF-8). webdataset reads it as {"__key__", "png", "txt"}.
+- an interleaved document, any other list: member `<key>.json`, a JSON list of segments `{"text": str}` or
+  `{"image": field}` in order, and one member `<key>.<field>` per image, where field is `<i>.png` (i = 0, 1, ... in
+  order of appearance). webdataset reads it as {"__key__", "json", "0.png", "1.png", ...}: a segment's field is
+  the key of its image in that sample.
+Images are PNG (lossless, so a pixel read back is the pixel drawn). Keys are the sample's global index as nine
+digits, as in the text shards (data/shards.py), whose conventions these follow: `shard-000000.tar`, ...; plain
+ustar tar, members with mtime 0, mode 0644 and empty owners, so writing the same samples twice gives byte-identical
+shards; every file written under a temporary name and renamed into place, `meta.json` last, so its presence marks
+a complete directory.
+
+`meta.json` keys: format ("cedar-image-text-v1"), num_samples, num_shards, `shards`: one entry per shard {name,
+num_samples, sha256}, plus whatever the writer adds (the synthetic generator records its seed and settings). The
+reader trusts only the shards listed there and checks each against its sha256 before parsing it.
+
+Position. `ImageTextReader` reads the shards in meta.json's order, the samples of each in key order, once. Its
+state is (shard index, samples of that shard already yielded), taken right after the last sample handed out, as
+the text loader keeps its position (data/loader.py): `state_dict()` after n samples and `load_state_dict` on a
+fresh reader, and the next sample is sample n + 1 of the uninterrupted pass. The state carries a fingerprint of the
+shard list, so a position is never applied to other shards. A shard that fails its checksum or does not parse is
+skipped with a warning naming it (`skipped`), as the text loader does.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import tarfile
+import warnings
+from collections.abc import Iterable, Iterator
+from dataclasses import asdict, dataclass
+
+from PIL import Image
+
+from data.shards import META_NAME, DataConfigError, DataNotFoundError, ShardError, atomic_write, shard_name
+
+FORMAT = "cedar-image-text-v1"
+STATE_VERSION = 1
+
+Segment = str | Image.Image
+
+
+@dataclass(frozen=True)
+class ImageShardInfo:
+    name: str
+    num_samples: int
+    sha256: str
+
+
+def _is_caption(segments: list[Segment]) -> bool:
+    return len(segments) == 2 and isinstance(segments[0], Image.Image) and isinstance(segments[1], str)
+
+
+def _png(image: Image.Image) -> bytes:
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def _members(key: str, segments: list[Segment]) -> list[tuple[str, bytes]]:
+    """(member name, payload) of one sample."""
+    if not segments:
+        raise ValueError(f"sample {key} has no segment")
+    if _is_caption(segments):
+        return [(f"{key}.png", _png(segments[0])), (f"{key}.txt", segments[1].encode())]
+    doc, images = [], []
+    for seg in segments:
+        if isinstance(seg, str):
+            doc.append({"text": seg})
+        elif isinstance(seg, Image.Image):
+            field = f"{len(images)}.png"
+            doc.append({"image": field})
+            images.append((f"{key}.{field}", _png(seg)))
+        else:
+            raise TypeError(f"sample {key}: a segment is a str or a PIL image, got {type(seg).__name__}")
+    return [(f"{key}.json", json.dumps(doc, ensure_ascii=False).encode()), *images]
+
+
+def encode_shard(samples: list[list[Segment]], first_key: int) -> bytes:
+    """The tar bytes of one shard; sample i gets key first_key + i."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.USTAR_FORMAT) as tar:
+        for i, segments in enumerate(samples):
+            for name, payload in _members(f"{first_key + i:09d}", segments):
+                member = tarfile.TarInfo(name)
+                member.size, member.mode, member.mtime = len(payload), 0o644, 0
+                tar.addfile(member, io.BytesIO(payload))
+    return buf.getvalue()
+
+
+def write_image_text_shards(directory: str, samples: Iterable[list[Segment]], *, samples_per_shard: int,
+                            meta: dict | None = None) -> list[ImageShardInfo]:
+    """Write `samples` (each a list of segments) as shards of `samples_per_shard`, then meta.json (with `meta`'s
+    keys added); returns the shard list."""
+    if samples_per_shard < 1:
+        raise ValueError(f"samples_per_shard must be >= 1, got {samples_per_shard!r}")
+    os.makedirs(directory, exist_ok=True)
+    infos: list[ImageShardInfo] = []
+    batch: list[list[Segment]] = []
+    total = 0
+
+    def flush():
+        data = encode_shard(batch, total - len(batch))
+        name = shard_name(len(infos))
+        atomic_write(os.path.join(directory, name), data)
+        infos.append(ImageShardInfo(name, len(batch), hashlib.sha256(data).hexdigest()))
+        batch.clear()
+
+    for segments in samples:
+        batch.append(segments)
+        total += 1
+        if len(batch) == samples_per_shard:
+            flush()
+    if batch:
+        flush()
+    full = {"format": FORMAT, **(meta or {}), "num_samples": total, "num_shards": len(infos),
+            "shards": [asdict(s) for s in infos]}
+    atomic_write(os.path.join(directory, META_NAME), (json.dumps(full, indent=1) + "\n").encode())
+    return infos
+
+
+def read_image_meta(directory: str) -> tuple[dict, list[ImageShardInfo]]:
+    """meta.json of an image-text directory; DataNotFoundError / DataConfigError naming the directory."""
+    path = os.path.join(directory, META_NAME)
+    if not os.path.isfile(path):
+        raise DataNotFoundError(f"image-text directory {directory!r} has no {META_NAME} (not written, or unfinished)")
+    try:
+        with open(path) as f:
+            meta = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise DataConfigError(f"image-text directory {directory!r}: cannot read {META_NAME} ({exc})") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        found = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
+        raise DataConfigError(f"image-text directory {directory!r}: {META_NAME} has format {found!r}, "
+                              f"expected {FORMAT!r}")
+    return meta, [ImageShardInfo(**s) for s in meta["shards"]]
+
+
+def _decode(key: str, fields: dict[str, bytes]) -> list[Segment]:
+    def image(field: str) -> Image.Image:
+        if field not in fields:
+            raise ShardError(f"sample {key} names image {field!r}, which it does not hold")
+        with Image.open(io.BytesIO(fields[field])) as im:
+            im.load()
+            return im.copy()
+
+    if "json" in fields:
+        doc = json.loads(fields["json"])
+        return [seg["text"] if "text" in seg else image(seg["image"]) for seg in doc]
+    if "png" in fields and "txt" in fields:
+        return [image("png"), fields["txt"].decode()]
+    raise ShardError(f"sample {key} has neither a json member nor png + txt (has {sorted(fields)})")
+
+
+def read_image_shard(path: str, info: ImageShardInfo) -> list[tuple[str, list[Segment]]]:
+    """(key, segments) of every sample of one shard, in order; ShardError if anything is off."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as exc:
+        raise ShardError(f"cannot read: {exc}") from exc
+    if hashlib.sha256(data).hexdigest() != info.sha256:
+        raise ShardError(f"checksum mismatch ({len(data)} bytes): corrupt or truncated")
+    grouped: dict[str, dict[str, bytes]] = {}
+    try:
+        with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as tar:
+            for member in tar:
+                if not member.isfile():
+                    continue
+                key, _, field = os.path.basename(member.name).partition(".")  # webdataset's split
+                grouped.setdefault(key, {})[field] = tar.extractfile(member).read()
+        samples = [(key, _decode(key, fields)) for key, fields in grouped.items()]
+    except (tarfile.TarError, EOFError, OSError, ValueError, KeyError) as exc:
+        raise ShardError(f"bad shard: {exc}") from exc
+    if len(samples) != info.num_samples:
+        raise ShardError(f"holds {len(samples)} samples, meta.json says {info.num_samples}")
+    return samples
+
+
+class ImageTextReader:
+    """One pass over an image-text directory, yielding (key, segments); resumable (module docstring)."""
+
+    def __init__(self, directory: str):
+        self.directory = directory
+        self.meta, self.shards = read_image_meta(directory)
+        self._fingerprint = hashlib.sha256(
+            json.dumps([[s.name, s.sha256] for s in self.shards]).encode()).hexdigest()[:16]
+        self._shard, self._offset = 0, 0
+        self.skipped: list[str] = []
+
+    def __iter__(self) -> Iterator[tuple[str, list[Segment]]]:
+        while (index := self._shard) < len(self.shards):
+            info = self.shards[index]
+            path = os.path.join(self.directory, info.name)
+            try:
+                samples = read_image_shard(path, info)
+            except ShardError as exc:
+                warnings.warn(f"data: skipping image-text shard {path}: {exc}", RuntimeWarning, stacklevel=2)
+                self.skipped.append(info.name)
+                samples = []
+            for j in range(self._offset, len(samples)):
+                # The position moves before the sample is handed out: a state_dict() taken while the caller holds
+                # it already counts it as consumed.
+                self._shard, self._offset = (index + 1, 0) if j + 1 == len(samples) else (index, j + 1)
+                yield samples[j]
+            if self._shard == index:  # nothing left in it to hand out: unreadable, or the offset was at its end
+                self._shard, self._offset = index + 1, 0
+
+    def state_dict(self) -> dict:
+        return {"version": STATE_VERSION, "shards": self._fingerprint, "shard": self._shard, "offset": self._offset}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("version") != STATE_VERSION:
+            raise ValueError(f"image-text reader state version {state.get('version')!r}, expected {STATE_VERSION}")
+        if state["shards"] != self._fingerprint:
+            raise ValueError(f"image-text reader state was saved over other shards (fingerprint {state['shards']}, "
+                             f"{self.directory!r} has {self._fingerprint}); the position cannot be applied")
+        self._shard, self._offset = int(state["shard"]), int(state["offset"])
