@@ -5,7 +5,7 @@ parameters and the cache records that the layers declare, and the activation ter
 table above `layer_activation_bytes` says which tensor each term is).
 
 What each count includes:
-- params_total: every parameter (backbone + Engram tables).
+- params_total: every parameter of the backbone (+ Engram tables); the vision tower counts apart (params_vision*).
 - params_engram: the Engram hash tables only (their projections, gates and norms count as backbone).
 - params_backbone: params_total - params_engram.
 - params_active_decode: parameters one decoded token touches: every dense parameter of every layer (attention,
@@ -43,6 +43,8 @@ def parameter_groups(model: nn.Module) -> dict[str, int]:
             seen.add(id(p))
             groups[kind] += p.numel()
 
+    if getattr(model, "vision", None) is not None:  # the tower counts apart (`vision_parameters`), not as dense
+        seen.update(id(p) for p in model.vision.parameters())
     take("embed", model.embed.weight)
     take("head", model.head.weight)
     for layer in model.layers:
@@ -181,7 +183,8 @@ def dspark_parameters(cfg) -> dict[str, float]:
 def vision_parameters(cfg) -> dict[str, int]:
     """The vision side's parameters (model/vision/; built on the meta device): all of them, the ViT's, the aligner's
     (the START / NEWLINE / END vectors are the rest). {} for a text-only model (model.vision.num_layers 0). Not part
-    of params_total, which counts the backbone that model.build returns."""
+    of params_total, which counts the backbone (`parameter_groups` leaves out Transformer.vision, which model.build
+    builds too)."""
     if cfg.vision.num_layers == 0:
         return {}
     from model.vision import VisionEncoder

@@ -1,6 +1,9 @@
-"""The V4.1 text backbone: embedding -> 40 mHC blocks (CED: 20 encoder + 20 decoder) -> norm -> head.
+"""The V4.1 backbone: embedding -> 40 mHC blocks (CED: 20 encoder + 20 decoder) -> norm -> head. With a vision tower
+(model.vision.num_layers > 0, model/vision/) the tower's embeddings replace the token embedding at the image
+placeholders (`embed_streams`), in the training forward only.
 
-Shape legend: B batch, T tokens, n mHC streams, dim hidden width, V vocabulary.
+Shape legend: B batch, T tokens, n mHC streams, dim hidden width, V vocabulary, N image patches, K values per patch,
+P placeholder tokens (every image's START / rows of IMAGE + NEWLINE / END, model/vision/vit.py `layout`).
 
 Block order (REFERENCE A6 "The lag"): Engram (if any) updates the streams first; the attention site predicts its
 coefficients from the streams and the attention reads the streams collapsed with the PREVIOUS site's `pre`; the FFN
@@ -33,6 +36,7 @@ from model.config import ModelConfig
 from model.engram import Engram, EngramHasher
 from model.layer_plan import LayerSpec, build_layer_plan
 from model.moe import MoE
+from model.vision import VisionEncoder, image_token_count
 
 
 class Block(kern.KernelPath, nn.Module):
@@ -108,9 +112,20 @@ def new_state(cfg: ModelConfig, input_ids: torch.Tensor, shard: SequenceShard, h
     return state, {layer: (row_ids[:, mine], dead[:, mine]) for layer, (row_ids, dead) in rows.items()}
 
 
-def embed_streams(embed: nn.Embedding, input_ids: torch.Tensor, num_streams: int):
-    """input_ids [B, T] -> (S [B, T, n, dim] every stream the embedding, pre [n] the first site's one-hot `pre`)."""
+def embed_streams(embed: nn.Embedding, input_ids: torch.Tensor, num_streams: int,
+                  image_embeds: torch.Tensor | None = None, image_token_id: int = -1):
+    """input_ids [B, T] -> (S [B, T, n, dim] every stream the embedding, pre [n] the first site's one-hot `pre`).
+
+    image_embeds [P, dim] (the vision tower's output, `Transformer.image_embeddings`) take the place of the token
+    embedding at the P positions where input_ids == image_token_id, in row-major order over [B, T]."""
     h = embed(input_ids)
+    if image_embeds is not None:
+        if h.shape[:2] != input_ids.shape:  # sequence parallelism hands each rank a slice of the sequence
+            raise ValueError("images under sequence parallelism (parallel.sequence_parallel with tp > 1) are not "
+                             "wired yet: the embedding returns a sequence shard")
+        # masked_scatter fills the masked positions in row-major order, each with the next dim values; it is
+        # differentiable in its source, so the LM loss reaches the tower.
+        h = h.masked_scatter((input_ids == image_token_id)[..., None], image_embeds.to(h.dtype))
     return mhc.init_streams(h, num_streams), mhc.first_pre(num_streams, device=h.device)
 
 
@@ -178,6 +193,13 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self.hasher = EngramHasher(cfg) if cfg.engram.layers else None
+        self.vision = None
+        if cfg.vision.num_layers > 0:
+            if not 0 <= cfg.image_token_id < cfg.vocab_size:
+                raise ValueError(f"model.image_token_id={cfg.image_token_id} must be a token id in [0, "
+                                 f"model.vocab_size={cfg.vocab_size}): the placeholder the vision tower's "
+                                 f"embeddings replace (model.vision.num_layers={cfg.vision.num_layers})")
+            self.vision = VisionEncoder(cfg.vision, cfg.dim, cfg.init_std)
         # Where this process's tokens sit in each sequence and the hooks reaching the rest: the whole sequence by
         # default; context parallelism (trainer/parallel/context.py) installs its own. A plain object, no state.
         self.sequence_shard = SequenceShard()
@@ -191,6 +213,8 @@ class Transformer(nn.Module):
             layer.init_weights()
         if self.hasher is not None:
             self.hasher.init_buffers()
+        if self.vision is not None:
+            self.vision.init_weights()
 
     def indexer_parameters(self):
         for layer in self.layers:
@@ -226,12 +250,38 @@ class Transformer(nn.Module):
 
         return KVCache(self, batch_size, max_len, replay, **kw)
 
-    def forward(self, input_ids: torch.Tensor, *, image_mask: torch.Tensor | None = None, outputs: bool = False,
-                hidden_layers: Collection[int] = (), cache=None, routing=None, keep_routing: bool = False,
-                replay_cuts=None, logits: bool = True, static: bool = False):
+    def image_embeddings(self, input_ids: torch.Tensor, images) -> torch.Tensor:
+        """The vision tower's [P, dim] embeddings of `images` = (pixel_values [N, K], grids [(h_i, w_i)]), checked
+        against input_ids [B, T]: ValueError unless the model has a tower and the images' placeholder tokens
+        (model.vision.vit.image_token_count each) are exactly the P positions holding model.image_token_id."""
+        cfg = self.cfg
+        if self.vision is None:
+            raise ValueError(f"images given to a text-only model (model.vision.num_layers=0, model {cfg.name})")
+        if self.sequence_shard != SequenceShard():
+            raise ValueError("images under context parallelism (cp > 1) are not wired yet: an image's placeholder "
+                             "run may cross this process's chunk")
+        pixel_values, grids = images
+        grids = self.vision.check(pixel_values, grids)
+        expected = sum(image_token_count(g, cfg.vision.unshuffle) for g in grids)
+        found = int((input_ids == cfg.image_token_id).sum())  # a host sync, once per forward with images
+        if found != expected:
+            raise ValueError(f"input_ids hold {found} image placeholder tokens (model.image_token_id="
+                             f"{cfg.image_token_id}), the {len(grids)} images' grids {grids} make {expected}")
+        return self.vision(pixel_values, grids)
+
+    def forward(self, input_ids: torch.Tensor, *, images=None, image_mask: torch.Tensor | None = None,
+                outputs: bool = False, hidden_layers: Collection[int] = (), cache=None, routing=None,
+                keep_routing: bool = False, replay_cuts=None, logits: bool = True, static: bool = False):
         """input_ids [B, T] -> logits [B, T, V] (fp32); with outputs=True, a `ModelOutput` (logits, final hidden
         states, the auxiliary losses to add to the LM loss, the forward state), with the hidden states of
         `hidden_layers` too. In training mode the forward's expert loads are added to the MoE balancing counters.
+
+        images: (pixel_values [N, K], grids [(h_i, w_i)]) of the images whose placeholder runs input_ids holds, in
+        the order the runs appear (row-major over [B, T]); the tower's output replaces the embedding at every
+        position holding model.image_token_id (`image_embeddings` checks the counts). On a model with a tower,
+        image_mask defaults to input_ids == model.image_token_id, so those positions route with the MoE's image
+        bias (Engram's n-grams break at them either way). Images go only into the training forward (no cache):
+        the cache, static decode and bounded-replay paths refuse them, as do context and pipeline parallelism.
 
         cache: an inference cache (`new_cache`): the logits of the given tokens, which are appended to it (the first
         call is the prefill, later ones decode one or more tokens); no balancing counts. routing: RoutingRecords
@@ -244,6 +294,9 @@ class Transformer(nn.Module):
         cfg = self.cfg
         if not logits and (not outputs or cache is not None):
             raise ValueError("Transformer.forward(logits=False) runs with outputs=True and without a cache")
+        if images is not None and (cache is not None or static or replay_cuts is not None):
+            raise ValueError("Transformer.forward(images=...) runs only the training forward: the cache, static "
+                             "decode and bounded-replay (replay_cuts) paths take no images yet")
         if static:
             if cache is None or outputs or routing is not None or keep_routing or image_mask is not None:
                 raise ValueError("Transformer.forward(static=True) is a text decode step on a cache: logits only, "
@@ -260,11 +313,14 @@ class Transformer(nn.Module):
                 return scores
             return ModelOutput(scores, None, {}, {}, state,
                                routing=routing_records(self, state) if keep_routing else None)
+        image_embeds = None if images is None else self.image_embeddings(input_ids, images)
+        if self.vision is not None and image_mask is None:
+            image_mask = input_ids == cfg.image_token_id
         state, engram_in = new_state(cfg, input_ids, self.sequence_shard, self.hasher, image_mask)
         state.routing, state.keep_routing = routing, keep_routing
         if replay_cuts is not None:
             self._simulate_replay(state, input_ids, image_mask, replay_cuts)
-        S, pre = embed_streams(self.embed, input_ids, cfg.mhc.num_streams)
+        S, pre = embed_streams(self.embed, input_ids, cfg.mhc.num_streams, image_embeds, cfg.image_token_id)
         S, pre = forward_blocks(self.layers, S, pre, state, cfg.num_encoder_layers, engram_in, image_mask,
                                 hidden_layers)
         if self.training:  # an evaluation or scoring forward (eval mode) moves no balancing bias

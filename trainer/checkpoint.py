@@ -89,11 +89,11 @@ class CorruptCheckpoint(ValueError):
 COMPLETE_MARKER = "COMPLETE"
 CHECKPOINT_FORMAT = 2  # bump when the layout of the Stateful entries changes; keep older formats loadable
 # Model config keys that change no parameter's name, shape or dtype: a resume may change them (switches of
-# post-training hooks, kernels, balancing rates, the initialisation that a checkpoint overrides anyway). `vision.`:
-# the vision tower (model/vision/) is not yet part of the model the trainer builds (issue 20); drop it from here
-# when the backbone builds the tower.
+# post-training hooks, kernels, balancing rates, the initialisation that a checkpoint overrides anyway). `vision.` is
+# not among them: the backbone builds the tower (Transformer.vision), so its sizes are parameter shapes; a checkpoint
+# older than the `vision` section still resumes (`model_config_differences` skips keys the saved config lacks).
 RESUMABLE_MODEL_KEYS = ("name", "init_std", "kernels", "image_token_id", "mhc.impl", "indexer.", "quant.",
-                        "moe.bias_update_rate", "moe.seq_aux_loss_coef", "csa2.hierarchical_pool", "vision.")
+                        "moe.bias_update_rate", "moe.seq_aux_loss_coef", "csa2.hierarchical_pool")
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 

@@ -377,6 +377,9 @@ def register_configs() -> None:
         cs.store(group=group, name="schema", node=node)
     for name, node in STAGE_SCHEMAS.items():  # conf/stage/<name>.yaml: defaults [<name>_schema, _self_]
         cs.store(group="stage", name=f"{name}_schema", node=node)
+    from data.multimodal import MultimodalDataConfig
+
+    cs.store(group="data", name="multimodal_schema", node=MultimodalDataConfig)  # conf/data/multimodal.yaml
 
 
 def _stage_schema(stage: dict):
@@ -401,7 +404,14 @@ def to_config(node) -> Config:
     try:
         plain = OmegaConf.to_container(node, resolve=True)  # drops the node types that carry the extra keys
         stage = plain.pop("stage", None) or {}
+        data = plain.get("data") or {}
+        if "multimodal" in data:  # conf/data/multimodal.yaml: the data section against its own schema
+            from data.multimodal import MultimodalDataConfig
+
+            plain.pop("data")
         merged = OmegaConf.merge(OmegaConf.structured(Config), plain)
+        if "multimodal" in data:
+            merged.data = OmegaConf.merge(OmegaConf.structured(MultimodalDataConfig), data)
     except OmegaConfBaseException as e:
         first_line = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise ValueError(f"{first_line} (full key: {e.full_key})") from None

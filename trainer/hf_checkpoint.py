@@ -75,13 +75,15 @@ class _Entry:
 
 
 def _model_shapes(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
-    """Every tensor of Cedar's model of `cfg` (parameters and persistent buffers), in state-dict order, from a model
-    on the meta device (no memory)."""
+    """Every tensor of Cedar's model of `cfg` (parameters and persistent buffers) that the Hugging Face format holds,
+    in state-dict order, from a model on the meta device (no memory). Not the vision tower (`vision.*`): its names in
+    the released files are not known here (issue 20), so an export is the text model and an import drops the
+    released files' tower (model/hf.py)."""
     import model as model_pkg
 
     with torch.device("meta"):
         m = model_pkg.build(cfg)
-    return [(k, tuple(v.shape), v.dtype) for k, v in m.state_dict().items()]
+    return [(k, tuple(v.shape), v.dtype) for k, v in m.state_dict().items() if not k.startswith("vision.")]
 
 
 # -- safetensors, written as a stream -----------------------------------------------------------------------------

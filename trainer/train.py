@@ -280,6 +280,10 @@ def check_fused_loss(cfg: Config, loss: LMLoss) -> None:
 
 
 def build(cfg: Config, run_dir: Path) -> Job:
+    if hasattr(cfg.data, "multimodal"):
+        raise ValueError("data=multimodal: the trainer does not feed images to the model yet (issue 20: the loader "
+                         "data/multimodal.py and the tower model/vision/ are built, the trainer's wiring is next); "
+                         "use data=default")
     stage = build_stage(cfg.stage)
     loss = stage.loss()
     check_fused_loss(cfg, loss)  # as early as the layout rules: a bad combination fails before any process group

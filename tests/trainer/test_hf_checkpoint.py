@@ -31,7 +31,8 @@ def test_flagship_names_and_shapes_are_the_reference_ones():
     cfg = load_config("v41_flash")
     with torch.device("meta"):
         m = model_pkg.build(cfg)
-    got = {t.name: t.shape for k, v in m.state_dict().items() for t in hf.hf_tensors(k, tuple(v.shape))}
+    got = {t.name: t.shape for k, v in m.state_dict().items() if not k.startswith("vision.")  # (not exported yet)
+           for t in hf.hf_tensors(k, tuple(v.shape))}
     assert got["model.embed.weight"] == (129280, 5120) and got["lm_head.weight"] == (129280, 5120)
     assert got["model.norm.weight"] == (5120,)
     for i in (0, 20, 39):
@@ -74,6 +75,8 @@ def test_flagship_names_and_shapes_are_the_reference_ones():
 @pytest.mark.parametrize("name", ["v41_flash", "v41_tiny"])
 def test_config_both_ways(name):
     cfg = load_config(name)
+    # config.json carries no vision section yet (the tower's HF names are not known here, issue 20): text model
+    cfg = dataclasses.replace(cfg, vision=dataclasses.replace(cfg.vision, num_layers=0))
     back = hf.model_config(hf.hf_config(cfg))
     # the tables' storage dtype is the files' (trainer/import_hf.py), not config.json's
     back = dataclasses.replace(back, engram=dataclasses.replace(back.engram, table_dtype=cfg.engram.table_dtype))

@@ -285,10 +285,16 @@ def piece_seed(seed: int, piece: int) -> int:
     return (seed * 1_000_003 + piece) % 2**63
 
 
+VISION_PIECE = 1_000_000
+"""The vision tower's piece id: past every 4 + layer index a model can have, so adding the tower (after the layers
+had their ids) changes no other piece's seed and hence no text-only model's initial values."""
+
+
 def _pieces(module: nn.Module) -> list[tuple[int, nn.Module, object, bool]]:
     """(piece id, module, init, is a block) for what `module` holds. A Transformer or StageGroup, in
     Transformer.init_weights' terms: embedding 0, head 1, final norm 2, Engram hasher 3, layer i -> 4 + i (the
-    layers are the blocks: FSDP units). Another module (the DSpark drafter) lists its own (`init_pieces`)."""
+    layers are the blocks: FSDP units), the vision tower VISION_PIECE. Another module (the DSpark drafter) lists its
+    own (`init_pieces`)."""
     if hasattr(module, "init_pieces"):
         return module.init_pieces()
     cfg = module.cfg
@@ -301,6 +307,10 @@ def _pieces(module: nn.Module) -> list[tuple[int, nn.Module, object, bool]]:
         out.append((2, module.norm, module.norm.init_weights, False))
     if getattr(module, "hasher", None) is not None:
         out.append((3, module.hasher, module.hasher.init_buffers, False))
+    if getattr(module, "vision", None) is not None:
+        # Not a block: its own FSDP unit would all-gather only on ranks whose micro-batch holds an image, and the
+        # ranks without one would hang in the collective; in the root it is gathered with the embedding every step.
+        out.append((VISION_PIECE, module.vision, module.vision.init_weights, False))
     layers = module.layers.values() if isinstance(module.layers, nn.ModuleDict) else module.layers
     out += [(4 + layer.spec.index, layer, layer.init_weights, True) for layer in layers]
     return out
