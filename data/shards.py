@@ -111,15 +111,21 @@ def write_shard(directory: str, index: int, docs: list[np.ndarray], first_key: i
     )
 
 
-def read_shard(path: str, info: ShardInfo, dtype: str) -> list[np.ndarray]:
-    """The documents of one shard, in key order, as read-only arrays; ShardError if anything is off."""
+def read_verified(path: str, sha256: str) -> bytes:
+    """A shard file's bytes, checked against the sha256 its meta.json records; ShardError if unreadable or corrupt."""
     try:
         with open(path, "rb") as f:
             data = f.read()
     except OSError as exc:
         raise ShardError(f"cannot read: {exc}") from exc
-    if hashlib.sha256(data).hexdigest() != info.sha256:
+    if hashlib.sha256(data).hexdigest() != sha256:
         raise ShardError(f"checksum mismatch ({len(data)} bytes): corrupt or truncated")
+    return data
+
+
+def read_shard(path: str, info: ShardInfo, dtype: str) -> list[np.ndarray]:
+    """The documents of one shard, in key order, as read-only arrays; ShardError if anything is off."""
+    data = read_verified(path, info.sha256)
     docs = []
     itemsize = np.dtype(dtype).itemsize
     try:

@@ -340,6 +340,8 @@ def build(cfg: Config, run_dir: Path) -> Job:
     seed_everything(cfg.trainer.seed + rt.rank)  # anything random after init differs per rank
     metrics = MetricsLogger(run_dir, cfg.logger.wandb, rt.rank, config=dataclasses.asdict(cfg))
     if resume_from is None and cfg.checkpoint.init_from and not getattr(stage, "reads_init_from", False):
+        from trainer.init_from import init_weights_from
+
         init_weights_from(cfg.checkpoint.init_from, pm, optimizer if cfg.checkpoint.init_optimizer else None,
                           model_cfg, checkpointer)
     if resume_from is not None:
@@ -367,78 +369,6 @@ def build(cfg: Config, run_dir: Path) -> Job:
     if hasattr(stage, "bind"):  # a stage whose batches need the model (RL's rollouts, a teacher's scores)
         stage.bind(job)
     return job
-
-
-def init_weights_from(ckpt: str, pm: ParallelModel, optimizer: torch.optim.Optimizer | None, model_cfg: ModelConfig,
-                      checkpointer: Checkpointer) -> Path:
-    """Load another run's weights (and, with `optimizer`, its optimiser moments) into this rank's part of the model,
-    whatever layout saved them (DCP reshards): checkpoint.init_from. The step count and schedule stay at 0.
-    A Hugging Face directory (config.json + safetensors) is first imported, streaming, as a checkpoint beside the
-    run's own (`<run dir>/hf_init/`, trainer/hf_checkpoint.py), by every rank its share; its config.json must give
-    the run's model."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
-                                                         set_model_state_dict, set_optimizer_state_dict)
-
-    from trainer.engine.loading import find_checkpoint, read_marker
-
-    from trainer.hf_checkpoint import is_hf_dir
-
-    if is_hf_dir(Path(ckpt)):
-        ckpt = str(_import_hf_init(Path(ckpt), pm, optimizer, model_cfg, checkpointer))
-    try:
-        path = find_checkpoint(ckpt)
-        read_marker(path)  # every file there, with its checksum
-    except ValueError as e:
-        raise ValueError(f"checkpoint.init_from: {e}".replace("ckpt=", "")) from None
-    try:
-        checkpointer.check_model(path, model_cfg)
-    except ValueError as e:
-        raise ValueError(f"checkpoint.init_from: {str(e).split('. Resume with')[0]}") from None
-    state = {"model": get_model_state_dict(pm.module)}
-    if optimizer is not None:
-        state["optim"] = get_optimizer_state_dict(pm.module, optimizer)
-    with contextlib.ExitStack() as stack:
-        import warnings
-
-        stack.enter_context(warnings.catch_warnings())
-        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-        dcp.load({"train": state}, storage_reader=FileSystemReader(str(path)))
-    set_model_state_dict(pm.module, state["model"])
-    if optimizer is not None:
-        live = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-        set_optimizer_state_dict(pm.module, optimizer, state["optim"])
-        for group, values in zip(optimizer.param_groups, live):  # the config's hyperparameters, as on resume
-            group.update(values)
-    log.info("initialised from %s%s", path, " (weights and optimiser moments)" if optimizer is not None else "")
-    return path
-
-
-def _import_hf_init(src: Path, pm: ParallelModel, optimizer, model_cfg: ModelConfig,
-                    checkpointer: Checkpointer) -> Path:
-    """checkpoint.init_from=<Hugging Face directory>: its weights as a checkpoint under `<run dir>/hf_init/`."""
-    from trainer.checkpoint import _world, model_config_differences
-    from trainer.hf_checkpoint import import_
-    from trainer.import_hf import hf_model_config
-
-    if optimizer is not None:
-        raise ValueError(f"checkpoint.init_from={src} is a Hugging Face directory: it holds no optimiser state, so "
-                         "checkpoint.init_optimizer=true cannot apply; set checkpoint.init_optimizer=false")
-    hf_cfg = hf_model_config(src)
-    # the tables' storage dtype is the run's choice: the file's values are cast to it
-    hf_cfg = dataclasses.replace(hf_cfg, engram=dataclasses.replace(hf_cfg.engram,
-                                                                    table_dtype=model_cfg.engram.table_dtype))
-    diff = model_config_differences(dataclasses.asdict(hf_cfg), dataclasses.asdict(model_cfg))
-    if diff:
-        shown = "; ".join(f"model.{k}={a!r} there, {b!r} here" for k, a, b in diff[:8])
-        raise ValueError(f"checkpoint.init_from={src}: its config.json gives another model: {shown}"
-                         + (f" (and {len(diff) - 8} more)" if len(diff) > 8 else ""))
-    rank, world = _world()
-    out = checkpointer.root.parent / "hf_init"
-    path = import_(src, out, hf_cfg, rank=rank, world=world)
-    log.info("checkpoint.init_from: imported the Hugging Face weights of %s as %s", src, path)
-    return path
 
 
 def _to_device(batch: dict, device: torch.device):

@@ -39,7 +39,8 @@ from dataclasses import asdict, dataclass
 
 from PIL import Image
 
-from data.shards import META_NAME, DataConfigError, DataNotFoundError, ShardError, atomic_write, shard_name
+from data.shards import (META_NAME, DataConfigError, DataNotFoundError, ShardError, atomic_write, read_verified,
+                         shard_name)
 
 FORMAT = "cedar-image-text-v1"
 STATE_VERSION = 1
@@ -161,13 +162,7 @@ def _decode(key: str, fields: dict[str, bytes]) -> list[Segment]:
 
 def read_image_shard(path: str, info: ImageShardInfo) -> list[tuple[str, list[Segment]]]:
     """(key, segments) of every sample of one shard, in order; ShardError if anything is off."""
-    try:
-        with open(path, "rb") as f:
-            data = f.read()
-    except OSError as exc:
-        raise ShardError(f"cannot read: {exc}") from exc
-    if hashlib.sha256(data).hexdigest() != info.sha256:
-        raise ShardError(f"checksum mismatch ({len(data)} bytes): corrupt or truncated")
+    data = read_verified(path, info.sha256)
     grouped: dict[str, dict[str, bytes]] = {}
     try:
         with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as tar:

@@ -22,7 +22,7 @@ import torch
 
 from model.config import ModelConfig
 
-__all__ = ["find_checkpoint", "read_marker", "model_config", "run_tokenizer", "load_model"]
+__all__ = ["find_checkpoint", "read_marker", "model_config", "run_tokenizer", "load_model", "read_model_state"]
 
 
 # -- the checkpoint and its model config -------------------------------------------------------------------------------
@@ -157,10 +157,6 @@ def run_tokenizer(ckpt: Path) -> str:
 def load_model(path: Path, cfg: ModelConfig, device: torch.device, tokenizer_path: str) -> torch.nn.Module:
     """The whole model in this process, in eval mode, holding the checkpoint's weights and balancing biases whatever
     layout saved them (the checkpoint's `train.model` entry, read with DCP; the optimiser state is not read)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
-
     import model as model_pkg
     from trainer.train import install_canonical_vocab
 
@@ -170,7 +166,18 @@ def load_model(path: Path, cfg: ModelConfig, device: torch.device, tokenizer_pat
     with torch.no_grad():
         model.init_weights()  # the buffers no checkpoint holds (Engram's hash constants, MoE load counters)
     install_canonical_vocab(model, cfg, tokenizer_path)
-    state = get_model_state_dict(model)
+    read_model_state(path, model, f"the parameters of model {cfg.name!r} as configured")
+    return model.eval()
+
+
+def read_model_state(path: Path, module: torch.nn.Module, what: str) -> None:
+    """Checkpoint `path`'s `train.model` entry (whatever layout saved it) into `module`, in this process. what: the
+    error's words for what the checkpoint should hold."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    state = get_model_state_dict(module)
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
@@ -179,10 +186,8 @@ def load_model(path: Path, cfg: ModelConfig, device: torch.device, tokenizer_pat
     except BaseException as e:  # DCP's CheckpointException is a BaseException
         if isinstance(e, (KeyboardInterrupt, SystemExit)):
             raise
-        raise ValueError(f"checkpoint {path} does not hold the parameters of model {cfg.name!r} as configured: "
-                         f"{_cause(e)}") from None
-    set_model_state_dict(model, state)
-    return model.eval()
+        raise ValueError(f"checkpoint {path} does not hold {what}: {_cause(e)}") from None
+    set_model_state_dict(module, state)
 
 
 def _cause(e: BaseException) -> str:

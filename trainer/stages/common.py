@@ -66,7 +66,7 @@ def load_frozen(ref, device: torch.device, tokenizer_path: str, *, what: str, ke
     from omegaconf import OmegaConf
 
     from model.config import ModelConfig
-    from trainer.engine.loading import find_checkpoint, load_model, model_config, read_marker, run_tokenizer
+    from trainer.engine.loading import find_checkpoint, load_model, model_config, read_marker
 
     ckpt, model_name = (ref, "") if isinstance(ref, (str, Path)) else (ref.ckpt, ref.model)
     try:
@@ -83,20 +83,29 @@ def load_frozen(ref, device: torch.device, tokenizer_path: str, *, what: str, ke
         node.pop("defaults", None)
         chosen = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), node))
     cfg = model_config(marker.get("model"), chosen, [], path)
-    try:
-        theirs = run_tokenizer(path)
-    except ValueError:
-        theirs = None
-    if theirs is not None and os.path.realpath(theirs) != os.path.realpath(tokenizer_path) and \
-            tokenizer_sha(theirs) != tokenizer_sha(tokenizer_path):
-        raise ValueError(f"{key}: the {what} {path} was trained with another tokenizer ({theirs}) than this run's "
-                         f"({tokenizer_path}): its log-probs would score other tokens. Distil from a model of the "
-                         "same tokenizer")
+    check_tokenizer(path, tokenizer_path, key=key, what=what,
+                    why="its log-probs would score other tokens. Distil from a model of the same tokenizer")
     model = load_model(path, cfg, device, tokenizer_path)
     for p in model.parameters():
         p.requires_grad_(False)
     log.info("%s: %s (%s, %.1fM parameters)", what, path, cfg.name, sum(p.numel() for p in model.parameters()) / 1e6)
     return model
+
+
+def check_tokenizer(path: Path, tokenizer_path: str, *, key: str, what: str, why: str) -> None:
+    """Refuse, naming `key`, checkpoint `path` when its run trained with another tokenizer than `tokenizer_path`
+    (another file whose bytes differ; a run whose tokenizer cannot be found is not refused). why: what would go
+    wrong, for the message."""
+    from trainer.engine.loading import run_tokenizer
+
+    try:
+        theirs = run_tokenizer(path)
+    except ValueError:
+        return
+    if os.path.realpath(theirs) != os.path.realpath(tokenizer_path) and \
+            tokenizer_sha(theirs) != tokenizer_sha(tokenizer_path):
+        raise ValueError(f"{key}: the {what} {path} was trained with another tokenizer ({theirs}) than this run's "
+                         f"({tokenizer_path}): {why}")
 
 
 def reverse_kl(student_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor) -> torch.Tensor:

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 from pathlib import Path
 
 import torch
@@ -103,9 +102,9 @@ def load_backbone(ckpt: str, model_cfg, device: torch.device, tokenizer_path: st
     """(the frozen backbone in eval mode, its checkpoint path). The checkpoint must hold `model_cfg`'s parameters
     (keys that change no parameter, e.g. the stage's fake-quant hooks, may differ: `model_cfg` is what runs), and
     with `tokenizer_path` have been trained with that tokenizer."""
-    from trainer.engine.loading import find_checkpoint, load_model, model_config, read_marker, run_tokenizer
+    from trainer.engine.loading import find_checkpoint, load_model, model_config, read_marker
     from trainer.hf_checkpoint import is_hf_dir
-    from trainer.stages.common import tokenizer_sha
+    from trainer.stages.common import check_tokenizer
 
     if is_hf_dir(Path(ckpt)):
         raise ValueError(f"{key}={ckpt} is a Hugging Face directory: import it first (python -m trainer.import_hf) and "
@@ -119,14 +118,8 @@ def load_backbone(ckpt: str, model_cfg, device: torch.device, tokenizer_path: st
     if marker.get("stage") == "dspark":
         raise ValueError(f"{key}={ckpt}: {path} is a drafter's checkpoint (stage dspark), not a backbone's")
     if tokenizer_path is not None:
-        try:
-            theirs = run_tokenizer(path)
-        except ValueError:
-            theirs = None
-        if theirs is not None and os.path.realpath(theirs) != os.path.realpath(tokenizer_path) and \
-                tokenizer_sha(theirs) != tokenizer_sha(tokenizer_path):
-            raise ValueError(f"{key}: the backbone {path} was trained with another tokenizer ({theirs}) than this "
-                             f"run's data ({tokenizer_path}): the drafter would learn its distributions on other ids")
+        check_tokenizer(path, tokenizer_path, key=key, what="backbone",
+                        why="the drafter would learn its distributions on other ids")
     backbone = load_model(path, model_cfg, device, tokenizer_path or _tokenizer_or_none(path))
     for p in backbone.parameters():
         p.requires_grad_(False)
@@ -168,30 +161,15 @@ def _check_drafter_marker(path: Path, marker: dict) -> None:
 def load_drafter_weights(ckpt, model_cfg, device: torch.device):
     """The drafter of a DSpark run's checkpoint (or run directory) for a backbone of `model_cfg` (the checkpoint must
     have been trained on that model: keys that change no parameter may differ), in eval mode."""
-    import warnings
-
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
-
     from model.dspark import DSpark
-    from trainer.engine.loading import _cause, find_checkpoint, model_config, read_marker
+    from trainer.engine.loading import find_checkpoint, model_config, read_marker, read_model_state
 
     path = find_checkpoint(str(ckpt))
     marker = read_marker(path)
     _check_drafter_marker(path, marker)
     model_config(marker.get("model"), model_cfg, [], path)  # refuses a drafter of another model, naming the keys
     drafter = DSpark(model_cfg).to(device)
-    state = get_model_state_dict(drafter)
-    try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-            dcp.load({"train": {"model": state}}, storage_reader=FileSystemReader(str(path)), no_dist=True)
-    except BaseException as e:  # DCP's CheckpointException is a BaseException
-        if isinstance(e, (KeyboardInterrupt, SystemExit)):
-            raise
-        raise ValueError(f"drafter {path} does not hold model {model_cfg.name!r}'s drafter: {_cause(e)}") from None
-    set_model_state_dict(drafter, state)
+    read_model_state(path, drafter, f"model {model_cfg.name!r}'s drafter")
     for p in drafter.parameters():
         p.requires_grad_(False)
     return drafter.eval()
