@@ -262,7 +262,7 @@ def run_mode(args, name: str, fullgraph: bool = True) -> dict:
     if args.gemm_shapes:
         gemm_table(prof, args.steps, cuda)
     return {"mode": name, "step_ms": wall * 1e3, "busy_ms": busy * 1e3, "tokens_s": tokens / wall,
-            "mfu": flops / wall / peak, "ops": ops / args.steps, "outer_ops": outer / args.steps, "launches": launches / args.steps,
+            "mfu": flops / wall / peak, "flops_s": flops / wall, "ops": ops / args.steps, "outer_ops": outer / args.steps, "launches": launches / args.steps,
             "opt_ms": opt_s * 1e3, "peak_gb": peak_gb, "reserved_gb": reserved_gb, "warmup_s": warmup_s, "losses": losses}
 
 
@@ -288,6 +288,7 @@ def main() -> None:
                    help="tables of the operators by where they were dispatched from (a compiled graph, the optimiser, "
                         "an autograd node, the top level)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--json", default=None, help="append each mode's row (and the measured matmul rate) to this file")
     args = p.parse_args()
     modes = args.modes.split(",")
     for m in modes:
@@ -315,6 +316,23 @@ def main() -> None:
               f"{base['ops'] / max(r['ops'], 1):6.1f}x {r['outer_ops']:10,.0f} {base['outer_ops'] / max(r['outer_ops'], 1):6.1f}x "
               f"{r['launches']:9,.0f} {r['opt_ms']:9.1f} {r['mfu']:7.1%} "
               f"{r['peak_gb']:9.2f} {r['reserved_gb']:9.2f} {r['warmup_s']:10.1f}")
+    if args.device.startswith("cuda"):  # MFU against the bf16 matmul rate this GPU delivers, measured now
+        sys.path.insert(0, str(ROOT / "bench"))
+        from peer_step import matmul_rate
+
+        rate = matmul_rate(torch.device(args.device))
+        print(f"\nmeasured bf16 matmul rate (8192^3, best of 10): {rate / 1e12:.0f} TFLOP/s; MFU against it: "
+              + ", ".join(f"{r['mode']} {r['flops_s'] / rate:.1%}" for r in rows))
+        for r in rows:
+            r["matmul_tflops_measured"], r["mfu_measured"] = rate / 1e12, r["flops_s"] / rate
+    if args.json:
+        import json
+
+        with open(args.json, "a") as f:
+            for r in rows:
+                f.write(json.dumps({"model": args.model, "batch": args.batch_size, "seq_len": args.seq_len,
+                                    "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
+                                    **r}) + "\n")
 
 
 if __name__ == "__main__":

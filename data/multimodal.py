@@ -65,6 +65,8 @@ IGNORE = -100
 """label of positions that are not trained on (cross-entropy's ignore_index)"""
 TEXT, MULTIMODAL = 0, 1
 """row_kind values"""
+ROW_KINDS = ("text", "multimodal")
+"""row_kind's names, by value (the trainer's metrics loss_text and loss_multimodal)"""
 _GOLDEN = 0x9E3779B97F4A7C15  # splitmix64's increment
 
 
@@ -325,6 +327,11 @@ class MultimodalLoader:
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         while True:
             yield self._next_batch()
+
+    @property
+    def skipped_shards(self) -> int:
+        """Corrupt text shards the text loader skipped (the metrics' skipped_shards)."""
+        return getattr(self.text, "skipped_shards", 0)
 
     def state_dict(self) -> dict:
         """Position after the last batch handed out, in plain Python types, keyed by data rank (as PackedLoader)."""

@@ -180,19 +180,27 @@ def dspark_parameters(cfg) -> dict[str, float]:
             "params_dspark_active": total - routed + routed * k / e - markov + cfg.dspark.markov_rank}
 
 
-def vision_parameters(cfg) -> dict[str, int]:
+def vision_parameters(cfg, tp: int = 1) -> dict[str, int]:
     """The vision side's parameters (model/vision/; built on the meta device): all of them, the ViT's, the aligner's
-    (the START / NEWLINE / END vectors are the rest). {} for a text-only model (model.vision.num_layers 0). Not part
-    of params_total, which counts the backbone (`parameter_groups` leaves out Transformer.vision, which model.build
-    builds too)."""
+    (the START / NEWLINE / END vectors are the rest), and with tp > 1 those one tensor-parallel rank holds (the
+    tower's plan, model/parallelize.py `vision_shard_dims`). {} for a text-only model (model.vision.num_layers 0).
+    Not part of params_total, which counts the backbone (`parameter_groups` leaves out Transformer.vision, which
+    model.build builds too)."""
     if cfg.vision.num_layers == 0:
         return {}
     from model.vision import VisionEncoder
 
     with torch.device("meta"):
         v = VisionEncoder(cfg.vision, cfg.dim, cfg.init_std)
-    return {"params_vision": _numel(v.parameters()), "params_vision_vit": _numel(v.vit.parameters()),
-            "params_vision_aligner": _numel(v.aligner.parameters())}
+    out = {"params_vision": _numel(v.parameters()), "params_vision_vit": _numel(v.vit.parameters()),
+           "params_vision_aligner": _numel(v.aligner.parameters())}
+    if tp > 1:
+        from model.parallelize import vision_shard_dims
+
+        split = vision_shard_dims(v)
+        out["params_vision_per_tp_rank"] = sum(p.numel() // tp if name in split else p.numel()
+                                               for name, p in v.named_parameters())
+    return out
 
 
 def train_flops_per_token(model: nn.Module, seq_len: int) -> float:

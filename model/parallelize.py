@@ -289,12 +289,51 @@ def _block_plan(block: nn.Module, seq: Placement) -> dict[str, ParallelStyle]:
     return plan
 
 
+def _vision_plan(vision: nn.Module) -> dict[str, ParallelStyle]:
+    """The TP plan of the vision tower (model/vision/vit.py `VisionEncoder`), keyed by module path below it. Every
+    tp rank runs the tower on all of the batch's images (the images are the batch's, which tp peers share), so the
+    activations between its blocks are replicated, as the backbone's without sequence parallelism: Megatron's pairs
+    inside each block, heads split (wq, wk, wv column-wise; wo row-wise, all-reduced) and the SwiGLU width split (w1,
+    w3 column-wise; w2 row-wise), the aligner's two linears likewise (column-, then row-wise). Replicated: the patch
+    embedding, the norms and the START / NEWLINE / END vectors (read through `model.common.local`). The input of
+    each split pair enters as one DTensor, so the partial gradients of its column-wise linears meet and are
+    all-reduced once."""
+    plan: dict[str, ParallelStyle] = {
+        "": DistributeParams({"image_start": Replicate(), "image_newline": Replicate(), "image_end": Replicate()}),
+        "vit.patch_embed": ReplicateParallel(),
+        "vit.norm": ReplicateParallel(),
+        "aligner": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),)),
+        "aligner.w1": _no_scatter(ColwiseParallel()),
+        "aligner.w2": _no_scatter(RowwiseParallel()),
+    }
+    for i in range(len(vision.vit.layers)):
+        p = f"vit.layers.{i}"
+        plan.update({
+            f"{p}.attn_norm": ReplicateParallel(),
+            f"{p}.mlp_norm": ReplicateParallel(),
+            # forward(x, cos, sin, seqlens): x one DTensor for wq, wk and wv
+            f"{p}.attn": PrepareModuleInput(input_layouts=(Replicate(), None, None, None),
+                                            desired_input_layouts=(Replicate(), None, None, None)),
+            f"{p}.attn.wq": _no_scatter(ColwiseParallel()),
+            f"{p}.attn.wk": _no_scatter(ColwiseParallel()),
+            f"{p}.attn.wv": _no_scatter(ColwiseParallel()),
+            f"{p}.attn.wo": _no_scatter(RowwiseParallel()),
+            f"{p}.mlp": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),)),
+            f"{p}.mlp.w1": _no_scatter(ColwiseParallel()),
+            f"{p}.mlp.w3": _no_scatter(ColwiseParallel()),
+            f"{p}.mlp.w2": _no_scatter(RowwiseParallel()),
+        })
+    return plan
+
+
 def _check_tp(model: nn.Module, tp: int) -> None:
     # Even shards: the attention's per-rank head and group counts come from shard shapes and must line up.
     cfg = model.cfg
     a, moe = cfg.attention, cfg.moe
     sizes = {"attention.num_heads": a.num_heads, "attention.o_groups": a.o_groups, "moe.expert_dim": moe.expert_dim,
              "dim": cfg.dim, "vocab_size": cfg.vocab_size}
+    if getattr(model, "vision", None) is not None:  # the tower's heads and SwiGLU width (the aligner's: dim)
+        sizes.update({"vision.num_heads": cfg.vision.num_heads, "vision.mlp_dim": cfg.vision.mlp_dim})
     for name, size in sizes.items():
         if size % tp:
             raise ValueError(f"tensor parallelism: model.{name}={size} is not divisible by tp={tp}")
@@ -325,6 +364,10 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool, *, 
     for block in model.layers:
         parallelize_module(block, tp_mesh, _block_plan(block, seq))
     parallelize_module(model, tp_mesh, _top_plan(seq, loss_parallel))
+    if getattr(model, "vision", None) is not None:
+        plan = _vision_plan(model.vision)
+        parallelize_module(model.vision, tp_mesh, plan.pop(""))  # the tower's own parameters
+        parallelize_module(model.vision, tp_mesh, plan)
     if sequence_parallel:
         def check_length(_, args, kwargs):
             T = (args[0] if args else kwargs["input_ids"]).shape[1]
@@ -390,7 +433,14 @@ def tp_shard_dims(model: nn.Module) -> dict[str, int]:
     for key, block in model.layers.named_children():
         dims.update({f"layers.{key}.{name}": d for name, d in block_shard_dims(block).items()})
     dims.update(_plan_shard_dims(model, _top_plan(Replicate(), loss_parallel=True)))
+    if getattr(model, "vision", None) is not None:
+        dims.update({f"vision.{name}": d for name, d in vision_shard_dims(model.vision).items()})
     return dims
+
+
+def vision_shard_dims(vision: nn.Module) -> dict[str, int]:
+    """`tp_shard_dims` of a vision tower (model/vision/vit.py `VisionEncoder`), names relative to it."""
+    return _plan_shard_dims(vision, _vision_plan(vision))
 
 
 def reduce_partial_grads(model: nn.Module) -> None:

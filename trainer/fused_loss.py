@@ -55,7 +55,7 @@ def _chunk_logits(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, labels, weights, chunk: int, dtype: torch.dtype):
+    def forward(ctx, hidden, weight, labels, weights, chunk: int, dtype: torch.dtype, token_losses):
         n_tokens = hidden.shape[0]
         lse = torch.empty(n_tokens, dtype=torch.float32, device=hidden.device)
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
@@ -70,6 +70,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 picked = logits.gather(1, torch.where(valid, y, 0).unsqueeze(1)).squeeze(1)
                 del logits
                 ce = chunk_lse - picked
+                if token_losses is not None:  # each token's own cross-entropy, before its weight
+                    token_losses[s:e] = torch.where(valid, ce, 0.0)
                 if weights is not None:
                     ce = ce * weights[s:e]
                 total += torch.where(valid, ce, 0.0).sum()
@@ -85,7 +87,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_hidden = torch.zeros_like(hidden) if need_hidden else None
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else None
         if not (need_hidden or need_weight):
-            return None, None, None, None, None, None
+            return None, None, None, None, None, None, None
         dtype, chunk, n_tokens = ctx.dtype, ctx.chunk, hidden.shape[0]
         with torch.autocast(hidden.device.type, enabled=False):
             w = weight.to(dtype)
@@ -109,19 +111,22 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 del g
         if need_weight:
             grad_weight = grad_weight.to(weight.dtype)
-        return grad_hidden, grad_weight, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                          weights: torch.Tensor | None = None, *, chunk_size: int | None = None,
-                         compute_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                         compute_dtype: torch.dtype | None = None,
+                         token_losses: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """hidden [..., D] (the head's input), weight [V, D] (the head's, no bias), labels [...] (IGNORE_INDEX: not
     counted), weights [...] per-token loss weights or None -> (the sum over valid tokens of weight x
     cross-entropy of softmax(hidden @ weight^T), a 0-dim fp32 tensor differentiable in hidden and weight; the number
     of valid tokens, a 0-dim int64 tensor). Nothing valid: an exact zero, with zero gradients.
 
     chunk_size: tokens per chunk (default `default_chunk_tokens(V)`). compute_dtype: the matmul's dtype (default:
-    the autocast dtype where autocast is on for hidden's device, else the inputs' dtype)."""
+    the autocast dtype where autocast is on for hidden's device, else the inputs' dtype). token_losses: a [N] fp32
+    tensor (N tokens) the forward fills with each token's unweighted cross-entropy (0 where not counted), for
+    metrics: it takes no part in the gradient."""
     for name, t in (("hidden", hidden), ("head weight", weight)):
         if hasattr(t, "full_tensor"):
             raise ValueError(f"trainer.fused_loss: the {name} is a DTensor (a sharded head or sequence); the fused "
@@ -138,5 +143,8 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     if chunk < 1:
         raise ValueError(f"linear_cross_entropy: chunk_size must be positive, got {chunk_size}")
     dtype = compute_dtype or _compute_dtype(hidden, weight)
-    total = _LinearCrossEntropy.apply(flat, weight, flat_labels, flat_weights, chunk, dtype)
+    if token_losses is not None and (token_losses.shape != flat_labels.shape or token_losses.dtype != torch.float32):
+        raise ValueError(f"linear_cross_entropy: token_losses must be a [{flat_labels.shape[0]}] fp32 tensor, got "
+                         f"{list(token_losses.shape)} {token_losses.dtype}")
+    total = _LinearCrossEntropy.apply(flat, weight, flat_labels, flat_weights, chunk, dtype, token_losses)
     return total, (flat_labels != IGNORE_INDEX).sum()

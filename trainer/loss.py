@@ -20,6 +20,12 @@ trainer.fused_loss=true (`LMLoss(fused=True)`, set by trainer/train.py's `build`
 and weight instead of the logits (`lm_fused`, through trainer/fused_loss.py: the head and the cross-entropy chunked
 over tokens, the [B, T, V] logits never formed), with the same semantics as `lm`. A loss that reads the logits
 itself (trainer/stages/grpo.py) sets `supports_fused = False` and is refused with the key at start-up.
+
+Row kinds. A batch whose rows are of several kinds (data=multimodal: text rows and image-text rows, `row_kind` [B]
+in the batch, data/multimodal.py) gets the same loss; besides it, `LMLoss` sums each kind's token cross-entropies
+(unweighted, detached) and valid-token counts over the step's micro-batches (`kind_sums`), from the per-token
+losses the loss computes anyway: the trainer reduces them over the data ranks into the metrics `loss_<kind>`,
+each a global token mean like `loss`.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-__all__ = ["IGNORE_INDEX", "StepTokens", "LMLoss", "valid_tokens"]
+__all__ = ["IGNORE_INDEX", "StepTokens", "LMLoss", "valid_tokens", "KindSums"]
 
 IGNORE_INDEX = -100  # a label that takes no part in the loss (prompt tokens, padding)
 
@@ -54,6 +60,25 @@ class StepTokens:
         return (valid.double() * (self.ranks * self.micro_batches) / max(self.total, 1)).float()
 
 
+@dataclass
+class KindSums:
+    """Per row kind k, over the micro-batches so far: `loss[k]` the sum of its valid tokens' cross-entropies,
+    `tokens[k]` their count (fp64 device tensors [K]: no host synchronisation per micro-batch)."""
+
+    loss: torch.Tensor
+    tokens: torch.Tensor
+
+    def add(self, per_token: torch.Tensor, labels: torch.Tensor, row_kind: torch.Tensor) -> None:
+        """per_token [N] (this micro-batch's cross-entropies, any value where not valid), labels [N], row_kind [B]
+        with N = B x T."""
+        kinds = row_kind.to(per_token.device).long().repeat_interleave(labels.numel() // row_kind.numel())
+        valid = labels != IGNORE_INDEX
+        k = self.loss.numel()
+        self.loss += torch.zeros(k, dtype=torch.float64, device=per_token.device).index_add_(
+            0, kinds, torch.where(valid, per_token.detach(), 0.0).double())
+        self.tokens += torch.bincount(kinds, weights=valid.double(), minlength=k)[:k]
+
+
 class LMLoss:
     """Cross-entropy over the valid tokens of one micro-batch, weighted per token if asked, times the micro-batch's
     share of the step (`StepTokens.share`), plus the auxiliary losses it is handed. Set the step with
@@ -63,37 +88,54 @@ class LMLoss:
 
     fused: the trainer runs the model without its head and calls this with logits=None, hidden= and head= (the
     head's input [B, T, D] and the head module), computed by `lm_fused` (trainer.fused_loss=true); chunk_size: the
-    fused loss's tokens per chunk (None: trainer/fused_loss.py's default)."""
+    fused loss's tokens per chunk (None: trainer/fused_loss.py's default); num_kinds: how many row kinds a batch's
+    `row_kind` can name (`kind_sums`, module docstring)."""
 
     supports_fused = True  # False in a subclass whose loss needs the logits (trainer.fused_loss is then refused)
+
+    num_kinds = 2  # row kinds (data/multimodal.py: TEXT 0, MULTIMODAL 1)
 
     def __init__(self, fused: bool = False, chunk_size: int | None = None) -> None:
         self.tokens = StepTokens(total=0)
         self.lm_terms: list[torch.Tensor] = []
+        self.kind_sums: KindSums | None = None
         self.fused, self.chunk_size = fused, chunk_size
 
     def begin_step(self, tokens: StepTokens) -> None:
         self.tokens = tokens
         self.lm_terms = []
+        self.kind_sums = None
 
-    def lm(self, logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+    def _add_kinds(self, per_token: torch.Tensor, labels: torch.Tensor, row_kind: torch.Tensor) -> None:
+        if self.kind_sums is None:
+            zeros = torch.zeros(self.num_kinds, dtype=torch.float64, device=per_token.device)
+            self.kind_sums = KindSums(zeros, zeros.clone())
+        self.kind_sums.add(per_token, labels, row_kind)
+
+    def lm(self, logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor | None = None,
+           row_kind: torch.Tensor | None = None) -> torch.Tensor:
         """logits [B, T, V] (a vocab-sharded DTensor under loss_parallel), labels [B, T], weights [B, T] or None
-        -> this micro-batch's LM term: its (weighted) mean over valid tokens times its share."""
+        -> this micro-batch's LM term: its (weighted) mean over valid tokens times its share. row_kind [B]: each
+        row's kind, whose sums go to `kind_sums`."""
         flat_logits, flat_labels = logits.float().flatten(0, 1), labels.flatten()
         valid = (flat_labels != IGNORE_INDEX).sum()
-        if weights is None:
+        if weights is None and row_kind is None:
             mean = F.cross_entropy(flat_logits, flat_labels, ignore_index=IGNORE_INDEX)
         else:
             per_token = F.cross_entropy(flat_logits, flat_labels, ignore_index=IGNORE_INDEX, reduction="none")
             if hasattr(per_token, "full_tensor"):  # loss_parallel: the per-token losses, replicated over tp
                 per_token = per_token.full_tensor()
-            mean = (per_token * weights.flatten().to(per_token.dtype)).sum() / valid.clamp_min(1)
+            if row_kind is not None:
+                self._add_kinds(per_token, flat_labels, row_kind)
+            if weights is not None:
+                per_token = per_token * weights.flatten().to(per_token.dtype)
+            mean = per_token.sum() / valid.clamp_min(1)
         if hasattr(mean, "full_tensor"):  # loss_parallel: a replicated DTensor, the same value on every tp rank
             mean = mean.full_tensor()
         return self._term(mean, valid)
 
     def lm_fused(self, hidden: torch.Tensor, head: torch.nn.Module, labels: torch.Tensor,
-                 weights: torch.Tensor | None = None) -> torch.Tensor:
+                 weights: torch.Tensor | None = None, row_kind: torch.Tensor | None = None) -> torch.Tensor:
         """`lm` from the head's input instead of its logits: hidden [B, T, D] (what the head reads), head the output
         head (an nn.Linear without bias; its weight the whole, unsharded one), labels and weights as for `lm`. The
         head's matmul runs as the plain head's would here (call it under the forward's autocast)."""
@@ -101,7 +143,12 @@ class LMLoss:
 
         if getattr(head, "bias", None) is not None:
             raise ValueError("trainer.fused_loss: the output head has a bias; the fused loss takes a head without")
-        total, valid = linear_cross_entropy(hidden, head.weight, labels, weights, chunk_size=self.chunk_size)
+        per_token = None if row_kind is None else torch.empty(labels.numel(), dtype=torch.float32,
+                                                              device=hidden.device)
+        total, valid = linear_cross_entropy(hidden, head.weight, labels, weights, chunk_size=self.chunk_size,
+                                            token_losses=per_token)
+        if row_kind is not None:
+            self._add_kinds(per_token, labels.flatten(), row_kind)
         return self._term(total / valid.clamp_min(1), valid)
 
     def _term(self, mean: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -114,9 +161,11 @@ class LMLoss:
                  aux: torch.Tensor | float = 0.0, batch: dict | None = None, *, hidden: torch.Tensor | None = None,
                  head: torch.nn.Module | None = None) -> torch.Tensor:
         """batch: the micro-batch's other tensors on the device (a stage's loss reads its own, e.g. RL's advantages;
-        trainer/stages/grpo.py). logits None: the fused LM term (`lm_fused`) from hidden and head."""
+        trainer/stages/grpo.py; `row_kind` [B] is read here: `kind_sums`). logits None: the fused LM term
+        (`lm_fused`) from hidden and head."""
+        row_kind = None if batch is None else batch.get("row_kind")
         if logits is None:
             if hidden is None or head is None:
                 raise ValueError("LMLoss: without logits, the fused loss needs hidden= and head=")
-            return self.lm_fused(hidden, head, labels, weights) + aux
-        return self.lm(logits, labels, weights) + aux
+            return self.lm_fused(hidden, head, labels, weights, row_kind) + aux
+        return self.lm(logits, labels, weights, row_kind) + aux

@@ -191,7 +191,8 @@ def layout_from_config(cfg, dims, cuts: list[int], device_memory_gb: float = 141
 def check_layout(node, world_size: int | None = None):
     """The trainer's start-up checks on the composed config `node`, the functions trainer.train.build runs before any
     process group exists, in its order: the typed config (trainer.config.to_config: every `__post_init__`),
-    trainer.fused_loss's rules (trainer.train.check_fused_loss), the stage hooks, the model's layout rules
+    trainer.fused_loss's rules (trainer.train.check_fused_loss), the stage hooks, data=multimodal's rules
+    (trainer.train.check_multimodal), the model's layout rules
     (trainer.parallel.apply.validate_layout: divisibility by tp / ep / cp, the pipeline split, enough micro-batches)
     and the world size (ParallelConfig.resolve). Without `world_size`, the world the sizes make (dp_replicate=-1
     counted as 1). A layout the trainer refuses raises its ValueError.
@@ -203,7 +204,7 @@ def check_layout(node, world_size: int | None = None):
     from trainer.config import to_config
     from trainer.parallel.apply import validate_layout
     from trainer.stage import build_stage
-    from trainer.train import apply_stage_hooks, check_fused_loss
+    from trainer.train import apply_stage_hooks, check_fused_loss, check_multimodal
 
     plain = OmegaConf.to_container(node, resolve=True)
     device_memory_gb = float(plain.get("parallel", {}).pop("device_memory_gb", 141))
@@ -211,6 +212,7 @@ def check_layout(node, world_size: int | None = None):
     if cfg.trainer.fused_loss:
         check_fused_loss(cfg, build_stage(cfg.stage).loss())
     model_cfg = apply_stage_hooks(cfg.model, cfg.stage)
+    check_multimodal(cfg, model_cfg)
     cuts = validate_layout(cfg.parallel, model_cfg, seq_len=cfg.data.seq_len, grad_accum=cfg.trainer.grad_accum)
     if world_size is None:
         par = cfg.parallel
@@ -614,7 +616,8 @@ def plan(node, world_size: int | None = None) -> dict:
     m = _build_meta(model_cfg)
     out = {"model": m.cfg.name}
     out.update(accounting.summary(m))
-    out.update(accounting.vision_parameters(m.cfg))  # the image tower, beside the backbone (none: text only)
+    # the image tower, beside the backbone (none: text only), and one tp rank's part of it
+    out.update(accounting.vision_parameters(m.cfg, tp=dims.tp))
     lay = layout_from_config(cfg, dims, cuts, device_memory_gb, world_size_given=world_size is not None)
     out["training"] = plan_training(m, lay)
     return out

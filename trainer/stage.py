@@ -3,7 +3,8 @@
 A `Stage` (chosen by `stage.name`, `STAGES`) supplies, to trainer/train.py's one loop:
 - `model_config(cfg)`: its transforms of the model config (the post-training hooks, e.g. FP4 main-KV QAT);
 - `batches(cfg, data_rank, data_ranks, progress=)`: the loader of its batches (dicts of [B, T] tensors: input_ids, labels,
-  -100 where a token takes no part in the loss, and optionally image_mask and loss_weights) and the tokenizer;
+  -100 where a token takes no part in the loss, and optionally image_mask and loss_weights; a multimodal batch also
+  pixel_values, grids and row_kind, data/multimodal.py) and the tokenizer;
 - `loss()`: its loss (trainer/loss.py; `LMLoss` normalises over the global batch's valid tokens and takes per-token
   weights), used by the plain and the pipeline paths alike;
 - `trainable_parameters(module, model_cfg)`: what the optimiser owns;
@@ -124,6 +125,10 @@ class Pretrain:
         from data.config import build_dataloader, ensure_prepared
 
         ensure_prepared(cfg.data, progress=progress)  # node-safe: one process prepares, the others wait
+        if hasattr(cfg.data, "multimodal"):  # data=multimodal: text and image-text rows (data/multimodal.py)
+            from data.multimodal import build_multimodal_loader
+
+            return with_replay_cuts(build_multimodal_loader(cfg.data, data_rank, data_ranks), self.stage, cfg)
         loader = build_dataloader(cfg.data, data_rank, data_ranks)
         return with_replay_cuts(loader, self.stage, cfg)
 

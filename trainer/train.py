@@ -41,7 +41,7 @@ from optim import LRScheduler, build_optimizer
 from trainer.callbacks import Callbacks, load_callbacks, ordered
 from trainer.checkpoint import Checkpointer, RankLocalState, TrainState
 from trainer.config import Config, ParallelConfig, ParallelDims, StageConfig, TrainerConfig
-from trainer.loss import LMLoss, StepTokens, valid_tokens
+from trainer.loss import KindSums, LMLoss, StepTokens, valid_tokens
 from trainer.metrics import MetricsLogger, device_peak_flops
 from trainer.parallel.apply import ParallelModel, describe, materialize, parallelize, validate_layout
 from trainer.parallel.compile import CUDAGRAPH_MODES, mark_step
@@ -279,16 +279,54 @@ def check_fused_loss(cfg: Config, loss: LMLoss) -> None:
                          "set trainer.fused_loss=false or tp = pp = 1")
 
 
+def check_multimodal(cfg: Config, model_cfg) -> None:
+    """data=multimodal's rules (data/multimodal.py's batches into the backbone's image path), before any process
+    group: a model with a vision tower and the same placeholder id, the pretraining stage, and a layout the image
+    path runs under. Raises ValueError naming the key."""
+    if not hasattr(cfg.data, "multimodal"):
+        return
+    mm = cfg.data.multimodal
+    if cfg.stage.name != "pretrain":
+        raise ValueError(f"data=multimodal feeds stage=pretrain; stage.name={cfg.stage.name} reads its own data "
+                         "(data.sft / the environments / the teacher's prompts) as text: use data=default")
+    if mm.text_to_multimodal == 0:
+        return  # text only: no image reaches the model
+    if model_cfg.vision.num_layers == 0:
+        raise ValueError(f"data=multimodal mixes in image-text rows, but model={model_cfg.name} has no vision tower "
+                         "(model.vision.num_layers=0): use model=v41_tiny_mm (or a model with a vision section), "
+                         "or data.multimodal.text_to_multimodal=0 for text only")
+    if mm.image_token_id != model_cfg.image_token_id:
+        raise ValueError(f"data.multimodal.image_token_id={mm.image_token_id} differs from model.image_token_id="
+                         f"{model_cfg.image_token_id}: the loader's placeholders must be the ids the model replaces "
+                         "with the tower's features; set both to the same id")
+    if not 0 <= mm.image_token_id < model_cfg.vocab_size:
+        raise ValueError(f"model.image_token_id={mm.image_token_id} is outside model.vocab_size="
+                         f"{model_cfg.vocab_size}")
+    par = cfg.parallel
+    if par.pp > 1:
+        raise ValueError(f"data=multimodal with parallel.pp={par.pp}: pipeline parallelism does not carry images (the "
+                         "tower would run on the first stage, but the pipeline's wire has no pixel values or image "
+                         "grids, and the placeholders' features must be in place before layer 0): set parallel.pp=1 "
+                         "or data.multimodal.text_to_multimodal=0")
+    if par.cp > 1:
+        raise ValueError(f"data=multimodal with parallel.cp={par.cp}: an image's placeholder run may cross a context-"
+                         "parallel chunk, which the image path does not split: set parallel.cp=1")
+    if par.tp > 1 and par.sequence_parallel:
+        raise ValueError("data=multimodal with parallel.sequence_parallel=true: the embedding returns a sequence "
+                         "shard, into which the image path does not place the tower's features: set "
+                         "parallel.sequence_parallel=false (tensor parallelism itself runs with images)")
+    if cfg.stage.bounded_replay_sim:
+        raise ValueError("data=multimodal with stage.bounded_replay_sim=true: the bounded-replay simulation runs on "
+                         "text only: set stage.bounded_replay_sim=false")
+
+
 def build(cfg: Config, run_dir: Path) -> Job:
-    if hasattr(cfg.data, "multimodal"):
-        raise ValueError("data=multimodal: the trainer does not feed images to the model yet (issue 20: the loader "
-                         "data/multimodal.py and the tower model/vision/ are built, the trainer's wiring is next); "
-                         "use data=default")
     stage = build_stage(cfg.stage)
     loss = stage.loss()
     check_fused_loss(cfg, loss)  # as early as the layout rules: a bad combination fails before any process group
     loss.fused = cfg.trainer.fused_loss
     model_cfg = stage.model_config(cfg.model)
+    check_multimodal(cfg, model_cfg)
     user_callbacks = load_callbacks(cfg.trainer.callbacks)  # a bad import path fails before any process group
     if hasattr(stage, "check_layout"):  # a stage's own layout rules (RL's rollouts need the whole model), as early
         stage.check_layout(cfg.parallel)
@@ -383,7 +421,7 @@ def _to_device(batch: dict, device: torch.device):
     )
 
 
-_BATCH_KEYS = ("input_ids", "labels", "image_mask", "loss_weights", "replay_cuts", "routing")
+_BATCH_KEYS = ("input_ids", "labels", "image_mask", "loss_weights", "replay_cuts", "routing", "pixel_values", "grids")
 
 
 def _loss_inputs(batch: dict, device: torch.device) -> dict:
@@ -394,8 +432,12 @@ def _loss_inputs(batch: dict, device: torch.device) -> dict:
 
 def _model_extras(batch: dict, device: torch.device) -> dict:
     """The forward's optional inputs a stage's batches carry: `replay_cuts` (the bounded-replay simulation hook,
-    model/replay.py) and `routing` (a rollout's recorded choices to replay, model/routing.py)."""
+    model/replay.py), `routing` (a rollout's recorded choices to replay, model/routing.py) and the images of a
+    multimodal batch (data/multimodal.py: `pixel_values` [S, 588] and `grids` [N, 2], packed; none when N = 0)."""
     extras = {}
+    grids = batch.get("grids")
+    if grids is not None and grids.shape[0] > 0:  # the grids stay host ints (the tower's shapes)
+        extras["images"] = (batch["pixel_values"].to(device, non_blocking=True), [tuple(g) for g in grids.tolist()])
     if batch.get("replay_cuts") is not None:
         extras["replay_cuts"] = batch["replay_cuts"].to(device)
     if batch.get("routing") is not None:
@@ -411,6 +453,7 @@ class MicroBatches:
     aux: dict[str, float]  # means of "aux/<name>" (weighted terms added to the loss), "aux_metric/<name>" (raw)
     tokens: int  # input tokens this data rank read (whole sequences, before any context-parallel split)
     seq_len: int
+    kinds: KindSums | None = None  # per row kind, this rank's loss sums and valid tokens (multimodal batches)
 
 
 def _device(pm: ParallelModel) -> torch.device:
@@ -491,7 +534,7 @@ def forward_backward(pm: ParallelModel, batches: list[dict], autocast_dtype: tor
                 values["aux_metric/moe_dropped_share"] = share
         for name, value in values.items():
             aux_sums[name] = aux_sums.get(name, 0.0) + value / accum
-    return MicroBatches(loss_sum / accum, aux_sums, tokens, seq_len)
+    return MicroBatches(loss_sum / accum, aux_sums, tokens, seq_len, getattr(loss, "kind_sums", None))
 
 
 def _pipeline_forward_backward(pm: ParallelModel, batches: list[dict], loss: LMLoss) -> MicroBatches:
@@ -501,7 +544,8 @@ def _pipeline_forward_backward(pm: ParallelModel, batches: list[dict], loss: LML
     device = _device(pm)
     parts = [_to_device(batch, device) for batch in batches]
     if any(p[2] is not None for p in parts):
-        raise ValueError("pipeline parallelism: batches with an image mask are not wired into the pipeline yet")
+        raise ValueError("pipeline parallelism: these batches carry images (an image mask), which the pipeline's "
+                         "schedule does not take; data=multimodal runs with parallel.pp=1")
     input_ids, labels = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
     weights = None
     if any(p[3] is not None for p in parts):
@@ -555,7 +599,21 @@ def compute_gradients(pm: ParallelModel, batches: list[dict], params: list[torch
     loss, *aux = mean_over_data(pm, [micro.loss, *(micro.aux[n] for n in names)])
     # A non-finite loss skips the norm's collectives on every rank alike (the loss is the job-wide mean).
     grad_norm = float(clip_grad_norm_(params, max_norm, pm)) if math.isfinite(loss) else math.nan
-    return StepStats(loss, grad_norm, dict(zip(names, aux)), micro.tokens * pm.dims.data, micro.seq_len)
+    stats = StepStats(loss, grad_norm, dict(zip(names, aux)), micro.tokens * pm.dims.data, micro.seq_len)
+    if micro.kinds is not None:
+        stats.extra.update(kind_losses(pm, micro.kinds))
+    return stats
+
+
+def kind_losses(pm: ParallelModel, kinds: KindSums) -> dict[str, float]:
+    """{"loss_<kind>": the global token mean of that kind's rows} (data/multimodal.py ROW_KINDS: loss_text,
+    loss_multimodal) from this rank's sums (one all-reduce over the data ranks); a kind with no valid token in the
+    step's global batch has no entry."""
+    from data.multimodal import ROW_KINDS
+
+    k = len(ROW_KINDS)
+    values = sum_over_data(pm, [*kinds.loss[:k].tolist(), *kinds.tokens[:k].tolist()])
+    return {f"loss_{name}": values[i] / values[k + i] for i, name in enumerate(ROW_KINDS) if values[k + i] > 0}
 
 
 def train_loop(job: Job) -> None:

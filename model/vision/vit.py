@@ -1,10 +1,10 @@
 """DeepSeek-ViT and its aligner (SPEC 1.6, REFERENCE A12): images of any size, packed without padding, to the
 backbone-width embeddings that replace an image's placeholder tokens.
 
-Shape legend: I images, (h_i, w_i) image i's grid in patches (multiples of u), P_i = h_i w_i its patches,
-N = sum P_i patches of the batch, u the unshuffle factor, M = sum P_i / u^2 image tokens, T = sum T_i placeholder
-tokens (T_i = (h_i/u)(w_i/u + 1) + 2), C the ViT width (model.vision.dim), H heads, Dh = C / H head dim, F the MLP
-width, D the backbone width (model.dim), K = 3 * patch^2 values per patch (588).
+Shape legend: I images, (h_i, w_i) image i's grid in patches, P_i = h_i w_i its patches, N = sum P_i patches of
+the batch, u the unshuffle factor, (r_i, c_i) = (ceil(h_i/u), ceil(w_i/u)) its image tokens' grid, M = sum r_i c_i
+image tokens, T = sum T_i placeholder tokens (T_i = r_i (c_i + 1) + 2), C the ViT width (model.vision.dim), H heads,
+Dh = C / H head dim, F the MLP width, D the backbone width (model.dim), K = 3 * patch^2 values per patch (588).
 
 Input (the processor's output, REFERENCE A12 step 8): pixel_values [N, K], each row one patch's (channel, row,
 column) block flattened in that order, the patches of each image row-major over its grid, the images one after the
@@ -16,7 +16,7 @@ Pipeline:
 - `num_layers` pre-norm blocks: x += attn(RMSNorm(x)); x += SwiGLU(RMSNorm(x)); then a final RMSNorm;
 - attention is bidirectional within an image and never crosses images (block-diagonal over the packed rows,
   `varlen_attention`); there is no absolute position embedding, only 2-D RoPE on q and k;
-- pixel-unshuffle (`pixel_unshuffle`): each image's [h, w, C] grid -> [h/u, w/u, u^2 C];
+- pixel-unshuffle (`pixel_unshuffle`): each image's [h, w, C] grid -> [r, c, u^2 C] (zero-padded to whole blocks);
 - the aligner: Linear(u^2 C -> D), GELU, Linear(D -> D);
 - the layout (`layout`): START, then per row of image tokens the w/u tokens and NEWLINE, then END, with learned
   START / NEWLINE / END vectors (the reference's checkpoint keys `image_start`, `image_newline`, `image_end`, A11).
@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model.common import RMSNorm, init_linear, init_normal, linear
+from model.common import RMSNorm, init_linear, init_normal, linear, local
 from model.config import VisionConfig
 from model.moe import SharedExpert
 from model.rope import apply_rope
@@ -57,21 +57,28 @@ CHANNELS = 3
 Grid = tuple[int, int]
 
 
+def merged_grid(grid: Grid, unshuffle: int) -> Grid:
+    """(ceil(h / u), ceil(w / u)): the image tokens' rows and columns of an image of `grid` = (h, w) patches (a
+    partial u x u block at the bottom or right edge is one token, its missing patches zero: `pixel_unshuffle`)."""
+    return -(-grid[0] // unshuffle), -(-grid[1] // unshuffle)
+
+
 def image_token_count(grid: Grid, unshuffle: int) -> int:
-    """Placeholder tokens of an image of `grid` = (h, w) patches: START + h/u rows of (w/u IMAGE + NEWLINE) + END."""
-    h, w = grid[0] // unshuffle, grid[1] // unshuffle
+    """Placeholder tokens of an image of `grid` = (h, w) patches: START + ceil(h/u) rows of (ceil(w/u) IMAGE +
+    NEWLINE) + END (REFERENCE A12 step 4)."""
+    h, w = merged_grid(grid, unshuffle)
     return h * (w + 1) + 2
 
 
 def check_grids(cfg: VisionConfig, grids, num_patches: int) -> list[Grid]:
-    """`grids` as (h, w) ints; ValueError unless every grid is whole u x u blocks within model.vision.max_tokens
-    and the grids cover exactly the `num_patches` rows of pixel_values."""
+    """`grids` as (h, w) ints; ValueError unless every grid is positive and within model.vision.max_tokens and the
+    grids cover exactly the `num_patches` rows of pixel_values."""
     grids = [(int(h), int(w)) for h, w in grids]
     u = cfg.unshuffle
     for h, w in grids:
-        if h <= 0 or w <= 0 or h % u or w % u:
-            raise ValueError(f"image grid {h} x {w} patches: each side must be a positive multiple of "
-                             f"model.vision.unshuffle={u}")
+        if h <= 0 or w <= 0:
+            raise ValueError(f"image grid {h} x {w} patches: each side must be at least one patch "
+                             f"(model.vision.unshuffle={u} patches per side make one image token)")
         if image_token_count((h, w), u) > cfg.max_tokens:
             raise ValueError(f"image grid {h} x {w} patches takes {image_token_count((h, w), u)} tokens, more than "
                              f"model.vision.max_tokens={cfg.max_tokens} (the processor shrinks such an image)")
@@ -115,27 +122,32 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqlens:
 
 def pixel_unshuffle(x: torch.Tensor, grids: list[Grid], factor: int) -> torch.Tensor:
     """x [N, C] (each image's patches row-major over its grid) -> [M, u^2 C] (each image's tokens row-major over its
-    [h/u, w/u] grid of u x u blocks). Token (i, j) of an image concatenates the patches (u i + a, u j + b) in the
-    order a = 0 .. u-1, b = 0 .. u-1 (row-major over the block): channels [(a u + b) C, (a u + b + 1) C) hold patch
-    (u i + a, u j + b). A permutation of x's values, no arithmetic."""
+    [ceil(h/u), ceil(w/u)] grid of u x u blocks). Token (i, j) of an image concatenates the patches (u i + a, u j + b)
+    in the order a = 0 .. u-1, b = 0 .. u-1 (row-major over the block): channels [(a u + b) C, (a u + b + 1) C) hold
+    patch (u i + a, u j + b), zeros where that patch lies past the grid's bottom or right edge (a side that is not a
+    multiple of u: the processor's canvases are multiples of the patch, not of u patches; DeepSeek-VL2's projector
+    pads the same way). Otherwise a permutation of x's values, no arithmetic."""
     u, C = factor, x.shape[-1]
     out = []
     for (h, w), xi in zip(grids, x.split([h * w for h, w in grids])):
-        blocks = xi.reshape(h // u, u, w // u, u, C).permute(0, 2, 1, 3, 4)  # [h/u, w/u, a, b, C]
-        out.append(blocks.reshape((h // u) * (w // u), u * u * C))
+        rows, cols = merged_grid((h, w), u)
+        xi = xi.reshape(h, w, C)
+        if (rows * u, cols * u) != (h, w):
+            xi = F.pad(xi, (0, 0, 0, cols * u - w, 0, rows * u - h))  # zeros below and to the right
+        blocks = xi.reshape(rows, u, cols, u, C).permute(0, 2, 1, 3, 4)  # [r, c, a, b, C]
+        out.append(blocks.reshape(rows * cols, u * u * C))
     return torch.cat(out)
 
 
 def layout(tokens: torch.Tensor, grids: list[Grid], unshuffle: int, start: torch.Tensor, newline: torch.Tensor,
            end: torch.Tensor) -> torch.Tensor:
     """tokens [M, D] (each image's row-major) and the START / NEWLINE / END vectors [D] -> [T, D], each image's
-    T_i = (h/u)(w/u + 1) + 2 rows in the processor's placeholder layout (REFERENCE A12): START, then per row of
-    image tokens the w/u tokens and NEWLINE, then END; the images one after the other, so
+    T_i = image_token_count(grid, u) rows in the processor's placeholder layout (REFERENCE A12): START, then per row
+    of image tokens the row's tokens and NEWLINE, then END; the images one after the other, so
     out.split([image_token_count(g, u) for g in grids]) gives each image's sequence."""
     out = []
-    counts = [(h // unshuffle) * (w // unshuffle) for h, w in grids]
-    for (h, w), t in zip(grids, tokens.split(counts)):
-        rows, cols = h // unshuffle, w // unshuffle
+    merged = [merged_grid(g, unshuffle) for g in grids]
+    for (rows, cols), t in zip(merged, tokens.split([r * c for r, c in merged])):
         body = torch.cat((t.reshape(rows, cols, -1), newline.expand(rows, 1, -1)), dim=1)  # [rows, cols + 1, D]
         out += [start[None], body.reshape(rows * (cols + 1), -1), end[None]]
     return torch.cat(out)
@@ -155,7 +167,7 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seqlens: list[int]) -> torch.Tensor:
         """x [N, C], cos/sin [N, Dh/2] -> [N, C]."""
-        heads = (self.num_heads, self.head_dim)
+        heads = (-1, self.head_dim)  # H, or this rank's H / tp heads under tensor parallelism
         q, k, v = (w(x).unflatten(-1, heads) for w in (self.wq, self.wk, self.wv))  # [N, H, Dh]
         q, k = (apply_rope(t[None], cos, sin)[0] for t in (q, k))  # apply_rope takes [B, T, H, D]
         return self.wo(varlen_attention(q, k, v, seqlens).flatten(-2))
@@ -260,7 +272,7 @@ class VisionEncoder(nn.Module):
         return check_grids(cfg, grids, pixel_values.shape[0])
 
     def image_features(self, pixel_values: torch.Tensor, grids: list[Grid]) -> torch.Tensor:
-        """pixel_values [N, K], grids [(h_i, w_i)] -> [M, D], each image's tokens row-major over its [h/u, w/u] grid."""
+        """pixel_values [N, K], grids [(h_i, w_i)] -> [M, D], each image's tokens row-major over its [r, c] grid."""
         grids = self.check(pixel_values, grids)
         return self.aligner(pixel_unshuffle(self.vit(pixel_values, grids), grids, self.cfg.unshuffle))
 
@@ -269,5 +281,5 @@ class VisionEncoder(nn.Module):
         grids = self.check(pixel_values, grids)  # as ints, for the layout (image_features checks again: host ints)
         tokens = self.image_features(pixel_values, grids)
         dtype = tokens.dtype  # the learned vectors join the aligner's output (bf16 under autocast)
-        return layout(tokens, grids, self.cfg.unshuffle, self.image_start.to(dtype), self.image_newline.to(dtype),
-                      self.image_end.to(dtype))
+        start, newline, end = (local(p).to(dtype) for p in (self.image_start, self.image_newline, self.image_end))
+        return layout(tokens, grids, self.cfg.unshuffle, start, newline, end)

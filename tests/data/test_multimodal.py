@@ -196,17 +196,13 @@ def test_yaml_validates():
         MultimodalConfig(text_to_multimodal=-1)
 
 
-def test_the_trainer_reads_data_multimodal_and_refuses_it_until_it_feeds_images(tmp_path):
-    """`data=multimodal` composes into MultimodalDataConfig (its keys checked by name); the trainer refuses it in one
-    line, before anything is built, until it passes images to the model."""
+def test_data_multimodal_composes_with_its_keys_checked():
+    """`data=multimodal` composes into MultimodalDataConfig, its keys checked by name (the trainer's use of it:
+    tests/trainer/test_multimodal_train.py)."""
     from trainer.config import to_config
     from trainer.plan import compose
-    from trainer.train import build
 
     cfg = to_config(compose(["model=v41_tiny_mm", "data=multimodal", "data.multimodal.text_to_multimodal=3"]))
     assert type(cfg.data).__name__ == "MultimodalDataConfig" and cfg.data.multimodal.text_to_multimodal == 3
-    with pytest.raises(ValueError, match="data=multimodal: the trainer does not feed images to the model yet"):
-        build(cfg, tmp_path)
-    assert not any(tmp_path.iterdir())
     with pytest.raises(ValueError, match="text_to_multimodl"):
         to_config(compose(["data=multimodal", "data.multimodal.text_to_multimodl=3"]))

@@ -1,12 +1,13 @@
-"""DeepSeek-ViT (model/vision/): the image side's shapes at odd resolutions (grids of 3x3, 6x9, 9x3 and 48x48 patches,
-alone and packed together); a packed batch equals each image run alone (no attention across images), and the
+"""DeepSeek-ViT (model/vision/): the image side's shapes at odd resolutions (grids of 3x3, 6x9, 9x3, 48x48 patches
+and sides that are not multiples of the 3 x 3 unshuffle, 4x5 and 7x22, alone and packed together); a packed batch equals each image run alone (no attention across images), and the
 per-image attention equals one attention with a block-diagonal mask (the function a fused varlen kernel replaces);
-the pixel-unshuffle moves values exactly where the hand-written loop puts them and is a permutation (its inverse
-restores the input); 2-D RoPE makes q.k depend on positions only through the (row, column) offsets, the first half
+the pixel-unshuffle moves values exactly where the hand-written loop puts them (zeros for the patches past a partial
+block's edge) and is a permutation on whole blocks (its inverse restores the input); the processor's placeholder
+count equals the tower's for every size the processor plans (the canvases are multiples of a patch, not of 3); 2-D RoPE makes q.k depend on positions only through the (row, column) offsets, the first half
 of each head turning with the row and the second with the column; the placeholder layout has (h/3)(w/3 + 1) + 2
 rows per image, START / NEWLINE / END where the processor puts them and the aligned image tokens in the IMAGE slots;
 the flagship's tower builds on the meta device with the parameters model.accounting.vision_parameters counts and the
-closed-form count gives; a gradient reaches every parameter; conf/model/v41_tiny_mm.yaml is v41_tiny plus the
+closed-form count gives (and a tp rank's part of them, by the tower's tensor-parallel plan); a gradient reaches every parameter; conf/model/v41_tiny_mm.yaml is v41_tiny plus the
 tower; bad grids and settings are refused naming the setting."""
 
 import dataclasses
@@ -46,15 +47,20 @@ def _pixels(grids, seed=1) -> torch.Tensor:
     return torch.randn(sum(h * w for h, w in grids), 3 * 14 * 14, generator=g)
 
 
-@pytest.mark.parametrize("grids", [[(3, 3)], [(6, 9)], [(9, 3)], [(48, 48)], [(3, 3), (48, 48), (6, 9), (9, 3)]],
-                         ids=["3x3", "6x9", "9x3", "48x48", "mix"])
+def _cells(n: int) -> int:
+    return -(-n // 3)
+
+
+@pytest.mark.parametrize("grids", [[(3, 3)], [(6, 9)], [(9, 3)], [(48, 48)], [(4, 5)], [(7, 22)],
+                                   [(3, 3), (48, 48), (7, 22), (6, 9), (1, 1), (9, 3)]],
+                         ids=["3x3", "6x9", "9x3", "48x48", "4x5", "7x22", "mix"])
 def test_shapes_at_odd_resolutions(tiny_mm, grids):
     cfg, v = tiny_mm
     pixels = _pixels(grids)
     tokens = v.image_features(pixels, grids)
-    assert tokens.shape == (sum(h * w for h, w in grids) // 9, cfg.dim)
+    assert tokens.shape == (sum(_cells(h) * _cells(w) for h, w in grids), cfg.dim)
     out = v(pixels, grids)
-    assert out.shape == (sum((h // 3) * (w // 3 + 1) + 2 for h, w in grids), cfg.dim)
+    assert out.shape == (sum(_cells(h) * (_cells(w) + 1) + 2 for h, w in grids), cfg.dim)
     assert out.dtype == torch.float32 and torch.isfinite(out).all()
 
 
@@ -81,11 +87,12 @@ def test_varlen_attention_is_block_diagonal_attention():
 
 def _unshuffle_loop(x, grids, u):
     """The hand-written pixel-unshuffle: token (i, j) = patches (u i + a, u j + b), a then b, each C channels."""
-    rows, offset = [], 0
+    rows, offset, zero = [], 0, torch.zeros(x.shape[1], dtype=x.dtype)
     for h, w in grids:
-        for i in range(h // u):
-            for j in range(w // u):
-                rows.append(torch.cat([x[offset + (u * i + a) * w + (u * j + b)] for a in range(u) for b in range(u)]))
+        for i in range(-(-h // u)):
+            for j in range(-(-w // u)):
+                rows.append(torch.cat([x[offset + (u * i + a) * w + (u * j + b)] if u * i + a < h and u * j + b < w
+                                       else zero for a in range(u) for b in range(u)]))
         offset += h * w
     return torch.stack(rows)
 
@@ -107,6 +114,22 @@ def test_pixel_unshuffle_exact_and_a_permutation():
     assert torch.equal(_shuffle(y, grids, 3), x)
     ids = torch.arange(n * 5, dtype=torch.float64).reshape(n, 5)  # every value once: a permutation moves, never mixes
     assert torch.equal(pixel_unshuffle(ids, grids, 3).flatten().sort().values, ids.flatten())
+    odd = [(4, 5), (1, 1), (7, 22)]  # partial blocks: the hand-written loop's zeros past the edges, every patch once
+    x = torch.arange(1, 1 + sum(h * w for h, w in odd) * 2, dtype=torch.float64).reshape(-1, 2)
+    y = pixel_unshuffle(x, odd, 3)
+    assert torch.equal(y, _unshuffle_loop(x, odd, 3))
+    assert torch.equal(y.flatten()[y.flatten() != 0].sort().values, x.flatten())
+
+
+def test_processor_and_tower_agree_on_placeholders():
+    """Every size the processor plans: its num_tokens = the tower's image_token_count of its patch grid."""
+    from data.vision.processor import ProcessorConfig, plan_resize
+
+    for cfg in (ProcessorConfig(), ProcessorConfig(min_pixels=168 * 168)):
+        for width in range(20, 2000, 37):
+            for height in range(20, 2000, 53):
+                plan = plan_resize(width, height, cfg)
+                assert plan.num_tokens == image_token_count(plan.grid, 3), (width, height, plan)
 
 
 def _score(q, k, pq, pk, head_dim=16, theta=1e4):
@@ -148,14 +171,14 @@ def test_patch_positions_row_major():
 
 def test_layout_places_the_image_tokens(tiny_mm):
     _, v = tiny_mm
-    grids = [(6, 9), (3, 3), (9, 3)]
+    grids = [(6, 9), (3, 3), (9, 3), (4, 5)]
     pixels = _pixels(grids)
     with torch.no_grad():
-        tokens = v.image_features(pixels, grids).split([(h // 3) * (w // 3) for h, w in grids])
+        tokens = v.image_features(pixels, grids).split([_cells(h) * _cells(w) for h, w in grids])
         seqs = v(pixels, grids).split([image_token_count(g, 3) for g in grids])
     start, newline, end = v.image_start.detach(), v.image_newline.detach(), v.image_end.detach()
     for (h, w), t, s in zip(grids, tokens, seqs):
-        rows, cols = h // 3, w // 3
+        rows, cols = _cells(h), _cells(w)
         assert len(s) == rows * (cols + 1) + 2 == image_token_count((h, w), 3)
         assert torch.equal(s[0], start) and torch.equal(s[-1], end)
         for r in range(rows):
@@ -184,6 +207,10 @@ def test_flagship_counted_on_meta():
                       "params_vision_aligner": aligner}
     assert sum(p.numel() for p in v.parameters()) == counts["params_vision"] == 610_955_264
     assert 0.3e9 < counts["params_vision"] < 0.7e9
+    # one of 8 tensor-parallel ranks: everything split but the patch embedding, the norms and the three vectors
+    replicated = 588 * C + (2 * vc.num_layers + 1) * C + 3 * D
+    per_rank = vision_parameters(cfg, tp=8)["params_vision_per_tp_rank"]
+    assert per_rank == (counts["params_vision"] - replicated) // 8 + replicated == 76_967_936
 
 
 def test_gradient_reaches_every_parameter():
@@ -225,8 +252,8 @@ def test_text_only_by_default():
 
 
 @pytest.mark.parametrize("grids, n, key", [
-    ([(4, 3)], 12, "model.vision.unshuffle=3"),
-    ([(3, 0)], 0, "model.vision.unshuffle=3"),
+    ([(0, 3)], 0, "each side must be at least one patch"),
+    ([(3, 0)], 0, "each side must be at least one patch"),
     ([(96, 96)], 96 * 96, "model.vision.max_tokens=1024"),  # 32 x 33 + 2 = 1058 tokens
     ([(3, 3)], 10, "pixel_values has 10 patches"),
 ])

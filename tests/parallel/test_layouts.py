@@ -156,10 +156,12 @@ def _biases(module) -> dict:
 
 
 def _train(fields: dict, cfg=None, seq_len: int = SEQ_LEN, compile_backend: str | None = None,
-           optim: str | None = None) -> dict:
+           optim: str | None = None, batches=None, inspect=None) -> dict:
     """One layout through the trainer's code path; what this rank saw (whole tensors, gathered). cfg: the model
     (default `_config()`, v41_tiny); compile_backend: trainer.compile's (tests/parallel/test_compile_layouts.py);
-    optim: a conf/optim config the trainer's builder makes (at MUON_LR, no warm-up) instead of SGD."""
+    optim: a conf/optim config the trainer's builder makes (at MUON_LR, no warm-up) instead of SGD; batches:
+    step -> the global batch's micro-batches (default `_global_batch`); inspect: pm -> a dict of numbers about the
+    built model, kept in the result."""
     parallel = ParallelConfig(**fields)
     rt = setup_runtime(TrainerConfig(device="cpu", precision="fp32", num_threads=1), parallel)
     data_rank, data_size = (0, 1) if rt.meshes is None else (rt.meshes.data.get_local_rank(), rt.meshes.data.size())
@@ -173,14 +175,17 @@ def _train(fields: dict, cfg=None, seq_len: int = SEQ_LEN, compile_backend: str 
     else:
         opt = build_optimizer(params, load_optim_config(optim, lr=MUON_LR, warmup_steps=0),
                               named=pm.module.named_parameters(), head_rows=head_rows(cfg))
-    out = {"init": full_named_tensors(pm.module), "loss": [], "grad_norm": [], "grads": [], "aux": []}
+    out = {"init": full_named_tensors(pm.module), "loss": [], "grad_norm": [], "grads": [], "aux": [], "extra": []}
+    out.update(inspect(pm) if inspect else {})
     pm.module.train()
     for step in range(STEPS):
-        mine = _global_batch(step, seq_len)[data_rank * accum:(data_rank + 1) * accum]
+        batch = batches(step) if batches else _global_batch(step, seq_len)
+        mine = batch[data_rank * accum:(data_rank + 1) * accum]
         stats = compute_gradients(pm, mine, params, MAX_NORM, step=step + 1)
         out["loss"].append(stats.loss)
         out["grad_norm"].append(stats.grad_norm)
         out["aux"].append(stats.aux)
+        out["extra"].append(stats.extra)
         out["grads"].append(full_named_tensors(pm.module, grads=True))
         opt.step()
         opt.zero_grad(set_to_none=True)

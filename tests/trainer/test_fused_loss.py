@@ -277,3 +277,17 @@ def test_unsupported_combinations_are_refused_at_start_up(overrides, message, tm
         check_layout(node)
     assert str(planned.value) == str(built.value)
     assert not any(tmp_path.iterdir())  # refused before anything was written
+
+
+def test_token_losses_are_each_tokens_cross_entropy():
+    """token_losses (for per-kind metrics) holds each token's unweighted cross-entropy, 0 where not counted, and
+    changes neither the total nor the gradient."""
+    hidden, weight, labels, weights = _data()
+    per_token = torch.empty(labels.numel())
+    total, _ = linear_cross_entropy(hidden, weight, labels, weights, chunk_size=7, token_losses=per_token)
+    want = F.cross_entropy(hidden.detach() @ weight.detach().t(), labels, ignore_index=IGNORE_INDEX,
+                           reduction="none")
+    torch.testing.assert_close(per_token, want, rtol=1e-5, atol=1e-6)
+    assert float(total.detach()) == pytest.approx(float(_plain(hidden, weight, labels, weights).detach()), rel=1e-6)
+    with pytest.raises(ValueError, match="token_losses must be a"):
+        linear_cross_entropy(hidden, weight, labels, token_losses=torch.empty(3))

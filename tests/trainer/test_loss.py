@@ -90,3 +90,44 @@ def test_a_micro_batch_without_valid_labels_adds_an_exact_zero():
         assert float(term) == 0.0
         (grad,) = torch.autograd.grad(term, logits)
         assert torch.isfinite(grad).all() and float(grad.abs().sum()) == 0.0
+
+
+def test_row_kinds_are_summed_per_kind_and_leave_the_loss_alone():
+    """A batch's `row_kind` ([B]: 0 text, 1 multimodal) gives per-kind sums of the valid tokens' cross-entropies and
+    their counts over the step's micro-batches (the metrics loss_text / loss_multimodal), equal to the explicit
+    per-kind sums, with weights or without, fused or plain; the LM term is the one without row kinds."""
+    gen = torch.Generator().manual_seed(5)
+    B, V, D = 3, 11, 8
+    kinds = torch.tensor([0, 1, 0])
+    micro = []
+    for k in range(2):
+        hidden = torch.randn(B, T, D, generator=gen)
+        labels = torch.randint(0, V, (B, T), generator=gen)
+        labels[:, : 3 * k + 2] = IGNORE_INDEX
+        micro.append((hidden, labels, 0.5 + torch.rand(B, T, generator=gen)))
+    head = torch.nn.Linear(D, V, bias=False)
+    for fused in (False, True):
+        for weighted in (False, True):
+            plain, with_kinds = LMLoss(fused=fused, chunk_size=5), LMLoss(fused=fused, chunk_size=5)
+            sums, counts = torch.zeros(2, dtype=torch.float64), torch.zeros(2, dtype=torch.float64)
+            for loss in (plain, with_kinds):
+                loss.begin_step(StepTokens(sum(int((y != IGNORE_INDEX).sum()) for _, y, _ in micro), 1, 2))
+            for hidden, labels, w in micro:
+                w = w if weighted else None
+                logits = None if fused else head(hidden)
+                kw = dict(hidden=hidden, head=head) if fused else {}
+                a = plain(logits, labels, w, **kw)
+                b = with_kinds(logits, labels, w, batch={"row_kind": kinds}, **kw)
+                torch.testing.assert_close(a, b, rtol=1e-6, atol=0)
+                ce = F.cross_entropy(head(hidden).flatten(0, 1), labels.flatten(), reduction="none",
+                                     ignore_index=IGNORE_INDEX).view(B, T).double()
+                valid = labels != IGNORE_INDEX
+                for kind in (0, 1):
+                    rows = kinds == kind
+                    sums[kind] += ce[rows][valid[rows]].sum()
+                    counts[kind] += valid[rows].sum()
+            assert plain.kind_sums is None
+            torch.testing.assert_close(with_kinds.kind_sums.loss, sums, rtol=1e-6, atol=1e-9)
+            assert torch.equal(with_kinds.kind_sums.tokens, counts)
+            with_kinds.begin_step(StepTokens(1))
+            assert with_kinds.kind_sums is None  # a new step starts its own sums
