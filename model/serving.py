@@ -31,7 +31,7 @@ from torch import nn
 
 from model import kernels as kern
 from kernels.norm_rope_ref import rms_norm
-from model.common import local
+from model.common import full_precision, local
 from model.csa2 import selected_ids
 from model.rope import apply_rope
 
@@ -67,8 +67,9 @@ def _compress_new(layer, kv_src: torch.Tensor, lc, call_start: torch.Tensor):
     if m == 1:
         ids = call_start[:, None] + torch.arange(Tk, device=kv_src.device)
         return norm(nn.functional.linear(kv_src, local(comp.wkv.weight))), ids, torch.ones_like(ids, dtype=torch.bool)
-    kv = nn.functional.linear(kv_src.float(), local(comp.wkv.weight).float())  # [B, Tk, D], as Compressor.forward
-    gate = nn.functional.linear(kv_src.float(), local(comp.wgate.weight).float())
+    with full_precision(kv_src.device.type):  # fp32 under a bf16 autocast too, as Compressor.forward
+        kv = nn.functional.linear(kv_src.float(), local(comp.wkv.weight).float())  # [B, Tk, D]
+        gate = nn.functional.linear(kv_src.float(), local(comp.wgate.weight).float())
     new = torch.stack((kv, gate), dim=2)  # [B, Tk, 2, D]
     held = call_start % m  # [B] tokens of the open group before the call
     ring = lc.pending  # [B, C, 2, D]: the last C tokens' rows, position p at slot p % C

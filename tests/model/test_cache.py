@@ -287,3 +287,18 @@ def test_static_decode_step_compiles_to_one_graph(exact_model):
     assert counter.frame_count == 1
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=0, atol=ATOL)
+
+
+def test_serving_under_a_bf16_autocast(exact_model):
+    """The cache path under the bf16 autocast the GPU runs in (the engine's and bench/generation.py's): the ratio-2
+    compressor's ring keeps its fp32 projections (computed in fp32, as the training forward's compressor), and the
+    logits follow the teacher-forced forward under the same autocast within bf16 rounding (the two see other row
+    counts, so their bf16 matmuls round differently)."""
+    ids = tokens(48, batch=2)
+    with torch.no_grad(), torch.autocast(ids.device.type, dtype=torch.bfloat16):
+        want = exact_model(ids)
+        got, cache = serve(exact_model, ids, 31, (2, 3))
+    rings = [lc.pending for lc in cache.layers.values() if getattr(lc, "pending", None) is not None]
+    assert rings and all(r.dtype == torch.float32 for r in rings)
+    assert (got - want).abs().max() < 0.1 * want.abs().max()
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.95
