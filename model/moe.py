@@ -225,8 +225,9 @@ class GroupedExperts(nn.Module):
             return self.path
         if self._grouped_ok(x, dtype):
             return "grouped"
-        capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
-        return "padded" if capturing or torch.compiler.is_compiling() else "loop"
+        # compiling first: the capture query is not traceable (a graph break under torch.compile on a GPU)
+        capturing = torch.compiler.is_compiling() or (x.is_cuda and torch.cuda.is_current_stream_capturing())
+        return "padded" if capturing else "loop"
 
     def _grouped_ok(self, x: torch.Tensor, dtype: torch.dtype) -> bool:
         if not hasattr(torch, "_grouped_mm"):

@@ -293,12 +293,16 @@ def test_serving_under_a_bf16_autocast(exact_model):
     """The cache path under the bf16 autocast the GPU runs in (the engine's and bench/generation.py's): the ratio-2
     compressor's ring keeps its fp32 projections (computed in fp32, as the training forward's compressor), and the
     logits follow the teacher-forced forward under the same autocast within bf16 rounding (the two see other row
-    counts, so their bf16 matmuls round differently)."""
+    counts, so their bf16 matmuls round differently; on a GPU the forward runs the Triton kernels and serving the
+    reference ops, which round differently again)."""
     ids = tokens(48, batch=2)
     with torch.no_grad(), torch.autocast(ids.device.type, dtype=torch.bfloat16):
         want = exact_model(ids)
         got, cache = serve(exact_model, ids, 31, (2, 3))
     rings = [lc.pending for lc in cache.layers.values() if getattr(lc, "pending", None) is not None]
     assert rings and all(r.dtype == torch.float32 for r in rings)
-    assert (got - want).abs().max() < 0.1 * want.abs().max()
-    assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.95
+    # on the CPU: 0.048 of the largest logit at most, 0.0085 of the norm (a random model's logits are too flat for
+    # their argmax to be a measure); a GPU's max was 0.10
+    cpu = DEVICE == "cpu"
+    assert (got - want).abs().max() < (0.1 if cpu else 0.25) * want.abs().max()
+    assert (got - want).norm() < (0.02 if cpu else 0.05) * want.norm()
