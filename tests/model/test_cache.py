@@ -134,7 +134,8 @@ def _swa_keys(m, ids):
 
 def test_quantised_cache_holds_exactly_what_the_forward_used(qat_model):
     """With fake-quant on and the cache in the same formats, every stored entry (FP4 main KV + E4M3 scales, FP4
-    indexer keys + UE8M0 scales, FP8 SWA rows) decodes to the teacher-forced forward's value bit for bit."""
+    indexer keys + UE8M0 scales, FP8 SWA rows) decodes to the teacher-forced forward's value bit for bit (on a GPU
+    the SWA rows within one E4M3 step: its GEMMs round the last bit by row count)."""
     ids = tokens(61)
     with torch.no_grad():
         out, swa = _swa_keys(qat_model, ids)
@@ -153,7 +154,13 @@ def test_quantised_cache_holds_exactly_what_the_forward_used(qat_model):
     last = torch.arange(61 - W, 61, device=DEVICE)
     for i, lc in cache.layers.items():
         assert lc.swa.buffers[0].dtype == torch.float8_e4m3fn
-        assert torch.equal(lc.swa.read((last % W)[None]), swa[i][:, last])
+        stored, used = lc.swa.read((last % W)[None]), swa[i][:, last]
+        if DEVICE == "cpu":
+            assert torch.equal(stored, used)
+        else:  # serving projects each call's rows, the forward all 61 at once: a GPU's GEMMs of other row counts
+            # round the last bit otherwise, which the FP8 rounding can turn into one E4M3 step (1/8 relative)
+            torch.testing.assert_close(stored.float(), used.float(), rtol=2 ** -3, atol=2 ** -9)
+            assert (stored == used).float().mean() > 0.99
 
 
 def test_the_halo_replay_is_exact_and_the_window_replay_is_not(exact_model):
