@@ -29,8 +29,10 @@ Image source. `image_path` holds image-text shards; when it has none, a generate
 captioned images, and every `interleaved_every`-th sample an interleaved document) is written there first, into a
 private temporary directory renamed into place, so concurrent ranks and nodes never see a half-written one (the
 first rename wins; the others drop their copy). Shards there must have been generated with this config's settings;
-others are refused, naming the key. Each data rank reads the samples whose global index is rank mod world_size
-(rank r takes samples r, r + world, ...), disjoint across ranks; every rank decodes every shard to find its own
+others are refused, naming the key; shards of another source (your own, written by data/vision/shards.py, or a
+webdataset corpus indexed by `python -m data.vision.shards index DIR`) are read as they are. Each data rank reads
+the samples whose ordinal in the pass (the key, for written shards) is rank mod world_size (rank r takes samples r,
+r + world, ...), disjoint across ranks; every rank decodes every shard to find its own
 samples, a cost that is small for the generated source. Samples are read in stored order (no shuffle); at the end
 of a pass the next pass starts (`image_epoch`).
 
@@ -278,7 +280,7 @@ class MultimodalLoader:
             if self._image_iter is None:
                 self._image_iter = iter(self.reader)
             for key, segments in self._image_iter:
-                if int(key) % self.world_size != self.rank:
+                if (self.reader.position - 1) % self.world_size != self.rank:  # the sample's ordinal, not its key
                     continue
                 sample = encode_sample(segments, self.encode, seq_len=self.seq_len,
                                        image_token_id=self.cfg.image_token_id, eos_id=self.eos_id,

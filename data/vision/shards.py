@@ -8,8 +8,11 @@ A sample is a list of segments in reading order, each a text (str) or an image (
   `{"image": field}` in order, and one member `<key>.<field>` per image, where field is `<i>.png` (i = 0, 1, ... in
   order of appearance). webdataset reads it as {"__key__", "json", "0.png", "1.png", ...}: a segment's field is
   the key of its image in that sample.
-Images are PNG (lossless, so a pixel read back is the pixel drawn). Keys are the sample's global index as nine
-digits, as in the text shards (data/shards.py), whose conventions these follow: `shard-000000.tar`, ...; plain
+Images are written as PNG (lossless, so a pixel read back is the pixel drawn); read, a captioned image may also be
+`<key>.jpg`, `.jpeg` or `.webp`, and members a sample holds besides (a corpus's metadata json beside its image and
+txt) are ignored, so webdataset image-caption corpora read as they are once `index_webdataset` (`python -m
+data.vision.shards index DIR`) has written their meta.json. Written keys are the sample's global index as
+nine digits, as in the text shards (data/shards.py), whose conventions these follow: `shard-000000.tar`, ...; plain
 ustar tar, members with mtime 0, mode 0644 and empty owners, so writing the same samples twice gives byte-identical
 shards; every file written under a temporary name and renamed into place, `meta.json` last, so its presence marks
 a complete directory.
@@ -144,7 +147,13 @@ def read_image_meta(directory: str) -> tuple[dict, list[ImageShardInfo]]:
     return meta, [ImageShardInfo(**s) for s in meta["shards"]]
 
 
+IMAGE_FIELDS = ("png", "jpg", "jpeg", "webp")
+"""image members a captioned sample may hold (the first present is its image)"""
+
+
 def _decode(key: str, fields: dict[str, bytes]) -> list[Segment]:
+    """One sample's segments from its members (module docstring; a caption's image may be any of IMAGE_FIELDS, and
+    other members, e.g. a webdataset corpus's metadata json beside an image and its txt, are ignored)."""
     def image(field: str) -> Image.Image:
         if field not in fields:
             raise ShardError(f"sample {key} names image {field!r}, which it does not hold")
@@ -152,26 +161,61 @@ def _decode(key: str, fields: dict[str, bytes]) -> list[Segment]:
             im.load()
             return im.copy()
 
+    picture = next((f for f in IMAGE_FIELDS if f in fields), None)
+    if picture is not None and "txt" in fields:
+        return [image(picture), fields["txt"].decode().strip()]
     if "json" in fields:
         doc = json.loads(fields["json"])
-        return [seg["text"] if "text" in seg else image(seg["image"]) for seg in doc]
-    if "png" in fields and "txt" in fields:
-        return [image("png"), fields["txt"].decode()]
-    raise ShardError(f"sample {key} has neither a json member nor png + txt (has {sorted(fields)})")
+        if isinstance(doc, list):
+            return [seg["text"] if "text" in seg else image(seg["image"]) for seg in doc]
+    raise ShardError(f"sample {key} is neither a captioned image (one of {'/'.join(IMAGE_FIELDS)} and txt) nor a "
+                     f"document (a json list of segments): it has {sorted(fields)}")
+
+
+def _group(data: bytes) -> dict[str, dict[str, bytes]]:
+    """A tar's file members grouped by sample key (webdataset's split: the name up to its first dot), in order."""
+    grouped: dict[str, dict[str, bytes]] = {}
+    with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as tar:
+        for member in tar:
+            if not member.isfile():
+                continue
+            key, _, field = os.path.basename(member.name).partition(".")
+            grouped.setdefault(key, {})[field] = tar.extractfile(member).read()
+    return grouped
+
+
+def index_webdataset(directory: str, pattern: str = ".tar") -> dict:
+    """Write meta.json for webdataset tars already in `directory` (every file ending in `pattern`, in name order),
+    so the multimodal loader reads them: each sample a captioned image (png / jpg / jpeg / webp and txt) or a
+    document (json list); every sample is decoded once here, and one that is neither is refused, naming its shard
+    and key. The tars are not rewritten. Returns the meta written. `python -m data.vision.shards index DIR`."""
+    if os.path.exists(os.path.join(directory, META_NAME)):
+        raise DataConfigError(f"image-text directory {directory!r} already has a {META_NAME}")
+    names = sorted(n for n in os.listdir(directory) if n.endswith(pattern))
+    if not names:
+        raise DataNotFoundError(f"no *{pattern} file in {directory!r} to index")
+    infos = []
+    for name in names:
+        with open(os.path.join(directory, name), "rb") as f:
+            data = f.read()
+        try:
+            grouped = _group(data)
+            for key, fields in grouped.items():
+                _decode(key, fields)
+        except (ShardError, tarfile.TarError, EOFError, OSError, ValueError, KeyError) as exc:
+            raise DataConfigError(f"{os.path.join(directory, name)}: {exc}") from None
+        infos.append(ImageShardInfo(name, len(grouped), hashlib.sha256(data).hexdigest()))
+    meta = {"format": FORMAT, "source": "webdataset", "num_samples": sum(i.num_samples for i in infos),
+            "num_shards": len(infos), "shards": [asdict(i) for i in infos]}
+    atomic_write(os.path.join(directory, META_NAME), (json.dumps(meta, indent=1) + "\n").encode())
+    return meta
 
 
 def read_image_shard(path: str, info: ImageShardInfo) -> list[tuple[str, list[Segment]]]:
     """(key, segments) of every sample of one shard, in order; ShardError if anything is off."""
     data = read_verified(path, info.sha256)
-    grouped: dict[str, dict[str, bytes]] = {}
     try:
-        with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as tar:
-            for member in tar:
-                if not member.isfile():
-                    continue
-                key, _, field = os.path.basename(member.name).partition(".")  # webdataset's split
-                grouped.setdefault(key, {})[field] = tar.extractfile(member).read()
-        samples = [(key, _decode(key, fields)) for key, fields in grouped.items()]
+        samples = [(key, _decode(key, fields)) for key, fields in _group(data).items()]
     except (tarfile.TarError, EOFError, OSError, ValueError, KeyError) as exc:
         raise ShardError(f"bad shard: {exc}") from exc
     if len(samples) != info.num_samples:
@@ -188,7 +232,16 @@ class ImageTextReader:
         self._fingerprint = hashlib.sha256(
             json.dumps([[s.name, s.sha256] for s in self.shards]).encode()).hexdigest()[:16]
         self._shard, self._offset = 0, 0
+        self._starts = [0]  # samples before each shard
+        for info in self.shards:
+            self._starts.append(self._starts[-1] + info.num_samples)
         self.skipped: list[str] = []
+
+    @property
+    def position(self) -> int:
+        """Samples of the pass before the next one (the last sample handed out is number position - 1, counted
+        over meta.json's shards in order, unreadable ones included): a sample's ordinal whatever its key."""
+        return self._starts[self._shard] + self._offset
 
     def __iter__(self) -> Iterator[tuple[str, list[Segment]]]:
         while (index := self._shard) < len(self.shards):
@@ -218,3 +271,23 @@ class ImageTextReader:
             raise ValueError(f"image-text reader state was saved over other shards (fingerprint {state['shards']}, "
                              f"{self.directory!r} has {self._fingerprint}); the position cannot be applied")
         self._shard, self._offset = int(state["shard"]), int(state["offset"])
+
+
+def main(argv: list[str] | None = None) -> None:
+    import sys
+
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 2 or args[0] != "index":
+        print("usage: python -m data.vision.shards index DIR   (meta.json for the webdataset tars in DIR)",
+              file=sys.stderr)
+        sys.exit(2)
+    try:
+        meta = index_webdataset(args[1])
+    except (DataConfigError, DataNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    print(f"{args[1]}: {meta['num_samples']} samples in {meta['num_shards']} shards indexed")
+
+
+if __name__ == "__main__":
+    main()
