@@ -8,7 +8,8 @@ tower parameter; image positions route with the MoE's image bias and count in `l
 `load_text`; Engram's n-grams break at an image run as at any dead token; wrong placeholder counts, images for a
 text-only model and images on the cache path are refused by name; without images the model computes what v41_tiny
 computes with the same backbone weights; `materialize` initialises the tower as its own piece without moving any
-text-only piece's seed.
+text-only piece's seed; trained briefly, the model reads a colour off the pixels (the whole image path carries what
+is drawn).
 
 Shape legend: B batch, T tokens, P placeholder tokens, N patches, K = 588 values per patch.
 """
@@ -165,3 +166,49 @@ def test_materialize_initialises_the_tower_as_its_own_piece():
     assert all(p.abs().sum() > 0 for n, p in mm.vision.named_parameters() if "norm" not in n)
     text_state = text.state_dict()
     assert all(torch.equal(v, text_state[k]) for k, v in mm.state_dict().items() if not k.startswith("vision."))
+
+
+def test_the_model_learns_to_read_the_image():
+    """The whole image path carries what is drawn: four solid-colour images (the processor's patches, one 3 x 3 grid
+    each), each followed by its own colour word. A model that did not see the pixels could do no better than ln 4 =
+    1.39 nats on the word; after 50 AdamW steps on the every-role backbone with the tiny tower the word's loss is
+    far below that with the right images and far above it with the images rotated among the rows."""
+    import dataclasses
+    import math
+
+    from PIL import Image
+
+    from data.vision.processor import ProcessorConfig, process
+    from model.config import VisionConfig
+    from tests.helpers import every_role_config
+
+    ph = 4095
+    cfg = dataclasses.replace(every_role_config(), image_token_id=ph, vision=VisionConfig(
+        num_layers=2, dim=64, num_heads=4, mlp_dim=128, patch=14, unshuffle=3, max_tokens=64))
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        m = model_pkg.build(cfg)
+    m.to_empty(device="cpu")
+    m.init_weights()
+    colours = [(220, 30, 30), (20, 150, 60), (30, 70, 220), (235, 190, 0)]
+    images = [process(Image.new("RGB", (42, 42), c), ProcessorConfig(min_pixels=0)) for c in colours]
+    n = images[0].num_tokens  # 4: START, one image token, NEWLINE, END
+    ids, labels = torch.full((4, 8), 5), torch.full((4, 8), -100)
+    for b in range(4):
+        ids[b, 1:1 + n], ids[b, 1 + n], labels[b, n] = ph, 10 + b, 10 + b  # the word follows the image
+
+    def loss(order) -> torch.Tensor:
+        pixels = torch.cat([images[i].pixel_values for i in order])
+        logits = m(ids, images=(pixels, [images[0].grid] * 4))
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    m.train()
+    for _ in range(50):
+        loss([0, 1, 2, 3]).backward()
+        opt.step()
+        opt.zero_grad()
+    m.eval()
+    with torch.no_grad():
+        right, rotated = float(loss([0, 1, 2, 3])), float(loss([1, 2, 3, 0]))
+    assert right < 0.25 * math.log(4) < math.log(4) < rotated, (right, rotated)  # seen: 0.14 and 4.2
