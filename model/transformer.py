@@ -113,19 +113,31 @@ def new_state(cfg: ModelConfig, input_ids: torch.Tensor, shard: SequenceShard, h
 
 
 def embed_streams(embed: nn.Embedding, input_ids: torch.Tensor, num_streams: int,
-                  image_embeds: torch.Tensor | None = None, image_token_id: int = -1):
+                  image_embeds: torch.Tensor | None = None, image_token_id: int = -1,
+                  sequence_shard: tuple[int, int] | None = None):
     """input_ids [B, T] -> (S [B, T, n, dim] every stream the embedding, pre [n] the first site's one-hot `pre`).
 
     image_embeds [P, dim] (the vision tower's output, `Transformer.image_embeddings`) take the place of the token
-    embedding at the P positions where input_ids == image_token_id, in row-major order over [B, T]."""
+    embedding at the P positions where input_ids == image_token_id, in row-major order over [B, T]. Under sequence
+    parallelism the embedding returns this rank's chunk of the sequence, [B, T / n, dim] for chunk r of n
+    (`sequence_shard` = (r, n), set by model/parallelize.py `apply_tp`): the chunk's placeholders take their
+    features from the whole sequence's layout (every tp rank holds every image's features)."""
     h = embed(input_ids)
     if image_embeds is not None:
-        if h.shape[:2] != input_ids.shape:  # sequence parallelism hands each rank a slice of the sequence
-            raise ValueError("images under sequence parallelism (parallel.sequence_parallel with tp > 1) are not "
-                             "wired yet: the embedding returns a sequence shard")
-        # masked_scatter fills the masked positions in row-major order, each with the next dim values; it is
-        # differentiable in its source, so the LM loss reaches the tower.
-        h = h.masked_scatter((input_ids == image_token_id)[..., None], image_embeds.to(h.dtype))
+        mask = (input_ids == image_token_id)[..., None]  # [B, T, 1]
+        if h.shape[:2] == input_ids.shape:
+            # masked_scatter fills the masked positions in row-major order, each with the next dim values; it is
+            # differentiable in its source, so the LM loss reaches the tower.
+            h = h.masked_scatter(mask, image_embeds.to(h.dtype))
+        elif sequence_shard is not None:
+            r, n = sequence_shard
+            chunk = slice(r * h.shape[1], (r + 1) * h.shape[1])
+            whole = torch.zeros(*input_ids.shape, h.shape[-1], dtype=h.dtype, device=h.device)
+            whole = whole.masked_scatter(mask, image_embeds.to(h.dtype))  # [B, T, dim]
+            h = torch.where(mask[:, chunk], whole[:, chunk], h)
+        else:
+            raise ValueError(f"embed_streams: the embedding returned {h.shape[1]} of the {input_ids.shape[1]} "
+                             "positions (a sequence shard) but no sequence_shard says which")
     return mhc.init_streams(h, num_streams), mhc.first_pre(num_streams, device=h.device)
 
 
@@ -320,7 +332,8 @@ class Transformer(nn.Module):
         state.routing, state.keep_routing = routing, keep_routing
         if replay_cuts is not None:
             self._simulate_replay(state, input_ids, image_mask, replay_cuts)
-        S, pre = embed_streams(self.embed, input_ids, cfg.mhc.num_streams, image_embeds, cfg.image_token_id)
+        S, pre = embed_streams(self.embed, input_ids, cfg.mhc.num_streams, image_embeds, cfg.image_token_id,
+                               getattr(self, "image_sequence_shard", None))
         S, pre = forward_blocks(self.layers, S, pre, state, cfg.num_encoder_layers, engram_in, image_mask,
                                 hidden_layers)
         if self.training:  # an evaluation or scoring forward (eval mode) moves no balancing bias

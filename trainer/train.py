@@ -311,10 +311,6 @@ def check_multimodal(cfg: Config, model_cfg) -> None:
     if par.cp > 1:
         raise ValueError(f"data=multimodal with parallel.cp={par.cp}: an image's placeholder run may cross a context-"
                          "parallel chunk, which the image path does not split: set parallel.cp=1")
-    if par.tp > 1 and par.sequence_parallel:
-        raise ValueError("data=multimodal with parallel.sequence_parallel=true: the embedding returns a sequence "
-                         "shard, into which the image path does not place the tower's features: set "
-                         "parallel.sequence_parallel=false (tensor parallelism itself runs with images)")
     if cfg.stage.bounded_replay_sim:
         raise ValueError("data=multimodal with stage.bounded_replay_sim=true: the bounded-replay simulation runs on "
                          "text only: set stage.bounded_replay_sim=false")

@@ -12,7 +12,8 @@ micro-batch has no image (FSDP2's reduce-scatter of unused parameters, the repli
 loss_text and loss_multimodal (each a global token mean over its kind of row) equal the single process's too.
 
 Layouts: dp_replicate 2, dp_shard 2 (the tower in the FSDP root), tp 2 (the tower's own plan: heads and SwiGLU width
-split, the aligner's pair) and ep 2.
+split, the aligner's pair), tp 2 with sequence parallelism (each rank places its chunk's placeholders, the tower's
+output gradient summed over tp) and ep 2.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from tests.parallel.test_layouts import _train as train_layout
 
 PH = 4095  # model.image_token_id
 LAYOUTS = {"dp_replicate2": dict(dp_replicate=2), "dp_shard2": dict(dp_shard=2), "tp2": dict(tp=2),
-           "ep2": dict(ep=2)}
+           "tp2_sp": dict(tp=2, sequence_parallel=True), "ep2": dict(ep=2)}
 # per micro-batch: the images' grids (none: a text row); rank 0 of two data ranks gets 0 and 1, rank 1 gets 2 and 3
 IMAGES = [[], [(4, 5)], [(3, 3), (2, 7)], []]
 

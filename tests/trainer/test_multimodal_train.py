@@ -102,7 +102,6 @@ def test_trains_logs_both_kinds_and_resumes_exactly(tmp_path, mm_data):
     (["model.image_token_id=4094"], r"data.multimodal.image_token_id=4095 differs from model.image_token_id=4094"),
     (["parallel.pp=2"], r"parallel.pp=2: pipeline parallelism does not carry images"),
     (["parallel.cp=2"], r"parallel.cp=2: an image's placeholder run may cross"),
-    (["parallel.tp=2", "parallel.sequence_parallel=true"], r"set parallel.sequence_parallel=false"),
     (["stage=sft"], r"data=multimodal feeds stage=pretrain; stage.name=sft"),
     (["stage.bounded_replay_sim=true"], r"stage.bounded_replay_sim=true: the bounded-replay simulation runs on text"),
 ])
