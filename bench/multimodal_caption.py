@@ -113,7 +113,7 @@ def main() -> None:
 
     from data.tokenizer import load_tokenizer
     from trainer.checkpoint import complete_checkpoints
-    from trainer.engine.loading import _model_from_dict, load_model, read_marker, run_tokenizer
+    from trainer.engine.loading import load_model, model_config, read_marker, run_tokenizer
 
     device = torch.device(args.device)
     ckpts = complete_checkpoints(args.run_dir / "checkpoints")
@@ -130,7 +130,7 @@ def main() -> None:
     results = []
     for ckpt in ckpts:
         marker = read_marker(ckpt)
-        cfg = _model_from_dict(marker["model"], ckpt)
+        cfg = model_config(marker.get("model"), None, [], ckpt)
         model = load_model(ckpt, cfg, device, tok_path)
         r = {"step": int(marker["step"]), **caption_loss(model, rows, pad_id, device)}
         results.append(r)

@@ -93,19 +93,11 @@ def peer_flops(vocab: int, dim: int, layers: int, ffn: int, seq_len: int) -> flo
     return 6.0 * (layers * per_layer + vocab * dim) + 6.0 * layers * seq_len * dim
 
 
-def matmul_rate(device: torch.device, size: int = 8192, repeats: int = 10) -> float:
-    """Best bf16 FLOP/s of a size^3 matmul (CUDA events)."""
-    a = torch.randn(size, size, device=device, dtype=torch.bfloat16)
-    b = torch.randn(size, size, device=device, dtype=torch.bfloat16)
-    best = float("inf")
-    for i in range(repeats + 1):
-        torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        a @ b
-        torch.cuda.synchronize(device)
-        if i:
-            best = min(best, time.perf_counter() - t0)
-    return 2 * size ** 3 / best
+def matmul_rate(device: torch.device) -> float:
+    """Best bf16 FLOP/s of an 8192^3 matmul over 10 runs (trainer.metrics.measure_matmul_flops)."""
+    from trainer.metrics import measure_matmul_flops
+
+    return measure_matmul_flops(device, torch.bfloat16, size=8192, repeats=10)
 
 
 def main() -> None:

@@ -41,8 +41,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import model as model_pkg  # noqa: E402
 from model.dspark import DSpark  # noqa: E402
-from tests.helpers import load_config  # noqa: E402
 from trainer.engine import Engine, Request, SamplingParams  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from generation import build  # noqa: E402  (bench/generation.py: a model of conf/model on meta, materialised)
 
 
 class OracleDrafter(DSpark):
@@ -65,15 +67,6 @@ class OracleDrafter(DSpark):
             tok = self.script[pos] if right else (self.script[pos] + 1) % logits.shape[-1]
             logits[0, tok] += 1e4
         return logits, confidence
-
-
-def build(name: str, device, seed: int):
-    torch.manual_seed(seed)
-    with torch.device("meta"):
-        m = model_pkg.build(load_config(name))
-    m.to_empty(device=device)
-    m.init_weights()
-    return m.eval()
 
 
 def random_drafter(cfg, device, seed: int, cls=DSpark):

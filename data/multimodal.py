@@ -367,13 +367,15 @@ class MultimodalLoader:
         self._text_iter = self._image_iter = None
 
 
-def build_multimodal_loader(cfg: MultimodalDataConfig, rank: int = 0, world_size: int = 1):
+def build_multimodal_loader(cfg: MultimodalDataConfig, rank: int = 0, world_size: int = 1, *,
+                            progress: bool = False):
     """(MultimodalLoader, TokenizerInfo) for data rank `rank` of `world_size`: the text shards at cfg.path (prepared
-    first if needed) mixed with the image-text shards at cfg.multimodal.image_path (generated first if needed)."""
+    first if needed, `progress` shown) mixed with the image-text shards at cfg.multimodal.image_path (generated first
+    if needed)."""
     from data.config import build_dataloader, ensure_prepared
     from data.tokenizer import load_tokenizer
 
-    ensure_prepared(cfg)
+    ensure_prepared(cfg, progress=progress)
     text, info = build_dataloader(cfg, rank, world_size)
     if info.pad_id is None:
         raise DataConfigError(f"data.tokenizer={cfg.tokenizer!r} has no <pad> token, which multimodal rows pad with")

@@ -34,12 +34,13 @@ _GPU_PEAK_BF16 = (
 )
 
 
-def measure_matmul_flops(device: torch.device, dtype: torch.dtype = torch.float32, size: int = 1024) -> float:
-    """Best observed FLOP/s of a size^3 matmul on `device` (a few repeats after one warm-up)."""
+def measure_matmul_flops(device: torch.device, dtype: torch.dtype = torch.float32, size: int = 1024,
+                         repeats: int = 3) -> float:
+    """Best observed FLOP/s of a size^3 matmul on `device` over `repeats` timed runs after one warm-up."""
     a = torch.randn(size, size, device=device, dtype=dtype, generator=None)
     b = torch.randn(size, size, device=device, dtype=dtype)
     best = float("inf")
-    for i in range(4):
+    for i in range(repeats + 1):
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         t0 = time.perf_counter()

@@ -124,11 +124,12 @@ class Pretrain:
     def batches(self, cfg: Config, data_rank: int, data_ranks: int, *, progress: bool = False):
         from data.config import build_dataloader, ensure_prepared
 
-        ensure_prepared(cfg.data, progress=progress)  # node-safe: one process prepares, the others wait
         if hasattr(cfg.data, "multimodal"):  # data=multimodal: text and image-text rows (data/multimodal.py)
             from data.multimodal import build_multimodal_loader
 
-            return with_replay_cuts(build_multimodal_loader(cfg.data, data_rank, data_ranks), self.stage, cfg)
+            loader = build_multimodal_loader(cfg.data, data_rank, data_ranks, progress=progress)
+            return with_replay_cuts(loader, self.stage, cfg)
+        ensure_prepared(cfg.data, progress=progress)  # node-safe: one process prepares, the others wait
         loader = build_dataloader(cfg.data, data_rank, data_ranks)
         return with_replay_cuts(loader, self.stage, cfg)
 
