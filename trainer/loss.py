@@ -73,10 +73,8 @@ class KindSums:
         with N = B x T."""
         kinds = row_kind.to(per_token.device).long().repeat_interleave(labels.numel() // row_kind.numel())
         valid = labels != IGNORE_INDEX
-        k = self.loss.numel()
-        self.loss += torch.zeros(k, dtype=torch.float64, device=per_token.device).index_add_(
-            0, kinds, torch.where(valid, per_token.detach(), 0.0).double())
-        self.tokens += torch.bincount(kinds, weights=valid.double(), minlength=k)[:k]
+        self.loss.index_add_(0, kinds, torch.where(valid, per_token.detach(), 0.0).double())
+        self.tokens.index_add_(0, kinds, valid.double())
 
 
 class LMLoss:

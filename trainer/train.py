@@ -607,8 +607,8 @@ def kind_losses(pm: ParallelModel, kinds: KindSums) -> dict[str, float]:
     step's global batch has no entry."""
     from data.multimodal import ROW_KINDS
 
-    k = len(ROW_KINDS)
-    values = sum_over_data(pm, [*kinds.loss[:k].tolist(), *kinds.tokens[:k].tolist()])
+    k = len(ROW_KINDS)  # = LMLoss.num_kinds, the length of the sums
+    values = sum_over_data(pm, [*kinds.loss.tolist(), *kinds.tokens.tolist()])
     return {f"loss_{name}": values[i] / values[k + i] for i, name in enumerate(ROW_KINDS) if values[k + i] > 0}
 
 

@@ -96,6 +96,9 @@ def test_row_kinds_are_summed_per_kind_and_leave_the_loss_alone():
     """A batch's `row_kind` ([B]: 0 text, 1 multimodal) gives per-kind sums of the valid tokens' cross-entropies and
     their counts over the step's micro-batches (the metrics loss_text / loss_multimodal), equal to the explicit
     per-kind sums, with weights or without, fused or plain; the LM term is the one without row kinds."""
+    from data.multimodal import ROW_KINDS
+
+    assert LMLoss.num_kinds == len(ROW_KINDS)  # the sums' length: the trainer names them by ROW_KINDS
     gen = torch.Generator().manual_seed(5)
     B, V, D = 3, 11, 8
     kinds = torch.tensor([0, 1, 0])
