@@ -37,10 +37,10 @@ sys.path.insert(0, str(ROOT))
 FAMILIES = [
     (r"_sparse_attn_fwd", "triton: sparse attention fwd"),
     (r"_bwd_probs|_bwd_dq|_bwd_dkv", "triton: sparse attention bwd"),
-    (r"_index|_score|_pool", "triton: indexer"),
+    (r"_index|_score|_pool|_block_max", "triton: indexer"),
     (r"_topk", "triton: top-k"),
     (r"mhc|_coeff", "triton: mHC"),
-    (r"engram|_gather_rows|_gate", "triton: Engram"),
+    (r"engram|_gather_rows|_gate|_gather_kernel|_scatter_add_kernel", "triton: Engram"),
     (r"norm_rope|_nrq", "triton: norm+RoPE+quant"),
     (r"fp4|fp8|_quant|_dequant", "triton: FP4/FP8"),
     (r"nccl|gloo|all_?reduce|all_?gather|reduce_?scatter|alltoall", "communication"),

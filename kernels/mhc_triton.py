@@ -32,7 +32,7 @@ Backward (one token-major kernel + one split-K GEMM):
     G_k   = dL/dS'_k + 2 dL/dsum_sq S'_k + dL/draw . fn_k            (total gradient reaching S'_k)
     dL/d(input j)  = sum_i W[i, j] G_i          (G_n = dL/dx)
     dL/dW[i, j]    = sum_d G_i[d] input_j[d]    (per token; PyTorch then backprops W into post/comb/pre)
-    dL/dfn         = dL/draw^T @ flatten(S')    (`_fn_grad_kernel`: reads the saved S' once more)
+    dL/dfn         = dL/draw^T @ flatten(S')    (`_mhc_fn_grad_kernel`: reads the saved S' once more)
 S' is recomputed from y, S and W in the backward (same arithmetic), not read back.
 """
 
@@ -156,7 +156,7 @@ def _mix(w, ins, i: tl.constexpr, NW: tl.constexpr):
 
 
 @triton.jit
-def _fwd_kernel(y_ptr, s_ptr, w_ptr, fnt_ptr,
+def _mhc_fwd_kernel(y_ptr, s_ptr, w_ptr, fnt_ptr,
                 s_out_ptr, x_out_ptr, sumsq_ptr, raw_ptr,
                 num_tokens, dim, chunk,
                 N: tl.constexpr, STATS: tl.constexpr, S_BF16: tl.constexpr, GPU: tl.constexpr,
@@ -219,7 +219,7 @@ def _fwd_kernel(y_ptr, s_ptr, w_ptr, fnt_ptr,
 
 
 @triton.jit
-def _bwd_kernel(y_ptr, s_ptr, w_ptr, fn_hi_ptr, fn_lo_ptr,
+def _mhc_bwd_kernel(y_ptr, s_ptr, w_ptr, fn_hi_ptr, fn_lo_ptr,
                 g_snew_ptr, g_x_ptr, g_sumsq_ptr, g_raw_hi_ptr, g_raw_lo_ptr,
                 g_y_ptr, g_s_ptr, g_w_ptr,
                 num_tokens, dim,
@@ -275,7 +275,7 @@ def _bwd_kernel(y_ptr, s_ptr, w_ptr, fn_hi_ptr, fn_lo_ptr,
 
 
 @triton.jit
-def _fn_grad_kernel(g_raw_hi_ptr, g_raw_lo_ptr, s_new_ptr, part_ptr,
+def _mhc_fn_grad_kernel(g_raw_hi_ptr, g_raw_lo_ptr, s_new_ptr, part_ptr,
                     num_tokens, width, tokens_per_split,
                     S_BF16: tl.constexpr, GPU: tl.constexpr,
                     BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_M: tl.constexpr):
@@ -421,7 +421,7 @@ def mhc_step_fwd(y: torch.Tensor, S: torch.Tensor, mix: torch.Tensor, fn: torch.
     else:
         fnt = raw2 = sumsq_part = mix  # unused
     if N:
-        _fwd_kernel[(triton.cdiv(N, cfg["block_t"]), splits)](
+        _mhc_fwd_kernel[(triton.cdiv(N, cfg["block_t"]), splits)](
             y, S, mix, fnt, _out(s_new, gpu), _out(x, gpu), sumsq_part, raw2, N, D, chunk,
             N=n, STATS=stats, S_BF16=S.dtype == torch.bfloat16, GPU=gpu,
             BLOCK_T=cfg["block_t"], BLOCK_D=block_d, BLOCK_M=2 * half, STREAM=cfg["stream"],
@@ -465,7 +465,7 @@ def mhc_step_bwd(y, S, mix, fn, s_new, g_snew, g_x, g_sumsq=None, g_raw=None, *,
         fn_hi = fn_lo = g_raw_hi = g_raw_lo = g_sumsq = mix  # unused
     check_device("gradients", "mhc_step_bwd", g_snew, g_x, g_sumsq)
     if N:
-        _bwd_kernel[(triton.cdiv(N, block_t),)](
+        _mhc_bwd_kernel[(triton.cdiv(N, block_t),)](
             y, S, mix, fn_hi, fn_lo, g_snew, g_x, g_sumsq, g_raw_hi, g_raw_lo,
             _out(g_y, gpu), _out(g_s, gpu), g_mix, N, D,
             N=n, STATS=stats, Y_BF16=y.dtype == torch.bfloat16, S_BF16=S.dtype == torch.bfloat16,
@@ -478,7 +478,7 @@ def mhc_step_bwd(y, S, mix, fn, s_new, g_snew, g_x, g_sumsq=None, g_raw=None, *,
         splits = fn_splits or max(1, min(16, triton.cdiv(N, 1024)))
         per_split = triton.cdiv(max(N, 1), splits)
         part = torch.empty(splits, block_m, width, dtype=torch.float32, device=S.device)
-        _fn_grad_kernel[(triton.cdiv(width, block_c), splits)](
+        _mhc_fn_grad_kernel[(triton.cdiv(width, block_c), splits)](
             g_raw_hi, g_raw_lo, s_new, part, N, width, per_split,
             S_BF16=S.dtype == torch.bfloat16, GPU=gpu,
             BLOCK_T=32, BLOCK_C=block_c, BLOCK_M=block_m, num_warps=4)
