@@ -3,9 +3,11 @@
 bench/kernel_cases/sparse_attention.py times the flagship's decoder shape (H=64, D=512, top-512 of 32K), for which
 `kernels.sparse_attention.FWD_CONFIG` / `BWD_CONFIG` were tuned. A small config has other tiles: v41_small has 16
 heads of width 256 and selects 256 of 1,024 (encoder, ratio 2) or 2,048 (decoder, ratio 1) entries at 2K context,
-so a tile of [16 heads, 256 channels] per query serves far fewer FLOPs per key byte loaded. This script times every
-configuration in a small grid at such a shape, forward and backward, and checks each against the default
-configuration's outputs (within bf16 rounding: the backward's atomics make its last bits vary run to run).
+so a tile of [16 heads, 256 channels] per query serves far fewer FLOPs per key byte loaded (its launches read
+`FWD_CONFIG_FEW_HEADS` / `BWD_CONFIG_FEW_HEADS`, chosen from this script's first run). This script times every
+configuration in a small grid at such a shape, forward and backward, and reports each one's largest difference from
+the shipped configuration's outputs (bf16 rounding of other summation orders; the backward's atomics make its last
+bits vary run to run).
 
 Usage (GPU): python bench/sparse_attention_shapes.py --model v41_small [--json OUT.jsonl]
 or an explicit --shape B,T,H,D,W,K,RATIO.
@@ -79,7 +81,9 @@ def run(shape, args, out):
     ref_grads = [g.float() for g in torch.autograd.grad(o, leaves, grad)]
     name = ",".join(map(str, shape))
     rows = []
-    for what, config, grid in (("fwd", sa.FWD_CONFIG, FWD_GRID), ("bwd", sa.BWD_CONFIG, BWD_GRID)):
+    block_h = sa._tiles(shape[2], shape[3])[0]
+    for what, grid in (("fwd", FWD_GRID), ("bwd", BWD_GRID)):
+        config = sa.launch_config(what, block_h)  # the dict this shape's launches read
         default = dict(config)
         for overrides in [{}] + grid:
             config.update(overrides)

@@ -436,7 +436,8 @@ def mhc_step_fwd(y: torch.Tensor, S: torch.Tensor, mix: torch.Tensor, fn: torch.
 
 
 def mhc_step_bwd(y, S, mix, fn, s_new, g_snew, g_x, g_sumsq=None, g_raw=None, *,
-                 block_t: int = 16, block_d: int = 64, num_warps: int = 4, fn_splits: int | None = None):
+                 block_t: int = 16, block_d: int = 64, num_warps: int = 4, num_stages: int = 3,
+                 fn_splits: int | None = None):
     """Gradients of `mhc_step_fwd`: (dL/dy, dL/dS, dL/dmix [N, n+1, n+1] fp32, dL/dfn or None).
 
     g_sumsq [N] and g_raw [N, M] are needed (and used) only when fn is given; s_new is the forward's S'.
@@ -470,7 +471,7 @@ def mhc_step_bwd(y, S, mix, fn, s_new, g_snew, g_x, g_sumsq=None, g_raw=None, *,
             _out(g_y, gpu), _out(g_s, gpu), g_mix, N, D,
             N=n, STATS=stats, Y_BF16=y.dtype == torch.bfloat16, S_BF16=S.dtype == torch.bfloat16,
             GPU=gpu, BLOCK_T=block_t, BLOCK_D=block_d, BLOCK_M=block_m,
-            BLOCK_W=triton.next_power_of_2(NW * NW), num_warps=num_warps)
+            BLOCK_W=triton.next_power_of_2(NW * NW), num_warps=num_warps, num_stages=num_stages)
     if stats:
         # Split-K over tokens; the few partials are summed in fp32 here (deterministic, no atomics).
         block_c = 128

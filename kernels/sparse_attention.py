@@ -75,6 +75,23 @@ _QUANT_FORMATS = {
 # launch made it slower (44.3 ms). The slower variants were removed (the kernel modules' docstrings describe them).
 FWD_CONFIG = {"BLOCK_N": 64, "fwd": (8, 2)}
 BWD_CONFIG = {"BLOCK_N": 64, "probs": (8, 1), "dq": (8, 2), "dkv": (8, 2), "scratch_bytes": 1 << 30}
+# Few heads (a head tile of at most FEW_HEADS rows: v41_small's 16 heads of 256): a [16, D] accumulator is a quarter
+# of the register file's worth of the flagship's, and 8 warps over 16 rows mostly wait. Measured on an H100
+# (bench/sparse_attention_shapes.py --model v41_small, 2026-12-06, BENCHMARKS.md): 4 warps and two stages everywhere;
+# forward 0.603 -> 0.406 ms (top-256 of 1,024 entries) and 0.607 -> 0.527 ms (of 2,048), backward 2.14 -> 1.85-1.89
+# and 2.17 -> 2.02-2.04 ms.
+FEW_HEADS = 16
+FWD_CONFIG_FEW_HEADS = {"BLOCK_N": 128, "fwd": (4, 2)}
+BWD_CONFIG_FEW_HEADS = {"BLOCK_N": 64, "probs": (4, 1), "dq": (4, 2), "dkv": (4, 2), "scratch_bytes": 1 << 30}
+
+
+def launch_config(direction: str, block_h: int) -> dict:
+    """The launch parameters of `direction` ("fwd" / "bwd") for a head tile of block_h rows (read at call time, so
+    tests and sweeps may patch the dicts above)."""
+    few = block_h <= FEW_HEADS
+    if direction == "fwd":
+        return FWD_CONFIG_FEW_HEADS if few else FWD_CONFIG
+    return BWD_CONFIG_FEW_HEADS if few else BWD_CONFIG
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -184,8 +201,8 @@ def _launch(cfg: dict, name: str) -> dict:
 def _forward_triton(q, kv_win, kv_cmp, topk_idx, sink, window, topk_probs: bool = False):
     B, T, H, D, E, K = _check_inputs(q, kv_win, kv_cmp, topk_idx, sink, window)
     _check_triton({"q": q, "kv_win": kv_win, "kv_cmp": kv_cmp, "topk_idx": topk_idx, "sink": sink})
-    cfg = FWD_CONFIG
     BLOCK_H, BLOCK_D = _tiles(H, D)
+    cfg = launch_config("fwd", BLOCK_H)
     has_cmp = kv_cmp is not None and E > 0 and K > 0
     E, K = (E, K) if has_cmp else (0, 0)
     out = torch.empty_like(q)
@@ -206,8 +223,8 @@ def _forward_triton(q, kv_win, kv_cmp, topk_idx, sink, window, topk_probs: bool 
 
 def _backward_triton(q, kv_win, kv_cmp, topk_idx, sink, window, out, lse, dout):
     B, T, H, D = q.shape
-    cfg = BWD_CONFIG
     BLOCK_H, BLOCK_D = _tiles(H, D)
+    cfg = launch_config("bwd", BLOCK_H)
     keys, idx, E, K, NW = _stack_keys(q, kv_win, kv_cmp, topk_idx, window, cfg["BLOCK_N"])
     NS = NW + K
     dout = dout.contiguous()

@@ -93,6 +93,46 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Te
     return _grouped_mm_op(x, w, offs)
 
 
+def inverse_permutation(perm: torch.Tensor) -> torch.Tensor:
+    """perm [S] int64, a permutation of 0..S-1 -> its inverse: inverse[perm[i]] = i."""
+    inverse = torch.empty_like(perm)
+    inverse[perm] = torch.arange(perm.numel(), device=perm.device)
+    return inverse
+
+
+class _GatherRows(torch.autograd.Function):
+    """out = x.index_select(0, perm // copies) for a permutation perm of the S = rows * copies copies of x's rows.
+
+    index_select's own backward scatter-adds the gradient (index_add_): atomics on a GPU, in the gradient's dtype,
+    so a bf16 gradient is rounded at every add and the fp32 sum's order varies run to run; the aten bf16 kernel is
+    also slow (7 ms of an H100 step of v41_small for the combine's un-permute alone). Since every copy lands once,
+    the backward is a gather through the inverse permutation and, for copies > 1, a sum over each row's copies in
+    fp32 in a fixed order: deterministic and without atomics."""
+
+    @staticmethod
+    def forward(ctx, x, perm, inverse, copies):
+        ctx.save_for_backward(inverse)
+        ctx.copies = copies
+        return x.index_select(0, perm // copies if copies > 1 else perm)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (inverse,) = ctx.saved_tensors
+        g = grad.index_select(0, inverse)
+        if ctx.copies > 1:
+            acc = torch.promote_types(grad.dtype, torch.float32)  # bf16 gradients are summed in fp32
+            g = g.view(-1, ctx.copies, g.shape[-1]).sum(1, dtype=acc).to(grad.dtype)
+        return g, None, None, None
+
+
+def gather_rows(x: torch.Tensor, perm: torch.Tensor, inverse: torch.Tensor | None = None,
+                copies: int = 1) -> torch.Tensor:
+    """x [R, D], perm [R * copies] int64 a permutation of the copies (copy c of row r is c // copies = r), inverse
+    its inverse (computed when None) -> x.index_select(0, perm // copies) [R * copies, D], whose gradient is a
+    gather (see _GatherRows), not a scatter-add."""
+    return _GatherRows.apply(x, perm, inverse_permutation(perm) if inverse is None else inverse, copies)
+
+
 def clamped_swiglu(g: torch.Tensor, u: torch.Tensor, limit: float) -> torch.Tensor:
     """silu(g) * u in fp32, with the reference's clamps: u to [-limit, limit], g capped above at limit.
 
@@ -180,7 +220,7 @@ class LocalDispatcher:
         # Stable sort keeps tokens in their original order inside each expert's slice (deterministic runs).
         order = torch.argsort(flat_idx, stable=True)  # [S]
         tokens_per_expert = expert_counts(flat_idx, self.num_experts)  # [E] int64
-        x_sorted = x.index_select(0, order // k)  # [S, D]
+        x_sorted = gather_rows(x, order, copies=k)  # [S, D], x.index_select(0, order // k)
         weights_sorted = topk_weights.reshape(-1).index_select(0, order)  # [S]
         return x_sorted, weights_sorted, tokens_per_expert, order
 
@@ -188,9 +228,8 @@ class LocalDispatcher:
         s, d = y_sorted.shape
         # Un-permute, then sum each token's K copies in fp32. Same result as a scatter-add (index_add_), but
         # with a fixed summation order: CUDA's atomic scatter-add would make the fp32 sum nondeterministic.
-        inverse = torch.empty_like(order)
-        inverse[order] = torch.arange(s, device=order.device)
-        y = y_sorted.index_select(0, inverse).view(num_tokens, s // num_tokens, d)  # [N, K, D]
+        inverse = inverse_permutation(order)
+        y = gather_rows(y_sorted, inverse, order).view(num_tokens, s // num_tokens, d)  # [N, K, D]
         return y.float().sum(1)
 
 

@@ -60,9 +60,12 @@ CASES = [
 @pytest.fixture(autouse=True)
 def small_tiles(monkeypatch):
     """16-key blocks keep the interpreter fast and make every case span several blocks."""
-    monkeypatch.setattr(sa, "FWD_CONFIG", {"BLOCK_N": 16, "fwd": (4, 1)})
-    monkeypatch.setattr(sa, "BWD_CONFIG", {"BLOCK_N": 16, "probs": (4, 1), "dq": (4, 1), "dkv": (4, 1),
-                                           "scratch_bytes": 1 << 30})
+    fwd = {"BLOCK_N": 16, "fwd": (4, 1)}
+    bwd = {"BLOCK_N": 16, "probs": (4, 1), "dq": (4, 1), "dkv": (4, 1), "scratch_bytes": 1 << 30}
+    # the same dicts for every head count, so a test that patches one entry reaches every launch
+    for name, cfg in (("FWD_CONFIG", fwd), ("FWD_CONFIG_FEW_HEADS", fwd), ("BWD_CONFIG", bwd),
+                      ("BWD_CONFIG_FEW_HEADS", bwd)):
+        monkeypatch.setattr(sa, name, cfg)
 
 
 @pytest.fixture
@@ -138,6 +141,24 @@ def test_backward_matches_reference(case, poison):
     # entries no query selected get exactly zero gradient
     unused = ~sa.topk_to_mask(idx, E).any(1)  # [B, E]
     assert (got[2][unused] == 0).all()
+
+
+@pytest.mark.parametrize("heads", [2, 17])
+def test_shipped_launch_configs_match_reference(heads, monkeypatch):
+    """The launch configs as shipped, not the fixture's 16-key blocks: the few-heads config (128-key forward
+    blocks) for a head tile of 16, the flagship's for a tile of 32; window and top-k rows longer than a 64-key
+    block."""
+    monkeypatch.undo()
+    assert sa.launch_config("fwd", 16) is sa.FWD_CONFIG_FEW_HEADS and sa.launch_config("bwd", 32) is sa.BWD_CONFIG
+    case = (1, 40, heads, 16, 80, 70, 70)  # B, T, H, D, E, K, W
+    q, kv_win, kv_cmp, idx, sink = make_inputs(*case, seed=3)
+    inputs = [t.requires_grad_() for t in (q, kv_win, kv_cmp, sink)]
+    out = sa.sparse_attention(q, kv_win, kv_cmp, idx, sink, case[-1], impl="triton")
+    want = sa.sparse_attention_reference(q, kv_win, kv_cmp, idx, sink, case[-1])
+    torch.testing.assert_close(out, want, atol=2e-5, rtol=1e-4)
+    g = torch.randn_like(out)
+    for name, a, b in zip(("dq", "dkv_win", "dkv_cmp", "dsink"), grads(out, inputs, g), grads(want, inputs, g)):
+        torch.testing.assert_close(a, b, atol=5e-5, rtol=1e-4, msg=name)
 
 
 # (case, queries per chunk): 3 chunks, the last one partial; 6 chunks, windows (W = 20) reaching back over several

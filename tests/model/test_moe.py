@@ -2,7 +2,9 @@
 
 - Router: scores are sqrt(softplus(logits)); the bias (text or image) changes which experts are picked but not
   their weights; weights sum to routed_scale.
-- Dispatch/combine round trip is exact; dispatch+experts+combine (loop and grouped-GEMM paths) and the full
+- Dispatch/combine round trip is exact; their row gathers' gradients (a gather through the inverse permutation, not
+  index_select's scatter-add) equal index_select's: exactly for a permutation, to fp32 rounding for k copies, and
+  closer to the fp64 sum than a bf16 scatter-add; dispatch+experts+combine (loop and grouped-GEMM paths) and the full
   forward match a naive per-token loop at awkward sizes; the SwiGLU clamps are active on large inputs.
 - Aux-loss-free balancing: load counters split by modality; update_bias moves a skewed router toward balance.
 - Sequence-wise balance loss has its hand-computed value and trains the router.
@@ -19,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from model.config import MoEConfig
-from model.moe import MoE, clamped_swiglu
+from model.moe import MoE, clamped_swiglu, gather_rows, inverse_permutation
 
 
 def make_moe(dim=24, num_experts=5, k=2, hidden=10, shared=1, seed=0, std=0.2, **kw) -> MoE:
@@ -124,6 +126,28 @@ def test_dispatch_combine_round_trip_is_exact():
     torch.testing.assert_close(out, 1.5 * x, rtol=1e-6, atol=1e-6)
     # Without weights the round trip is bit exact: K copies of x.
     assert torch.equal(moe.combine(xs, order, 7), 2 * x)
+
+
+@pytest.mark.parametrize("copies", [1, 3])
+def test_gather_rows_gradient_equals_index_select(copies):
+    torch.manual_seed(0)
+    rows, d = 11, 6
+    perm = torch.randperm(rows * copies)
+    x = torch.randn(rows, d, dtype=torch.float64, requires_grad=True)
+    grad = torch.randn(rows * copies, d, dtype=torch.float64)
+    out = gather_rows(x, perm, copies=copies)
+    assert torch.equal(out, x.index_select(0, perm // copies))
+    (g,) = torch.autograd.grad(out, x, grad)
+    (ref,) = torch.autograd.grad(x.index_select(0, perm // copies), x, grad)
+    assert torch.allclose(g, ref, rtol=0, atol=1e-12)
+    assert torch.equal(inverse_permutation(perm)[perm], torch.arange(rows * copies))
+    # bf16 gradients: the k copies are summed in fp32 and rounded once
+    xb = x.detach().bfloat16().requires_grad_()
+    (gb,) = torch.autograd.grad(gather_rows(xb, perm, copies=copies), xb, grad.bfloat16())
+    exact = torch.zeros(rows, d, dtype=torch.float64).index_add_(0, perm // copies, grad.bfloat16().double())
+    assert gb.dtype == torch.bfloat16
+    # one rounding of the fp32 sum: within half a bf16 step of the exact sum (a bf16 scatter-add rounds k times)
+    assert ((gb.double() - exact).abs() <= exact.abs() * 2 ** -8 + 1e-30).all()
 
 
 @pytest.mark.parametrize("grouped", [False, True])

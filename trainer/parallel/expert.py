@@ -51,7 +51,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from model.moe import GroupedExperts, LocalDispatcher, MoE, expert_counts
+from model.moe import GroupedExperts, LocalDispatcher, MoE, expert_counts, gather_rows, inverse_permutation
 
 _EXPERT_WEIGHTS = ("w1", "w3", "w2")
 
@@ -226,12 +226,10 @@ class AllToAllDispatcher:
         regroup = torch.argsort(expert_of_row, stable=True)
         handle = EPHandle(order, send_splits, recv_splits, regroup)
         self.dropped = torch.zeros((), dtype=torch.int64, device=x.device)
-        return x_recv.index_select(0, regroup), w_recv.index_select(0, regroup), recv_counts.sum(0), handle
+        return gather_rows(x_recv, regroup), w_recv.index_select(0, regroup), recv_counts.sum(0), handle
 
     def _combine_dropless(self, y: torch.Tensor, handle: EPHandle, num_tokens: int) -> torch.Tensor:
-        inverse = torch.empty_like(handle.regroup)
-        inverse[handle.regroup] = torch.arange(handle.regroup.numel(), device=y.device)
-        y_src = y.index_select(0, inverse)  # [R] back to source-rank major
+        y_src = gather_rows(y, inverse_permutation(handle.regroup), handle.regroup)  # [R] back to source-rank major
         y_home = _AllToAll.apply(y_src, handle.send_splits, handle.recv_splits, self.group)  # [S, D]
         return self.local.combine(y_home, handle.order, num_tokens)  # fp32 sum of the K copies, fixed order
 
@@ -281,17 +279,16 @@ class AllToAllDispatcher:
                                            right=True).reshape(-1)  # [W*C] in [0, e_local]
         regroup = torch.argsort(expert_of_row, stable=True)
         handle = CapacityHandle(slot, kept, regroup, expert_of_row < e_local)
-        return x_buf.index_select(0, regroup), w_buf.index_select(0, regroup), recv_counts.sum(0), handle
+        return gather_rows(x_buf, regroup), w_buf.index_select(0, regroup), recv_counts.sum(0), handle
 
     def _combine_sync_free(self, y: torch.Tensor, handle: CapacityHandle, num_tokens: int) -> torch.Tensor:
         rows = handle.regroup.numel()
         if y.shape[0] < rows:  # the experts' per-expert loop returns the valid rows only
             y = torch.cat([y, y.new_zeros(rows - y.shape[0], y.shape[1])])
-        inverse = torch.empty_like(handle.regroup)
-        inverse[handle.regroup] = torch.arange(rows, device=y.device)
         # Back to source-rank major; padding rows (undefined after the grouped GEMM) zeroed: nothing of them
         # travels, and their gradient is zero.
-        y_src = torch.where(handle.valid[:, None], y.index_select(0, inverse), 0)
+        y_src = gather_rows(y, inverse_permutation(handle.regroup), handle.regroup)
+        y_src = torch.where(handle.valid[:, None], y_src, 0)
         y_home = _equal_all_to_all(y_src, self.group_name, self.num_ranks)  # [W*C, D] in this rank's slot order
         y_copies = torch.where(handle.kept[:, None], y_home.index_select(0, handle.slot), 0)  # [S, D], dropped: 0
         return y_copies.view(num_tokens, -1, y.shape[1]).float().sum(1)  # LocalDispatcher's fixed-order sum
