@@ -24,8 +24,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.kernels import copy_ms, time_ms  # noqa: E402
 from kernels import mhc_triton  # noqa: E402
 
-GRID = [dict(block_t=t, block_d=d, num_warps=w, num_stages=s)
-        for t, d, w, s in itertools.product((8, 16, 32), (64, 128, 256), (4, 8), (2, 3))]
+# Session 20's H100 run swept block_t (8, 16, 32) x block_d (64, 128, 256) x warps (4, 8) x stages (2, 3) with one
+# program per token block: 0.73-5.7 ms, none above 22% of copy (BENCHMARKS.md). The grid now adds the channel split
+# (more programs in flight: v41_small's 8,192 tokens make 512 programs of 16) around the best tiles.
+GRID = [dict(block_t=t, block_d=d, num_warps=w, num_stages=s, split_d=k)
+        for t, d, w, s, k in itertools.product((8, 16, 32), (64, 128), (4,), (2, 3), (1, 2, 4, 8))]
 
 
 def main() -> None:

@@ -222,12 +222,17 @@ def _mhc_fwd_kernel(y_ptr, s_ptr, w_ptr, fnt_ptr,
 def _mhc_bwd_kernel(y_ptr, s_ptr, w_ptr, fn_hi_ptr, fn_lo_ptr,
                 g_snew_ptr, g_x_ptr, g_sumsq_ptr, g_raw_hi_ptr, g_raw_lo_ptr,
                 g_y_ptr, g_s_ptr, g_w_ptr,
-                num_tokens, dim,
+                num_tokens, dim, chunk,
                 N: tl.constexpr, STATS: tl.constexpr, Y_BF16: tl.constexpr, S_BF16: tl.constexpr,
                 GPU: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                 BLOCK_W: tl.constexpr):
+    """Program (token block, D chunk): the input gradients of channels [split * chunk, (split + 1) * chunk) and
+    this chunk's part of dL/dW, written to row `split` of g_w [splits, N, BLOCK_W] (the host sums the rows)."""
     NW: tl.constexpr = N + 1
     tok = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    split = tl.program_id(1)
+    d_begin = split * chunk
+    d_end = tl.minimum(d_begin + chunk, dim)
     t_ok = tok < num_tokens
     w = _load_mix(w_ptr, tok, t_ok, NW)
     cols = tl.arange(0, BLOCK_M)
@@ -238,9 +243,9 @@ def _mhc_bwd_kernel(y_ptr, s_ptr, w_ptr, fn_hi_ptr, fn_lo_ptr,
         g_raw_lo = tl.load(g_raw_lo_ptr + gr_offs, mask=t_ok[:, None], other=0.0)
     wcol = tl.arange(0, BLOCK_W)[None, :]
     g_w = tl.zeros([BLOCK_T, BLOCK_W], dtype=tl.float32)  # dL/dW, flattened i * NW + j
-    for d0 in range(0, dim, BLOCK_D):
+    for d0 in range(d_begin, d_end, BLOCK_D):
         d = d0 + tl.arange(0, BLOCK_D)
-        m2 = t_ok[:, None] & (d < dim)[None, :]
+        m2 = t_ok[:, None] & (d < d_end)[None, :]
         ins = _load_inputs(y_ptr, s_ptr, tok, d, m2, dim, N, False)
         g_outs = ()
         for i in tl.static_range(N):
@@ -250,7 +255,7 @@ def _mhc_bwd_kernel(y_ptr, s_ptr, w_ptr, fn_hi_ptr, fn_lo_ptr,
                 if S_BF16:
                     s_new = _round_bf16(s_new, GPU)  # the statistics saw the stored value
                 f_offs = cols[:, None] * (N * dim) + (i * dim + d)[None, :]  # fn [BLOCK_M, BLOCK_D]
-                f_ok = (d < dim)[None, :]
+                f_ok = (d < d_end)[None, :]
                 fn_hi = tl.load(fn_hi_ptr + f_offs, mask=f_ok, other=0.0)
                 fn_lo = tl.load(fn_lo_ptr + f_offs, mask=f_ok, other=0.0)
                 proj = _split_dot(g_raw_hi, g_raw_lo, fn_hi, fn_lo, tl.zeros_like(g), True, True, GPU)
@@ -271,7 +276,8 @@ def _mhc_bwd_kernel(y_ptr, s_ptr, w_ptr, fn_hi_ptr, fn_lo_ptr,
             for j in tl.static_range(NW):
                 part = tl.sum(g_outs[i] * ins[j].to(tl.float32), axis=1)[:, None]
                 g_w += tl.where(wcol == i * NW + j, part, 0.0)
-    tl.store(g_w_ptr + tok[:, None] * (NW * NW) + wcol, g_w, mask=t_ok[:, None] & (wcol < NW * NW))
+    g_w_rows = g_w_ptr + (split.to(tl.int64) * num_tokens + tok[:, None]) * (NW * NW)
+    tl.store(g_w_rows + wcol, g_w, mask=t_ok[:, None] & (wcol < NW * NW))
 
 
 @triton.jit
@@ -437,10 +443,13 @@ def mhc_step_fwd(y: torch.Tensor, S: torch.Tensor, mix: torch.Tensor, fn: torch.
 
 def mhc_step_bwd(y, S, mix, fn, s_new, g_snew, g_x, g_sumsq=None, g_raw=None, *,
                  block_t: int = 16, block_d: int = 64, num_warps: int = 4, num_stages: int = 3,
-                 fn_splits: int | None = None):
+                 split_d: int = 1, fn_splits: int | None = None):
     """Gradients of `mhc_step_fwd`: (dL/dy, dL/dS, dL/dmix [N, n+1, n+1] fp32, dL/dfn or None).
 
     g_sumsq [N] and g_raw [N, M] are needed (and used) only when fn is given; s_new is the forward's S'.
+    split_d > 1 spreads each token block's channels over that many programs (more programs in flight for small N x
+    D; each writes its chunk's part of dL/dmix, summed here in a fixed order). The tile keywords are the sweep's
+    (bench/mhc_shapes.py); the defaults are the flagship shape's.
     """
     N, n, D = _check_step(y, S, mix, fn, "mhc_step_bwd")
     stats = fn is not None
@@ -452,7 +461,11 @@ def mhc_step_bwd(y, S, mix, fn, s_new, g_snew, g_x, g_sumsq=None, g_raw=None, *,
     gpu = not interpreting()
     block_m = _block_m(M)
     g_y, g_s = torch.empty_like(y), torch.empty_like(S)
+    # D chunks are whole tiles; a split that would start past D is dropped (small D in tests)
+    chunk = triton.cdiv(triton.cdiv(D, split_d), block_d) * block_d
+    splits = max(1, triton.cdiv(D, chunk))
     g_mix = torch.empty(N, NW, NW, dtype=torch.float32, device=S.device)
+    g_mix_part = g_mix if splits == 1 else torch.empty(splits, N, NW, NW, dtype=torch.float32, device=S.device)
     g_fn = None
     if stats:
         fn_pad = torch.zeros(block_m, n * D, dtype=torch.float32, device=S.device)
@@ -466,12 +479,14 @@ def mhc_step_bwd(y, S, mix, fn, s_new, g_snew, g_x, g_sumsq=None, g_raw=None, *,
         fn_hi = fn_lo = g_raw_hi = g_raw_lo = g_sumsq = mix  # unused
     check_device("gradients", "mhc_step_bwd", g_snew, g_x, g_sumsq)
     if N:
-        _mhc_bwd_kernel[(triton.cdiv(N, block_t),)](
+        _mhc_bwd_kernel[(triton.cdiv(N, block_t), splits)](
             y, S, mix, fn_hi, fn_lo, g_snew, g_x, g_sumsq, g_raw_hi, g_raw_lo,
-            _out(g_y, gpu), _out(g_s, gpu), g_mix, N, D,
+            _out(g_y, gpu), _out(g_s, gpu), g_mix_part, N, D, chunk,
             N=n, STATS=stats, Y_BF16=y.dtype == torch.bfloat16, S_BF16=S.dtype == torch.bfloat16,
             GPU=gpu, BLOCK_T=block_t, BLOCK_D=block_d, BLOCK_M=block_m,
             BLOCK_W=triton.next_power_of_2(NW * NW), num_warps=num_warps, num_stages=num_stages)
+        if splits > 1:
+            torch.sum(g_mix_part, dim=0, out=g_mix)
     if stats:
         # Split-K over tokens; the few partials are summed in fp32 here (deterministic, no atomics).
         block_c = 128

@@ -10,6 +10,7 @@ and backward:
 - gradients w.r.t. y, S, post, comb, the lagged pre and the next site's fn / base / scale match the reference's
   autograd (fp32: ~1e-5 relative; bf16: a few bf16 roundings), also when only some outputs carry gradient;
 - every output and gradient element is written (allocations are NaN-poisoned), explicit out= buffers are honoured;
+- the backward with the channels split over programs gives the same gradients (the mix's to fp32 rounding);
 - every forward tile configuration (`FWD_CONFIGS`: D split across programs with partial statistics, L2 hints,
   per-element sum of squares, other tiles) writes the same S', x and statistics as the default one, and the kept
   configurations reach each of those switches;
@@ -178,6 +179,24 @@ def test_backward_without_gradient_on_coefficients(poisoned):
     for name in ref:
         _assert_close_rel(got[name], ref[name], 5e-5, f"grad {name}")
     assert got["fn"].abs().max() == 0 and got["y"].abs().max() > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_backward_split_over_channels_matches_one_program(poisoned, dtype):
+    """The backward with each token block's channels spread over 2 or 3 programs (the last chunk partial): input
+    gradients bit-equal, the mix gradient (partial sums added on the host) to fp32 rounding."""
+    y, S, mix, fn = _step_inputs(dtype, seed=5)
+    s_new = mhc_triton.mhc_step_fwd(y, S, mix, fn)[0]
+    g = torch.Generator().manual_seed(6)
+    g_s, g_x = (torch.randn(t.shape, generator=g).to(S.dtype).to(DEVICE) for t in (S, y))
+    g_sumsq = torch.randn(S.shape[0], generator=g).to(DEVICE)
+    g_raw = torch.randn(S.shape[0], fn.shape[0], generator=g).to(DEVICE)
+    args = (y, S, mix, fn, s_new, g_s, g_x, g_sumsq, g_raw)
+    one = mhc_triton.mhc_step_bwd(*args, block_d=16)
+    for split in (2, 3):
+        got = mhc_triton.mhc_step_bwd(*args, block_d=16, split_d=split)
+        assert torch.equal(got[0], one[0]) and torch.equal(got[1], one[1]) and torch.equal(got[3], one[3])
+        _assert_close_rel(got[2], one[2], 1e-6, f"grad mix, split_d={split}")
 
 
 def test_bad_inputs():
