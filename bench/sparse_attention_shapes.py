@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import kernels.sparse_attention as sa  # noqa: E402
-from bench.kernel_cases.sparse_attention import random_topk  # noqa: E402
+from bench.kernel_cases.sparse_attention import _with_config, random_topk  # noqa: E402
 from bench.kernels import time_ms  # noqa: E402
 
 # batch, tokens, heads, width, window, top-k, compression ratio of the entries the top-k selects from
@@ -69,43 +69,34 @@ def run(shape, args, out):
     leaves = [t.detach().requires_grad_() for t in (q, kv_win, kv_cmp, sink)]
     grad = torch.randn_like(q)
 
-    def fwd():
+    def attend(q, kv_win, kv_cmp, sink):
         return sa.sparse_attention(q, kv_win, kv_cmp, idx, sink, W, impl="triton")
 
-    def bwd_graph():
-        o = sa.sparse_attention(leaves[0], leaves[1], leaves[2], idx, leaves[3], W, impl="triton")
-        return o
+    def measure(what: str) -> tuple[float, float, int]:
+        """(largest difference from the shipped config's outputs, ms, useful FLOPs) under the config now set."""
+        if what == "fwd":
+            fwd = lambda: attend(q, kv_win, kv_cmp, sink)  # noqa: E731
+            return (fwd().float() - ref_out).abs().max().item(), time_ms(fwd, reps=args.reps), flops
+        o = attend(*leaves)
+        bwd = lambda: torch.autograd.grad(o, leaves, grad, retain_graph=True)  # noqa: E731
+        err = max(((a.float() - b).abs().max() / b.abs().max().clamp_min(1e-6)).item()
+                  for a, b in zip(bwd(), ref_grads))
+        return err, time_ms(bwd, reps=args.reps), int(2.5 * flops)
 
-    ref_out = fwd().float()
-    o = bwd_graph()
-    ref_grads = [g.float() for g in torch.autograd.grad(o, leaves, grad)]
+    ref_out = attend(q, kv_win, kv_cmp, sink).float()
+    ref_grads = [g.float() for g in torch.autograd.grad(attend(*leaves), leaves, grad)]
     name = ",".join(map(str, shape))
     rows = []
     block_h = sa._tiles(shape[2], shape[3])[0]
     for what, grid in (("fwd", FWD_GRID), ("bwd", BWD_GRID)):
         config = sa.launch_config(what, block_h)  # the dict this shape's launches read
-        default = dict(config)
         for overrides in [{}] + grid:
-            config.update(overrides)
             try:
-                if what == "fwd":
-                    err = (fwd().float() - ref_out).abs().max().item()
-                    ms = time_ms(fwd, reps=args.reps)
-                    f = flops
-                else:
-                    o = bwd_graph()
-                    got = torch.autograd.grad(o, leaves, grad, retain_graph=True)
-                    err = max(((a.float() - b).abs().max() / b.abs().max().clamp_min(1e-6)).item()
-                              for a, b in zip(got, ref_grads))
-                    ms = time_ms(lambda: torch.autograd.grad(o, leaves, grad, retain_graph=True), reps=args.reps)
-                    f = int(2.5 * flops)
+                err, ms, f = _with_config(config, overrides, lambda: measure(what))()
                 row = {"shape": name, "what": what, "config": overrides or "default", "ms": round(ms, 4),
                        "TFLOPs": round(f / ms / 1e9, 1), "max_err": err}
             except Exception as exc:  # a launch that does not fit (shared memory, registers)
                 row = {"shape": name, "what": what, "config": overrides, "error": f"{type(exc).__name__}: {exc}"[:200]}
-            finally:
-                config.clear()
-                config.update(default)
             rows.append(row)
             print(json.dumps(row), flush=True)
             if out:

@@ -157,11 +157,11 @@ def _mix(w, ins, i: tl.constexpr, NW: tl.constexpr):
 
 @triton.jit
 def _mhc_fwd_kernel(y_ptr, s_ptr, w_ptr, fnt_ptr,
-                s_out_ptr, x_out_ptr, sumsq_ptr, raw_ptr,
-                num_tokens, dim, chunk,
-                N: tl.constexpr, STATS: tl.constexpr, S_BF16: tl.constexpr, GPU: tl.constexpr,
-                BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                STREAM: tl.constexpr, SQ_TILE: tl.constexpr):
+                    s_out_ptr, x_out_ptr, sumsq_ptr, raw_ptr,
+                    num_tokens, dim, chunk,
+                    N: tl.constexpr, STATS: tl.constexpr, S_BF16: tl.constexpr, GPU: tl.constexpr,
+                    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                    STREAM: tl.constexpr, SQ_TILE: tl.constexpr):
     """Program (token block, D chunk): channels [split * chunk, (split + 1) * chunk) of BLOCK_T tokens.
 
     With one chunk (the whole D) the statistics are complete here; with several, each program writes its
@@ -220,12 +220,12 @@ def _mhc_fwd_kernel(y_ptr, s_ptr, w_ptr, fnt_ptr,
 
 @triton.jit
 def _mhc_bwd_kernel(y_ptr, s_ptr, w_ptr, fn_hi_ptr, fn_lo_ptr,
-                g_snew_ptr, g_x_ptr, g_sumsq_ptr, g_raw_hi_ptr, g_raw_lo_ptr,
-                g_y_ptr, g_s_ptr, g_w_ptr,
-                num_tokens, dim, chunk,
-                N: tl.constexpr, STATS: tl.constexpr, Y_BF16: tl.constexpr, S_BF16: tl.constexpr,
-                GPU: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                BLOCK_W: tl.constexpr):
+                    g_snew_ptr, g_x_ptr, g_sumsq_ptr, g_raw_hi_ptr, g_raw_lo_ptr,
+                    g_y_ptr, g_s_ptr, g_w_ptr,
+                    num_tokens, dim, chunk,
+                    N: tl.constexpr, STATS: tl.constexpr, Y_BF16: tl.constexpr, S_BF16: tl.constexpr,
+                    GPU: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_W: tl.constexpr):
     """Program (token block, D chunk): the input gradients of channels [split * chunk, (split + 1) * chunk) and
     this chunk's part of dL/dW, written to row `split` of g_w [splits, N, BLOCK_W] (the host sums the rows)."""
     NW: tl.constexpr = N + 1
@@ -282,9 +282,9 @@ def _mhc_bwd_kernel(y_ptr, s_ptr, w_ptr, fn_hi_ptr, fn_lo_ptr,
 
 @triton.jit
 def _mhc_fn_grad_kernel(g_raw_hi_ptr, g_raw_lo_ptr, s_new_ptr, part_ptr,
-                    num_tokens, width, tokens_per_split,
-                    S_BF16: tl.constexpr, GPU: tl.constexpr,
-                    BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_M: tl.constexpr):
+                        num_tokens, width, tokens_per_split,
+                        S_BF16: tl.constexpr, GPU: tl.constexpr,
+                        BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_M: tl.constexpr):
     """part[split] [BLOCK_M, width] = g_raw^T @ flatten(S') over this split's tokens (width = n * D)."""
     c = tl.program_id(0).to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C)
     split = tl.program_id(1)
@@ -322,6 +322,13 @@ def _split_bf16(t: torch.Tensor, gpu: bool) -> tuple[torch.Tensor, torch.Tensor]
 def _out(t: torch.Tensor, gpu: bool) -> torch.Tensor:
     """Output tensors as the kernels write them: bf16 through its int16 bits in the interpreter."""
     return t.view(torch.int16) if t.dtype == torch.bfloat16 and not gpu else t
+
+
+def _d_chunks(D: int, split_d: int, block_d: int) -> tuple[int, int]:
+    """D split over at most split_d programs -> (channels per chunk, chunks). Chunks are whole tiles; a split that
+    would start past D is dropped (small D in tests)."""
+    chunk = triton.cdiv(triton.cdiv(D, split_d), block_d) * block_d
+    return chunk, max(1, triton.cdiv(D, chunk))
 
 
 def _block_m(num_logits: int) -> int:
@@ -397,9 +404,7 @@ def mhc_step_fwd(y: torch.Tensor, S: torch.Tensor, mix: torch.Tensor, fn: torch.
                  stream=stream, sq_tile=sq_tile)
     cfg.update({k: v for k, v in given.items() if v is not None})
     block_d = cfg["block_d"]
-    # D chunks are whole tiles; a split that would start past D is dropped (small D in tests).
-    chunk = triton.cdiv(triton.cdiv(D, cfg["split_d"]), block_d) * block_d
-    splits = max(1, triton.cdiv(D, chunk))
+    chunk, splits = _d_chunks(D, cfg["split_d"], block_d)
     stats = fn is not None
     M = 2 * n + n * n
     if out is None:
@@ -461,9 +466,7 @@ def mhc_step_bwd(y, S, mix, fn, s_new, g_snew, g_x, g_sumsq=None, g_raw=None, *,
     gpu = not interpreting()
     block_m = _block_m(M)
     g_y, g_s = torch.empty_like(y), torch.empty_like(S)
-    # D chunks are whole tiles; a split that would start past D is dropped (small D in tests)
-    chunk = triton.cdiv(triton.cdiv(D, split_d), block_d) * block_d
-    splits = max(1, triton.cdiv(D, chunk))
+    chunk, splits = _d_chunks(D, split_d, block_d)
     g_mix = torch.empty(N, NW, NW, dtype=torch.float32, device=S.device)
     g_mix_part = g_mix if splits == 1 else torch.empty(splits, N, NW, NW, dtype=torch.float32, device=S.device)
     g_fn = None
