@@ -78,3 +78,20 @@ def every_role_config(**overrides) -> ModelConfig:
         engram=dataclasses.replace(base.engram, layers=[5]),
     )
     return dataclasses.replace(cfg, **overrides) if overrides else cfg
+
+
+def assert_rel(actual: torch.Tensor, expected: torch.Tensor, what: str, floor: float = 0.0,
+               rounding: torch.Tensor | None = None) -> None:
+    """|actual - expected| <= 1e-5 * max(|expected|, floor * sqrt(numel)) in L2 over the tensor: a layout's tensor
+    equals one process's to fp32 rounding. In norm, not element by element: the largest element's error sits in the
+    tail of the rounding noise, which another reduction order (another CPU's SIMD path or BLAS blocking) moves past
+    any fixed bound, while a real error (a missing term, a wrong element) moves the norm by far more. floor: an RMS
+    below which rounding is not measured against the tensor's own size (sums that cancel). rounding: the same
+    tensor after a one-ulp nudge of the weights: the distance twice that moves it is allowed too, where larger."""
+    expected, actual = expected.double(), actual.double()
+    bound = 1e-5 * max(expected.norm().item(), floor * expected.numel() ** 0.5)
+    if rounding is not None:  # one draw of the nudge: twice its distance covers another draw's
+        bound = max(bound, 2 * (rounding.double() - expected).norm().item())
+    err = (actual - expected).norm().item()
+    assert actual.shape == expected.shape and err <= bound, \
+        f"{what}: |difference| {err:.3e} > {bound:.3e} (|expected| {expected.norm().item():.3e})"

@@ -85,6 +85,7 @@ def _speculate(m, seqs, rounds, static: bool, views: bool, seed: int):
         wrong = (drafts + 1 + _ids(K, seed=seed + 100 + r)) % 4096
         drafts = torch.where(torch.arange(K)[None] >= torch.tensor(accepted)[:, None], wrong, drafts)
         verify.append(m(drafts, cache=cache))
+        before = _stores(cache)
         new = start + torch.tensor(accepted)
         if views:  # a rows view rolls back its rows of the shared buffers
             cache.rows(0, 2).rollback(new[:2])
@@ -92,6 +93,7 @@ def _speculate(m, seqs, rounds, static: bool, views: bool, seed: int):
         else:
             cache.rollback(new)
         assert cache.lengths.tolist() == new.tolist()
+        _assert_kept(before, cache)
     return verify, _decode(m, seqs, cache, static), cache
 
 
@@ -108,7 +110,23 @@ def _raw(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.element_size() == 1 else t
 
 
-def _check(m, rounds=MIXED, static: bool = False, views: bool = False, seed: int = 1):
+def _stores(cache) -> dict:
+    """(layer, store) -> copies of the global stores' buffers (codes and scales)."""
+    return {(i, store): [b.clone() for b in getattr(lc, store).buffers]
+            for i, lc in cache.layers.items() if lc.main is not None for store in ("main", "keys")}
+
+
+def _assert_kept(before: dict, cache) -> None:
+    """A rollback leaves the bytes of every entry it keeps as they were (the entries before each row's new count)."""
+    for (i, store), old in before.items():
+        for x, y in zip(old, getattr(cache.layers[i], store).buffers):
+            for row, n in enumerate(cache.layers[i].entries.tolist()):
+                assert torch.equal(_raw(x[row, :n]), _raw(y[row, :n])), (i, store, row)
+
+
+def _check(m, rounds=MIXED, static: bool = False, views: bool = False, seed: int = 1, values: bool = True):
+    """values False: no comparison of logits or stored values between calls of other compositions (a quantised
+    cache's codes may round apart there: see test_rollback_with_the_quantised_cache)."""
     seqs = _ids(32, seed=seed)  # row b: its prompt, then the accepted drafts, then the tokens decoded after
     accepted = [sum(r[b] for r in rounds) for b in range(len(PROMPTS))]
     exact = not any(accepted)
@@ -116,10 +134,11 @@ def _check(m, rounds=MIXED, static: bool = False, views: bool = False, seed: int
         verify, got, cache = _speculate(m, seqs, rounds, static, views, seed)
         want, fresh = _fresh(m, seqs, accepted, static)
         full = [m(seqs[b:b + 1, :p + j + AFTER])[0] for b, (p, j) in enumerate(zip(PROMPTS, accepted))]
+    assert got.isfinite().all()
     if exact:
         assert torch.equal(got, want)
-    torch.testing.assert_close(got, want, rtol=0, atol=ATOL)
-    for b, (p, j) in enumerate(zip(PROMPTS, accepted)):
+    for b, (p, j) in enumerate(zip(PROMPTS, accepted) if values else ()):
+        torch.testing.assert_close(got[b], want[b], rtol=0, atol=ATOL)
         torch.testing.assert_close(got[b], full[b][p + j:], rtol=0, atol=ATOL)
         for logits, r in zip(verify, rounds):  # the accepted drafts' verify logits too
             torch.testing.assert_close(logits[b, :r[b]], full[b][p:p + r[b]], rtol=0, atol=ATOL)
@@ -137,7 +156,7 @@ def _check(m, rounds=MIXED, static: bool = False, views: bool = False, seed: int
                                    getattr(blank.layers[i], store).buffers):
                 if exact:
                     assert torch.equal(_raw(x), _raw(y)), (i, store)
-                elif x.element_size() > 1:  # values in the compute dtype (the quantised codes may round apart)
+                elif values and x.element_size() > 1:  # values in the compute dtype
                     torch.testing.assert_close(x, y, rtol=0, atol=ATOL)
                 for row, n in enumerate(lc.entries.tolist()):
                     assert torch.equal(_raw(x[row, n:]), _raw(empty[row, n:])), (i, store, row)
@@ -157,15 +176,18 @@ def test_rollback_then_the_static_decode_step(exact_model):
 @pytest.mark.parametrize("rounds", [MIXED, NONE], ids=["mixed", "none"])
 def test_rollback_with_the_quantised_cache(rounds):
     """Fake-quant on, the cache in its serving formats (fp4 main KV + E4M3 scales, fp4 indexer keys + UE8M0 scales,
-    fp8 SWA rows): blanked entries get a new store's scale bytes. Seed 6: on some token draws (7 of the first 12 here,
-    which ones depending on the thread count) the serving path and the teacher-forced forward put one FP4/FP8 code on
-    either side of a rounding boundary (their fp32 arithmetic differs in the last bits before a quantiser) and drift
-    apart by 1e-5 to 1e-1, with or without a rollback: the fresh cache drifts on those draws as often as the
-    rolled-back one, and with every draft rejected the two stay equal bit for bit. Seed 6 is clear of it with 1 and 2
-    threads (test_cache.py's QAT tests hold the same risk on their own draws)."""
+    fp8 SWA rows): every rolled-back entry's slot holds a new store's bytes, scale bytes included; every kept entry's
+    bytes are as the verify forward wrote them; the counts, history and entries are the fresh cache's.
+    Every draft rejected, the decode is the fresh cache's bit for bit (the same calls but the verify forwards).
+    Values computed in calls of other compositions are not compared here: with drafts accepted, or against the
+    teacher-forced forward, the same rows are computed with other shapes (the MoE's grouped GEMMs, the CPU's
+    blocking of their reductions), their fp32 values differ in the last bits, a value within that noise of an
+    FP4/FP8 rounding edge may take the other code, and from there the logits part by far more than fp32 rounding, on
+    some machines and not others. Those values are compared where no rounding edge can decide them: with the stores
+    exact (test_rollback_decodes_as_if_only_the_accepted_tokens_were_appended)."""
     m = build(**QAT)
     assert (m.cfg.quant.cache_main_kv, m.cfg.quant.cache_index, m.cfg.quant.cache_swa_kv) == ("fp4", "fp4", "fp8")
-    _check(m, rounds, seed=6)
+    _check(m, rounds, values=False)
 
 
 def test_bad_rollbacks_fail_clearly(exact_model):

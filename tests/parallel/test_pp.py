@@ -36,7 +36,7 @@ import torch.nn.functional as F
 import model as model_pkg
 from model.layer_plan import build_layer_plan
 from tests.distributed import run_distributed
-from tests.helpers import TRITON_SEQ_LEN, every_role_config, load_config
+from tests.helpers import TRITON_SEQ_LEN, assert_rel, every_role_config, load_config
 from trainer.config import ParallelDims
 from trainer.parallel.apply import ParallelModel, StageGroup
 from trainer.parallel.gradients import clip_grad_norm_, update_router_biases
@@ -388,12 +388,6 @@ def pp_runs():
     return runs
 
 
-def _assert_rel(actual, expected, what):
-    """Within 1e-5 relative, element by element, on the tensor's own scale."""
-    scale = expected.abs().max().item()
-    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5 * scale, msg=lambda m: f"{what}: {m}")
-
-
 def _merge(ranks: list[dict], key: str, step: int | None = None) -> dict:
     merged = {}
     for r in ranks:
@@ -417,11 +411,11 @@ def _check(pp_runs, single, schedule):
         grads = _merge(ranks, "grads", step)
         assert grads.keys() == single["grads"][step].keys()
         for name, g in single["grads"][step].items():
-            _assert_rel(grads[name], g, f"{schedule} step {step + 1} grad {name}")
+            assert_rel(grads[name], g, f"{schedule} step {step + 1} grad {name}")
     params = _merge(ranks, "params")
     assert params.keys() == single["params"].keys()
     for name, p in single["params"].items():
-        _assert_rel(params[name], p, f"{schedule} param {name}")
+        assert_rel(params[name], p, f"{schedule} param {name}")
     biases = _merge(ranks, "biases")
     assert biases.keys() == single["biases"].keys()
     for name, b in single["biases"].items():

@@ -5,7 +5,10 @@ of Cedar's model, so that Cedar's forward can be checked against it.
 Plain functions over a dict of fp32 tensors named as in the file. One full forward, positions 0..L-1, no padding
 and no cache, with the reference's CACHE-path semantics (A14): each KV source REPLACES the shared compressed KV and
 index keys, and each index source replaces the shared top-k bias. Every fake quantisation of A9 is applied, as the
-reference applies it in every run.
+reference applies it in every run (`Reference.quant`: off for the comparisons no rounding edge may decide, each call
+recorded). Every top-k the forward takes (index picks, candidate blocks, experts) may be replaced by given ones (a
+layer's `given`), so that it runs on another implementation's choices where a near-tie could go either way; its own
+choices and the scores they came from are published beside them.
 
 Shapes: B batch, L tokens, N mHC streams, C hidden size, H heads, D head dim, T compressed entries, I index heads,
 E index head dim, X routed experts. S is the streams [B, L, N, C], as in A6.
@@ -82,6 +85,22 @@ def fp4_e4m3(x: torch.Tensor, block: int = 16) -> torch.Tensor:
     amax = xb.abs().amax(-1, keepdim=True).clamp(min=6 * 2.0 ** -9)
     scale = (amax / 6).to(torch.float8_e4m3fn).float()
     return (_fp4_values((xb / scale).clamp(-6.0, 6.0)) * scale).flatten(-2)
+
+
+class Quantiser:
+    """The A9 fake quantisations by site name ("fp8": window KV, "fp4": main KV, "fp4_ue8m0": indexer q and k); with
+    `on` False each is the identity. Every call is appended to `calls` as (name, input, output)."""
+
+    FORMATS = {"fp8": fp8_ue8m0, "fp4": fp4_e4m3, "fp4_ue8m0": fp4_ue8m0}
+
+    def __init__(self, on: bool = True):
+        self.on = on
+        self.calls: list[tuple[str, torch.Tensor, torch.Tensor]] = []
+
+    def __call__(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        y = self.FORMATS[name](x) if self.on else x
+        self.calls.append((name, x, y))
+        return y
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -231,19 +250,20 @@ def compressor(w: dict, h: torch.Tensor, ratio: int, eps: float) -> torch.Tensor
     return rms_norm(kv, w["attn.compressor.norm.weight"], eps)
 
 
-def indexer_scores(w: dict, x: torch.Tensor, q_res: torch.Tensor, keys: torch.Tensor, freq, pos, cfg) -> torch.Tensor:
+def indexer_scores(w: dict, x: torch.Tensor, q_res: torch.Tensor, keys: torch.Tensor, freq, pos, cfg,
+                   quant: Quantiser) -> torch.Tensor:
     """I [B, L, T] = sum_h w_h * ReLU(q_h . k_t) * E^-1/2, w = weights_proj(x) * I^-1/2."""
     heads, dim = cfg["index_n_heads"], cfg["index_head_dim"]
     q = (q_res @ w["attn.indexer.wq_b.weight"].T).unflatten(-1, (heads, dim))
-    q = fp4_ue8m0(rope(q, pos, freq))  # [B, L, I, E]
+    q = quant("fp4_ue8m0", rope(q, pos, freq))  # [B, L, I, E]
     weights = (x @ w["attn.indexer.weights_proj.weight"].T) * heads ** -0.5  # [B, L, I]; may be negative
     logits = torch.einsum("blie,bte->blit", q, keys).relu()
     return torch.einsum("blit,bli->blt", logits, weights) * dim ** -0.5
 
 
-def candidate_blocks(scores: torch.Tensor, visible: torch.Tensor, cfg: dict) -> torch.Tensor:
-    """Bool [B, L, T]: the entries of the top candidate_topk_blocks blocks of candidate_block_size entries by block
-    max, the block of each query's newest visible entry forced in."""
+def candidate_blocks(scores: torch.Tensor, visible: torch.Tensor, cfg: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """(bool [B, L, T]: the entries of the top candidate_topk_blocks blocks of candidate_block_size entries by block
+    max, the block of each query's newest visible entry forced in; the block scores [B, L, nb] they were picked by)."""
     size = cfg["candidate_block_size"]
     T = scores.shape[-1]
     nb = -(-T // size)
@@ -253,7 +273,7 @@ def candidate_blocks(scores: torch.Tensor, visible: torch.Tensor, cfg: dict) -> 
     block = block.masked_fill(newest, INF)
     top, idx = block.topk(min(cfg["candidate_topk_blocks"], nb), dim=-1)
     keep = torch.zeros_like(block, dtype=torch.bool).scatter(-1, idx, top > -INF)
-    return keep.repeat_interleave(size, -1)[..., :T]
+    return keep.repeat_interleave(size, -1)[..., :T], block
 
 
 def topk_bias(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -263,9 +283,12 @@ def topk_bias(scores: torch.Tensor, k: int) -> torch.Tensor:
     return torch.zeros_like(scores).masked_fill(~picked, -INF)
 
 
-def attention(w: dict, x: torch.Tensor, i: int, ratio: int, role: str, shared: dict, cfg: dict) -> torch.Tensor:
+def attention(w: dict, x: torch.Tensor, i: int, ratio: int, role: str, shared: dict, cfg: dict, quant: Quantiser,
+              given: dict) -> torch.Tensor:
     """Layer i's attention on x [B, L, C] (post attn_norm). `shared` holds what the sources publish: the main KV and
-    index keys (replaced by each KV source), the top-k bias (by each index source) and the candidate mask."""
+    index keys (replaced by each KV source), the top-k bias (by each index source) and the candidate mask. An index
+    source's own picks go to shared["picks"] (with "scores"), the pool builder's to shared["pool"] (with
+    "block_scores"); given["selection"] / given["pool"] (bool [B, L, T]) replace them in what the layers use."""
     B, L, _ = x.shape
     H, D, eps = cfg["num_attention_heads"], cfg["head_dim"], cfg["rms_norm_eps"]
     freq = inv_freq(cfg, compressed=ratio > 0)
@@ -274,23 +297,26 @@ def attention(w: dict, x: torch.Tensor, i: int, ratio: int, role: str, shared: d
     q_res = rms_norm(x @ w["attn.wq_a.weight"].T, w["attn.q_norm.weight"], eps)
     q = rope((q_res @ w["attn.wq_b.weight"].T).unflatten(-1, (H, D)), pos, freq)  # [B, L, H, D]; no per-head norm
     kv = rms_norm(x @ w["attn.wkv.weight"].T, w["attn.kv_norm.weight"], eps)
-    kv = fp8_ue8m0(rope(kv, pos, freq))  # [B, L, D], K = V
+    kv = quant("fp8", rope(kv, pos, freq))  # [B, L, D], K = V
 
     if role == "full":  # this layer's compressor and index keys replace the shared ones (cache path)
         latent = compressor(w, x, ratio, eps)
         entry_pos = torch.arange(latent.shape[1]) * ratio  # each group at its first token
-        shared["kv"] = fp4_e4m3(rope(latent, entry_pos, freq))
+        shared["kv"] = quant("fp4", rope(latent, entry_pos, freq))
         keys = rms_norm(latent @ w["attn.indexer.wk.weight"].T, w["attn.indexer.k_norm.weight"], eps)
-        shared["keys"] = fp4_ue8m0(rope(keys, entry_pos, freq))
+        shared["keys"] = quant("fp4_ue8m0", rope(keys, entry_pos, freq))
     if role in ("full", "reindex") and shared["kv"].shape[1] > 0:
         visible = (pos + 1) // ratio  # entries t < visible[p] are visible to query p
-        scores = indexer_scores(w, x, q_res, shared["keys"], freq, pos, cfg)
+        scores = indexer_scores(w, x, q_res, shared["keys"], freq, pos, cfg, quant)
         scores = scores.masked_fill(torch.arange(scores.shape[-1]) >= visible[:, None], -INF)
         if role == "reindex" and "candidates" in shared:
             scores = scores.masked_fill(~shared["candidates"], -INF)
-        if i == cfg["candidate_source_layer_id"]:
-            shared["candidates"] = candidate_blocks(scores, visible, cfg)  # its own top-k is not restricted
-        shared["bias"] = topk_bias(scores, cfg["index_topk"])
+        if i == cfg["candidate_source_layer_id"]:  # its own top-k is not restricted
+            shared["pool"], shared["block_scores"] = candidate_blocks(scores, visible, cfg)
+            shared["candidates"] = given.get("pool", shared["pool"])
+        shared["scores"], shared["picks"] = scores, topk_bias(scores, cfg["index_topk"]) == 0
+        picks = given.get("selection", shared["picks"])
+        shared["bias"] = torch.zeros_like(scores).masked_fill(~picks, -INF)
 
     window = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - cfg["sliding_window"])  # [L, L]
     logits = torch.einsum("blhd,bkd->bhlk", q, kv) * D ** -0.5
@@ -332,11 +358,17 @@ def swiglu(x: torch.Tensor, w1, w2, w3, limit: float, weight: torch.Tensor | Non
     return (a if weight is None else a * weight[:, None]) @ w2.T  # the routing weight applies before w2
 
 
-def moe(w: dict, x: torch.Tensor, cfg: dict) -> torch.Tensor:
+def moe(w: dict, x: torch.Tensor, cfg: dict, shared: dict, given: dict) -> torch.Tensor:
+    """The routed experts (top-k by score + bias; given["experts"] [B, L, K] replaces the pick, whose own choice and
+    selection scores go to shared["experts"] and shared["router_scores"]) plus the shared expert."""
     flat = x.flatten(0, -2)  # [B * L, C]
     logits = flat @ w["ffn.gate.weight"].T / cfg.get("gate_temp", 1.0)
     scores = F.softplus(logits).sqrt()  # [B * L, X]
-    _, chosen = (scores + w["ffn.gate.bias"]).topk(cfg["num_experts_per_tok"], dim=-1)  # the bias selects only
+    biased = scores + w["ffn.gate.bias"]  # the bias selects only
+    _, chosen = biased.topk(cfg["num_experts_per_tok"], dim=-1)
+    shared["experts"], shared["router_scores"] = chosen.view(*x.shape[:-1], -1), biased.view(*x.shape[:-1], -1)
+    if "experts" in given:
+        chosen = given["experts"].flatten(0, -2)
     weights = scores.gather(-1, chosen)
     weights = weights / (weights.sum(-1, keepdim=True) + 1e-20) * cfg["routed_scaling_factor"]
     limit = cfg["swiglu_limit"]
@@ -358,8 +390,9 @@ def moe(w: dict, x: torch.Tensor, cfg: dict) -> torch.Tensor:
 class Reference:
     """The text model of an HF directory: `logits`, or its steps (`embed`, `layer` by layer, `head`)."""
 
-    def __init__(self, cfg: dict, weights: dict[str, torch.Tensor], canonical: torch.Tensor):
+    def __init__(self, cfg: dict, weights: dict[str, torch.Tensor], canonical: torch.Tensor, quantise: bool = True):
         self.cfg = cfg
+        self.quant = Quantiser(quantise)
         self.weights = weights
         self.layers = [{k[len(f"model.layers.{i}."):]: v for k, v in weights.items()
                         if k.startswith(f"model.layers.{i}.")} for i in range(cfg["num_hidden_layers"])]
@@ -368,12 +401,16 @@ class Reference:
         self.engram_plan = engram_hash_plan(cfg)
 
     @torch.no_grad()
-    def logits(self, ids: torch.Tensor) -> torch.Tensor:
-        """ids [B, L] -> logits [B, L, V] (fp32), positions 0..L-1."""
+    def logits(self, ids: torch.Tensor, given: dict[int, dict] | None = None,
+               seen: dict[int, dict] | None = None) -> torch.Tensor:
+        """ids [B, L] -> logits [B, L, V] (fp32), positions 0..L-1. given: layer -> the choices to use instead of its
+        own (`layer`); seen: filled with layer -> its published own choices and their scores."""
         S, pre = self.embed(ids)
         shared: dict = {}  # what the sources publish, for this forward only
         for i in range(len(self.layers)):
-            S, pre = self.layer(i, S, pre, ids, shared)
+            S, pre = self.layer(i, S, pre, ids, shared, (given or {}).get(i))
+            if seen is not None:
+                seen[i] = {k: shared.pop(k) for k in _OWN_CHOICES if k in shared}
         return self.head(S, pre)
 
     def embed(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -384,25 +421,31 @@ class Reference:
         pre[0] = 1.0
         return S, pre
 
-    def layer(self, i: int, S: torch.Tensor, pre: torch.Tensor, ids: torch.Tensor, shared: dict):
+    def layer(self, i: int, S: torch.Tensor, pre: torch.Tensor, ids: torch.Tensor, shared: dict,
+              given: dict | None = None):
         """Layer i on the streams S and the previous site's pre; returns (S, this layer's FFN-site pre).
-        `shared` carries what the KV and index sources publish to the layers after them."""
-        cfg, w = self.cfg, self.layers[i]
+        `shared` carries what the KV and index sources publish to the layers after them, and this layer's own
+        choices (`_OWN_CHOICES`); `given` the choices to use instead ("selection", "pool", "experts")."""
+        cfg, w, given = self.cfg, self.layers[i], given or {}
         eps = cfg["rms_norm_eps"]
         if i in self.engram_plan:  # at layer entry, before the attention site's mHC
             pad = int(self.canonical[cfg["engram_pad_id"]])
             S = engram(w, S, engram_rows(ids, self.canonical, pad, *self.engram_plan[i]), cfg)
         pre_a, post_a, mix_a = mhc_coefficients(w, "attn", S, cfg)
         x = rms_norm(collapse(S, pre), w["attn_norm.weight"], eps)  # the previous site's pre: the one-site lag
-        S = expand(attention(w, x, i, cfg["compress_ratios"][i], self.roles[i], shared, cfg), S, post_a, mix_a)
+        y = attention(w, x, i, cfg["compress_ratios"][i], self.roles[i], shared, cfg, self.quant, given)
+        S = expand(y, S, post_a, mix_a)
         pre_f, post_f, mix_f = mhc_coefficients(w, "ffn", S, cfg)
         x = rms_norm(collapse(S, pre_a), w["ffn_norm.weight"], eps)
-        return expand(moe(w, x, cfg), S, post_f, mix_f), pre_f
+        return expand(moe(w, x, cfg, shared, given), S, post_f, mix_f), pre_f
 
     def head(self, S: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
         """Collapse with the last layer's FFN-site pre (no separate hyper-head), norm, lm_head; fp32 logits."""
         h = rms_norm(collapse(S, pre), self.weights["model.norm.weight"], self.cfg["rms_norm_eps"])
         return (h @ self.weights["lm_head.weight"].T).float()
+
+
+_OWN_CHOICES = ("picks", "scores", "pool", "block_scores", "experts", "router_scores")
 
 
 def _canonical_map(path: Path, cfg: dict) -> torch.Tensor:
@@ -438,8 +481,9 @@ def _read_weights(path: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def load(path) -> Reference:
-    """An HF directory (config.json, then model.safetensors or model.safetensors.index.json) -> Reference."""
+def load(path, quantise: bool = True) -> Reference:
+    """An HF directory (config.json, then model.safetensors or model.safetensors.index.json) -> Reference; quantise
+    False turns the fake quantisations off."""
     path = Path(path)
     cfg = json.loads((path / "config.json").read_text())
     cfg = dict(cfg.get("text_config") or cfg)
@@ -448,4 +492,4 @@ def load(path) -> Reference:
     cfg.setdefault("candidate_source_layer_id", cfg["kv_source_layer_ids"][-1])  # A1: the last KV source
     ratios = list(cfg["compress_ratios"])[:cfg["num_hidden_layers"]]
     cfg["compress_ratios"] = ratios + [0] * (cfg["num_hidden_layers"] - len(ratios))
-    return Reference(cfg, _read_weights(path), _canonical_map(path, cfg))
+    return Reference(cfg, _read_weights(path), _canonical_map(path, cfg), quantise)
