@@ -389,14 +389,16 @@ def profile_step(m, cache, tok, env: Env, n: int, steps: int = 3) -> None:
 
 # -- 4. batch -------------------------------------------------------------------------------------------------------
 def run_batch(args, env: Env) -> None:
+    from model.serving import compiled_decode_step
     from trainer.engine.engine import _DecodeGraph
 
     m = build(args.model, env.device)
     sizes = [int(b) for b in args.batch_sizes.split(",")]
     modes = args.step.split(",")
     bad = [s for s in modes if s not in _STEP_MODES]
-    if bad or ("graph" in modes and env.device.type != "cuda"):
-        raise SystemExit(f"--step: {bad or ['graph']} not one of {list(_STEP_MODES)} (graph: CUDA only)")
+    cuda_only = [s for s in modes if s in ("graph", "compiled") and env.device.type != "cuda"]
+    if bad or cuda_only:
+        raise SystemExit(f"--step: {bad or cuda_only} not one of {list(_STEP_MODES)} (graph, compiled: CUDA only)")
     for n in (int(c) for c in args.context.split(",")):
         print(f"decode throughput, {args.model}, context {n} per row (--fill {args.fill}), {args.steps} steps after 2 "
               f"warm-up steps, the steps of one batch size alternated; steps: "
@@ -413,6 +415,8 @@ def run_batch(args, env: Env) -> None:
                         synthetic_fill(m, cache, n, 3)
                     if mode == "graph":
                         step = _DecodeGraph(m, cache)
+                    elif mode == "compiled":
+                        step = _DecodeGraph(m, cache, compiled_decode_step(m))
                     elif mode == "static":
                         step = (lambda c: lambda x: m(x, cache=c, static=True))(cache)
                     else:
@@ -420,6 +424,8 @@ def run_batch(args, env: Env) -> None:
                     for _ in range(2):
                         step(random_ids(m.cfg, B, 1, 4, env.device))
                     steps[mode] = step
+                    if args.count_kernels and mode in ("static", "compiled"):
+                        count_kernels(m, cache, B, mode, n, env)
                 times: dict[str, list[float]] = defaultdict(list)
                 for i in range(args.steps):
                     for mode in modes if i % 2 == 0 else modes[::-1]:
@@ -440,7 +446,33 @@ def run_batch(args, env: Env) -> None:
 
 _STEP_MODES = {"dynamic": "the serving forward (model(ids, cache=cache))",
                "static": "model.serving.decode_step (static shapes, op by op)",
-               "graph": "decode_step replayed from a CUDA graph (Engine(cuda_graph=True))"}
+               "graph": "decode_step replayed from a CUDA graph (Engine(cuda_graph=True))",
+               "compiled": "decode_step through torch.compile (Inductor) replayed from a CUDA graph "
+                           "(Engine(cuda_graph=True, compile_decode='inductor'))"}
+
+
+def count_kernels(m, cache, B: int, mode: str, n: int, env: Env) -> None:
+    """The device kernels one decode step launches (torch.profiler over the step outside a graph: what a graph of
+    it replays), in all and per layer."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from model.serving import compiled_decode_step
+
+    step = compiled_decode_step(m) if mode == "compiled" else (lambda x, c: m(x, cache=c, static=True))
+    tok = random_ids(m.cfg, B, 1, 5, env.device)
+    step(tok, cache)
+    env.sync()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step(tok, cache)
+        env.sync()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+               and not e.name.startswith(("Memcpy", "Memset"))]
+    copies = sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA) - len(kernels)
+    layers = len(m.layers)
+    print(f"  kernels of one {mode} decode step, batch {B}, context {n}: {len(kernels)} ({len(kernels) / layers:.1f} "
+          f"per layer of {layers}; {copies} memcpy/memset besides)")
+    env.emit("kernels", dict(mode=mode, batch=B, context=n, kernels=len(kernels), per_layer=len(kernels) / layers,
+                             copies=copies))
 
 
 # -- 5. deviation ---------------------------------------------------------------------------------------------------
@@ -561,10 +593,12 @@ def main() -> None:
     ap.add_argument("--fill", default="synthetic", choices=("synthetic", "prefill"),
                     help="decode, batch: how the timed caches get their context (synthetic_fill or prefilling)")
     ap.add_argument("--profile", action="store_true", help="decode: torch.profiler table at the long context")
+    ap.add_argument("--count-kernels", action="store_true",
+                    help="batch: count the device kernels of one static / compiled step (torch.profiler)")
     ap.add_argument("--context", default="2048,32768", help="batch: context tokens per row (comma list: one run each)")
     ap.add_argument("--batch-sizes", default="1,32", help="batch: batch sizes to compare")
     ap.add_argument("--step", default="dynamic", help="batch: decode steps to compare (comma list of dynamic, static, "
-                    "graph)")
+                    "graph, compiled)")
     ap.add_argument("--checkpoint", default="", help="deviation: run dir, checkpoints/ dir or a step_<N> dir")
     ap.add_argument("--data-path", default=str(ROOT / ".data" / "stdlib"), help="deviation: prepared shards")
     ap.add_argument("--data-seed", type=int, default=0, help="deviation: the run's data.seed (its shard order)")

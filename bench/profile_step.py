@@ -146,7 +146,7 @@ def run_mode(args, name: str, fullgraph: bool = True) -> dict:
     cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), y))
     cfg = dataclasses.replace(cfg, kernels=args.kernels)
     cuda = args.device == "cuda"
-    parallel = ParallelConfig()
+    parallel = ParallelConfig(activation_checkpoint=args.activation_checkpoint)
     rt = setup_runtime(TrainerConfig(device=args.device, precision="bf16" if cuda else "fp32",
                                      num_threads=args.threads), parallel)
     torch._dynamo.reset()
@@ -277,6 +277,7 @@ def main() -> None:
     p.add_argument("--compile-mode", default="default",
                    help="torch.compile mode of the compiled modes (trainer.compile_mode): default, reduce-overhead "
                         "(CUDA graphs), max-autotune-no-cudagraphs, max-autotune")
+    p.add_argument("--activation-checkpoint", default="none", help="parallel.activation_checkpoint (none, full, ...)")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--top", type=int, default=25)

@@ -18,13 +18,17 @@ forward), from what the cache keeps of the earlier ones:
   top-k with the same tie rule; Reuse layers read them; the attention runs the reference `attend`, over every
   stored entry in a prefill and over the selected entries only (read from the store alone) in a decode step.
 Per-row positions ([B, T]) let requests of different lengths decode together. This path runs the reference
-operations on every device (fused serving kernels are issue 16's).
+operations on every device; `compiled_decode_step` hands the decode step to torch.compile, whose Inductor fuses them
+(on a GPU: far fewer kernels a step, the same values to rounding).
 
 A layer writes the cache while it runs: later layers of the same call read this layer's entries through the
 ForwardState (kv, selection, pool), as in the training forward.
 """
 
 from __future__ import annotations
+
+import functools
+import weakref
 
 import torch
 from torch import nn
@@ -306,6 +310,21 @@ def decode_step(model, input_ids: torch.Tensor, cache) -> torch.Tensor:
     logits = _whole(head_logits(model.norm, model.head, S, pre))
     cache.advance(1)
     return logits
+
+
+_COMPILED: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()
+
+
+def compiled_decode_step(model, backend: str = "inductor"):
+    """`decode_step` of `model` through torch.compile (fullgraph, static shapes): a callable (input_ids, cache) ->
+    logits. One compiled function per model and backend, kept while the model lives; a cache of other shapes (batch,
+    max_len) compiles again. backend "inductor" fuses the step's reference operations into generated kernels;
+    "aot_eager" traces without generating code (the CPU tests)."""
+    per_model = _COMPILED.setdefault(model, {})
+    if backend not in per_model:
+        per_model[backend] = torch.compile(functools.partial(decode_step, model), backend=backend, fullgraph=True,
+                                           dynamic=False)
+    return per_model[backend]
 
 
 def _append_tokens(model, cache, input_ids: torch.Tensor, image_mask):

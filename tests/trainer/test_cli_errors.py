@@ -10,11 +10,12 @@ from trainer.cli_errors import check_config_groups, unknown_option_message
 
 @pytest.mark.parametrize("args, line", [
     (["model=v41_tinny"], "model=v41_tinny: config group 'model' has no option 'v41_tinny' (did you mean "
-                          "v41_tiny?); options: v41_flash, v41_small, v41_tiny, v41_tiny_mm"),
+                          "v41_tiny?); options: v41_flash, v41_proxy, v41_small, v41_tiny, v41_tiny_mm"),
     (["trainer.max_steps=5", "parallel=nosuch"], "parallel=nosuch: config group 'parallel' has no option 'nosuch'; "
                                                  "options: default, flagship_256xh200"),
     (["-m", "model=v41_tiny,v41_smal"], "model=v41_smal: config group 'model' has no option 'v41_smal' (did you "
-                                        "mean v41_small?); options: v41_flash, v41_small, v41_tiny, v41_tiny_mm"),
+                                        "mean v41_small?); options: v41_flash, v41_proxy, v41_small, v41_tiny, "
+                                        "v41_tiny_mm"),
     (["hydra/launcher=nosuch"], "hydra/launcher=nosuch: config group 'hydra/launcher' has no option 'nosuch'; "
                                 "options: basic"),
 ])

@@ -178,3 +178,38 @@ def test_cuda_graph_decode_equals_the_plain_engine(model):
             assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
             torch.testing.assert_close(torch.tensor(a.model_logprobs), torch.tensor(b.model_logprobs), rtol=0,
                                        atol=1e-5)
+
+
+def _assert_greedy_and_teacher_forced(model, completions) -> None:
+    """Each completion's tokens are greedy under the teacher-forced forward of prompt + completion (each token's
+    log-prob within LP_ATOL of the largest: a near-tie may go either way), and its model log-probs are that
+    forward's."""
+    for c in completions:
+        seq = _t([c.prompt_ids + c.token_ids])
+        with torch.no_grad():
+            lp = model(seq).log_softmax(-1)[0].cpu()
+        n = len(c.prompt_ids)
+        rows = torch.arange(n - 1, seq.shape[1] - 1)
+        picked = lp[rows, torch.tensor(c.token_ids)]
+        assert bool((picked >= lp[rows].amax(-1) - LP_ATOL).all()), c.request_id
+        torch.testing.assert_close(torch.tensor(c.model_logprobs), picked, rtol=0, atol=LP_ATOL)
+
+
+@pytest.mark.parametrize("cuda_graph", [False, True], ids=["eager", "graph"])
+def test_compiled_decode_is_greedy_under_the_teacher_forced_forward(model, cuda_graph):
+    """Engine(compile_decode=...) decodes through model.serving.compiled_decode_step (Inductor on a GPU, inside the
+    CUDA graph with cuda_graph; the eager backend on the CPU, which checks the trace): greedy tokens and model
+    log-probs agree with the teacher-forced forward for rows at different positions, and a second batch reuses the
+    compiled step."""
+    if cuda_graph and DEVICE != "cuda":
+        with pytest.raises(ValueError, match="CUDA device"):
+            Engine(model, cuda_graph=True, compile_decode="eager")
+        return
+    reqs = [Request(_prompt(n, seed=n), SamplingParams(temperature=0, max_new_tokens=k), request_id=n)
+            for n, k in ((9, 14), (40, 6), (23, 10))]
+    backend = "inductor" if DEVICE == "cuda" else "eager"
+    eng = Engine(model, replay="none", cuda_graph=cuda_graph, compile_decode=backend)
+    for _ in range(2):
+        out = eng.generate(reqs)
+        assert [len(c.token_ids) for c in out] == [14, 6, 10]
+        _assert_greedy_and_teacher_forced(model, out)

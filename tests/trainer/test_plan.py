@@ -135,7 +135,7 @@ def test_world_size_fills_dp_replicate(capsys):
 
 
 @pytest.mark.parametrize("override, group, options", [
-    ("model=v41_tinny", "model", "v41_flash, v41_small, v41_tiny, v41_tiny_mm"),
+    ("model=v41_tinny", "model", "v41_flash, v41_proxy, v41_small, v41_tiny, v41_tiny_mm"),
     ("parallel=nosuch", "parallel", "default, flagship_256xh200"),
 ])
 def test_mistyped_config_group_is_one_line(capsys, override, group, options):

@@ -151,14 +151,21 @@ class Engine:
 
     def __init__(self, model, *, max_batch: int = 32, max_len: int = 4096, replay: str = "halo",
                  prefix_cache=None, tokenizer=None, prompt_format: PromptFormat | None = None,
-                 cuda_graph: bool = False, drafter=None, spec_tokens: int | None = None,
-                 spec_schedule: str = "fixed"):
-        """drafter: a model.dspark.DSpark of this model for speculative decoding (module docstring); spec_tokens:
-        the most drafts a step verifies (None: the drafter's block_size); spec_schedule: "fixed" (always
+                 cuda_graph: bool = False, compile_decode: str | None = None, drafter=None,
+                 spec_tokens: int | None = None, spec_schedule: str = "fixed"):
+        """compile_decode: a torch.compile backend ("inductor") for the decode step
+        (model.serving.compiled_decode_step; with cuda_graph, the compiled step is what the graph captures), None:
+        the reference operations one by one. drafter: a model.dspark.DSpark of this model for speculative decoding
+        (module docstring); spec_tokens: the most drafts a step verifies (None: the drafter's block_size); spec_schedule: "fixed" (always
         spec_tokens) or "auto" (from the confidences and the measured cost: trainer/engine/speculative.py)."""
         model = serving_module(model)
         self.model, self.max_batch, self.max_len, self.replay = model, max_batch, max_len, replay
         self.cuda_graph = cuda_graph
+        self.decode_step = None
+        if compile_decode is not None:
+            from model.serving import compiled_decode_step
+
+            self.decode_step = compiled_decode_step(model, compile_decode)
         if cuda_graph:
             from torch.distributed.tensor import DTensor
 
@@ -211,7 +218,11 @@ class Engine:
             return self._call(ids, cache, True)
         self.lockstep.any_calls(True)
         ids = ids.to(self.device)
-        return (graph(ids) if graph is not None else self.model(ids, cache=cache, static=True)), None
+        if graph is not None:
+            return graph(ids), None
+        if self.decode_step is not None:
+            return self.decode_step(ids, cache), None
+        return self.model(ids, cache=cache, static=True), None
 
     def _drain(self) -> None:
         """After this rank's last call: match every call the other ranks still make with a one-token call."""
@@ -340,7 +351,7 @@ class Engine:
     def _decode_plain(self, cache, active, comps, params, gens, records, keep: bool, emit) -> None:
         """A token a row and step until every row has stopped (the first is emitted)."""
         B = cache.batch_size
-        graph = _DecodeGraph(self.model, cache) if self.cuda_graph and not keep else None
+        graph = _DecodeGraph(self.model, cache, self.decode_step) if self.cuda_graph and not keep else None
         while any(active):
             feed = torch.tensor([[c.token_ids[-1]] for c in comps])
             step, rec = self._decode(feed, cache, keep, graph)
@@ -404,21 +415,23 @@ class _DecodeGraph:
     into the graph's input and the graph replayed, so a decode step costs one launch instead of the model's
     thousands. The step is `decode_step` (static shapes, no host synchronisation, the cache preallocated); it is
     warmed up on a scratch cache of the same shapes (kernels compiled, workspaces allocated: the warm-up runs, the
-    capture only records) and captured on the batch's cache, whose buffers stay where they are for its life."""
+    capture only records) and captured on the batch's cache, whose buffers stay where they are for its life.
+    step: the step to capture, (ids, cache) -> logits (model.serving.compiled_decode_step); None: the model's."""
 
-    def __init__(self, model, cache):
+    def __init__(self, model, cache, step=None):
+        step = step or (lambda ids, c: model(ids, cache=c, static=True))
         self.ids = torch.zeros(cache.batch_size, 1, dtype=torch.long, device=cache.lengths.device)
         scratch = model.new_cache(cache.batch_size, cache.max_len, replay="none")
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side), _uncached_autocast():
             for _ in range(2):
-                model(self.ids, cache=scratch, static=True)
+                step(self.ids, scratch)
         torch.cuda.current_stream().wait_stream(side)
         del scratch
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph), _uncached_autocast():
-            self.logits = model(self.ids, cache=cache, static=True)
+            self.logits = step(self.ids, cache)
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         self.ids.copy_(ids)

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# One device call for issues 40 and 41: the engine's CUDA tests, the decode step op by op / from a CUDA graph /
+# compiled by Inductor inside a CUDA graph (kernels per step counted), and the training step at the flagship's widths
+# (conf/model/v41_proxy.yaml) with its dense peer.
+#
+#   bash bench/gpu_engine_step.sh OUT_DIR PHASE [SECONDS]   PHASE: tests | decode | step
+#
+# Writes OUT_DIR/PHASE.txt (and PHASE.jsonl where the benchmark emits rows).
+set -uo pipefail
+out=${1:?usage: bench/gpu_engine_step.sh OUT_DIR PHASE [SECONDS]}
+phase=${2:?phase: tests | decode | step}
+limit=${3:-300}
+mkdir -p "$out"
+cd "$(dirname "$0")/.."
+case "$phase" in
+  tests)
+    timeout "$limit" python3 -m pytest -q -rf -p no:cacheprovider --tb=short tests/trainer/test_engine.py \
+      tests/model/test_cache.py tests/model/test_cache_rollback.py tests/trainer/test_hf_reference.py \
+      > "$out/tests.txt" 2>&1
+    echo "pytest exit $? (124: cut at ${limit} s)" >> "$out/tests.txt" ;;
+  decode)
+    {
+      timeout "$limit" python3 bench/generation.py batch --device cuda --model v41_small --context 4096 \
+        --batch-sizes 1,32 --step static,graph,compiled --steps 20 --count-kernels --json "$out/decode.jsonl"
+      echo "generation exit $?"
+      timeout "$limit" python3 bench/generation.py batch --device cuda --model v41_small --context 131072 \
+        --batch-sizes 32 --step graph,compiled --steps 10 --json "$out/decode.jsonl"
+      echo "generation exit $?"
+    } > "$out/decode.txt" 2>&1 ;;
+  step)
+    {
+      timeout "$limit" python3 bench/profile_step.py --model v41_proxy --batch-size 1 --seq-len 4096 \
+        --modes compiled+fused --steps 3 --warmup 3 --top 20 --activation-checkpoint "${AC:-none}" \
+        --json "$out/step.jsonl"
+      echo "profile_step exit $?"
+      timeout 200 python3 bench/peer_step.py --match v41_proxy --dim 5120 --heads 40 --ffn 13824 --batch-size 1 \
+        --seq-len 4096 --steps 10 --json "$out/step.jsonl"
+      echo "peer_step exit $?"
+    } > "$out/step.txt" 2>&1 ;;
+  *) echo "unknown phase $phase" >&2; exit 2 ;;
+esac
