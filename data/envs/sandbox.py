@@ -4,7 +4,7 @@
 mount, network, IPC, UTS and cgroup namespaces, no capabilities, uid 65534, a read-only view of only the
 interpreter (its binary, the standard library, the shared objects they load), a size-limited scratch tmpfs as its
 working directory, its own /proc and a minimal /dev, no terminal (a session of its own), and the seccomp filter of
-data/envs/seccomp.py. The whole tree dies with the run (bwrap's init of the PID namespace is killed). Inside, the
+data/envs/seccomp.py. The whole tree dies with the run (the PID namespace's init, the interpreter, is killed). The
 child sets rlimits (address space, CPU, file size, open files, threads) and installs an audit hook (PEP 578) that
 stops it, exit status BLOCKED_EXIT, at the first act no program here needs; that hook is the inner layer only.
 
@@ -89,8 +89,8 @@ def run_sandboxed(
     for key, value, low in (("memory_mb", memory_mb, 32), ("file_mb", file_mb, 1), ("disk_mb", disk_mb, 1)):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ValueError(f"{key} must be an int >= {low}, got {value!r}")
-    isolated = sandbox_backend() == "bwrap"
-    return _run_in_dir(code, tmp_root, float(timeout_s), memory_mb, file_mb, disk_mb, guard, isolated)
+    user = _host_user() if sandbox_backend() == "bwrap" else None
+    return _run_in_dir(code, tmp_root, float(timeout_s), memory_mb, file_mb, disk_mb, guard, user)
 
 
 def run_many(codes: list[str], *, workers: int | None = None, **limits) -> list[SandboxResult]:
@@ -126,7 +126,7 @@ def _resolve_backend(mode: str, bwrap: str | None) -> str:
     if bwrap is None:
         raise SandboxUnavailable("code environments need bubblewrap: no `bwrap` on PATH (apt-get install "
                                  f"bubblewrap), {opt_in}")
-    probe = _run_in_dir("print(6 * 7)", None, 10.0, 64, 1, 1, True, True)
+    probe = _probe(_host_user())
     if probe.stdout.strip() != "42":
         detail = (probe.stderr.strip().splitlines() or [probe.reason])[-1]
         raise SandboxUnavailable(f"bubblewrap ({bwrap}) cannot make a sandbox here: {detail}; {opt_in}")
@@ -160,16 +160,22 @@ def _processes() -> list[tuple[int, list[bytes]]]:
     return found
 
 
-def _run_in_dir(code, tmp_root, timeout_s, memory_mb, file_mb, disk_mb, guard, isolated) -> SandboxResult:
+def _probe(user: dict) -> SandboxResult:
+    return _run_in_dir("print(6 * 7)", None, 10.0, 64, 1, 1, True, user)
+
+
+def _run_in_dir(code, tmp_root, timeout_s, memory_mb, file_mb, disk_mb, guard, user) -> SandboxResult:
+    """`user`: None for the in-process mode, else Popen's arguments for bwrap's user (see _host_user)."""
     top = tempfile.mkdtemp(prefix="cedar-sandbox-", dir=tmp_root)
     try:
-        return _run(code, top, timeout_s, memory_mb, file_mb, disk_mb, guard, isolated)
+        return _run(code, top, timeout_s, memory_mb, file_mb, disk_mb, guard, user)
     finally:
         _remove(top)
 
 
 def _run(code: str, top: str, timeout_s: float, memory_mb: int, file_mb: int, disk_mb: int, guard: bool,
-         isolated: bool) -> SandboxResult:
+         user: dict | None) -> SandboxResult:
+    isolated = user is not None
     code_path, out_path, err_path = (os.path.join(top, n) for n in ("code.py", "out", "err"))
     with open(code_path, "wb") as f:
         f.write(code.encode("utf-8", "surrogatepass"))  # lone surrogates reach the child as a SyntaxError
@@ -201,13 +207,11 @@ def _run(code: str, top: str, timeout_s: float, memory_mb: int, file_mb: int, di
             argv = [sys.executable] + child
             pass_fds = (code_fd, status_w)
         env = {"PATH": "/usr/bin:/bin", "LC_ALL": "C.UTF-8", "HOME": home, "TMPDIR": home}
-        # As root, bwrap itself runs as SANDBOX_UID where it can see the interpreter (see _host_user).
-        user = _host_user() if isolated else {}
         with open(out_path, "wb") as out, open(err_path, "wb") as err:
             start = time.monotonic()
             try:
                 proc = subprocess.Popen(argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
-                                        pass_fds=pass_fds, start_new_session=True, **user)
+                                        pass_fds=pass_fds, start_new_session=True, **(user or {}))
             except OSError as e:
                 return SandboxResult(False, "", str(e), f"spawn failed: {e}", None)
             finally:  # the child holds its own copies now
@@ -233,7 +237,7 @@ def _run(code: str, top: str, timeout_s: float, memory_mb: int, file_mb: int, di
 
 
 def _sandbox_init(info_fd: int, deadline: float) -> int | None:
-    """A pidfd of bwrap's child, the init of the sandbox's PID namespace, from the JSON that bwrap writes on its
+    """A pidfd of bwrap's child, the init of the sandbox's PID namespace (the interpreter), from the JSON that bwrap writes on its
     info fd (None when bwrap failed before writing it). The pidfd is opened while bwrap, its parent, has not
     reaped it, so the pid cannot have been reused."""
     data = b""
@@ -254,18 +258,19 @@ def _end(proc: subprocess.Popen, init: int | None) -> None:
     if init is None:
         _kill_session(proc.pid)
     else:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)  # bwrap; a no-op when it has exited
-        except OSError:
-            pass
-        # Killing the sandbox's init kills every process in its namespace, and its pidfd turns readable only once
-        # they are all gone: nothing of the run outlives this call.
+        # The sandbox's init first (bwrap --as-pid-1: the interpreter): every process of its namespace dies with it,
+        # its pidfd turns readable only once they all have, and bwrap, its parent, reaps it (no orphan is left
+        # to a host init that might not reap).
         try:
             signal.pidfd_send_signal(init, signal.SIGKILL)
         except OSError:  # exited already
             pass
         select.select([init], [], [], 10.0)
         os.close(init)
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # bwrap itself, should it linger
+        except OSError:
+            pass
     proc.wait()
 
 
@@ -273,7 +278,8 @@ def _end(proc: subprocess.Popen, init: int | None) -> None:
 def _host_user() -> dict:
     """Popen's arguments that run bwrap as SANDBOX_UID, when we are root and that user can reach the interpreter:
     the sandbox's uid is then unprivileged on the host too. Otherwise bwrap runs as we do and maps the sandbox's
-    uid to ours (as root, host uid 0 without capabilities: the read-only mounts and the filter are what stop it)."""
+    uid to ours (as root, host uid 0 without capabilities: the read-only mounts and the filter are what stop it).
+    Where unprivileged user namespaces are refused (Ubuntu's AppArmor restriction), bwrap runs as root too."""
     if os.geteuid() != 0:
         return {}
     exe = os.path.realpath(sys.executable)
@@ -285,7 +291,8 @@ def _host_user() -> dict:
                 return {}
         if not os.stat(path).st_mode & 0o004:
             return {}
-    return {"user": SANDBOX_UID, "group": SANDBOX_UID, "extra_groups": []}
+    nobody = {"user": SANDBOX_UID, "group": SANDBOX_UID, "extra_groups": []}
+    return nobody if _probe(nobody).stdout.strip() == "42" else {}
 
 
 @functools.lru_cache(maxsize=1)
@@ -330,7 +337,7 @@ def _interpreter_view() -> tuple[str, ...]:
 def _bwrap_argv(seccomp_fd: int, info_fd: int, disk_mb: int) -> list[str]:
     return [shutil.which("bwrap") or "bwrap",
             "--unshare-user", "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts",
-            "--unshare-cgroup-try", "--disable-userns", "--die-with-parent", "--new-session", "--cap-drop", "ALL",
+            "--unshare-cgroup-try", "--disable-userns", "--as-pid-1", "--die-with-parent", "--new-session", "--cap-drop", "ALL",
             "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID), "--hostname", "sandbox",
             *_interpreter_view(),
             # procfs read-only: as root the sandbox's uid is host uid 0 to the kernel's own checks, and some /proc
