@@ -45,6 +45,7 @@ BLOCKED_EXIT = 113
 MODE_VARIABLE = "CEDAR_SANDBOX"
 """environment variable: unset or "bwrap" (the default: bubblewrap, required), "inprocess" (the opt-in fallback)"""
 SANDBOX_UID = 65534
+"""the sandbox's uid and gid ("nobody")"""
 SCRATCH = "/work"
 """the working directory inside the sandbox: a tmpfs of `disk_mb`, gone with the run"""
 _STATUS_LIMIT = 4096
@@ -135,11 +136,6 @@ def _resolve_backend(mode: str, bwrap: str | None) -> str:
 
 def session_processes(sid: int) -> list[int]:
     """Live processes (zombies excluded) whose session or process group is `sid`; [] where /proc is missing."""
-    return [pid for pid, fields in _processes() if sid in (int(fields[2]), int(fields[3]))]
-
-
-def _processes() -> list[tuple[int, list[bytes]]]:
-    """(pid, [state, ppid, pgrp, session, ...]) of every live process (zombies excluded) in /proc."""
     found = []
     try:
         names = os.listdir("/proc")
@@ -154,9 +150,9 @@ def _processes() -> list[tuple[int, list[bytes]]]:
         except OSError:  # exited meanwhile
             continue
         # Fields after the command name, which is in parentheses and may itself contain spaces or ")".
-        fields = stat[stat.rfind(b")") + 2 :].split()
-        if fields[0] not in (b"Z", b"X"):
-            found.append((int(name), fields))
+        state, _ppid, pgrp, session = stat[stat.rfind(b")") + 2 :].split()[:4]
+        if state not in (b"Z", b"X") and sid in (int(pgrp), int(session)):
+            found.append(int(name))
     return found
 
 
@@ -237,9 +233,9 @@ def _run(code: str, top: str, timeout_s: float, memory_mb: int, file_mb: int, di
 
 
 def _sandbox_init(info_fd: int, deadline: float) -> int | None:
-    """A pidfd of bwrap's child, the init of the sandbox's PID namespace (the interpreter), from the JSON that bwrap writes on its
-    info fd (None when bwrap failed before writing it). The pidfd is opened while bwrap, its parent, has not
-    reaped it, so the pid cannot have been reused."""
+    """A pidfd of bwrap's child, the init of the sandbox's PID namespace (the interpreter), from the JSON that bwrap
+    writes on its info fd (None when bwrap failed before writing it). The pidfd is opened while bwrap, its parent,
+    has not reaped it, so the pid cannot have been reused."""
     data = b""
     while not data.endswith(b"}\n") and select.select([info_fd], [], [], max(deadline - time.monotonic(), 0))[0]:
         chunk = os.read(info_fd, 4096)
@@ -333,10 +329,18 @@ def _interpreter_view() -> tuple[str, ...]:
     return tuple(args)
 
 
+@functools.lru_cache(maxsize=1)
+def _bwrap_extra() -> tuple[str, ...]:
+    """Options of newer bwraps (0.8: --disable-userns; seccomp refuses new namespaces anyway), where supported."""
+    usage = subprocess.run([shutil.which("bwrap") or "bwrap", "--help"], capture_output=True, text=True).stdout
+    return ("--disable-userns",) if "--disable-userns" in usage else ()
+
+
 def _bwrap_argv(seccomp_fd: int, info_fd: int, disk_mb: int) -> list[str]:
     return [shutil.which("bwrap") or "bwrap",
             "--unshare-user", "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts",
-            "--unshare-cgroup-try", "--disable-userns", "--as-pid-1", "--die-with-parent", "--new-session", "--cap-drop", "ALL",
+            "--unshare-cgroup-try", *_bwrap_extra(), "--as-pid-1", "--die-with-parent", "--new-session",
+            "--cap-drop", "ALL",
             "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID), "--hostname", "sandbox",
             *_interpreter_view(),
             # procfs read-only: as root the sandbox's uid is host uid 0 to the kernel's own checks, and some /proc

@@ -174,8 +174,10 @@ def test_disk_threads_and_output_are_bounded(root):
     assert not result.ok and "No space left on device" in result.stderr
     result = _run("import threading, time\nthreads = []\n"
                   "try:\n    for _ in range(1000):\n"
-                  "        t = threading.Thread(target=time.sleep, args=(30,), daemon=True); t.start(); threads.append(t)\n"
-                  "except RuntimeError:\n    print(len(threads), flush=True)\n    import os; os._exit(0)", root, guard=False)
+                  "        threads.append(threading.Thread(target=time.sleep, args=(30,), daemon=True))\n"
+                  "        threads[-1].start()\n"
+                  "except RuntimeError:\n    print(len(threads), flush=True)\n    import os; os._exit(0)",
+                  root, guard=False)
     assert result.ok and 0 < int(result.stdout) < 64
     result = _run("print('y' * 500_000)\nprint('end')", root)
     assert result.ok and len(result.stdout) <= OUTPUT_LIMIT and result.stdout.endswith("end\n")
@@ -240,7 +242,8 @@ def test_every_way_to_start_a_process_is_blocked_by_the_hook(root, code, event):
     "import shutil, glob, importlib.machinery as m, importlib.util as u, os\n"
     "src = glob.glob(os.path.dirname(os.__file__) + '/lib-dynload/_ctypes*.so')[0]\n"
     "shutil.copy(src, '/work/evil.so')\n"
-    "spec = u.spec_from_file_location('_ctypes', '/work/evil.so', loader=m.ExtensionFileLoader('_ctypes', '/work/evil.so'))\n"
+    "loader = m.ExtensionFileLoader('_ctypes', '/work/evil.so')\n"
+    "spec = u.spec_from_file_location('_ctypes', '/work/evil.so', loader=loader)\n"
     "u.module_from_spec(spec)\n" + _CTYPES + "import os\nos.setsid()\nassert libc.fork() == -1\nraise SystemExit(3)",
 ])
 def test_without_the_hook_no_process_can_be_started_or_left_behind(root, code):
@@ -471,7 +474,6 @@ def test_without_bwrap_a_code_environment_refuses_in_one_line(monkeypatch, tmp_p
 def test_the_inprocess_opt_in_warns_and_keeps_the_hook(monkeypatch, tmp_path, caplog):
     monkeypatch.setenv("PATH", str(tmp_path))
     monkeypatch.setenv(sandbox_module.MODE_VARIABLE, "inprocess")
-    sandbox_module._resolve_backend.cache_clear()
     with caplog.at_level(logging.WARNING, logger="data.envs.sandbox"):
         result = run_sandboxed("print(1)", tmp_root=tmp_path)
     assert result.ok and "WITHOUT OS isolation" in caplog.text
