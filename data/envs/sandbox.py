@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import glob
+import itertools
 import json
 import logging
 import math
@@ -96,16 +97,23 @@ def run_sandboxed(
 
 def run_many(codes: list[str], *, workers: int | None = None, **limits) -> list[SandboxResult]:
     """`run_sandboxed(code, **limits)` for each code, at most `workers` at once (None: the CPUs this process may
-    use), results in the order of `codes`. Each run is a process of its own; the threads only wait for them."""
-    if workers is None:
-        workers = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    use), results in the order of `codes`. The CPU budget is `workers` cores: each worker thread is pinned to one
+    of this process's CPUs, and the programs it starts inherit that one-CPU affinity (threads included; the filter
+    refuses changing it), so a multi-threaded program cannot spread over the machine."""
+    cpus = sorted(os.sched_getaffinity(0))
+    workers = len(cpus) if workers is None else workers
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise ValueError(f"workers must be an int >= 1, got {workers!r}")
     codes = list(codes)
-    if len(codes) <= 1 or workers == 1:
-        return [run_sandboxed(code, **limits) for code in codes]
+    if not codes:
+        return []
     sandbox_backend()  # resolved (and a refusal raised) once, before the threads
-    with ThreadPoolExecutor(min(workers, len(codes)), thread_name_prefix="cedar-sandbox") as pool:
+    turn = itertools.count()
+
+    def pin() -> None:  # on Linux, affinity of pid 0 is the calling thread's, and a child inherits it
+        os.sched_setaffinity(0, {cpus[next(turn) % len(cpus)]})
+
+    with ThreadPoolExecutor(min(workers, len(codes)), thread_name_prefix="cedar-sandbox", initializer=pin) as pool:
         return list(pool.map(lambda code: run_sandboxed(code, **limits), codes))
 
 

@@ -14,6 +14,7 @@ itself needs it for the interpreter, and only the interpreter is visible. See do
 from __future__ import annotations
 
 import errno
+import functools
 import platform
 import struct
 
@@ -82,6 +83,7 @@ _AARCH64 = dict(
 _TABLES = {"x86_64": _X86_64, "amd64": _X86_64, "aarch64": _AARCH64, "arm64": _AARCH64}
 
 
+@functools.lru_cache(maxsize=None)
 def filter_program(machine: str | None = None) -> bytes:
     """The filter for `machine` (`platform.machine()` when None) as the bytes of a `struct sock_filter` array."""
     machine = platform.machine() if machine is None else machine

@@ -131,6 +131,10 @@ def test_the_pool_runs_a_batch_in_order(root):
     results = run_many([f"print({i} * {i})" for i in range(6)] + ["import os\nos.fork()"], workers=3, tmp_root=root)
     assert [r.stdout.strip() for r in results[:6]] == [str(i * i) for i in range(6)] and all(r.ok for r in results[:6])
     assert results[6].reason == "blocked: os.fork"
+    # Each program gets one CPU, and cannot take more.
+    results = run_many(["import os\nprint(len(os.sched_getaffinity(0)))\nos.sched_setaffinity(0, range(64))"] * 2,
+                       workers=2, tmp_root=root, guard=False)
+    assert [r.stdout.strip() for r in results] == ["1", "1"] and all("PermissionError" in r.stderr for r in results)
 
 
 def test_score_many_gives_the_same_scores_as_score(root):
