@@ -330,8 +330,9 @@ def _interpreter_view() -> tuple[str, ...]:
             bound.add(seen)
             args += ["--ro-bind", os.path.realpath(path), seen]
     args += ["--ro-bind", stdlib, stdlib]
-    if os.path.isdir(os.path.join(stdlib, "site-packages")):
-        args += ["--tmpfs", os.path.join(stdlib, "site-packages")]
+    hidden = os.path.join(stdlib, "site-packages")
+    if os.path.isdir(hidden):
+        args += ["--tmpfs", hidden, "--remount-ro", hidden]  # a tmpfs is writable, and sized by half the RAM
     if os.path.isdir("/usr/lib/locale/C.utf8"):
         args += ["--ro-bind", "/usr/lib/locale/C.utf8", "/usr/lib/locale/C.utf8"]
     return tuple(args)
@@ -353,7 +354,7 @@ def _bwrap_argv(seccomp_fd: int, info_fd: int, disk_mb: int) -> list[str]:
             *_interpreter_view(),
             # procfs read-only: as root the sandbox's uid is host uid 0 to the kernel's own checks, and some /proc
             # files (sysctls, sysrq-trigger) check nothing else.
-            "--proc", "/proc", "--remount-ro", "/proc", "--dev", "/dev",
+            "--proc", "/proc", "--remount-ro", "/proc", "--dev", "/dev", "--remount-ro", "/dev",  # no /dev/shm
             "--size", str(disk_mb << 20), "--perms", "0700", "--tmpfs", SCRATCH, "--chdir", SCRATCH,
             "--remount-ro", "/", "--seccomp", str(seccomp_fd), "--info-fd", str(info_fd),
             "--", os.path.realpath(sys.executable)]

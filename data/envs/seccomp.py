@@ -6,8 +6,8 @@ dependencies, that bubblewrap loads (`bwrap --seccomp FD`) just before it starts
 way to start a process (fork, vfork, clone without CLONE_THREAD; clone3 gets ENOSYS, so the C library falls back to
 clone for threads), execveat, tracing and reading other processes (ptrace, process_vm_*, kcmp, pidfd_*), signals
 by pid (kill, rt_*sigqueueinfo), scheduling and priority changes, sockets other than AF_UNIX (EAFNOSUPPORT),
-terminal injection (ioctl TIOCSTI, TIOCLINUX), device nodes (mknod*), mounts and namespaces, and the kernel's
-administrative calls (modules, bpf, perf, keyrings, io_uring, clocks, reboot, ...). execve stays allowed: bwrap
+terminal injection (ioctl TIOCSTI, TIOCLINUX), device nodes (mknod*), memory files outside every disk bound
+(memfd_create), mounts and namespaces, and the kernel's administrative calls (modules, bpf, perf, keyrings, io_uring, clocks, reboot, ...). execve stays allowed: bwrap
 itself needs it for the interpreter, and only the interpreter is visible. See docs/environments.md.
 """
 
@@ -45,7 +45,7 @@ _DENIED = (
     "setdomainname", "iopl", "ioperm", "quotactl", "personality", "vhangup", "syslog", "uselib",
     "name_to_handle_at", "open_by_handle_at", "io_uring_setup", "io_uring_enter", "io_uring_register",
     "fanotify_init", "process_madvise", "memfd_secret", "migrate_pages", "move_pages", "mbind", "set_mempolicy",
-    "lookup_dcookie",
+    "lookup_dcookie", "memfd_create",
 )
 
 # Syscall numbers (asm/unistd_64.h; aarch64: asm-generic/unistd.h, which lacks the legacy calls) and the
@@ -63,7 +63,7 @@ _X86_64 = dict(
     setdomainname=171, iopl=172, ioperm=173, quotactl=179, personality=135, vhangup=153, syslog=103, uselib=134,
     name_to_handle_at=303, open_by_handle_at=304, io_uring_setup=425, io_uring_enter=426, io_uring_register=427,
     fanotify_init=300, process_madvise=440, memfd_secret=447, migrate_pages=256, move_pages=279, mbind=237,
-    set_mempolicy=238, lookup_dcookie=212,
+    set_mempolicy=238, lookup_dcookie=212, memfd_create=319,
 )
 _AARCH64 = dict(
     arch=0xC00000B7, clone=220, clone3=435, socket=198, ioctl=29,
@@ -78,7 +78,7 @@ _AARCH64 = dict(
     setdomainname=162, quotactl=60, personality=92, vhangup=58, syslog=116, name_to_handle_at=264,
     open_by_handle_at=265, io_uring_setup=425, io_uring_enter=426, io_uring_register=427, fanotify_init=262,
     process_madvise=440, memfd_secret=447, migrate_pages=238, move_pages=239, mbind=235, set_mempolicy=237,
-    lookup_dcookie=18,
+    lookup_dcookie=18, memfd_create=279,
 )
 _TABLES = {"x86_64": _X86_64, "amd64": _X86_64, "aarch64": _AARCH64, "arm64": _AARCH64}
 

@@ -315,6 +315,18 @@ def test_writes_outside_the_directory_change_nothing(root, tmp_path, code, guard
     assert socket.gethostname() != "pwned"
 
 
+def test_the_scratch_directory_is_the_only_writable_place(root):
+    # Every mount point (and /dev/shm, /tmp, the home directory), a file created in each, and memory files.
+    result = _run("import os\nwritable = []\n"
+                  "points = [line.split()[4] for line in open('/proc/self/mountinfo')]\n"
+                  "for d in points + ['/dev/shm', '/tmp', os.path.expanduser('~'), '/usr/lib']:\n"
+                  "    try:\n        open(os.path.join(d, 'probe'), 'w').close()\n        writable.append(d)\n"
+                  "    except OSError:\n        pass\n"
+                  "try:\n    os.memfd_create('m')\n    writable.append('memfd')\nexcept OSError:\n    pass\n"
+                  "print(sorted(set(writable)))", root, guard=False)
+    assert result.ok and result.stdout.strip() == "['/work']", result
+
+
 @pytest.mark.parametrize("guard", [True, False])
 def test_removing_or_changing_files_outside_changes_nothing(root, tmp_path, guard):
     victim = tmp_path / "victim.txt"
