@@ -7,8 +7,9 @@ way to start a process (fork, vfork, clone without CLONE_THREAD; clone3 gets ENO
 clone for threads), execveat, tracing and reading other processes (ptrace, process_vm_*, kcmp, pidfd_*), signals
 by pid (kill, rt_*sigqueueinfo), scheduling and priority changes, sockets other than AF_UNIX (EAFNOSUPPORT),
 terminal injection (ioctl TIOCSTI, TIOCLINUX), device nodes (mknod*), memory files outside every disk bound
-(memfd_create), mounts and namespaces, and the kernel's administrative calls (modules, bpf, perf, keyrings, io_uring, clocks, reboot, ...). execve stays allowed: bwrap
-itself needs it for the interpreter, and only the interpreter is visible. See docs/environments.md.
+(memfd_create), mounts and namespaces, and the kernel's administrative calls (modules, bpf, perf, keyrings,
+io_uring, clocks, reboot, ...). execve stays allowed: bwrap itself needs it to start the interpreter, and what it
+can then start stays under this filter. See docs/environments.md.
 """
 
 from __future__ import annotations
