@@ -8,6 +8,7 @@ scorer. Every test ends with nothing left running (no process in another PID nam
 changed outside, the run's directory removed and the test process's limits untouched. bwrap is required: where
 it is missing these tests fail (the Makefile installs it), only the opt-in test runs without it."""
 
+import ast
 import logging
 import os
 import random
@@ -374,6 +375,17 @@ def test_the_parent_is_invisible(root, tmp_path, guard):
     assert result.ok, result
     assert "found [] seen [1] ppid 0 top " in result.stdout  # its own memory aside, nothing holds the secret
     assert " True" not in result.stdout and "tmp" not in result.stdout.rpartition("top")[2]
+
+
+def test_no_descriptor_leads_outside(root):
+    # stdin, stdout, stderr and the status pipe: no directory of the host to open files relative to.
+    result = _run("import os, stat\nfds = sorted(int(fd) for fd in os.listdir('/proc/self/fd'))\n"
+                  "kinds = []\nfor fd in fds:\n    try:\n        mode = os.fstat(fd).st_mode\n    except OSError:\n"
+                  "        continue\n    kinds.append((fd, stat.S_ISDIR(mode), stat.S_ISFIFO(mode)))\nprint(kinds)",
+                  root, guard=False)
+    kinds = ast.literal_eval(result.stdout)
+    assert [fd for fd, _, _ in kinds][:3] == [0, 1, 2] and not any(is_dir for _, is_dir, _ in kinds), kinds
+    assert len(kinds) == 4 and kinds[3][2], kinds  # the fourth: the status pipe
 
 
 @pytest.mark.parametrize("code", [
