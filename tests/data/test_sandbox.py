@@ -13,7 +13,6 @@ import logging
 import os
 import random
 import resource
-import signal
 import socket
 import sys
 import time
