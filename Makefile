@@ -12,6 +12,9 @@ $(STAMP): pyproject.toml
 	@if ! command -v nvidia-smi >/dev/null 2>&1 && ! $(VPY) -c "import torch" >/dev/null 2>&1; then \
 		$(VPY) -m pip install -q torch==2.13.0; fi
 	$(VPY) -m pip install -q -e '.[test]'
+	@# The code environments' sandbox (data/envs/sandbox.py) needs bubblewrap: installed here when missing, as root.
+	@if ! command -v bwrap >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
+		apt-get update -q >/dev/null && apt-get install -y -q bubblewrap >/dev/null; fi
 	@touch $(STAMP)
 
 venv: $(STAMP)

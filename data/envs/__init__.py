@@ -13,6 +13,7 @@ from data.envs.arithmetic import Arithmetic
 from data.envs.base import (
     ENVIRONMENTS,
     Environment,
+    EnvironmentUnavailable,
     Problem,
     Score,
     difficulty_weight,
@@ -22,7 +23,7 @@ from data.envs.base import (
     sample_problems,
 )
 from data.envs.python_fn import PythonFn
-from data.envs.sandbox import SandboxResult, run_sandboxed
+from data.envs.sandbox import SandboxResult, SandboxUnavailable, run_many, run_sandboxed
 from data.envs.strings import Strings
 
 for _env in (Arithmetic(), Strings(), PythonFn()):
@@ -33,15 +34,18 @@ __all__ = [
     "ENVIRONMENTS",
     "Arithmetic",
     "Environment",
+    "EnvironmentUnavailable",
     "Problem",
     "PythonFn",
     "SandboxResult",
+    "SandboxUnavailable",
     "Score",
     "Strings",
     "difficulty_weight",
     "final_answer",
     "get_env",
     "register",
+    "run_many",
     "run_sandboxed",
     "sample_problems",
 ]

@@ -56,6 +56,11 @@ class Score:
     """why, for logs: "wrong answer: got 12, want 13", "sandbox: timeout after 2.0 s", ..."""
 
 
+class EnvironmentUnavailable(RuntimeError):
+    """The environment cannot run on this machine (a missing dependency, e.g. the code sandbox's bubblewrap): a
+    set-up error that `score` raises, never a failed answer. Its message is one line naming what is missing."""
+
+
 def difficulty_weight(difficulty: int, levels: int) -> float:
     """Reward for a correct answer: linear from 1.0 at level 1 to 2.0 at the top level (1.0 when levels is 1), so a
     hard problem solved is worth at most twice an easy one and easy problems still carry signal."""
@@ -82,7 +87,8 @@ def clip(text: str, limit: int = 40) -> str:
 class Environment(abc.ABC):
     """A generator of verifiable problems at `levels` difficulty levels. Subclasses set `name`, `family` and
     `levels` and implement `sample` and `grade`; `score` (shared) turns a grade into a weighted `Score` and never
-    raises, whatever the response."""
+    raises, whatever the response, except `EnvironmentUnavailable`. `score_many` scores a batch (code environments
+    run it in parallel)."""
 
     name: str
     family: str
@@ -97,13 +103,26 @@ class Environment(abc.ABC):
         """(correct, detail) for `response`, a str; may raise on a malformed problem (score catches it)."""
 
     def score(self, problem: Problem, response: str) -> Score:
+        return self.weigh(problem, response, lambda: self.grade(problem, response))
+
+    def score_many(self, problems: list[Problem], responses: list[str]) -> list[Score]:
+        """`score` of each (problem, response) pair, in order."""
+        if len(problems) != len(responses):
+            raise ValueError(f"{len(problems)} problems but {len(responses)} responses")
+        return [self.score(p, r) for p, r in zip(problems, responses)]
+
+    def weigh(self, problem: Problem, response: str, grade) -> Score:
+        """The `Score` of `grade()`, a thunk returning (correct, detail) for this pair; what `score` does around
+        `grade`, shared with batched scorers: the checks of the pair, the weighting and the caught errors."""
         if not isinstance(response, str):
             return Score(False, 0.0, f"response is a {type(response).__name__}, not a str")
         if problem.env != self.name:
             return Score(False, 0.0, f"problem is from env {problem.env!r}, not {self.name!r}")
         try:
-            correct, detail = self.grade(problem, response)
+            correct, detail = grade()
             reward = difficulty_weight(problem.difficulty, self.levels) if correct else 0.0
+        except EnvironmentUnavailable:
+            raise
         except Exception as e:  # noqa: BLE001 - a scorer error is a failed answer, never a crashed trainer
             return Score(False, 0.0, f"scoring error: {type(e).__name__}: {clip(str(e), 80)}")
         return Score(bool(correct), reward, detail)

@@ -6,22 +6,24 @@ Fibonacci, digit sum, gcd, primes below n, Collatz steps). The prompt reads "Wri
 x."; the reference answer is a plain implementation, and the steps are comment lines above it, so every worked
 response is itself a program.
 
-The hidden tests (five inputs and the reference's outputs) are in `Problem.data["tests"]`. Scoring runs the whole
-response as a module in the sandbox (data/envs/sandbox.py), calls `f` on each input there, prints the results as
-JSON and compares them with the expected outputs here, in the parent: code that forges the printed results still
-has to produce the right values.
+The hidden tests (five inputs and the reference's outputs) are in `Problem.data["tests"]`. Scoring sends only the
+inputs into the sandbox (data/envs/sandbox.py): the response runs there as a module, `f` is called on each input,
+the results come back as one line of JSON, and they are compared with the expected outputs here, in the parent.
+The expected outputs never enter the sandbox, and the sandbox cannot see this process, so forged results still
+have to be the right values. `score_many` runs a batch's programs in parallel.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import random
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from data.envs.base import Environment, Problem, clip
-from data.envs.sandbox import run_sandboxed
+from data.envs.base import Environment, Problem, Score, clip
+from data.envs.sandbox import SandboxResult, run_many, run_sandboxed
 
 MAX_RESPONSE_CHARS = 20_000
 """a longer response fails without being run"""
@@ -75,9 +77,11 @@ class PythonFn(Environment):
     family = "code"
     levels = 5
 
-    def __init__(self, timeout_s: float = 2.0, memory_mb: int = 256):
+    def __init__(self, timeout_s: float = 2.0, memory_mb: int = 256, workers: int | None = None):
         self.timeout_s = timeout_s
         self.memory_mb = memory_mb
+        self.workers = workers
+        """programs run at once by score_many (None: the CPUs this process may use)"""
 
     def sample(self, rng: random.Random, difficulty: int) -> Problem:
         self.check_difficulty(difficulty)
@@ -90,21 +94,54 @@ class PythonFn(Environment):
         return Problem(self.name, self.family, difficulty, prompt, answer, data, task.steps)
 
     def grade(self, problem: Problem, response: str) -> tuple[bool, str]:
+        program = self._program(problem, response)
+        if isinstance(program, tuple):
+            return program
+        return self._judge(problem, run_sandboxed(program, timeout_s=self.timeout_s, memory_mb=self.memory_mb))
+
+    def score_many(self, problems: list[Problem], responses: list[str]) -> list[Score]:
+        """`score` of each pair, the programs run in parallel (`run_many`, at most `workers` at once)."""
+        if len(problems) != len(responses):
+            raise ValueError(f"{len(problems)} problems but {len(responses)} responses")
+        prepared: list = []
+        for problem, response in zip(problems, responses):
+            try:
+                ready = isinstance(response, str) and problem.env == self.name
+                prepared.append(self._program(problem, response) if ready else None)  # None: weigh refuses it
+            except Exception as e:  # noqa: BLE001 - a malformed problem: weigh reports it
+                prepared.append(e)
+        queued = [i for i, item in enumerate(prepared) if isinstance(item, str)]
+        runs = dict(zip(queued, run_many([prepared[i] for i in queued], workers=self.workers,
+                                         timeout_s=self.timeout_s, memory_mb=self.memory_mb)))
+
+        def grade(i: int) -> tuple[bool, str]:
+            if isinstance(prepared[i], Exception):
+                raise prepared[i]
+            return prepared[i] if isinstance(prepared[i], tuple) else self._judge(problems[i], runs[i])
+
+        return [self.weigh(p, r, functools.partial(grade, i)) for i, (p, r) in enumerate(zip(problems, responses))]
+
+    def _program(self, problem: Problem, response: str) -> str | tuple[bool, str]:
+        """The program the sandbox runs: the response and the test inputs, never the expected outputs; or the
+        verdict (False, detail) of a response refused unrun."""
         if len(response) > MAX_RESPONSE_CHARS:
             return False, f"response longer than {MAX_RESPONSE_CHARS} characters"
+        name = problem.data.get("name", "f")
+        return "\n".join([f"_SOURCE = {_strip_fences(response)!r}", f"_NAME = {name!r}",
+                          f"_ARGS = {json.dumps([args for args, _ in problem.data['tests']])!r}",
+                          f"_MARK = {_RESULTS_MARK!r}", _HARNESS])
+
+    def _judge(self, problem: Problem, run: SandboxResult) -> tuple[bool, str]:
+        """Compare the outputs the run printed (bounded JSON of plain values) with the expected ones, here."""
         tests = problem.data["tests"]
         name = problem.data.get("name", "f")
-        program = "\n".join([f"_SOURCE = {_strip_fences(response)!r}", f"_NAME = {name!r}",
-                             f"_ARGS = {json.dumps([args for args, _ in tests])!r}", f"_MARK = {_RESULTS_MARK!r}",
-                             _HARNESS])
-        run = run_sandboxed(program, timeout_s=self.timeout_s, memory_mb=self.memory_mb)
         last = run.stdout.rstrip().rpartition("\n")[2]
         if not run.ok or not last.startswith(_RESULTS_MARK):
             error = run.stderr.strip().rpartition("\n")[2]
             return False, f"sandbox: {run.reason}" + (f": {clip(error, 120)}" if error else "")
         try:
             results = json.loads(last[len(_RESULTS_MARK) :])
-        except ValueError:  # cut off by the output limit, or printed by the response itself
+        except (ValueError, RecursionError):  # cut off by the output limit, printed by the response, too deep
             results = None
         if results == "missing":
             return False, f"the response defines no function {name}"

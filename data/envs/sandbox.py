@@ -1,26 +1,27 @@
-"""Run untrusted Python (a model's answer to a code problem) in a child process that cannot harm the trainer.
+"""Run untrusted Python (a model's answer to a code problem) where it can harm neither the trainer nor the machine.
 
-`run_sandboxed(code)` runs `code` in a fresh interpreter (`python -I -S -B`: no site-packages, no environment
-variables, no bytecode written) whose working directory is a new temporary directory, removed afterwards. Layers:
+`run_sandboxed(code)` runs `code` in a fresh interpreter (`-I -S -B`) inside a bubblewrap sandbox: new user, PID,
+mount, network, IPC, UTS and cgroup namespaces, no capabilities, uid 65534, a read-only view of only the
+interpreter (its binary, the standard library, the shared objects they load), a size-limited scratch tmpfs as its
+working directory, its own /proc and a minimal /dev, no terminal (a session of its own), and the seccomp filter of
+data/envs/seccomp.py. The whole tree dies with the run (the PID namespace's init, the interpreter, is killed). The
+child sets rlimits (address space, CPU, file size, open files, threads) and installs an audit hook (PEP 578) that
+stops it, exit status BLOCKED_EXIT, at the first act no program here needs; that hook is the inner layer only.
 
-- wall time: the parent waits `timeout_s`, then kills the child's whole process group (it is started in a session
-  of its own); after every run, finished or not, anything left in that group or session is killed too;
-- resource limits, set by the child on itself before the code runs: address space (`memory_mb`), CPU seconds,
-  size of any file written (`file_mb`, which also bounds stdout and stderr), no core dumps, 64 open files, no new
-  processes (RLIMIT_NPROC; the kernel does not apply it to root);
-- an audit hook (PEP 578), installed before the code runs, that ends the child at the first forbidden act: any
-  way to start a process (fork, exec, spawn, system, subprocess, a fresh copy of _posixsubprocess), any socket or
-  name lookup, ctypes and the C test modules, signals to other processes, raising resource limits, chdir, links,
-  writes, removals and metadata changes of paths outside the directory, and the introspection that would reach the
-  hook itself (gc referents, tracing, replacing a function's code or defaults).
-
-A stopped run is reported in `SandboxResult.reason`: "ok", "timeout after 2 s", "memory", "blocked: os.fork",
-"cpu time limit", "file size limit", "exit 1", "signal SIGSEGV", ... The hook is a guard against accidents and
-ordinary Python, not a security boundary against native code or an adversary: see docs/environments.md.
+The code reaches the child through an inherited descriptor; the child reports why it stopped on a pipe that the
+code may write too, so that report is believed only with BLOCKED_EXIT, and "ok" only for exit 0. Where bwrap is
+missing or cannot make its namespaces, `run_sandboxed` raises `SandboxUnavailable`, unless CEDAR_SANDBOX=inprocess
+opts in to the audit hook and rlimits alone (not a security boundary; a warning at each process's first run).
+`run_many` runs a batch in parallel on the CPU budget. Design, layers and measurements: docs/environments.md.
 """
 
 from __future__ import annotations
 
+import functools
+import glob
+import itertools
+import json
+import logging
 import math
 import os
 import select
@@ -30,12 +31,29 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+
+from data.envs.base import EnvironmentUnavailable
+from data.envs.seccomp import filter_program
+
+log = logging.getLogger(__name__)
 
 OUTPUT_LIMIT = 64 * 1024
 """bytes of stdout and of stderr kept (the last ones: a traceback or a final answer is at the end)"""
 BLOCKED_EXIT = 113
-"""exit status of a child stopped by the audit hook (the reason itself is written to the status file)"""
+"""exit status of a child that stopped itself and wrote why on its status pipe (the hook, memory, file size)"""
+MODE_VARIABLE = "CEDAR_SANDBOX"
+"""environment variable: unset or "bwrap" (the default: bubblewrap, required), "inprocess" (the opt-in fallback)"""
+SANDBOX_UID = 65534
+"""the sandbox's uid and gid ("nobody")"""
+SCRATCH = "/work"
+"""the working directory inside the sandbox: a tmpfs of `disk_mb`, gone with the run"""
+_STATUS_LIMIT = 4096
+
+
+class SandboxUnavailable(EnvironmentUnavailable):
+    """The sandbox cannot run on this machine (bwrap missing or refused); the message is one line naming why."""
 
 
 @dataclass(frozen=True)
@@ -59,23 +77,69 @@ def run_sandboxed(
     memory_mb: int = 256,
     tmp_root: str | os.PathLike | None = None,
     file_mb: int = 8,
+    disk_mb: int = 32,
     guard: bool = True,
 ) -> SandboxResult:
-    """Run the Python source `code` under the limits above, in a temporary directory made under `tmp_root` (the
-    system's default when None) and removed before returning. `guard=False` leaves out the audit hook, keeping the
-    resource limits and the process-group cleanup: only for testing those layers on their own."""
+    """Run the Python source `code` under the layers above. Its stdout and stderr go to files in a temporary
+    directory made under `tmp_root` (the system's default when None) and removed before returning. `disk_mb` bounds
+    the scratch tmpfs (bwrap only). `guard=False` leaves out the audit hook, keeping every other layer: only for
+    testing those on their own. Raises `SandboxUnavailable` as described above."""
     if not isinstance(code, str):
         raise TypeError(f"code must be a str, got {type(code).__name__}")
     if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s < math.inf:
         raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
-    for key, value, low in (("memory_mb", memory_mb, 32), ("file_mb", file_mb, 1)):
+    for key, value, low in (("memory_mb", memory_mb, 32), ("file_mb", file_mb, 1), ("disk_mb", disk_mb, 1)):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ValueError(f"{key} must be an int >= {low}, got {value!r}")
-    top = tempfile.mkdtemp(prefix="cedar-sandbox-", dir=tmp_root)
-    try:
-        return _run(code, top, float(timeout_s), memory_mb, file_mb, guard)
-    finally:
-        _remove(top)
+    user = _host_user() if sandbox_backend() == "bwrap" else None
+    return _run_in_dir(code, tmp_root, float(timeout_s), memory_mb, file_mb, disk_mb, guard, user)
+
+
+def run_many(codes: list[str], *, workers: int | None = None, **limits) -> list[SandboxResult]:
+    """`run_sandboxed(code, **limits)` for each code, at most `workers` at once (None: the CPUs this process may
+    use), results in the order of `codes`. The CPU budget is `workers` cores: each worker thread is pinned to one
+    of this process's CPUs, and the programs it starts inherit that one-CPU affinity (threads included; the filter
+    refuses changing it), so a multi-threaded program cannot spread over the machine."""
+    cpus = sorted(os.sched_getaffinity(0))
+    workers = len(cpus) if workers is None else workers
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise ValueError(f"workers must be an int >= 1, got {workers!r}")
+    codes = list(codes)
+    if not codes:
+        return []
+    sandbox_backend()  # resolved (and a refusal raised) once, before the threads
+    turn = itertools.count()
+
+    def pin() -> None:  # on Linux, affinity of pid 0 is the calling thread's, and a child inherits it
+        os.sched_setaffinity(0, {cpus[next(turn) % len(cpus)]})
+
+    with ThreadPoolExecutor(min(workers, len(codes)), thread_name_prefix="cedar-sandbox", initializer=pin) as pool:
+        return list(pool.map(lambda code: run_sandboxed(code, **limits), codes))
+
+
+def sandbox_backend() -> str:
+    """"bwrap" or "inprocess" (CEDAR_SANDBOX=inprocess, with a warning); raises `SandboxUnavailable` in one line
+    when the default, bwrap, is missing or cannot make a sandbox here. Checked once per process and setting."""
+    return _resolve_backend(os.environ.get(MODE_VARIABLE, ""), shutil.which("bwrap"))
+
+
+@functools.lru_cache(maxsize=None)
+def _resolve_backend(mode: str, bwrap: str | None) -> str:
+    opt_in = f"or set {MODE_VARIABLE}=inprocess to run code with the in-process guard alone (not a security boundary)"
+    if mode == "inprocess":
+        log.warning("%s=inprocess: code environments run programs WITHOUT OS isolation (audit hook and rlimits "
+                    "only; not a security boundary against an adversarial policy)", MODE_VARIABLE)
+        return "inprocess"
+    if mode not in ("", "bwrap"):
+        raise SandboxUnavailable(f"{MODE_VARIABLE} must be unset, 'bwrap' or 'inprocess', got {mode!r}")
+    if bwrap is None:
+        raise SandboxUnavailable("code environments need bubblewrap: no `bwrap` on PATH (apt-get install "
+                                 f"bubblewrap), {opt_in}")
+    probe = _probe(_host_user())
+    if probe.stdout.strip() != "42":
+        detail = (probe.stderr.strip().splitlines() or [probe.reason])[-1]
+        raise SandboxUnavailable(f"bubblewrap ({bwrap}) cannot make a sandbox here: {detail}; {opt_in}")
+    return "bwrap"
 
 
 def session_processes(sid: int) -> list[int]:
@@ -100,37 +164,200 @@ def session_processes(sid: int) -> list[int]:
     return found
 
 
-def _run(code: str, top: str, timeout_s: float, memory_mb: int, file_mb: int, guard: bool) -> SandboxResult:
-    work = os.path.join(top, "work")
-    os.mkdir(work, 0o700)
-    work = os.path.realpath(work)  # the hook compares paths with this prefix, so no symlink may be above it
-    code_path, out_path, err_path, status_path = (os.path.join(top, n) for n in ("code.py", "out", "err", "status"))
+def _probe(user: dict) -> SandboxResult:
+    return _run_in_dir("print(6 * 7)", None, 10.0, 64, 1, 1, True, user)
+
+
+def _run_in_dir(code, tmp_root, timeout_s, memory_mb, file_mb, disk_mb, guard, user) -> SandboxResult:
+    """`user`: None for the in-process mode, else Popen's arguments for bwrap's user (see _host_user)."""
+    top = tempfile.mkdtemp(prefix="cedar-sandbox-", dir=tmp_root)
+    try:
+        return _run(code, top, timeout_s, memory_mb, file_mb, disk_mb, guard, user)
+    finally:
+        _remove(top)
+
+
+def _run(code: str, top: str, timeout_s: float, memory_mb: int, file_mb: int, disk_mb: int, guard: bool,
+         user: dict | None) -> SandboxResult:
+    isolated = user is not None
+    code_path, out_path, err_path = (os.path.join(top, n) for n in ("code.py", "out", "err"))
     with open(code_path, "wb") as f:
         f.write(code.encode("utf-8", "surrogatepass"))  # lone surrogates reach the child as a SyntaxError
-    open(status_path, "wb").close()
     cpu_s = math.ceil(timeout_s) + 1  # a backstop: the wall-time limit normally fires first
-    argv = [sys.executable, "-I", "-S", "-B", "-c", _LAUNCH, _CHILD, status_path, code_path, str(int(guard)),
-            str(memory_mb << 20), str(cpu_s), str(file_mb << 20)]
-    env = {"PATH": "/usr/bin:/bin", "LC_ALL": "C.UTF-8", "HOME": work, "TMPDIR": work}
-    with open(out_path, "wb") as out, open(err_path, "wb") as err:
-        start = time.monotonic()
+    # Threads count as processes for RLIMIT_NPROC; inside bwrap, seccomp refuses every other new process.
+    nproc = 32 if isolated else 0
+    fds: list[int] = []
+    try:
+        code_fd = os.open(code_path, os.O_RDONLY | os.O_CLOEXEC)
+        fds.append(code_fd)
+        status_r, status_w = os.pipe()
+        fds += [status_r, status_w]
+        os.set_blocking(status_r, False)
+        child = ["-I", "-S", "-B", "-c", _LAUNCH, _CHILD, str(status_w), str(code_fd), str(int(guard)),
+                 str(memory_mb << 20), str(cpu_s), str(file_mb << 20), str(nproc)]
+        if isolated:
+            seccomp_r, seccomp_w = os.pipe()
+            fds.append(seccomp_r)
+            os.write(seccomp_w, filter_program())  # ~700 bytes: within the pipe's buffer
+            os.close(seccomp_w)
+            info_r, info_w = os.pipe()
+            fds += [info_r, info_w]
+            argv = _bwrap_argv(seccomp_r, info_w, disk_mb) + child
+            cwd, home = "/", SCRATCH
+            pass_fds = (code_fd, status_w, seccomp_r, info_w)
+        else:
+            cwd = home = os.path.realpath(os.path.join(top, "work"))  # the hook compares paths with this prefix
+            os.mkdir(cwd, 0o700)
+            argv = [sys.executable] + child
+            pass_fds = (code_fd, status_w)
+        env = {"PATH": "/usr/bin:/bin", "LC_ALL": "C.UTF-8", "HOME": home, "TMPDIR": home}
+        with open(out_path, "wb") as out, open(err_path, "wb") as err:
+            start = time.monotonic()
+            try:
+                proc = subprocess.Popen(argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
+                                        pass_fds=pass_fds, start_new_session=True, **(user or {}))
+            except OSError as e:
+                return SandboxResult(False, "", str(e), f"spawn failed: {e}", None)
+            finally:  # the child holds its own copies now
+                for fd in pass_fds[1:]:
+                    os.close(fd)
+                    fds.remove(fd)
+            init = _sandbox_init(info_r, start + timeout_s) if isolated else None
+            try:
+                finished = _wait_exited(proc.pid, start + timeout_s)
+            finally:
+                _end(proc, init)
+            wall_s = time.monotonic() - start
         try:
-            proc = subprocess.Popen(argv, cwd=work, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
-                                    close_fds=True, start_new_session=True)
-        except OSError as e:
-            return SandboxResult(False, "", str(e), f"spawn failed: {e}", None)
-        try:
-            finished = _wait_exited(proc.pid, start + timeout_s)
-        finally:
-            # The leader is still unreaped here, so its group id cannot have been reused by another process.
-            _kill_session(proc.pid)
-            proc.wait()
-        wall_s = time.monotonic() - start
-    with open(status_path, "rb") as f:
-        status = f.read(4096).decode("utf-8", "replace").strip()
+            status = os.read(status_r, _STATUS_LIMIT).decode("utf-8", "replace")
+        except BlockingIOError:  # nothing written
+            status = ""
+    finally:
+        for fd in fds:
+            os.close(fd)
     stdout, stderr = _tail(out_path), _tail(err_path)
     reason = _reason(finished, status, proc.returncode, timeout_s)
     return SandboxResult(reason == "ok", stdout, stderr, reason, proc.returncode, wall_s)
+
+
+def _sandbox_init(info_fd: int, deadline: float) -> int | None:
+    """A pidfd of bwrap's child, the init of the sandbox's PID namespace (the interpreter), from the JSON that bwrap
+    writes on its info fd (None when bwrap failed before writing it). The pidfd is opened while bwrap, its parent,
+    has not reaped it, so the pid cannot have been reused."""
+    data = b""
+    while not data.endswith(b"}\n") and select.select([info_fd], [], [], max(deadline - time.monotonic(), 0))[0]:
+        chunk = os.read(info_fd, 4096)
+        if not chunk:
+            break
+        data += chunk
+    try:
+        return os.pidfd_open(int(json.loads(data)["child-pid"]))
+    except (ValueError, KeyError, TypeError, OSError):
+        return None
+
+
+def _end(proc: subprocess.Popen, init: int | None) -> None:
+    """Kill whatever is left of a run and reap it. The leader is still unreaped here, so its pid and group id
+    cannot have been reused by another process."""
+    if init is None:
+        _kill_session(proc.pid)
+    else:
+        # The sandbox's init first (bwrap --as-pid-1: the interpreter): every process of its namespace dies with it,
+        # its pidfd turns readable only once they all have, and bwrap, its parent, reaps it (no orphan is left
+        # to a host init that might not reap).
+        try:
+            signal.pidfd_send_signal(init, signal.SIGKILL)
+        except OSError:  # exited already
+            pass
+        select.select([init], [], [], 10.0)
+        os.close(init)
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # bwrap itself, should it linger
+        except OSError:
+            pass
+    proc.wait()
+
+
+@functools.lru_cache(maxsize=1)
+def _host_user() -> dict:
+    """Popen's arguments that run bwrap as SANDBOX_UID, when we are root and that user can reach the interpreter:
+    the sandbox's uid is then unprivileged on the host too. Otherwise bwrap runs as we do and maps the sandbox's
+    uid to ours (as root, host uid 0 without capabilities: the read-only mounts and the filter are what stop it).
+    Where unprivileged user namespaces are refused (Ubuntu's AppArmor restriction), bwrap runs as root too."""
+    if os.geteuid() != 0:
+        return {}
+    exe = os.path.realpath(sys.executable)
+    needed = [exe, os.path.dirname(os.path.realpath(os.__file__))]
+    for path in needed:
+        parts = path.split("/")
+        for i in range(2, len(parts)):
+            if not os.stat("/".join(parts[:i])).st_mode & 0o001:  # a directory others cannot search
+                return {}
+        if not os.stat(path).st_mode & 0o004:
+            return {}
+    nobody = {"user": SANDBOX_UID, "group": SANDBOX_UID, "extra_groups": []}
+    return nobody if _probe(nobody).stdout.strip() == "42" else {}
+
+
+@functools.lru_cache(maxsize=1)
+def _interpreter_view() -> tuple[str, ...]:
+    """bwrap arguments that show the interpreter, read-only, at its own paths: the binary, the standard library
+    (site-packages hidden) and the shared objects that the binary and lib-dynload's modules load (from `ldd`; Tk's
+    module and its X11 libraries left out). Each shared object is bound at the path the loader asks for (its
+    soname), so no symlink is needed: a mount each costs ~0.3 ms of every run's start."""
+    exe = os.path.realpath(sys.executable)
+    stdlib = os.path.dirname(os.path.realpath(os.__file__))
+    ldd = shutil.which("ldd")
+    if ldd is None:
+        raise SandboxUnavailable("the sandbox needs `ldd` (Debian package libc-bin) to list the interpreter's "
+                                 f"shared objects; or set {MODE_VARIABLE}=inprocess")
+    modules = [path for path in sorted(glob.glob(os.path.join(stdlib, "lib-dynload", "*.so")))
+               if not os.path.basename(path).startswith("_tkinter")]
+    listing = subprocess.run([ldd, exe, *modules], capture_output=True, text=True, env={"LC_ALL": "C"}).stdout
+    shown = {exe}
+    for line in listing.splitlines():
+        path = line.strip().rpartition(" => ")[2].partition(" (")[0]
+        if path.startswith("/") and os.path.isfile(path):
+            shown.add(path)
+    args = []
+    for name in ("lib", "lib32", "lib64", "libx32", "bin", "sbin"):  # merged-/usr symlinks, kept as they are
+        if os.path.islink("/" + name):
+            args += ["--symlink", os.readlink("/" + name), "/" + name]
+    bound = set()
+    for path in sorted(shown):
+        seen = os.path.join(os.path.realpath(os.path.dirname(path)), os.path.basename(path))
+        if seen not in bound:
+            bound.add(seen)
+            args += ["--ro-bind", os.path.realpath(path), seen]
+    args += ["--ro-bind", stdlib, stdlib]
+    hidden = os.path.join(stdlib, "site-packages")
+    if os.path.isdir(hidden):
+        args += ["--tmpfs", hidden, "--remount-ro", hidden]  # a tmpfs is writable, and sized by half the RAM
+    if os.path.isdir("/usr/lib/locale/C.utf8"):
+        args += ["--ro-bind", "/usr/lib/locale/C.utf8", "/usr/lib/locale/C.utf8"]
+    return tuple(args)
+
+
+@functools.lru_cache(maxsize=1)
+def _bwrap_extra() -> tuple[str, ...]:
+    """Options of newer bwraps (0.8: --disable-userns; seccomp refuses new namespaces anyway), where supported."""
+    usage = subprocess.run([shutil.which("bwrap") or "bwrap", "--help"], capture_output=True, text=True).stdout
+    return ("--disable-userns",) if "--disable-userns" in usage else ()
+
+
+def _bwrap_argv(seccomp_fd: int, info_fd: int, disk_mb: int) -> list[str]:
+    return [shutil.which("bwrap") or "bwrap",
+            "--unshare-user", "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts",
+            "--unshare-cgroup-try", *_bwrap_extra(), "--as-pid-1", "--die-with-parent", "--new-session",
+            "--cap-drop", "ALL",
+            "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID), "--hostname", "sandbox",
+            *_interpreter_view(),
+            # procfs read-only: as root the sandbox's uid is host uid 0 to the kernel's own checks, and some /proc
+            # files (sysctls, sysrq-trigger) check nothing else.
+            "--proc", "/proc", "--remount-ro", "/proc", "--dev", "/dev", "--remount-ro", "/dev",  # no /dev/shm
+            "--size", str(disk_mb << 20), "--perms", "0700", "--tmpfs", SCRATCH, "--chdir", SCRATCH,
+            "--remount-ro", "/", "--seccomp", str(seccomp_fd), "--info-fd", str(info_fd),
+            "--", os.path.realpath(sys.executable)]
 
 
 def _wait_exited(pid: int, deadline: float) -> bool:
@@ -173,7 +400,8 @@ def _kill_session(sid: int) -> None:
     except OSError:
         pass
     # Processes that moved to another group of the same session; one that started a session of its own would
-    # escape, but making one needs a process start, which the hook refuses.
+    # escape, but making one needs a process start, which the hook refuses (in-process mode only: bwrap's PID
+    # namespace holds them all).
     for pid in session_processes(sid):
         if pid != os.getpid():
             try:
@@ -183,10 +411,16 @@ def _kill_session(sid: int) -> None:
 
 
 def _reason(finished: bool, status: str, returncode: int, timeout_s: float) -> str:
+    """The verdict: the status pipe is the program's to write too, so it is read only for BLOCKED_EXIT (its last
+    line, never "ok"), and "ok" is exit 0 alone."""
     if not finished:
         return f"timeout after {timeout_s:g} s"
-    if status:
-        return status.splitlines()[0]
+    if returncode == 0:
+        return "ok"
+    if returncode == BLOCKED_EXIT:
+        lines = [line.strip() for line in status.splitlines() if line.strip()]
+        if lines and lines[-1] != "ok":
+            return lines[-1][:200]
     if returncode < 0:
         names = {signal.SIGXCPU: "cpu time limit", signal.SIGXFSZ: "file size limit"}
         try:
@@ -194,7 +428,7 @@ def _reason(finished: bool, status: str, returncode: int, timeout_s: float) -> s
         except ValueError:
             return f"signal {-returncode}"
         return names.get(sig, f"signal {sig.name}")
-    return "ok" if returncode == 0 else f"exit {returncode}"
+    return f"exit {returncode}"
 
 
 def _tail(path: str) -> str:
@@ -222,7 +456,8 @@ def _remove(path: str) -> None:
 
 # The child's bootstrap, run with `python -I -S -B -c`: kept to modules that are built in or cheap to load, so a
 # run starts in ~10 ms. It is compiled under a file name of its own (the hook knows its functions by it) and takes
-# the arguments: status path, code path, guard (0/1), address-space bytes, CPU seconds, file bytes.
+# the arguments: status fd (write end of a pipe), code fd, guard (0/1), address-space bytes, CPU seconds, file
+# bytes, processes (threads included).
 #
 # The hook runs on every audit event of the untrusted code, so it must not depend on anything that code can
 # change: every name it uses is a default argument bound at definition (builtins and module attributes can be
@@ -378,29 +613,42 @@ def install_guard(root, status):
     sys.addaudithook(hook)
 
 
-def main(status_path, code_path, guard, memory, cpu, fsize):
-    status = posix.open(status_path, posix.O_WRONLY | posix.O_APPEND)
-    with open(code_path, "rb") as f:
-        source = f.read()
+def main(status_fd, code_fd, guard, memory, cpu, fsize, nproc):
+    status, code = int(status_fd), int(code_fd)
+    chunks = []
+    while True:
+        chunk = posix.read(code, 1 << 20)
+        if not chunk:
+            break
+        chunks.append(chunk)
+    posix.close(code)
+    source = b"".join(chunks)
     limit(resource.RLIMIT_AS, int(memory))
     limit(resource.RLIMIT_FSIZE, int(fsize))
     limit(resource.RLIMIT_CORE, 0)
     limit(resource.RLIMIT_NOFILE, 64)
-    limit(resource.RLIMIT_NPROC, 0)
+    limit(resource.RLIMIT_NPROC, int(nproc))
     limit(resource.RLIMIT_CPU, int(cpu), int(cpu) + 1)  # SIGXCPU at the soft limit, SIGKILL at the hard one
-    sys.argv = [code_path]
+    sys.argv = ["program.py"]
     if guard == "1":
         install_guard(posix.getcwd(), status)
     try:
-        # The code's own path as its file name, so that a traceback shows its lines.
-        exec(compile(source, code_path, "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
-    except MemoryError:
-        posix.write(status, b"memory\n")
-        raise
+        exec(compile(source, "program.py", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
+        return
+    except MemoryError as e:
+        reason, error = b"memory\n", e
     except OSError as e:
-        if e.errno == errno.EFBIG:  # Python ignores SIGXFSZ, so RLIMIT_FSIZE shows up as this error
-            posix.write(status, b"file size limit\n")
-        raise
+        if e.errno != errno.EFBIG:  # Python ignores SIGXFSZ, so RLIMIT_FSIZE shows up as this error
+            raise
+        reason, error = b"file size limit\n", e
+    # The reason is believed only with BLOCKED_EXIT (the code can write on the status pipe too).
+    try:
+        sys.excepthook(type(error), error, error.__traceback__)
+        sys.stdout.flush()
+        sys.stderr.flush()
+    finally:
+        posix.write(status, reason)
+        posix._exit(BLOCKED_EXIT)
 
 
 main(*sys.argv[2:])
