@@ -198,13 +198,28 @@ class RL(RolloutStage):
             self.reference = load_frozen(self.cfg.checkpoint.init_from, self.device, self.tokenizer_path,
                                          what="reference model", key="checkpoint.init_from")
 
-    def score(self, groups):
+    def verdicts(self, rollouts) -> list:
+        """Each rollout's Score, every environment's rollouts scored as one batch (`Environment.score_many`: a code
+        environment runs their programs in parallel sandboxes)."""
         from data.envs import get_env
 
+        out = [None] * len(rollouts)
+        by_env: dict[str, list[int]] = {}
+        for i, r in enumerate(rollouts):
+            by_env.setdefault(r.problem.env, []).append(i)
+        for env, idx in by_env.items():
+            scores = get_env(env).score_many([rollouts[i].problem for i in idx],
+                                             [self.template.decode_response(rollouts[i].token_ids) for i in idx])
+            for i, v in zip(idx, scores):
+                out[i] = v
+        return out
+
+    def score(self, groups):
         s = self.stage
+        verdicts = iter(self.verdicts([r for group in groups for r in group]))
         for group in groups:
             for r in group:
-                verdict = get_env(r.problem.env).score(r.problem, self.template.decode_response(r.token_ids))
+                verdict = next(verdicts)
                 r.correct = bool(verdict.correct)
                 r.reward = shaped_reward(float(verdict.reward), r.correct, len(r.token_ids), r.effort,
                                          s.length_penalty, s.max_new_tokens)
@@ -231,7 +246,7 @@ class RL(RolloutStage):
     # -- held-out evaluation -----------------------------------------------------------------------------------------
     def evaluate(self) -> dict[str, float]:
         """Greedy completions of this rank's share of the held-out prompts at each of EVAL_EFFORTS."""
-        from data.envs import get_env, sample_problems
+        from data.envs import sample_problems
 
         s, cfg = self.stage, self.cfg
         problems = sample_problems(list(s.envs), s.num_eval, cfg.trainer.seed + EVAL_SEED_OFFSET,
@@ -239,10 +254,10 @@ class RL(RolloutStage):
         prompts = [(p, e) for e in EVAL_EFFORTS for p in problems]
         groups = self.generate(prompts, 0, temperature=0.0, group_size=1, routing=False)
         sums = []
+        verdicts = self.verdicts([g[0] for g in groups])
         for k, e in enumerate(EVAL_EFFORTS):
             chunk = groups[k * len(problems):(k + 1) * len(problems)]
-            ok = sum(get_env(g[0].problem.env).score(g[0].problem, self.template.decode_response(g[0].token_ids)).correct
-                     for g in chunk)
+            ok = sum(v.correct for v in verdicts[k * len(problems):(k + 1) * len(problems)])
             sums += [float(ok), float(sum(len(g[0].token_ids) for g in chunk)), float(len(chunk))]
         from trainer.parallel.gradients import sum_over_data
 
