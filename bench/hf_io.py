@@ -38,7 +38,7 @@ if step == "export":
     H.export(Path({ckpt!r}), Path({out!r}), cfg, dtype=getattr(torch, {dtype!r}), max_shard_bytes={shard},
              chunk_bytes={chunk})
 elif step == "import":
-    from trainer.import_hf import hf_model_config
+    from trainer.hf_checkpoint import hf_model_config
     H.import_(Path({out!r}), Path({imp!r}), hf_model_config(Path({out!r})), chunk_bytes={chunk})
 wall = time.perf_counter() - t
 hwm = [l for l in open("/proc/self/status") if l.startswith("VmHWM")][0].split()[1]

@@ -330,7 +330,8 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def _world() -> tuple[int, int]:
+def rank_and_world() -> tuple[int, int]:
+    """(rank, world size) of the default process group; (0, 1) without one."""
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
@@ -338,7 +339,7 @@ def _world() -> tuple[int, int]:
 
 def _gather(local: dict) -> dict:
     """The union of every rank's dict (on every rank)."""
-    rank, world = _world()
+    rank, world = rank_and_world()
     if world == 1:
         return local
     parts: list = [None] * world
@@ -349,7 +350,7 @@ def _gather(local: dict) -> dict:
 def file_checksums(path: Path) -> dict[str, dict]:
     """{file name: {size, sha256}} of every file of a checkpoint directory (but the marker), each rank hashing a
     share; every rank of the job must call it."""
-    rank, world = _world()
+    rank, world = rank_and_world()
     names = sorted(f.name for f in Path(path).iterdir() if f.is_file() and f.name != COMPLETE_MARKER)
     mine = {n: {"size": (Path(path) / n).stat().st_size, "sha256": file_sha256(Path(path) / n)}
             for i, n in enumerate(names) if i % world == rank}
@@ -359,7 +360,7 @@ def file_checksums(path: Path) -> dict[str, dict]:
 def verify(path: Path) -> list[str]:
     """What is wrong with a complete checkpoint's files against its marker's checksums ([] = intact, or a
     checkpoint from before checksums). Every rank of the job must call it; all get the same answer."""
-    rank, world = _world()
+    rank, world = rank_and_world()
     recorded = json.loads((Path(path) / COMPLETE_MARKER).read_text()).get("files")
     if recorded is None:
         return []

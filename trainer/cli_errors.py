@@ -90,6 +90,12 @@ def check_config_groups(overrides: Sequence[str], config_dir: Path = CONF_DIR) -
                     raise ValueError(unknown_option_message(group, value, options))
 
 
+def io_message(e: OSError) -> str:
+    """One line for a file the set-up could not read or write (the data, a tokenizer, the run directory)."""
+    where = f" {e.filename}" if e.filename else ""
+    return f"{e.strerror or e}:{where}" if e.strerror else str(e)
+
+
 def one_line(e: Exception) -> str:
     """Any other Hydra or OmegaConf composition error in one line: its message and its cause's (Hydra's "Could not
     override 'x'." wraps OmegaConf's "Key 'x' not in 'Config'"), lines joined, without Hydra's HYDRA_FULL_ERROR hint
@@ -140,8 +146,6 @@ def run_app(config_name: str, schema, run, argv: Sequence[str] | None, doc: str)
         run(compose_app(config_name, schema, argv))
     except (ValueError, OSError) as e:
         if isinstance(e, OSError):
-            from trainer.main import _io_message
-
-            e = _io_message(e)
+            e = io_message(e)
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)

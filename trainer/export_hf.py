@@ -49,22 +49,22 @@ def _world() -> tuple[int, int]:
     """(rank, world size), starting gloo when torchrun launched several processes."""
     import torch.distributed as dist
 
-    from trainer.checkpoint import _world as world_of
+    from trainer.checkpoint import rank_and_world
 
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
         dist.init_process_group("gloo")
-    return world_of()
+    return rank_and_world()
 
 
 def export(cfg: ExportConfig) -> dict:
-    from trainer.engine.loading import _model_from_dict, find_checkpoint, read_marker, run_tokenizer
+    from trainer.engine.loading import model_config_from_dict, find_checkpoint, read_marker, run_tokenizer
     from trainer.hf_checkpoint import export as export_files
 
     path = find_checkpoint(cfg.ckpt)
     marker = read_marker(path)
     if "model" not in marker:
         raise ValueError(f"checkpoint {path} records no model config (format 1): it cannot be exported")
-    model_cfg = _model_from_dict(marker["model"], path)
+    model_cfg = model_config_from_dict(marker["model"], path)
     tokenizer = cfg.tokenizer
     if not tokenizer:
         try:

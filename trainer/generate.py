@@ -475,14 +475,14 @@ def _fail(message: str, code: int) -> None:
 
 
 def _run(dcfg, model_overrides: list[str]) -> None:
-    from trainer.main import _io_message  # the training CLI's one line for a file it could not read or write
+    from trainer.cli_errors import io_message
 
     try:
         code = generate(to_config(dcfg), model_overrides)
     except ValueError as e:
         _fail(str(e), 2)
     except OSError as e:  # a file the run needs or writes (the tokenizer, output)
-        _fail(_io_message(e), 2)
+        _fail(io_message(e), 2)
     if code:
         sys.exit(code)
 

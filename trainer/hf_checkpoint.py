@@ -39,6 +39,7 @@ import torch
 from model import hf_quant
 from model.config import ModelConfig
 from model.hf import cedar_name, dropped_reason, hf_config, hf_tensors, keeps_fp32
+from model.hf import model_config as hf_model_config_keys
 from trainer.checkpoint import row_ranges
 
 log = logging.getLogger(__name__)
@@ -475,6 +476,21 @@ def _cast(files: _Files, name: str, piece: torch.Tensor, dtype: torch.dtype, row
     elif not piece.dtype.is_floating_point:
         raise ValueError(f"{name}: dtype {piece.dtype} is not a format the import reads")
     return piece.to(dtype)
+
+
+def hf_model_config(src: Path):
+    """The ModelConfig of HF directory `src`: its config.json, the Engram tables' dtype from the files."""
+    if not is_hf_dir(src):
+        raise ValueError(f"{src} is not a Hugging Face checkpoint directory (config.json and model.safetensors, or "
+                         "model-*.safetensors with model.safetensors.index.json)")
+    cfg = hf_model_config_keys(json.loads((src / "config.json").read_text()))
+    if cfg.engram.layers:  # the tables' storage dtype: as in the files (fp8 tables dequantise to bf16)
+        where = weight_map(src)
+        name = f"model.layers.{cfg.engram.layers[0]}.engram.embed.weight"
+        if name in where:
+            dtype = "float32" if _Files(src, where).dtype(name) == "F32" else "bfloat16"
+            cfg = dataclasses.replace(cfg, engram=dataclasses.replace(cfg.engram, table_dtype=dtype))
+    return cfg
 
 
 def import_(src: Path, out: Path, cfg: ModelConfig, *, chunk_bytes: int = CHUNK_BYTES, rank: int = 0, world: int = 1,

@@ -8,7 +8,6 @@ DeepSeek-V4.1 checkpoint, a tensor of the wrong shape.
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,29 +34,9 @@ class ImportConfig:
                 raise ValueError(f"{key}= is required: python -m trainer.import_hf src=<HF dir> out=<dir>")
 
 
-def hf_model_config(src: Path):
-    """The ModelConfig of HF directory `src`: its config.json, the Engram tables' dtype from the files."""
-    import dataclasses
-
-    from model.hf import model_config
-    from trainer.hf_checkpoint import _Files, is_hf_dir, weight_map
-
-    if not is_hf_dir(src):
-        raise ValueError(f"{src} is not a Hugging Face checkpoint directory (config.json and model.safetensors, or "
-                         "model-*.safetensors with model.safetensors.index.json)")
-    cfg = model_config(json.loads((src / "config.json").read_text()))
-    if cfg.engram.layers:  # the tables' storage dtype: as in the files (fp8 tables dequantise to bf16)
-        where = weight_map(src)
-        name = f"model.layers.{cfg.engram.layers[0]}.engram.embed.weight"
-        if name in where:
-            dtype = "float32" if _Files(src, where).dtype(name) == "F32" else "bfloat16"
-            cfg = dataclasses.replace(cfg, engram=dataclasses.replace(cfg.engram, table_dtype=dtype))
-    return cfg
-
-
 def import_checkpoint(cfg: ImportConfig) -> Path:
     from trainer.export_hf import _world
-    from trainer.hf_checkpoint import import_
+    from trainer.hf_checkpoint import hf_model_config, import_
 
     src = Path(cfg.src)
     model_cfg = hf_model_config(src)

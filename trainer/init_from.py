@@ -68,9 +68,8 @@ def init_weights_from(ckpt: str, pm: ParallelModel, optimizer: torch.optim.Optim
 def _import_hf_init(src: Path, pm: ParallelModel, optimizer, model_cfg: ModelConfig,
                     checkpointer: Checkpointer) -> Path:
     """checkpoint.init_from=<Hugging Face directory>: its weights as a checkpoint under `<run dir>/hf_init/`."""
-    from trainer.checkpoint import _world, model_config_differences
-    from trainer.hf_checkpoint import import_
-    from trainer.import_hf import hf_model_config
+    from trainer.checkpoint import model_config_differences, rank_and_world
+    from trainer.hf_checkpoint import hf_model_config, import_
 
     if optimizer is not None:
         raise ValueError(f"checkpoint.init_from={src} is a Hugging Face directory: it holds no optimiser state, so "
@@ -84,7 +83,7 @@ def _import_hf_init(src: Path, pm: ParallelModel, optimizer, model_cfg: ModelCon
         shown = "; ".join(f"model.{k}={a!r} there, {b!r} here" for k, a, b in diff[:8])
         raise ValueError(f"checkpoint.init_from={src}: its config.json gives another model: {shown}"
                          + (f" (and {len(diff) - 8} more)" if len(diff) > 8 else ""))
-    rank, world = _world()
+    rank, world = rank_and_world()
     out = checkpointer.root.parent / "hf_init"
     path = import_(src, out, hf_cfg, rank=rank, world=world)
     log.info("checkpoint.init_from: imported the Hugging Face weights of %s as %s", src, path)

@@ -23,7 +23,7 @@ from omegaconf import DictConfig
 
 from trainer import train
 from trainer.checkpoint import CheckpointSaveError
-from trainer.cli_errors import check_config_groups
+from trainer.cli_errors import check_config_groups, io_message
 from trainer.config import register_configs, to_config
 from trainer.run_lock import RunLock
 
@@ -53,12 +53,6 @@ def _fail(message: str, code: int) -> None:
     sys.exit(code)  # SystemExit passes through Hydra untouched: no traceback
 
 
-def _io_message(e: OSError) -> str:
-    """One line for a file the set-up could not read or write (the data, a tokenizer, the run directory)."""
-    where = f" {e.filename}" if e.filename else ""
-    return f"{e.strerror or e}:{where}" if e.strerror else str(e)
-
-
 @hydra.main(config_path="../conf", config_name="config", version_base=None)
 def _run(dcfg: DictConfig) -> None:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
@@ -68,7 +62,7 @@ def _run(dcfg: DictConfig) -> None:
     except ValueError as e:
         _fail(str(e), 2)
     except OSError as e:  # a missing or unreadable file the set-up needs
-        _fail(_io_message(e), 2)
+        _fail(io_message(e), 2)
     try:
         outcome = train.fit(job)
     except train.TrainingDiverged as e:

@@ -38,7 +38,9 @@ import model as model_pkg
 from model.config import ModelConfig
 from model.attention import head_rows
 from optim import LRScheduler, build_optimizer
+from trainer.batch import compute_device, local_chunk, to_device
 from trainer.callbacks import Callbacks, load_callbacks, ordered
+from trainer.canonical_vocab import install_canonical_vocab
 from trainer.checkpoint import Checkpointer, RankLocalState, TrainState
 from trainer.config import Config, ParallelConfig, ParallelDims, StageConfig, TrainerConfig
 from trainer.loss import KindSums, LMLoss, StepTokens, valid_tokens
@@ -150,25 +152,6 @@ def trainable_parameters(module: torch.nn.Module, cfg: ModelConfig) -> list[torc
     """What the pretraining optimiser owns of `module` (a Transformer or a pipeline StageGroup): every parameter,
     or only the indexers in the dense warm-up phase (trainer/stage.py)."""
     return indexer_or_all_parameters(module, cfg)
-
-
-def install_canonical_vocab(model: torch.nn.Module, cfg: ModelConfig, tokenizer_path: str) -> None:
-    """Engram hashes canonical ids (REFERENCE A8): derive the map from the tokenizer the shards were made with.
-    It is a pure function of the tokenizer, so a resumed run recomputes the same map."""
-    if not cfg.engram.layers:
-        return
-    from data.tokenizer import load_tokenizer
-    from model.engram import canonical_vocab_from_tokenizer
-
-    mapping, num_canonical = canonical_vocab_from_tokenizer(load_tokenizer(tokenizer_path), cfg.vocab_size)
-    if num_canonical > cfg.engram.compressed_vocab_size:
-        raise ValueError(
-            f"model.engram.compressed_vocab_size={cfg.engram.compressed_vocab_size} is smaller than the "
-            f"{num_canonical} canonical ids of tokenizer {tokenizer_path}"
-        )
-    hasher = getattr(model, "hasher", None)  # only the first pipeline stage hashes
-    if hasher is not None:
-        hasher.set_canonical_map(mapping)
 
 
 def freeze_all_but(model: torch.nn.Module, trainable: list[torch.nn.Parameter]) -> None:
@@ -405,18 +388,6 @@ def build(cfg: Config, run_dir: Path) -> Job:
     return job
 
 
-def _to_device(batch: dict, device: torch.device):
-    """A loader batch -> (input_ids [B, T], labels [B, T], image_mask [B, T] or None, loss_weights [B, T] or None)
-    on `device`."""
-    mask, weights = batch.get("image_mask"), batch.get("loss_weights")
-    return (
-        batch["input_ids"].to(device, non_blocking=True),
-        batch["labels"].to(device, non_blocking=True),
-        None if mask is None else mask.to(device, non_blocking=True),
-        None if weights is None else weights.to(device, non_blocking=True),
-    )
-
-
 _BATCH_KEYS = ("input_ids", "labels", "image_mask", "loss_weights", "replay_cuts", "routing", "pixel_values", "grids")
 
 
@@ -452,21 +423,6 @@ class MicroBatches:
     kinds: KindSums | None = None  # per row kind, this rank's loss sums and valid tokens (multimodal batches)
 
 
-def _device(pm: ParallelModel) -> torch.device:
-    """The compute device (host-resident Engram rows, parallel.engram_host_memory, are not it)."""
-    devices = [p.device for p in pm.module.parameters()]
-    return next((d for d in devices if d.type != "cpu"), devices[0])
-
-
-def _local_chunk(pm: ParallelModel, *tensors):
-    """This rank's context-parallel chunk of each [B, T] tensor (None passes); the tensors as they are otherwise."""
-    if pm.dims.cp == 1:
-        return tensors
-    from trainer.parallel.context import shard_sequence
-
-    return tuple(None if t is None else shard_sequence(t, pm.meshes.cp) for t in tensors)
-
-
 def step_tokens(pm: ParallelModel, batches: list[dict]) -> StepTokens:
     """The step's loss normalisation (trainer/loss.py): valid labels of the global batch (summed over the ranks that
     read different data: one all-reduce), the ranks the gradient mean runs over (dp x ep x cp), the micro-batches."""
@@ -489,17 +445,17 @@ def forward_backward(pm: ParallelModel, batches: list[dict], autocast_dtype: tor
                          "(tensor parallelism): set trainer.fused_loss=false")
     if pm.pipeline is not None:
         return _pipeline_forward_backward(pm, batches, loss)
-    accum, device = len(batches), _device(pm)
+    accum, device = len(batches), compute_device(pm)
     if pm.loss_parallel:  # the logits are vocab-sharded DTensors: cross-entropy and backward under loss_parallel
         from torch.distributed.tensor.parallel import loss_parallel as loss_context
     else:
         loss_context = contextlib.nullcontext
     loss_sum, aux_sums, tokens = 0.0, {}, 0
     for batch in batches:
-        input_ids, labels, image_mask, weights = _to_device(batch, device)
+        input_ids, labels, image_mask, weights = to_device(batch, device)
         tokens += input_ids.numel()
         seq_len = input_ids.shape[1]
-        input_ids, labels, image_mask, weights = _local_chunk(pm, input_ids, labels, image_mask, weights)
+        input_ids, labels, image_mask, weights = local_chunk(pm, input_ids, labels, image_mask, weights)
         mark_step(pm.module)
         if pm.engram is not None:
             # Row ids depend only on token ids: the rows' exchange goes out before the forward and travels while
@@ -537,8 +493,8 @@ def _pipeline_forward_backward(pm: ParallelModel, batches: list[dict], loss: LML
     """The micro-batches as one [M*B, T] batch through the schedule; the last stage's loss terms reach every
     pipeline rank (Pipeline.step). Row-sharded Engram lookups go unprefetched here: the schedule runs the
     micro-batches' forwards itself, and stages past the first receive their row ids across the cut."""
-    device = _device(pm)
-    parts = [_to_device(batch, device) for batch in batches]
+    device = compute_device(pm)
+    parts = [to_device(batch, device) for batch in batches]
     if any(p[2] is not None for p in parts):
         raise ValueError("pipeline parallelism: these batches carry images (an image mask), which the pipeline's "
                          "schedule does not take; data=multimodal runs with parallel.pp=1")
@@ -548,7 +504,7 @@ def _pipeline_forward_backward(pm: ParallelModel, batches: list[dict], loss: LML
         weights = torch.cat([p[3] if p[3] is not None else torch.ones_like(p[1], dtype=torch.float32)
                              for p in parts])
     tokens, seq_len = input_ids.numel(), input_ids.shape[1]
-    input_ids, labels, weights = _local_chunk(pm, input_ids, labels, weights)
+    input_ids, labels, weights = local_chunk(pm, input_ids, labels, weights)
     pm.pipeline.loss.lm = loss  # the stage's loss computes the last stage's LM term
     pm.pipeline.step(input_ids, labels, weights=weights, tokens=loss.tokens)
     terms, cfg, aux = pm.pipeline.metrics, pm.cfg, {}

@@ -24,7 +24,7 @@ from tests.trainer.harness import env, losses, micro_overrides, run_cli
 from trainer.checkpoint import Checkpointer, model_config_differences
 from trainer.config import CheckpointConfig
 from trainer.hf_checkpoint import INDEX, export, import_
-from trainer.import_hf import hf_model_config
+from trainer.hf_checkpoint import hf_model_config
 
 
 def test_flagship_names_and_shapes_are_the_reference_ones():

@@ -65,7 +65,9 @@ def read_marker(path: Path) -> dict:
     return marker
 
 
-def _model_from_dict(saved: dict, path: Path) -> ModelConfig:
+def model_config_from_dict(saved: dict, path: Path) -> ModelConfig:
+    """The ModelConfig a checkpoint's marker records (`saved`, a dict); ValueError naming `path` if this version
+    cannot read it."""
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
@@ -108,7 +110,7 @@ def model_config(saved: dict | None, chosen: ModelConfig | None, overrides: list
             raise ValueError(f"checkpoint {path} records no model config (saved before format 2): give the one it was "
                              "trained with, model=<option> [model.<key>=<value> ...]")
         return chosen
-    cfg = chosen if chosen is not None else _with_overrides(_model_from_dict(saved, path), overrides)
+    cfg = chosen if chosen is not None else _with_overrides(model_config_from_dict(saved, path), overrides)
     diff = model_config_differences(saved, dataclasses.asdict(cfg))
     if diff:
         shown = "; ".join(f"model.{k}={a!r} there, {b!r} here" for k, a, b in diff)
@@ -158,7 +160,7 @@ def load_model(path: Path, cfg: ModelConfig, device: torch.device, tokenizer_pat
     """The whole model in this process, in eval mode, holding the checkpoint's weights and balancing biases whatever
     layout saved them (the checkpoint's `train.model` entry, read with DCP; the optimiser state is not read)."""
     import model as model_pkg
-    from trainer.train import install_canonical_vocab
+    from trainer.canonical_vocab import install_canonical_vocab
 
     with torch.device("meta"):
         model = model_pkg.build(cfg)

@@ -204,7 +204,9 @@ def reduce_load_counts(model: nn.Module, meshes) -> list[torch.Tensor]:
     return list(counts)
 
 
-def _reduce_over(pm: ParallelModel, values: list[float], mesh_name: str, mean: bool) -> list[float]:
+def reduce_over(pm: ParallelModel, values: list[float], mesh_name: str, mean: bool) -> list[float]:
+    """Per-rank numbers summed (mean: averaged) over the ranks of mesh `mesh_name` (a `Meshes` field, e.g. "data",
+    "dp_ep_cp"); as they are in a single process."""
     if pm.meshes is None or not values:
         return list(values)
     mesh = getattr(pm.meshes, mesh_name)
@@ -220,12 +222,12 @@ def _reduce_over(pm: ParallelModel, values: list[float], mesh_name: str, mean: b
 def mean_over_data(pm: ParallelModel, values: list[float]) -> list[float]:
     """Mean of per-rank numbers over the ranks that see different tokens (dp x ep x cp): the job's loss from each
     rank's mean loss (equal token counts per rank). tp and pp peers hold the same numbers already."""
-    return _reduce_over(pm, values, "dp_ep_cp", mean=True)
+    return reduce_over(pm, values, "dp_ep_cp", mean=True)
 
 
 def sum_over_data(pm: ParallelModel, values: list[float]) -> list[float]:
     """Sum over the ranks that read different batches (dp x ep): per-reader counts such as skipped shards."""
-    return _reduce_over(pm, values, "data", mean=False)
+    return reduce_over(pm, values, "data", mean=False)
 
 
 def full_named_tensors(module: nn.Module, grads: bool = False) -> dict[str, torch.Tensor]:

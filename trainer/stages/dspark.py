@@ -252,12 +252,12 @@ class DSparkStage:
         return []
 
     def bind(self, job) -> None:
-        from trainer.train import _device
+        from trainer.batch import compute_device
 
         self.job = job
         cfg = job.pm.cfg
         init_from = job.checkpointer.info["init_from"]
-        self.backbone, path = load_backbone(init_from, cfg, _device(job.pm), self.tokenizer_path,
+        self.backbone, path = load_backbone(init_from, cfg, compute_device(job.pm), self.tokenizer_path,
                                             key="checkpoint.init_from")
         self.data_rank = job.pm.meshes.data.get_local_rank() if job.pm.meshes is not None else 0
         log.info("dspark: backbone %s (%s, %.1fM parameters frozen); drafter %.1fM parameters", path, cfg.name,
@@ -317,10 +317,11 @@ class DSparkStage:
         step's figures (averaged over data ranks by the trainer)."""
         from model.dspark import acceptance_length, draft_loss, stream_means
         from trainer.parallel.gradients import sum_over_data
-        from trainer.train import MicroBatches, _device
+        from trainer.batch import compute_device
+        from trainer.train import MicroBatches
 
         s, cfg, drafter = self.stage, pm.cfg, pm.module
-        K, device = cfg.dspark.block_size, _device(pm)
+        K, device = cfg.dspark.block_size, compute_device(pm)
         step = self.job.state.step + 1
         autocast = lambda: torch.autocast(device.type, dtype=autocast_dtype or torch.float32,  # noqa: E731
                                           enabled=autocast_dtype is not None)

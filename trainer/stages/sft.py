@@ -44,19 +44,19 @@ def env_samples(envs: list[str], n: int, seed: int, difficulty: list[int], effor
 def eval_lm_loss(job, batches: list[dict]) -> float:
     """Mean cross-entropy over the valid labels of `batches` (this data rank's share of a held-out set), summed over
     every rank that holds different tokens: a scoring forward in eval mode (no balancing counts)."""
-    from trainer.parallel.gradients import _reduce_over
+    from trainer.parallel.gradients import reduce_over
     from trainer.stages.common import whole_logits
-    from trainer.train import _device, _local_chunk, _to_device
+    from trainer.batch import compute_device, local_chunk, to_device
 
     pm = job.pm
-    device, module = _device(pm), pm.module
+    device, module = compute_device(pm), pm.module
     total, count = 0.0, 0.0
     was = module.training
     module.eval()
     try:
         for batch in batches:
-            ids, labels, mask, _ = _to_device(batch, device)
-            ids, labels, mask = _local_chunk(pm, ids, labels, mask)
+            ids, labels, mask, _ = to_device(batch, device)
+            ids, labels, mask = local_chunk(pm, ids, labels, mask)
             with torch.autocast(device.type, dtype=job.rt.autocast_dtype or torch.float32,
                                 enabled=job.rt.autocast_dtype is not None):
                 logits = whole_logits(module(ids, image_mask=mask)).float()
@@ -66,7 +66,7 @@ def eval_lm_loss(job, batches: list[dict]) -> float:
             count += float((labels != -100).sum())
     finally:
         module.train(was)
-    total, count = _reduce_over(pm, [total, count], "dp_ep_cp", mean=False)
+    total, count = reduce_over(pm, [total, count], "dp_ep_cp", mean=False)
     return total / max(count, 1.0)
 
 
