@@ -14,7 +14,7 @@ loader reads DeepSeek-V4-Flash) or `<m>.weight_scale_inv` (V3's); their dtype is
 or uint8 exponent bytes (2^(b - 127)). These conventions are DeepSeek's V3 / V4 ones; the released V4.1 files have not
 been checked against them.
 
-The export (`python -m trainer.export_hf quant=released`) writes the released kinds: the routed experts in FP4, the
+The export (`python -m trainer.cli.export_hf quant=released`) writes the released kinds: the routed experts in FP4, the
 other matrices of the linear layers (`QUANTISED_MATRICES`) in FP8 blocks of 128 x 128, the Engram tables in FP8,
 every scale in ue8m0; the embedding, the head, the router, the compressor's gate, the indexer's head weights, the
 norms and what the reference keeps in fp32 stay unquantised. Scales are powers of two at least amax / max (E4M3's

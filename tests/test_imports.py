@@ -193,7 +193,6 @@ def test_no_library_module_imports_an_entry_point():
     assert bad == []
 
 
-@pytest.mark.xfail(reason="issue 39: in progress", strict=True)
 def test_no_private_name_crosses_modules():
     bad = [f"{i.source}:{i.line} takes {n} from {i.target}" for i in GRAPH.imports if _checked(i.source)
            for n in i.names if _private(n) and i.target != i.source]

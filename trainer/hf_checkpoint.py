@@ -1,5 +1,5 @@
-"""Cedar checkpoints <-> Hugging Face safetensors shards, streaming: `python -m trainer.export_hf` and
-`python -m trainer.import_hf` (and `checkpoint.init_from=<HF dir>`) call `export` and `import_`.
+"""Cedar checkpoints <-> Hugging Face safetensors shards, streaming: `python -m trainer.cli.export_hf` and
+`python -m trainer.cli.import_hf` (and `checkpoint.init_from=<HF dir>`) call `export` and `import_`.
 
 Nothing here holds a whole model, nor a whole large tensor: a tensor moves in pieces of at most `chunk_bytes`
 (default 256 MiB; row ranges, or expert ranges of a stacked expert weight), so host memory stays near two pieces

@@ -316,7 +316,7 @@ def build(cfg: Config, run_dir: Path) -> Job:
     validate_layout(cfg.parallel, model_cfg, seq_len=cfg.data.seq_len, grad_accum=cfg.trainer.grad_accum)
     dims = cfg.parallel.resolve(int(os.environ.get("WORLD_SIZE", "1")))
     rt = setup_runtime(cfg.trainer, cfg.parallel, dims)
-    RunLock.acquire(run_dir, rt.rank)  # held since Hydra's callback when launched through trainer.main
+    RunLock.acquire(run_dir, rt.rank)  # held since Hydra's callback when launched through trainer.cli.main
     data_rank = rt.meshes.data.get_local_rank() if rt.meshes is not None else 0
     loader, tokenizer = stage.batches(cfg, data_rank, dims.data, progress=rt.rank == 0)
     if tokenizer.vocab_size > model_cfg.vocab_size:

@@ -364,7 +364,7 @@ def test_trainer_resumes_with_another_number_of_data_ranks(tmp_path):
     def run(ranks, name, steps, resume=None):
         args = micro_overrides(tmp_path / name, data, "checkpoint.interval=2", f"trainer.max_steps={steps}",
                                "data.num_workers=0", *([f"checkpoint.resume={resume}"] if resume else []))
-        cmd = ([sys.executable, "-m", "trainer.main"] if ranks == 1
+        cmd = ([sys.executable, "-m", "trainer.cli.main"] if ranks == 1
                else ["bash", str(REPO / "launch" / "torchrun.sh"), str(ranks)])
         r = subprocess.run([*cmd, *args], cwd=REPO, env=env(), capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, r.stderr[-3000:]

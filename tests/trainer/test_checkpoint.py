@@ -289,7 +289,7 @@ def test_a_full_disk_during_a_save_is_one_line_and_the_run_resumes(tmp_path, sma
 @pytest.mark.slow
 def test_sigterm_saves_exits_zero_and_resumes_exactly(tmp_path, small_data, reference):
     args = micro_overrides(tmp_path, small_data, *RUN_ARGS)
-    proc = subprocess.Popen([sys.executable, "-m", "trainer.main", *args], cwd=REPO, env=env(),
+    proc = subprocess.Popen([sys.executable, "-m", "trainer.cli.main", *args], cwd=REPO, env=env(),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 300

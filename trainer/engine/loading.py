@@ -85,7 +85,7 @@ def _with_overrides(cfg: ModelConfig, overrides: list[str]) -> ModelConfig:
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    from trainer.cli_errors import one_line
+    from trainer.compose import one_line
 
     node = OmegaConf.structured(cfg)  # typed: a misspelled key or a value of the wrong type fails, named
     for line in overrides:

@@ -1,6 +1,6 @@
 """The wire format of a pipeline cut: which tensors cross the boundary between two stages of
 trainer/parallel/pipeline.py, in which order, shape and dtype (`boundary_slots`, the slot table), how many bytes
-(`boundary_bytes`, which trainer/plan.py also counts), and the encodings some of them cross in: bit-packed masks
+(`boundary_bytes`, which trainer/memory_plan.py also counts), and the encodings some of them cross in: bit-packed masks
 (`pack_bits` / `unpack_bits`) and, on torch < 2.13, float32 carriers of integer tensors (`to_carrier` /
 `from_carrier`). Functions of the config, the cut and the micro-batch shape only; the stage modules that fill and
 read these tuples, and the flag that turns the float wire on, live in trainer/parallel/pipeline.py.

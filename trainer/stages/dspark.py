@@ -1,7 +1,7 @@
 """DSpark drafter training (`stage=dspark`; SPEC 1.6 and 4, REFERENCE B6): the drafter (model/dspark.py) learns the
 frozen backbone's own next-token distributions on the training data.
 
-`python -m trainer.main stage=dspark checkpoint.init_from=<backbone checkpoint or run dir>`:
+`python -m trainer.cli.main stage=dspark checkpoint.init_from=<backbone checkpoint or run dir>`:
 - The backbone is loaded from checkpoint.init_from whole on every rank (trainer/engine/loading.py), in eval mode, every
   parameter with requires_grad off; it is not a submodule of what the trainer builds, trains and saves: the job's
   model is the drafter alone (`build_module`), so the optimiser, the gradient reduction, the router balancing (the
@@ -107,8 +107,8 @@ def load_backbone(ckpt: str, model_cfg, device: torch.device, tokenizer_path: st
     from trainer.stages.common import check_tokenizer
 
     if is_hf_dir(Path(ckpt)):
-        raise ValueError(f"{key}={ckpt} is a Hugging Face directory: import it first (python -m trainer.import_hf) and "
-                         "give the checkpoint it writes")
+        raise ValueError(f"{key}={ckpt} is a Hugging Face directory: import it first (python -m "
+                         "trainer.cli.import_hf) and give the checkpoint it writes")
     try:
         path = find_checkpoint(ckpt)
         marker = read_marker(path)
@@ -197,7 +197,7 @@ class DSparkStage:
                              "backbone's checkpoint or run directory>")
         if is_hf_dir(Path(cfg.checkpoint.init_from)):
             raise ValueError(f"checkpoint.init_from={cfg.checkpoint.init_from} is a Hugging Face directory: import it "
-                             "first (python -m trainer.import_hf) and give the checkpoint it writes")
+                             "first (python -m trainer.cli.import_hf) and give the checkpoint it writes")
         drafter_config(cfg.model)  # the model has a drafter (model.dspark.target_layers), named otherwise
         s = self.stage
         if s.heldout_rows >= cfg.data.batch_size:

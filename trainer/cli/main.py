@@ -1,4 +1,4 @@
-"""Entry point: `python -m trainer.main [hydra overrides]` (console script `cedar-train`).
+"""Entry point: `python -m trainer.cli.main [hydra overrides]` (console script `cedar-train`).
 
 Hydra composes conf/config.yaml against the schemas of trainer/config.py; the composed config becomes
 typed dataclasses (every `__post_init__` check runs), then the job is built and trained. Exit status and output:
@@ -23,7 +23,8 @@ from omegaconf import DictConfig
 
 from trainer import train
 from trainer.checkpoint import CheckpointSaveError
-from trainer.cli_errors import check_config_groups, io_message
+from trainer.cli.app import io_message
+from trainer.compose import CONF_DIR, check_config_groups
 from trainer.config import register_configs, to_config
 from trainer.run_lock import RunLock
 
@@ -53,7 +54,7 @@ def _fail(message: str, code: int) -> None:
     sys.exit(code)  # SystemExit passes through Hydra untouched: no traceback
 
 
-@hydra.main(config_path="../conf", config_name="config", version_base=None)
+@hydra.main(config_path=str(CONF_DIR), config_name="config", version_base=None)
 def _run(dcfg: DictConfig) -> None:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     try:

@@ -1,4 +1,4 @@
-"""`python -m trainer.export_hf ckpt=<checkpoint or run dir> out=<dir> [dtype=bfloat16|float32] [quant=none|released]`: a Cedar checkpoint
+"""`python -m trainer.cli.export_hf ckpt=<checkpoint or run dir> out=<dir> [dtype=bfloat16|float32] [quant=none|released]`: a Cedar checkpoint
 (any parallel layout) as Hugging Face safetensors in the official DeepSeek-V4.1-Flash names, streaming
 (trainer/hf_checkpoint.py; conf/export_hf.yaml lists the keys). Under torchrun every rank writes its share of the
 files. Exit status 2 with one line on stderr for a bad key, a missing or corrupt checkpoint, a file it cannot write.
@@ -6,14 +6,17 @@ files. Exit status 2 with one line on stderr for a bad key, a missing or corrupt
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from config_checks import check_choices, choice_field, positive
+from trainer.cli.app import join_world, run_app
+from trainer.engine.loading import find_checkpoint, model_config_from_dict, read_marker, run_tokenizer
+from trainer.hf_checkpoint import export as export_files
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -41,25 +44,11 @@ class ExportConfig:
         positive("export_hf.chunk_mb", self.chunk_mb)
         for key in ("ckpt", "out"):
             if not getattr(self, key):
-                raise ValueError(f"{key}= is required: python -m trainer.export_hf ckpt=<checkpoint or run dir> "
+                raise ValueError(f"{key}= is required: python -m trainer.cli.export_hf ckpt=<checkpoint or run dir> "
                                  "out=<dir>")
 
 
-def _world() -> tuple[int, int]:
-    """(rank, world size), starting gloo when torchrun launched several processes."""
-    import torch.distributed as dist
-
-    from trainer.checkpoint import rank_and_world
-
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
-        dist.init_process_group("gloo")
-    return rank_and_world()
-
-
 def export(cfg: ExportConfig) -> dict:
-    from trainer.engine.loading import model_config_from_dict, find_checkpoint, read_marker, run_tokenizer
-    from trainer.hf_checkpoint import export as export_files
-
     path = find_checkpoint(cfg.ckpt)
     marker = read_marker(path)
     if "model" not in marker:
@@ -71,14 +60,12 @@ def export(cfg: ExportConfig) -> dict:
             tokenizer = run_tokenizer(path)
         except (ValueError, OSError):
             tokenizer = ""
-    rank, world = _world()
+    rank, world = join_world()
     t0 = time.perf_counter()
     index = export_files(path, Path(cfg.out), model_cfg, dtype=DTYPES[cfg.dtype],
                          max_shard_bytes=int(cfg.max_shard_gb * 1e9), chunk_bytes=cfg.chunk_mb * 2**20, rank=rank,
                          world=world, tokenizer=tokenizer or None, quant=cfg.quant)
     if world > 1:
-        import torch.distributed as dist
-
         dist.barrier()
     if rank == 0:
         files = sorted(set(index["weight_map"].values()))
@@ -89,8 +76,6 @@ def export(cfg: ExportConfig) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from trainer.cli_errors import run_app
-
     run_app("export_hf", ExportConfig, export, argv, __doc__)
 
 

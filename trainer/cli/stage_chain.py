@@ -1,8 +1,8 @@
 """The whole pipeline in one command: pretrain -> SFT -> RL -> on-policy distillation -> the DSpark drafter of the
 distilled model (`make pipeline`).
 
-`python -m trainer.pipeline [--root runs/pipeline] [--scale 1.0] [-- <overrides for every stage>]` runs each
-stage as its own `python -m trainer.main` launch (a run directory per stage under --root), each starting from the
+`python -m trainer.cli.stage_chain [--root runs/pipeline] [--scale 1.0] [-- <overrides for every stage>]` runs each
+stage as its own `python -m trainer.cli.main` launch (a run directory per stage under --root), each starting from the
 previous stage's checkpoint (checkpoint.init_from), and ends with a table of each stage's headline figure and where
 its checkpoint is. Distillation puts the post-trained model into a fresh student: the student starts from the
 pretrained weights and learns, on its own samples, the RL model's distributions (the SFT model itself as the
@@ -21,6 +21,8 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+
+from trainer.checkpoint import is_complete, step_dir_name
 
 STAGES = (
     ("pretrain", ["trainer.max_steps=400"]),
@@ -56,8 +58,6 @@ def headline(stage: str, run: Path) -> tuple[str, str]:
 
 
 def final_checkpoint(run: Path, steps: int) -> Path | None:
-    from trainer.checkpoint import is_complete, step_dir_name
-
     ckpt = run / "checkpoints" / step_dir_name(steps)
     return ckpt if ckpt.is_dir() and is_complete(ckpt) else None
 
@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         elif name == "dspark":
             extra.append(f"checkpoint.init_from={runs['distill']}")
         if final_checkpoint(run, steps) is None:
-            cmd = [sys.executable, "-m", "trainer.main", *overrides, *extra, *args.overrides]
+            cmd = [sys.executable, "-m", "trainer.cli.main", *overrides, *extra, *args.overrides]
             print(f"== {name}: {' '.join(cmd[1:])}", flush=True)
             code = subprocess.call(cmd)
             if code != 0:

@@ -1,4 +1,4 @@
-"""The planner: `python -m trainer.plan model=v41_flash` prints the flagship's figures read off the meta-built model,
+"""The planner: `python -m trainer.cli.plan model=v41_flash` prints the flagship's figures read off the meta-built model,
 within the report's tolerances (backbone 552B +-1%, Engram 196B +-1%, decode-active 16B +-5%, prefill-active 8B
 +-10%, global KV exactly 890 B/token and all of it persistent); a bad override fails with a clear message.
 
@@ -30,11 +30,11 @@ import pytest
 import torch
 
 from tests.helpers import ROOT, load_config
-from trainer.plan import Layout, param_kind, plan_model, stage_parameters
+from trainer.memory_plan import Layout, param_kind, plan_model, stage_parameters
 
 
 def _run(*args):
-    return subprocess.run([sys.executable, "-m", "trainer.plan", *args], cwd=ROOT, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "trainer.cli.plan", *args], cwd=ROOT, capture_output=True, text=True,
                           timeout=120)
 
 
@@ -81,8 +81,8 @@ def test_bad_override_is_reported():
 
 
 def _main(capsys, *args) -> tuple[int, str, str]:
-    """`python -m trainer.plan args` in this process: (exit status, stdout, stderr)."""
-    from trainer.plan import main
+    """`python -m trainer.cli.plan args` in this process: (exit status, stdout, stderr)."""
+    from trainer.cli.plan import main
 
     code = 0
     try:
@@ -97,7 +97,7 @@ def _trainer_refusal(world_size: int, *overrides: str) -> str:
     """What the trainer's build (trainer/train.py) raises for these overrides, from its own functions."""
     from trainer.config import to_config
     from trainer.parallel.apply import validate_layout
-    from trainer.plan import compose
+    from trainer.compose import compose
 
     cfg = to_config(compose(["model=v41_tiny", *overrides]))
     with pytest.raises(ValueError) as e:
@@ -384,7 +384,8 @@ def test_fused_loss_plans_no_logits():
     logits and their gradient, where the plain loss keeps the [tokens, vocab] fp32 logits and log-softmax and works
     on their gradient (v41_small, one rank, 4 x 2048 tokens)."""
     from trainer.fused_loss import default_chunk_tokens
-    from trainer.plan import compose, plan
+    from trainer.compose import compose
+    from trainer.memory_plan import plan
 
     base = ["model=v41_small", "data.seq_len=2048", "data.batch_size=4"]
     plain, fused = (plan(compose(base + extra))["training"]["per_pp_rank"][0]

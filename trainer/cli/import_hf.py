@@ -1,4 +1,4 @@
-"""`python -m trainer.import_hf src=<HF dir> out=<dir>`: Hugging Face safetensors weights in the official
+"""`python -m trainer.cli.import_hf src=<HF dir> out=<dir>`: Hugging Face safetensors weights in the official
 DeepSeek-V4.1-Flash layout as a Cedar checkpoint (`<out>/checkpoints/step_00000000`, weights only) for
 `checkpoint.init_from=<out>`, streaming (trainer/hf_checkpoint.py; conf/import_hf.yaml lists the keys). The model
 config comes from the directory's config.json (model/hf.py `model_config`). Under torchrun every rank reads and
@@ -8,11 +8,14 @@ DeepSeek-V4.1 checkpoint, a tensor of the wrong shape.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from config_checks import check_choices, choice_field, positive
+from trainer.cli.app import join_world, run_app
+from trainer.hf_checkpoint import hf_model_config, import_
 
 
 @dataclass
@@ -31,21 +34,16 @@ class ImportConfig:
         check_choices(self, "import_hf")
         for key in ("src", "out"):
             if not getattr(self, key):
-                raise ValueError(f"{key}= is required: python -m trainer.import_hf src=<HF dir> out=<dir>")
+                raise ValueError(f"{key}= is required: python -m trainer.cli.import_hf src=<HF dir> out=<dir>")
 
 
 def import_checkpoint(cfg: ImportConfig) -> Path:
-    from trainer.export_hf import _world
-    from trainer.hf_checkpoint import hf_model_config, import_
-
     src = Path(cfg.src)
     model_cfg = hf_model_config(src)
     if cfg.table_dtype:
-        import dataclasses
-
         model_cfg = dataclasses.replace(model_cfg, engram=dataclasses.replace(model_cfg.engram,
                                                                               table_dtype=cfg.table_dtype))
-    rank, world = _world()
+    rank, world = join_world()
     t0 = time.perf_counter()
     path = import_(src, Path(cfg.out), model_cfg, chunk_bytes=cfg.chunk_mb * 2**20, rank=rank, world=world)
     if rank == 0:
@@ -55,8 +53,6 @@ def import_checkpoint(cfg: ImportConfig) -> Path:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from trainer.cli_errors import run_app
-
     run_app("import_hf", ImportConfig, import_checkpoint, argv, __doc__)
 
 

@@ -1,9 +1,9 @@
-"""The planner: `python -m trainer.plan [--world-size=N] model=<name> [parallel=<layout>] [data.seq_len=T]
-[data.batch_size=B] [trainer.grad_accum=M] [overrides...]` prints one JSON object: counts read off the model built on
-the meta device (model/accounting.py), and under "training" what one rank of the layout holds and sends per
-optimiser step.
+"""The memory planner behind `python -m trainer.cli.plan [--world-size=N] model=<name> [parallel=<layout>]
+[data.seq_len=T] [data.batch_size=B] [trainer.grad_accum=M] [overrides...]`, which prints one JSON object: counts
+read off the model built on the meta device (model/accounting.py), and under "training" what one rank of the layout
+holds and sends per optimiser step.
 
-Example: `python -m trainer.plan model=v41_flash parallel=flagship_256xh200 data.seq_len=4096 data.batch_size=1
+Example: `python -m trainer.cli.plan model=v41_flash parallel=flagship_256xh200 data.seq_len=4096 data.batch_size=1
 trainer.grad_accum=16` -> params_total, params_backbone, params_engram, params_active_*, kv_bytes_per_token*,
 swa_kv_bytes_per_layer, decode_flops_per_token_*, params_dspark* and params_vision* (the drafter and the image tower,
 not in params_total) and "training": {layout, assumptions, per pipeline rank: memory by term and communication by
@@ -73,40 +73,14 @@ Under activation_checkpoint=full the recomputation repeats every forward collect
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-import sys
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
-
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 
 _GB = 1e9
 _RESERVE = 4e9
 _KINDS = ("embed", "head", "dense", "routed_experts", "engram_tables")
-
-
-def compose(overrides: list[str]):
-    """The job config with Hydra's override syntax, without starting a run. ValueError (one line) for what Hydra
-    refuses: a config group option that does not exist names the group and its options (trainer/cli_errors.py)."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-    from hydra.errors import HydraException, MissingConfigException
-    from omegaconf.errors import OmegaConfBaseException
-
-    from trainer.cli_errors import missing_config_message, one_line
-    from trainer.config import register_configs
-
-    register_configs()
-    try:
-        with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-            return hydra_compose(config_name="config", overrides=overrides)
-    except MissingConfigException as e:
-        raise ValueError(missing_config_message(e)) from None
-    except (HydraException, OmegaConfBaseException) as e:
-        raise ValueError(one_line(e)) from None
 
 
 def _build_meta(model_cfg):
@@ -621,32 +595,3 @@ def plan(node, world_size: int | None = None) -> dict:
     lay = layout_from_config(cfg, dims, cuts, device_memory_gb, world_size_given=world_size is not None)
     out["training"] = plan_training(m, lay)
     return out
-
-
-def _split_world_size(argv: list[str]) -> tuple[int | None, list[str]]:
-    """`--world-size=N` (or `--world-size N`) out of the arguments; the rest are Hydra overrides."""
-    world_size, rest, args = None, [], iter(argv)
-    for a in args:
-        if a == "--world-size" or a.startswith("--world-size="):
-            value = a.partition("=")[2] if "=" in a else next(args, "")
-            if not value.isdigit() or int(value) < 1:
-                raise ValueError(f"--world-size takes a number of processes >= 1, got {value!r}")
-            world_size = int(value)
-        else:
-            rest.append(a)
-    return world_size, rest
-
-
-def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    try:
-        world_size, overrides = _split_world_size(argv)
-        result = plan(compose(overrides), world_size)
-    except ValueError as e:  # the trainer's start-up errors and Hydra's, one line naming the key and the rule
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        sys.exit(2)
-    print(json.dumps(result, indent=2))
-
-
-if __name__ == "__main__":
-    main()

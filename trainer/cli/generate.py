@@ -1,4 +1,4 @@
-"""`python -m trainer.generate ckpt=<checkpoint or run dir> prompt='<text>' max_new_tokens=<n>`: completions from a
+"""`python -m trainer.cli.generate ckpt=<checkpoint or run dir> prompt='<text>' max_new_tokens=<n>`: completions from a
 checkpoint saved under any parallel layout, in one process, through the built-in engine (trainer/engine/).
 
 - The checkpoint. `ckpt` is a checkpoint directory (`<run dir>/checkpoints/step_<N>`), or a run directory (or its
@@ -55,9 +55,11 @@ import torch
 from config_checks import at_least, choice, choice_field, in_range, options, positive
 from model.config import ModelConfig
 from trainer.engine import Completion, Engine, PromptFormat, Request, SamplingParams
+from trainer.cli.app import io_message
+from trainer.compose import CONF_DIR, check_config_groups, compose_node
+from trainer.config import register_configs as register_train_configs
 from trainer.engine.loading import find_checkpoint, load_model, model_config, read_marker, run_tokenizer
 
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 _VERBATIM = ("prompt", "prompt_template")  # free text: quoted for Hydra by `_hydra_arguments`
 
 
@@ -152,8 +154,6 @@ def register_configs() -> None:
     """The schema as `generate_schema` (conf/generate.yaml's first default) and the groups' (`model/schema`)."""
     from hydra.core.config_store import ConfigStore
 
-    from trainer.config import register_configs as register_train_configs
-
     register_train_configs()
     ConfigStore.instance().store(name="generate_schema", node=GenerateConfig)
 
@@ -175,23 +175,9 @@ def to_config(node) -> GenerateConfig:
 
 def compose(overrides: list[str]) -> GenerateConfig:
     """conf/generate.yaml with Hydra's override syntax, without Hydra's runner; ValueError (one line) for what Hydra
-    refuses (trainer/cli_errors.py)."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-    from hydra.errors import HydraException, MissingConfigException
-    from omegaconf.errors import OmegaConfBaseException
-
-    from trainer.cli_errors import missing_config_message, one_line
-
+    refuses (trainer/compose.py)."""
     register_configs()
-    try:
-        with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-            node = hydra_compose(config_name="generate", overrides=overrides)
-    except MissingConfigException as e:
-        raise ValueError(missing_config_message(e)) from None
-    except (HydraException, OmegaConfBaseException) as e:
-        raise ValueError(one_line(e)) from None
-    return to_config(node)
+    return to_config(compose_node("generate", overrides))
 
 
 # -- prompts -----------------------------------------------------------------------------------------------------------
@@ -380,7 +366,7 @@ def _throughput(stats: dict, completions: list[Completion], seconds: float) -> s
 
 
 def generate(cfg: GenerateConfig, model_overrides: Sequence[str] = ()) -> int:
-    """Everything `python -m trainer.generate` does once its config is composed; returns the exit status.
+    """Everything `python -m trainer.cli.generate` does once its config is composed; returns the exit status.
     model_overrides: `model.<key>=<value>` for the checkpoint's config (given without `model=<option>`)."""
     threads = torch.get_num_threads()
     if cfg.num_threads:
@@ -475,8 +461,6 @@ def _fail(message: str, code: int) -> None:
 
 
 def _run(dcfg, model_overrides: list[str]) -> None:
-    from trainer.cli_errors import io_message
-
     try:
         code = generate(to_config(dcfg), model_overrides)
     except ValueError as e:
@@ -489,8 +473,6 @@ def _run(dcfg, model_overrides: list[str]) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     import hydra
-
-    from trainer.cli_errors import check_config_groups
 
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
