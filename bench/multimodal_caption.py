@@ -113,7 +113,7 @@ def main() -> None:
 
     from data.tokenizer import load_tokenizer
     from trainer.checkpoint import complete_checkpoints
-    from trainer.engine.loading import load_model, model_config, read_marker, run_tokenizer
+    from trainer.checkpoint.loading import load_model, model_config, read_marker, run_tokenizer
 
     device = torch.device(args.device)
     ckpts = complete_checkpoints(args.run_dir / "checkpoints")

@@ -63,7 +63,7 @@ def main() -> None:
     from data.chat import ChatTemplate
     from data.sft import measure_padding
     from data.tokenizer import load_tokenizer
-    from trainer.engine.loading import find_checkpoint, run_tokenizer
+    from trainer.checkpoint.loading import find_checkpoint, run_tokenizer
     from trainer.stages.sft import env_samples
 
     template = ChatTemplate(load_tokenizer(run_tokenizer(find_checkpoint(str(root / "sft")))))

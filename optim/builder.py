@@ -84,7 +84,7 @@ def rule_groups(params: list[torch.nn.Parameter], named, cfg: OptimConfig, head_
         _check_fp32(p, name)
     which = assign(names, cfg.rules)
     # One group per rule and variant, in rule order, those this rank holds parameters of (a pipeline stage holds
-    # only some): checkpoints key the Hybrid optimiser's hyperparameters by parameter name (trainer/checkpoint.py).
+    # only some): checkpoints key the Hybrid optimiser's hyperparameters by parameter name (trainer/checkpoint/checkpointer.py).
     groups: dict[tuple, dict] = {}
     for i, rule in enumerate(cfg.rules):
         for variant in _variants(rule, head_rows):

@@ -46,7 +46,7 @@ class Hybrid(torch.optim.Optimizer):
 
     groups_vary_by_layout = True
     """its groups are the rules' with parameters on this rank: checkpoints key them by parameter name
-    (trainer/checkpoint.py)"""
+    (trainer/checkpoint/checkpointer.py)"""
 
     def __init__(self, groups: list[dict], adamw_options: dict | None = None):
         super().__init__(groups, {"lr": 1e-3, "weight_decay": 0.0})

@@ -1,7 +1,8 @@
 """The import graph of the project's own modules stays clean (STYLE.md, "Packages by role").
 
 Built from the source with `ast` (nothing is imported): one node per file, an edge per import of another project
-module, whether at the top of the file or inside a function. Imports under `if TYPE_CHECKING:` are annotations only
+module (and of the packages above it, whose `__init__.py` runs first), whether at the top of the file or inside a
+function. Imports under `if TYPE_CHECKING:` are annotations only
 (a callback's `job: Job`, a job's `callbacks: Callbacks`): they never run, so they form no loop and are left out, as
 OLMo-core's callbacks import their Trainer. Proves, for trainer/ and optim/:
 - no import loop between files;
@@ -48,10 +49,18 @@ class Graph:
     imports: list[Import] = field(default_factory=list)
 
     def edges(self) -> dict[str, set[str]]:
+        """Each import's target and the packages above it that the importer is not in (importing `a.b.c` runs
+        `a/__init__.py` and `a/b/__init__.py` first)."""
         out = {m: set() for m in self.modules}
         for i in self.imports:
-            if not i.type_checking and i.target != i.source:
-                out[i.source].add(i.target)
+            if i.type_checking:
+                continue
+            parts = i.target.split(".")
+            for k in range(1, len(parts) + 1):
+                target = ".".join(parts[:k])
+                own_package = i.source.startswith(target + ".")  # already running when the source runs
+                if target in self.modules and target != i.source and (k == len(parts) or not own_package):
+                    out[i.source].add(target)
         return out
 
 

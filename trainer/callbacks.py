@@ -14,7 +14,7 @@ request; everything else runs in callbacks, at these points, in list order (`Cal
 | on_train_end(job) | the loop ended (finished, stopped or raised) | progress bar closed |
 
 The order (`ordered`): `RouterBalance` (aux-loss-free MoE balancing from the step's expert loads,
-trainer/parallel/gradients.py), then the stage's callbacks (trainer/stage.py) and those named in `trainer.callbacks`
+trainer/parallel/gradients.py), then the stage's callbacks (trainer/stages/base.py) and those named in `trainer.callbacks`
 (import paths "package.module:Class" or "package.module.Class", built without arguments), then `MetricsLog`
 (progress, the metrics file and W&B) and `PeriodicCheckpoint` (checkpoint.interval) last, so that a step's record
 holds what every other callback put in `stats.extra` and a checkpoint holds what they changed.

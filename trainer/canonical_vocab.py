@@ -1,5 +1,5 @@
 """The Engram hasher's canonical vocabulary (REFERENCE A8), derived from the tokenizer a run trains with: the one
-map training (trainer/train.py) and loading a checkpoint (trainer/engine/loading.py) install alike."""
+map training (trainer/train.py) and loading a checkpoint (trainer/checkpoint/loading.py) install alike."""
 
 from __future__ import annotations
 

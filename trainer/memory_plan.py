@@ -177,7 +177,7 @@ def check_layout(node, world_size: int | None = None):
 
     from trainer.config import to_config
     from trainer.parallel.apply import validate_layout
-    from trainer.stage import build_stage
+    from trainer.stages.base import build_stage
     from trainer.train import apply_stage_hooks, check_fused_loss, check_multimodal
 
     plain = OmegaConf.to_container(node, resolve=True)

@@ -35,22 +35,28 @@ import torch
 import torch.distributed as dist
 
 import model as model_pkg
-from model.config import ModelConfig
+from data.multimodal import ROW_KINDS
 from model.attention import head_rows
+from model.config import ModelConfig
 from optim import LRScheduler, build_optimizer
 from trainer.batch import compute_device, local_chunk, to_device
 from trainer.callbacks import Callbacks, load_callbacks, ordered
 from trainer.canonical_vocab import install_canonical_vocab
 from trainer.checkpoint import Checkpointer, RankLocalState, TrainState
+from trainer.checkpoint.hf_io import is_hf_dir
+from trainer.checkpoint.init_from import init_weights_from
+from trainer.checkpoint.loading import find_checkpoint
 from trainer.config import Config, ParallelConfig, ParallelDims, StageConfig, TrainerConfig
 from trainer.loss import KindSums, LMLoss, StepTokens, valid_tokens
 from trainer.metrics import MetricsLogger, device_peak_flops
 from trainer.parallel.apply import ParallelModel, describe, materialize, parallelize, validate_layout
-from trainer.parallel.compile import CUDAGRAPH_MODES, mark_step
+from trainer.parallel.compile import CUDAGRAPH_MODES, compile_blocks, mark_step
+from trainer.parallel.expert import dropped_share
 from trainer.parallel.gradients import clip_grad_norm_, mean_over_data, reduce_gradients, sum_over_data
+from trainer.parallel.mesh import build_mesh
 from trainer.preemption import StopRequest
 from trainer.run_lock import RunLock
-from trainer.stage import Stage, build_stage, indexer_or_all_parameters
+from trainer.stages.base import Stage, build_stage, indexer_or_all_parameters
 
 if TYPE_CHECKING:
     from trainer.parallel.mesh import Meshes
@@ -106,14 +112,13 @@ def setup_runtime(cfg: TrainerConfig, parallel: ParallelConfig, dims: ParallelDi
             # On GPU, gloo beside NCCL: a few small bookkeeping collectives (MoE usage votes, metrics) run on CPU.
             backend = "cuda:nccl,cpu:gloo" if device.type == "cuda" else "gloo"
             dist.init_process_group(backend=backend, timeout=timedelta(seconds=parallel.timeout_s))
-        from trainer.parallel.mesh import build_mesh
 
         meshes = build_mesh(dims, device.type)
     return Runtime(rank, world_size, device, torch.bfloat16 if precision == "bf16" else None, dims, meshes)
 
 
 def apply_stage_hooks(model_cfg: ModelConfig, stage: StageConfig) -> ModelConfig:
-    """The model config the stage trains (its hooks applied: SPEC 2's post-training switches), trainer/stage.py."""
+    """The model config the stage trains (its hooks applied: SPEC 2's post-training switches), trainer/stages/base.py."""
     return build_stage(stage).model_config(model_cfg)
 
 
@@ -140,7 +145,6 @@ def build_model(cfg: ModelConfig, rt: Runtime, parallel: ParallelConfig, seed: i
                          f"{parallel.pp}, trainer.grad_accum={grad_accum}): set trainer.compile_mode=default, or "
                          "grad_accum=1 and dp_replicate / tp / ep / cp only")
     if compile_backend is not None:
-        from trainer.parallel.compile import compile_blocks
 
         compile_blocks(pm.module, compile_backend, mode=compile_mode)
     materialize(pm, rt.device, seed, microbatch_size=batch_size, seq_len=seq_len, grad_accum=grad_accum,
@@ -150,7 +154,7 @@ def build_model(cfg: ModelConfig, rt: Runtime, parallel: ParallelConfig, seed: i
 
 def trainable_parameters(module: torch.nn.Module, cfg: ModelConfig) -> list[torch.nn.Parameter]:
     """What the pretraining optimiser owns of `module` (a Transformer or a pipeline StageGroup): every parameter,
-    or only the indexers in the dense warm-up phase (trainer/stage.py)."""
+    or only the indexers in the dense warm-up phase (trainer/stages/base.py)."""
     return indexer_or_all_parameters(module, cfg)
 
 
@@ -187,7 +191,7 @@ class Job:
     peak_flops: float
     run_dir: Path
     flops_per_token: object  # seq_len -> training FLOPs per token of the whole model (model/accounting.py)
-    stage: Stage  # what is trained, on which batches, with which loss (trainer/stage.py)
+    stage: Stage  # what is trained, on which batches, with which loss (trainer/stages/base.py)
     loss: LMLoss
     callbacks: Callbacks  # trainer/callbacks.py: the built-ins, the stage's, trainer.callbacks'
     batches: object = None  # the live iterator over `loader`
@@ -307,10 +311,8 @@ def build(cfg: Config, run_dir: Path) -> Job:
     model_cfg = stage.model_config(cfg.model)
     check_multimodal(cfg, model_cfg)
     user_callbacks = load_callbacks(cfg.trainer.callbacks)  # a bad import path fails before any process group
-    if hasattr(stage, "check_layout"):  # a stage's own layout rules (RL's rollouts need the whole model), as early
-        stage.check_layout(cfg.parallel)
-    if hasattr(stage, "check"):  # a stage's rules on the rest of the job (dspark needs its backbone), as early
-        stage.check(cfg)
+    stage.check_layout(cfg.parallel)  # a stage's own rules (RL's rollouts need the whole model), as early
+    stage.check(cfg)  # and on the rest of the job (dspark needs its backbone)
     # Every layout rule before any process group exists (the model's first, then the world size): a bad layout
     # fails at once, on every rank alike, naming the key to change.
     validate_layout(cfg.parallel, model_cfg, seq_len=cfg.data.seq_len, grad_accum=cfg.trainer.grad_accum)
@@ -327,15 +329,13 @@ def build(cfg: Config, run_dir: Path) -> Job:
     info = {"model": dataclasses.asdict(model_cfg), "layout": dataclasses.asdict(dims),
             "optim": dataclasses.asdict(cfg.optim), "max_steps": cfg.trainer.max_steps, "stage": cfg.stage.name}
     if cfg.checkpoint.init_from:  # which weights the run started from, in every checkpoint's marker
-        from trainer.engine.loading import find_checkpoint
-        from trainer.hf_checkpoint import is_hf_dir
 
         try:
             init = Path(cfg.checkpoint.init_from)
             info["init_from"] = str((init if is_hf_dir(init) else find_checkpoint(cfg.checkpoint.init_from)).resolve())
         except ValueError as e:
             raise ValueError(f"checkpoint.init_from: {e}".replace("ckpt=", "")) from None
-        if getattr(stage, "reads_init_from", False):  # the stage's frozen model (dspark's backbone), not these weights
+        if stage.reads_init_from:  # the stage's frozen model (dspark's backbone), not these weights
             info["backbone"] = info["init_from"]
     checkpointer = Checkpointer(run_dir / "checkpoints", cfg.checkpoint, rt.rank, info=info)
     resume_from = checkpointer.resume_path()
@@ -344,7 +344,7 @@ def build(cfg: Config, run_dir: Path) -> Job:
     pm = build_model(model_cfg, rt, cfg.parallel, cfg.trainer.seed, batch_size=cfg.data.batch_size,
                      seq_len=cfg.data.seq_len, grad_accum=cfg.trainer.grad_accum,
                      compile_backend=cfg.trainer.compile_backend if cfg.trainer.compile else None,
-                     compile_mode=cfg.trainer.compile_mode, module_fn=getattr(stage, "build_module", None))
+                     compile_mode=cfg.trainer.compile_mode, module_fn=stage.build_module)
     log.info("parallel layout: %s", describe(pm))
     install_canonical_vocab(pm.module, model_cfg, tokenizer.path)
     trainable = stage.trainable_parameters(pm.module, model_cfg)
@@ -356,8 +356,7 @@ def build(cfg: Config, run_dir: Path) -> Job:
     ckpt_states = {"train": state, "rank_local": RankLocalState(loader, rt.rank, data_rank)}
     seed_everything(cfg.trainer.seed + rt.rank)  # anything random after init differs per rank
     metrics = MetricsLogger(run_dir, cfg.logger.wandb, rt.rank, config=dataclasses.asdict(cfg))
-    if resume_from is None and cfg.checkpoint.init_from and not getattr(stage, "reads_init_from", False):
-        from trainer.init_from import init_weights_from
+    if resume_from is None and cfg.checkpoint.init_from and not stage.reads_init_from:
 
         init_weights_from(cfg.checkpoint.init_from, pm, optimizer if cfg.checkpoint.init_optimizer else None,
                           model_cfg, checkpointer)
@@ -370,11 +369,7 @@ def build(cfg: Config, run_dir: Path) -> Job:
         for key, old, new in hyperparameter_changes(marker, state.loaded_hyperparameters, cfg):
             log.info("resume: %s changed from %r (checkpoint) to %r (config); the config's value is used", key, old,
                      new)
-    if hasattr(stage, "flops_per_token"):  # what the stage computes per token (dspark: a forward of the backbone
-        flops_per_token = stage.flops_per_token(model_cfg)  # and the drafter's training on the anchors)
-    else:
-        with torch.device("meta"):  # FLOPs of the whole model, whatever this rank holds of it
-            flops_per_token = model_pkg.build(model_cfg).flops_per_token
+    flops_per_token = stage.flops_per_token(model_cfg)  # dspark: a backbone forward and the drafter's training
     job = Job(
         rt=rt, trainer=cfg.trainer, pm=pm, optimizer=optimizer, scheduler=scheduler, state=state,
         loader=loader, checkpointer=checkpointer, ckpt_states=ckpt_states, metrics=metrics,
@@ -383,8 +378,7 @@ def build(cfg: Config, run_dir: Path) -> Job:
         flops_per_token=flops_per_token, stage=stage, loss=loss,
         callbacks=ordered([*stage.callbacks(), *user_callbacks]),
     )
-    if hasattr(stage, "bind"):  # a stage whose batches need the model (RL's rollouts, a teacher's scores)
-        stage.bind(job)
+    stage.bind(job)  # a stage whose batches need the model (RL's rollouts, a teacher's scores)
     return job
 
 
@@ -479,7 +473,6 @@ def forward_backward(pm: ParallelModel, batches: list[dict], autocast_dtype: tor
         values = {f"aux/{k}": float(v.detach()) for k, v in out.aux.items()}
         values.update({f"aux_metric/{k}": v for k, v in out.metrics.items()})
         if pm.dims.ep > 1:  # the sync-free dispatcher (parallel.ep_capacity_factor > 0) counts what it drops
-            from trainer.parallel.expert import dropped_share
 
             share = dropped_share(pm.module, input_ids.numel())  # this micro-batch's (a recompute writes the same)
             if share is not None:  # the mean over micro-batches and data ranks: the step's share of copies dropped
@@ -561,7 +554,6 @@ def kind_losses(pm: ParallelModel, kinds: KindSums) -> dict[str, float]:
     """{"loss_<kind>": the global token mean of that kind's rows} (data/multimodal.py ROW_KINDS: loss_text,
     loss_multimodal) from this rank's sums (one all-reduce over the data ranks); a kind with no valid token in the
     step's global batch has no entry."""
-    from data.multimodal import ROW_KINDS
 
     k = len(ROW_KINDS)  # = LMLoss.num_kinds, the length of the sums
     values = sum_over_data(pm, [*kinds.loss.tolist(), *kinds.tokens.tolist()])
@@ -590,7 +582,7 @@ def train_loop(job: Job) -> None:
             callbacks.on_step_start(job, step)
             batches = [next(job.batches) for _ in range(cfg.grad_accum)]
             stats = compute_gradients(job.pm, batches, params, max_norm, rt.autocast_dtype, step, job.loss,
-                                      forward=getattr(job.stage, "forward_backward", None))
+                                      forward=job.stage.forward_backward)
             stats.lr = lr
             if stats.finite:
                 callbacks.on_before_optimizer_step(job, step, stats)

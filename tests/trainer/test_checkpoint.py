@@ -32,7 +32,7 @@ import torch
 from optim import LRScheduler, OptimConfig, build_optimizer
 from model.config import ModelConfig
 from tests.trainer.harness import REPO, env, kill_9_when, losses, micro_overrides, read_metrics, run_cli, run_faulty
-from trainer.checkpoint import (
+from trainer.checkpoint.checkpointer import (
     COMPLETE_MARKER, Checkpointer, CheckpointSaveError, CorruptCheckpoint, RankLocalState, TrainState, _rng_state,
     complete_checkpoints, model_config_differences, verify,
 )

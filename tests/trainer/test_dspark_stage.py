@@ -66,7 +66,7 @@ def test_checkpoints_hold_the_drafter_alone_and_name_the_backbone(drafted, backb
     from torch.distributed.checkpoint import FileSystemReader
 
     from trainer.checkpoint import Checkpointer
-    from trainer.engine.loading import find_checkpoint, load_model, model_config, read_marker, run_tokenizer
+    from trainer.checkpoint.loading import find_checkpoint, load_model, model_config, read_marker, run_tokenizer
     from trainer.stages.dspark import load_drafter
 
     ckpt = find_checkpoint(str(drafted))

@@ -1,4 +1,4 @@
-"""Hugging Face checkpoints in and out (model/hf.py, trainer/hf_checkpoint.py, trainer.cli.export_hf / import_hf):
+"""Hugging Face checkpoints in and out (trainer/checkpoint/hf.py, trainer/checkpoint/hf_io.py, trainer.cli.export_hf / import_hf):
 the official names and shapes on the flagship (REFERENCE A11), the config both ways, a bit-exact round trip in
 pieces smaller than a tensor, bad directories refused by name, and a run started from an exported directory
 (checkpoint.init_from=<HF dir>) with the weights of the run it was exported from."""
@@ -18,13 +18,13 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 import model as model_pkg
-from model import hf
+from trainer.checkpoint import hf
 from tests.helpers import ROOT, build_tiny, load_config
 from tests.trainer.harness import env, losses, micro_overrides, run_cli
 from trainer.checkpoint import Checkpointer, model_config_differences
 from trainer.config import CheckpointConfig
-from trainer.hf_checkpoint import INDEX, export, import_
-from trainer.hf_checkpoint import hf_model_config
+from trainer.checkpoint.hf_io import INDEX, export, import_
+from trainer.checkpoint.hf_io import hf_model_config
 
 
 def test_flagship_names_and_shapes_are_the_reference_ones():

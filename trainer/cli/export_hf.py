@@ -1,6 +1,6 @@
 """`python -m trainer.cli.export_hf ckpt=<checkpoint or run dir> out=<dir> [dtype=bfloat16|float32] [quant=none|released]`: a Cedar checkpoint
 (any parallel layout) as Hugging Face safetensors in the official DeepSeek-V4.1-Flash names, streaming
-(trainer/hf_checkpoint.py; conf/export_hf.yaml lists the keys). Under torchrun every rank writes its share of the
+(trainer/checkpoint/hf_io.py; conf/export_hf.yaml lists the keys). Under torchrun every rank writes its share of the
 files. Exit status 2 with one line on stderr for a bad key, a missing or corrupt checkpoint, a file it cannot write.
 """
 
@@ -15,8 +15,8 @@ import torch.distributed as dist
 
 from config_checks import check_choices, choice_field, positive
 from trainer.cli.app import join_world, run_app
-from trainer.engine.loading import find_checkpoint, model_config_from_dict, read_marker, run_tokenizer
-from trainer.hf_checkpoint import export as export_files
+from trainer.checkpoint.loading import find_checkpoint, model_config_from_dict, read_marker, run_tokenizer
+from trainer.checkpoint.hf_io import export as export_files
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -31,7 +31,7 @@ class ExportConfig:
     """bfloat16 (as released) or float32 (bit for bit); mHC parameters, sinks and router biases stay fp32"""
     quant: str = choice_field("none", ("none", "released"))
     """none: every tensor in `dtype`; released: the released checkpoints' quantised formats (routed experts FP4, the
-    linear layers' other matrices FP8 in 128 x 128 blocks, Engram tables FP8; ue8m0 scales; model/hf_quant.py), the
+    linear layers' other matrices FP8 in 128 x 128 blocks, Engram tables FP8; ue8m0 scales; trainer/checkpoint/hf_quant.py), the
     rest in `dtype`"""
     max_shard_gb: float = 5.0
     chunk_mb: int = 256

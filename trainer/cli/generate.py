@@ -3,13 +3,13 @@ checkpoint saved under any parallel layout, in one process, through the built-in
 
 - The checkpoint. `ckpt` is a checkpoint directory (`<run dir>/checkpoints/step_<N>`), or a run directory (or its
   `checkpoints/`): its newest complete checkpoint. It must be complete (its COMPLETE marker) and intact (the sizes and
-  sha256 its marker records: trainer/checkpoint.py `verify`). Only the model part is read, `train.model`: weights and
+  sha256 its marker records: trainer/checkpoint/checkpointer.py `verify`). Only the model part is read, `train.model`: weights and
   MoE balancing biases under the whole model's names, which every layout saves (FSDP, TP and EP shards, pipeline
   stages), so DCP assembles the single process's tensors from whatever the saving ranks wrote. Not the optimiser.
 - The model config is the one the checkpoint records (the marker's `model`: what was trained, stage hooks applied).
   `model.<key>=<value>` applies on top of it and `model=<option>` replaces it, but neither may change a parameter's
   name, shape or dtype: only switches such as the cache's quantisation (`model.quant.cache_main_kv=none`) or the
-  kernels, the keys a resume may change too (trainer/checkpoint.py `RESUMABLE_MODEL_KEYS`). A checkpoint that records
+  kernels, the keys a resume may change too (trainer/checkpoint/checkpointer.py `RESUMABLE_MODEL_KEYS`). A checkpoint that records
   no config (format 1) needs `model=<option>`.
 - The tokenizer: `tokenizer=<tokenizer.json>`, else the training run's, read from its `.hydra/config.yaml`:
   data.tokenizer, or the tokenizer.json next to data.path's shards (checked against the sha256 their meta.json
@@ -58,7 +58,7 @@ from trainer.engine import Completion, Engine, PromptFormat, Request, SamplingPa
 from trainer.cli.app import io_message
 from trainer.compose import CONF_DIR, check_config_groups, compose_node
 from trainer.config import register_configs as register_train_configs
-from trainer.engine.loading import find_checkpoint, load_model, model_config, read_marker, run_tokenizer
+from trainer.checkpoint.loading import find_checkpoint, load_model, model_config, read_marker, run_tokenizer
 
 _VERBATIM = ("prompt", "prompt_template")  # free text: quoted for Hydra by `_hydra_arguments`
 

@@ -1,7 +1,7 @@
 """`python -m trainer.cli.import_hf src=<HF dir> out=<dir>`: Hugging Face safetensors weights in the official
 DeepSeek-V4.1-Flash layout as a Cedar checkpoint (`<out>/checkpoints/step_00000000`, weights only) for
-`checkpoint.init_from=<out>`, streaming (trainer/hf_checkpoint.py; conf/import_hf.yaml lists the keys). The model
-config comes from the directory's config.json (model/hf.py `model_config`). Under torchrun every rank reads and
+`checkpoint.init_from=<out>`, streaming (trainer/checkpoint/hf_io.py; conf/import_hf.yaml lists the keys). The model
+config comes from the directory's config.json (trainer/checkpoint/hf.py `model_config`). Under torchrun every rank reads and
 writes its share of the tensors. Exit status 2 with one line on stderr for a bad key, a directory that is not a
 DeepSeek-V4.1 checkpoint, a tensor of the wrong shape.
 """
@@ -15,7 +15,7 @@ from pathlib import Path
 
 from config_checks import check_choices, choice_field, positive
 from trainer.cli.app import join_world, run_app
-from trainer.hf_checkpoint import hf_model_config, import_
+from trainer.checkpoint.hf_io import hf_model_config, import_
 
 
 @dataclass

@@ -1,2 +1,2 @@
 """The post-training stages (SPEC 2): SFT, RL on verifiable environments, on-policy distillation, on the
-trainer/stage.py seam. `config.py` holds their schemas."""
+trainer/stages/base.py seam. `config.py` holds their schemas."""

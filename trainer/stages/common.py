@@ -2,7 +2,7 @@
 held-out prompts, and the forwards that score sequences without training.
 
 The tokenizer of a post-training run is the one its starting weights were trained with (checkpoint.init_from's run,
-trainer/engine/loading.py `run_tokenizer`), else data.path's (prepared as for pretraining). The chat template
+trainer/checkpoint/loading.py `run_tokenizer`), else data.path's (prepared as for pretraining). The chat template
 (data/chat.py) adds its role and effort markers when the tokenizer lacks them; the model's vocabulary must cover
 the result.
 """
@@ -34,9 +34,9 @@ def stage_tokenizer(cfg, *, progress: bool = False):
 
     path = None
     if cfg.checkpoint.init_from:
-        from trainer.engine.loading import find_checkpoint, run_tokenizer
+        from trainer.checkpoint.loading import find_checkpoint, run_tokenizer
 
-        from trainer.hf_checkpoint import is_hf_dir
+        from trainer.checkpoint.hf_io import is_hf_dir
 
         hf = Path(cfg.checkpoint.init_from)
         try:
@@ -66,7 +66,7 @@ def load_frozen(ref, device: torch.device, tokenizer_path: str, *, what: str, ke
     from omegaconf import OmegaConf
 
     from model.config import ModelConfig
-    from trainer.engine.loading import find_checkpoint, load_model, model_config, read_marker
+    from trainer.checkpoint.loading import find_checkpoint, load_model, model_config, read_marker
 
     ckpt, model_name = (ref, "") if isinstance(ref, (str, Path)) else (ref.ckpt, ref.model)
     try:
@@ -96,7 +96,7 @@ def check_tokenizer(path: Path, tokenizer_path: str, *, key: str, what: str, why
     """Refuse, naming `key`, checkpoint `path` when its run trained with another tokenizer than `tokenizer_path`
     (another file whose bytes differ; a run whose tokenizer cannot be found is not refused). why: what would go
     wrong, for the message."""
-    from trainer.engine.loading import run_tokenizer
+    from trainer.checkpoint.loading import run_tokenizer
 
     try:
         theirs = run_tokenizer(path)

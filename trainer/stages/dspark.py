@@ -2,7 +2,7 @@
 frozen backbone's own next-token distributions on the training data.
 
 `python -m trainer.cli.main stage=dspark checkpoint.init_from=<backbone checkpoint or run dir>`:
-- The backbone is loaded from checkpoint.init_from whole on every rank (trainer/engine/loading.py), in eval mode, every
+- The backbone is loaded from checkpoint.init_from whole on every rank (trainer/checkpoint/loading.py), in eval mode, every
   parameter with requires_grad off; it is not a submodule of what the trainer builds, trains and saves: the job's
   model is the drafter alone (`build_module`), so the optimiser, the gradient reduction, the router balancing (the
   drafter's own MoE) and every checkpoint see only the drafter. Checkpoints record the backbone's checkpoint in
@@ -39,6 +39,7 @@ from pathlib import Path
 import torch
 
 from trainer.loss import IGNORE_INDEX, LMLoss
+from trainer.stages.base import Stage
 
 log = logging.getLogger(__name__)
 
@@ -102,8 +103,8 @@ def load_backbone(ckpt: str, model_cfg, device: torch.device, tokenizer_path: st
     """(the frozen backbone in eval mode, its checkpoint path). The checkpoint must hold `model_cfg`'s parameters
     (keys that change no parameter, e.g. the stage's fake-quant hooks, may differ: `model_cfg` is what runs), and
     with `tokenizer_path` have been trained with that tokenizer."""
-    from trainer.engine.loading import find_checkpoint, load_model, model_config, read_marker
-    from trainer.hf_checkpoint import is_hf_dir
+    from trainer.checkpoint.loading import find_checkpoint, load_model, model_config, read_marker
+    from trainer.checkpoint.hf_io import is_hf_dir
     from trainer.stages.common import check_tokenizer
 
     if is_hf_dir(Path(ckpt)):
@@ -127,7 +128,7 @@ def load_backbone(ckpt: str, model_cfg, device: torch.device, tokenizer_path: st
 
 
 def _tokenizer_or_none(path: Path) -> str | None:
-    from trainer.engine.loading import run_tokenizer
+    from trainer.checkpoint.loading import run_tokenizer
 
     try:
         return run_tokenizer(path)
@@ -139,7 +140,7 @@ def load_drafter(ckpt: str, device: torch.device, *, backbone: str | None = None
     """A DSpark run's checkpoint (or run directory: its newest) in this process for generation -> (the backbone,
     the drafter), both in eval mode. The backbone is the checkpoint the drafter was trained on (its marker's
     `backbone`), or `backbone` (a checkpoint of the same model, e.g. one moved elsewhere)."""
-    from trainer.engine.loading import find_checkpoint, model_config, read_marker
+    from trainer.checkpoint.loading import find_checkpoint, model_config, read_marker
 
     path = find_checkpoint(ckpt)
     marker = read_marker(path)
@@ -162,7 +163,7 @@ def load_drafter_weights(ckpt, model_cfg, device: torch.device):
     """The drafter of a DSpark run's checkpoint (or run directory) for a backbone of `model_cfg` (the checkpoint must
     have been trained on that model: keys that change no parameter may differ), in eval mode."""
     from model.dspark import DSpark
-    from trainer.engine.loading import find_checkpoint, model_config, read_marker, read_model_state
+    from trainer.checkpoint.loading import find_checkpoint, model_config, read_marker, read_model_state
 
     path = find_checkpoint(str(ckpt))
     marker = read_marker(path)
@@ -175,7 +176,7 @@ def load_drafter_weights(ckpt, model_cfg, device: torch.device):
     return drafter.eval()
 
 
-class DSparkStage:
+class DSparkStage(Stage):
     """`stage=dspark` (see the module docstring)."""
 
     name = "dspark"
@@ -190,7 +191,7 @@ class DSparkStage:
     # -- the set-up ----------------------------------------------------------------------------------------------------
     def check(self, cfg) -> None:
         from model.dspark import drafter_config
-        from trainer.hf_checkpoint import is_hf_dir
+        from trainer.checkpoint.hf_io import is_hf_dir
 
         if not cfg.checkpoint.init_from:
             raise ValueError("stage=dspark trains the drafter of a frozen backbone: set checkpoint.init_from=<the "
@@ -222,11 +223,6 @@ class DSparkStage:
                 raise ValueError("stage=dspark runs under data parallelism (parallel.dp_replicate, parallel.dp_shard): "
                                  f"parallel.{key}={getattr(parallel, key)} is not wired for the drafter (the backbone "
                                  "is whole on every rank)")
-
-    def model_config(self, cfg):
-        from trainer.stage import apply_model_hooks
-
-        return apply_model_hooks(self.stage, cfg)
 
     def build_module(self, cfg):
         from model.dspark import DSpark

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from trainer.callbacks import Callback
-from trainer.stage import apply_model_hooks, indexer_or_all_parameters
+from trainer.stages.base import Stage
 from trainer.stages.rollout import Rollout, RolloutBatches, draw_prompts, engine_replay, generate_groups, prompt_seed
 
 log = logging.getLogger(__name__)
@@ -57,7 +57,7 @@ def group_advantages(rewards: list[float], norm: str) -> list[float]:
     return [(r - mean) / (std + 1e-6) for r in rewards]
 
 
-class RolloutStage:
+class RolloutStage(Stage):
     """What RL and distillation share: the rollout loader, the engine, the loss, the per-step metrics."""
 
     name = "rollout"
@@ -66,9 +66,6 @@ class RolloutStage:
     def __init__(self, stage):
         self.stage = stage
         self.job = self.engine = self.loader = None
-
-    def model_config(self, cfg):
-        return apply_model_hooks(self.stage, cfg)
 
     def batches(self, cfg, data_rank: int, data_ranks: int, *, progress: bool = False):
         from trainer.stages.common import stage_tokenizer
@@ -103,9 +100,6 @@ class RolloutStage:
         self.job = job
         self.device = next(job.pm.module.parameters()).device
         self.engine = Engine(job.pm, max_batch=self.stage.max_batch, max_len=self.cfg.data.seq_len, replay=self.replay)
-
-    def trainable_parameters(self, module, cfg):
-        return indexer_or_all_parameters(module, cfg)
 
     def loss(self):
         from trainer.stages.grpo import PolicyLoss

@@ -18,7 +18,7 @@ import random
 import torch
 
 from trainer.callbacks import Callback
-from trainer.stage import apply_model_hooks, indexer_or_all_parameters, with_replay_cuts
+from trainer.stages.base import Stage, with_replay_cuts
 
 log = logging.getLogger(__name__)
 
@@ -100,16 +100,13 @@ class HeldOutLoss(Callback):
             self._eval(job, step)
 
 
-class SFT:
+class SFT(Stage):
     name = "sft"
 
     def __init__(self, stage):
         self.stage = stage
         self.held_out_batches: list[dict] = []
         self.skipped: dict[str, int] = {}
-
-    def model_config(self, cfg):
-        return apply_model_hooks(self.stage, cfg)
 
     def samples(self, cfg, template) -> tuple[list[dict] | str, list[dict]]:
         """(the training samples or their source, the held-out samples)."""
@@ -145,9 +142,6 @@ class SFT:
         from trainer.loss import LMLoss
 
         return LMLoss()
-
-    def trainable_parameters(self, module, cfg):
-        return indexer_or_all_parameters(module, cfg)
 
     def callbacks(self):
         return [HeldOutLoss(self)]

@@ -113,7 +113,7 @@ def row_ranges(shape, itemsize: int, max_bytes: int, multiple: int = 1) -> list[
 class PieceSavePlanner(DefaultSavePlanner):
     """DCP's default save plan with every tensor item above `piece_bytes` split into row ranges (dim 0) of at most
     that size. DCP reads a stored item whole before it narrows it to what a load asks for, so pieces bound the host
-    memory of any partial read: a resharded resume, the Hugging Face export (trainer/hf_checkpoint.py), which reads
+    memory of any partial read: a resharded resume, the Hugging Face export (trainer/checkpoint/hf_io.py), which reads
     a tensor a piece at a time. A piece is written as its own copy (DCP clones a view before writing it), so saving
     holds at most a piece more than the tensors themselves. The checkpoint's metadata lists a tensor's pieces as its
     chunks, as it lists a sharded tensor's shards; every layout loads it."""
@@ -508,7 +508,7 @@ class Checkpointer:
     def save(self, step: int, states: dict, extra: dict | None = None, planner=None,
              file_per_item: bool = False, wait: bool = True) -> Path | None:
         """Write `states` as checkpoint `step` (every rank); `extra` joins `info` in the marker; `planner`: DCP's
-        save planner (default DCP's; trainer/hf_checkpoint.py's import gives one that reads its tensors lazily);
+        save planner (default DCP's; trainer/checkpoint/hf_io.py's import gives one that reads its tensors lazily);
         `file_per_item`: a file per tensor piece instead of one per rank (DCP's writer keeps every tensor of a file
         alive until the file is closed, so a lazy planner's pieces would otherwise all be in memory at the end).
         With checkpoint.async_save and wait=False the states are copied (staged) and the files written by a
