@@ -20,8 +20,6 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import pytest
-
 REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("trainer", "model", "data", "optim", "kernels")
 TOP_MODULES = ("config_checks",)
@@ -208,7 +206,6 @@ def test_no_private_name_crosses_modules():
     assert bad == []
 
 
-@pytest.mark.xfail(reason="issue 39: in progress", strict=True)
 def test_imports_inside_functions_are_few_and_say_why():
     inside = [i for i in GRAPH.imports if _checked(i.source) and i.in_function and not i.type_checking]
     assert len(inside) <= MAX_IN_FUNCTION, "\n".join(f"{i.source}:{i.line}: {i.text.strip()}" for i in inside)

@@ -15,6 +15,7 @@ from typing import Any, List, Optional
 
 from config_checks import at_least, check_choices, choice_field, positive
 from data.config import DataConfig
+from data.multimodal import MultimodalDataConfig
 from model.config import ModelConfig
 from optim.config import OptimConfig
 from trainer.stages.config import STAGE_SCHEMAS, StageConfig
@@ -347,7 +348,6 @@ def register_configs() -> None:
         cs.store(group=group, name="schema", node=node)
     for name, node in STAGE_SCHEMAS.items():  # conf/stage/<name>.yaml: defaults [<name>_schema, _self_]
         cs.store(group="stage", name=f"{name}_schema", node=node)
-    from data.multimodal import MultimodalDataConfig
 
     cs.store(group="data", name="multimodal_schema", node=MultimodalDataConfig)  # conf/data/multimodal.yaml
 
@@ -374,7 +374,6 @@ def to_config(node) -> Config:
         stage = plain.pop("stage", None) or {}
         data = plain.get("data") or {}
         if "multimodal" in data:  # conf/data/multimodal.yaml: the data section against its own schema
-            from data.multimodal import MultimodalDataConfig
 
             plain.pop("data")
         merged = OmegaConf.merge(OmegaConf.structured(Config), plain)

@@ -78,22 +78,32 @@ from dataclasses import dataclass, field
 
 import torch
 
+import model as model_pkg
+from model import accounting
+from model.attention import head_rows
+from model.parallelize import tp_shard_dims
+from optim.hybrid import CHUNK
+from optim.rules import assign, rows_per_head
+from trainer.config import to_config
+from trainer.fused_loss import default_chunk_tokens
+from trainer.parallel.apply import validate_layout
+from trainer.parallel.pipeline import split_points, stage_ids_for_rank
+from trainer.parallel.pipeline_wire import boundary_slots
+from trainer.stages.base import build_stage
+from trainer.train import apply_stage_hooks, check_fused_loss, check_multimodal
+
 _GB = 1e9
 _RESERVE = 4e9
 _KINDS = ("embed", "head", "dense", "routed_experts", "engram_tables")
 
 
 def _build_meta(model_cfg):
-    import model as model_pkg
-
     cfg = model_pkg.to_model_config(model_cfg)
     with torch.device("meta"):
         return model_pkg.build(cfg)
 
 
 def plan_model(model_cfg) -> dict:
-    from model import accounting
-
     m = _build_meta(model_cfg)
     out = {"model": m.cfg.name}
     out.update(accounting.summary(m))
@@ -175,11 +185,6 @@ def check_layout(node, world_size: int | None = None):
     key, not the trainer's, so it is taken out before the schema sees it."""
     from omegaconf import OmegaConf
 
-    from trainer.config import to_config
-    from trainer.parallel.apply import validate_layout
-    from trainer.stages.base import build_stage
-    from trainer.train import apply_stage_hooks, check_fused_loss, check_multimodal
-
     plain = OmegaConf.to_container(node, resolve=True)
     device_memory_gb = float(plain.get("parallel", {}).pop("device_memory_gb", 141))
     cfg = to_config(OmegaConf.create(plain))
@@ -196,8 +201,6 @@ def check_layout(node, world_size: int | None = None):
 
 
 def _stage_bounds(model, lay: Layout) -> list[int]:
-    from trainer.parallel.pipeline import split_points
-
     num_stages = lay.pp * lay.pp_virtual
     cuts = lay.pp_cuts or (split_points(model.plan, num_stages) if num_stages > 1 else [])
     if len(cuts) != num_stages - 1:
@@ -206,8 +209,6 @@ def _stage_bounds(model, lay: Layout) -> list[int]:
 
 
 def _rank_stages(lay: Layout) -> list[list[int]]:
-    from trainer.parallel.pipeline import stage_ids_for_rank
-
     return [stage_ids_for_rank(r, lay.pp, lay.pp_virtual, lay.pp_schedule) for r in range(lay.pp)]
 
 
@@ -252,11 +253,6 @@ def _stage_of(name: str, bounds: list[int]) -> int:
 def stage_parameters(model, lay: Layout, bounds: list[int]) -> list[dict[str, dict[str, int]]]:
     """Per pipeline stage and kind: {"numel": local elements, "bytes": in the parameters' dtypes,
     "low_precision_numel": elements not stored in fp32 (they get an fp32 master copy)}."""
-    from model.parallelize import tp_shard_dims
-
-    from model.attention import head_rows
-    from optim.rules import assign, rows_per_head
-
     out = [{k: {"numel": 0, "bytes": 0, "low_precision_numel": 0, "momentum_numel": 0, "owner_numel": 0,
                 "largest_sinkhorn_numel": 0, "largest_owned_numel": 0} for k in _KINDS} for _ in range(len(bounds) - 1)]
     tp_dims = tp_shard_dims(model)
@@ -316,8 +312,6 @@ def _kv_context_bytes(model, layers: range, lay: Layout, tokens: int) -> float:
 
 
 def _stage_memory(model, lay: Layout, bounds: list[int], stage: int) -> dict:
-    from model import accounting
-
     cfg = model.cfg
     tokens = lay.batch_size * lay.seq_len // lay.cp  # this rank's tokens per micro-batch
     layers = range(bounds[stage], bounds[stage + 1])
@@ -334,8 +328,6 @@ def _stage_memory(model, lay: Layout, bounds: list[int], stage: int) -> dict:
     is_last = stage == len(bounds) - 2
     vocab = cfg.vocab_size / lay.tp
     if is_last and lay.fused_loss:
-        from trainer.fused_loss import default_chunk_tokens
-
         # kept: the per-token log-sum-exp; in flight: one chunk's fp32 logits and their gradient (the backward forms
         # the chunk's logits again); the [tokens, vocab] logits never exist
         saved += 4 * tokens
@@ -352,7 +344,6 @@ def _stage_memory(model, lay: Layout, bounds: list[int], stage: int) -> dict:
     working = grads_of_layer + transient + head
     if lay.dp_shard > 1:
         # FSDP2 holds a block's unsharded (fp32) parameters while it runs, and prefetches the next block's.
-        from model.parallelize import tp_shard_dims
 
         whole, tp_dims = dataclasses.replace(lay, dp_shard=1), tp_shard_dims(model)
         blocks = [sum(local_numel(f"layers.{i}.{n}", tuple(p.shape), whole, tp_dims) * p.element_size()
@@ -391,7 +382,6 @@ def rank_memory(model, lay: Layout, bounds: list[int], params: list[dict], stage
     # a chunk of Muon updates (fp32 Nesterov update + bf16 stacked blocks, iterate and result: 10 B a value), an
     # owner's whole gathered matrix (the same), a Sinkhorn table's touched rows, all of them at worst (gradient,
     # momentum and update rows, their squares, the balanced and the new rows: 24 B a value)
-    from optim.hybrid import CHUNK
 
     def _largest(key: str) -> int:
         return max((params[s][k][key] for s in stages for k in _KINDS), default=0)
@@ -437,8 +427,6 @@ def _ring(size: int) -> float:
 
 def rank_communication(model, lay: Layout, bounds: list[int], params: list[dict], stages: list[int]) -> dict:
     """Bytes pipeline rank `stages`' ranks send per optimiser step, by dimension (see the module docstring)."""
-    from trainer.parallel.pipeline_wire import boundary_slots
-
     cfg = model.cfg
     M, B = lay.grad_accum, lay.batch_size
     N = B * lay.seq_len // lay.cp
@@ -584,8 +572,6 @@ def plan_training(model, lay: Layout) -> dict:
 def plan(node, world_size: int | None = None) -> dict:
     """Model counts plus the training plan of the composed config `node`, after the trainer's own start-up checks
     (`check_layout`): a layout the trainer refuses raises its ValueError instead of being planned."""
-    from model import accounting
-
     cfg, model_cfg, dims, cuts, device_memory_gb = check_layout(node, world_size)
     m = _build_meta(model_cfg)
     out = {"model": m.cfg.name}

@@ -554,7 +554,6 @@ def kind_losses(pm: ParallelModel, kinds: KindSums) -> dict[str, float]:
     """{"loss_<kind>": the global token mean of that kind's rows} (data/multimodal.py ROW_KINDS: loss_text,
     loss_multimodal) from this rank's sums (one all-reduce over the data ranks); a kind with no valid token in the
     step's global batch has no entry."""
-
     k = len(ROW_KINDS)  # = LMLoss.num_kinds, the length of the sums
     values = sum_over_data(pm, [*kinds.loss.tolist(), *kinds.tokens.tolist()])
     return {f"loss_{name}": values[i] / values[k + i] for i, name in enumerate(ROW_KINDS) if values[k + i] > 0}

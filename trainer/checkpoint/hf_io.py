@@ -82,7 +82,6 @@ def _model_shapes(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...], torch.dt
     in state-dict order, from a model on the meta device (no memory). Not the vision tower (`vision.*`): its names in
     the released files are not known here (issue 20), so an export is the text model and an import drops the
     released files' tower (trainer/checkpoint/hf.py)."""
-
     with torch.device("meta"):
         m = model_pkg.build(cfg)
     return [(k, tuple(v.shape), v.dtype) for k, v in m.state_dict().items() if not k.startswith("vision.")]

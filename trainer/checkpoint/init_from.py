@@ -66,7 +66,6 @@ def init_weights_from(ckpt: str, pm: ParallelModel, optimizer: torch.optim.Optim
 def _import_hf_init(src: Path, pm: ParallelModel, optimizer, model_cfg: ModelConfig,
                     checkpointer: Checkpointer) -> Path:
     """checkpoint.init_from=<Hugging Face directory>: its weights as a checkpoint under `<run dir>/hf_init/`."""
-
     if optimizer is not None:
         raise ValueError(f"checkpoint.init_from={src} is a Hugging Face directory: it holds no optimiser state, so "
                          "checkpoint.init_optimizer=true cannot apply; set checkpoint.init_optimizer=false")

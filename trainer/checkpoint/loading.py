@@ -40,7 +40,6 @@ __all__ = ["find_checkpoint", "read_marker", "model_config", "run_tokenizer", "l
 # -- the checkpoint and its model config -------------------------------------------------------------------------------
 def find_checkpoint(ckpt: str) -> Path:
     """The checkpoint `ckpt` names: itself, or the newest complete one of a run directory (or of its checkpoints/)."""
-
     path = Path(ckpt)
     if not path.is_dir():
         raise ValueError(f"ckpt={ckpt!r} {'is not a directory' if path.exists() else 'does not exist'}")
@@ -62,7 +61,6 @@ def find_checkpoint(ckpt: str) -> Path:
 
 def read_marker(path: Path) -> dict:
     """The checkpoint's marker, checked: every file it lists is there, with its size and sha256."""
-
     try:
         marker = Checkpointer.marker(path)
     except (OSError, ValueError) as e:
@@ -111,7 +109,6 @@ def model_config(saved: dict | None, chosen: ModelConfig | None, overrides: list
     """The config to build: the checkpoint's (`saved`) with `overrides` on top, or `chosen` (`model=<option>`, composed
     by Hydra) instead. ValueError when either changes a parameter, or when the checkpoint records none and no
     option is chosen."""
-
     if saved is None:
         if chosen is None:
             raise ValueError(f"checkpoint {path} records no model config (saved before format 2): give the one it was "
@@ -164,7 +161,6 @@ def run_tokenizer(ckpt: Path) -> str:
 def load_model(path: Path, cfg: ModelConfig, device: torch.device, tokenizer_path: str) -> torch.nn.Module:
     """The whole model in this process, in eval mode, holding the checkpoint's weights and balancing biases whatever
     layout saved them (the checkpoint's `train.model` entry, read with DCP; the optimiser state is not read)."""
-
     with torch.device("meta"):
         model = model_pkg.build(cfg)
     model.to_empty(device=device)

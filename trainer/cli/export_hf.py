@@ -14,9 +14,9 @@ import torch
 import torch.distributed as dist
 
 from config_checks import check_choices, choice_field, positive
-from trainer.cli.app import join_world, run_app
-from trainer.checkpoint.loading import find_checkpoint, model_config_from_dict, read_marker, run_tokenizer
 from trainer.checkpoint.hf_io import export as export_files
+from trainer.checkpoint.loading import find_checkpoint, model_config_from_dict, read_marker, run_tokenizer
+from trainer.cli.app import join_world, run_app
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 

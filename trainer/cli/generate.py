@@ -53,12 +53,15 @@ from typing import List, Optional
 import torch
 
 from config_checks import at_least, choice, choice_field, in_range, options, positive
+from data.chat import ChatTemplate
+from data.tokenizer import load_tokenizer, tokenizer_info
 from model.config import ModelConfig
-from trainer.engine import Completion, Engine, PromptFormat, Request, SamplingParams
+from trainer.checkpoint.loading import find_checkpoint, load_model, model_config, read_marker, run_tokenizer
 from trainer.cli.app import io_message
 from trainer.compose import CONF_DIR, check_config_groups, compose_node
 from trainer.config import register_configs as register_train_configs
-from trainer.checkpoint.loading import find_checkpoint, load_model, model_config, read_marker, run_tokenizer
+from trainer.engine import Completion, Engine, PromptFormat, Request, SamplingParams
+from trainer.stages.dspark import load_drafter_weights
 
 _VERBATIM = ("prompt", "prompt_template")  # free text: quoted for Hydra by `_hydra_arguments`
 
@@ -283,8 +286,6 @@ def _stop_string_tokens(stop: list[str], tokenizer) -> list[int]:
 
 def chat_template(tokenizer, cfg: GenerateConfig):
     """The chat template (data/chat.py) when prompts are rendered with the default prompt_template, else None."""
-    from data.chat import ChatTemplate
-
     return ChatTemplate(tokenizer) if cfg.prompt_template == PromptFormat.template else None
 
 
@@ -378,8 +379,6 @@ def generate(cfg: GenerateConfig, model_overrides: Sequence[str] = ()) -> int:
 
 
 def _generate(cfg: GenerateConfig, model_overrides: list[str]) -> int:
-    from data.tokenizer import load_tokenizer, tokenizer_info
-
     prompts = read_prompts(cfg)
     path = find_checkpoint(cfg.ckpt)
     marker = read_marker(path)
@@ -401,8 +400,6 @@ def _generate(cfg: GenerateConfig, model_overrides: list[str]) -> int:
     model = load_model(path, model_cfg, _device(cfg.device), tokenizer_path)
     spec = {}
     if cfg.drafter:
-        from trainer.stages.dspark import load_drafter_weights
-
         try:
             drafter = load_drafter_weights(cfg.drafter, model_cfg, _device(cfg.device))
         except ValueError as e:

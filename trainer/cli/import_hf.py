@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from config_checks import check_choices, choice_field, positive
-from trainer.cli.app import join_world, run_app
 from trainer.checkpoint.hf_io import hf_model_config, import_
+from trainer.cli.app import join_world, run_app
 
 
 @dataclass

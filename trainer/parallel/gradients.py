@@ -38,7 +38,9 @@ import torch.distributed as dist
 from torch import nn
 
 from model.common import local as local_shard
+from model.parallelize import reduce_partial_grads
 from trainer.parallel.apply import ParallelModel
+from trainer.parallel.engram import engram_tables, reduce_engram_gradients
 from trainer.parallel.expert import expert_parameters, moe_layers
 
 __all__ = [
@@ -58,15 +60,12 @@ def reduce_gradients(pm: ParallelModel) -> None:
     """Bring every gradient of this rank's parameters to the single process's value (the rules above)."""
     if pm.meshes is None:
         return
-    from trainer.parallel.engram import engram_tables, reduce_engram_gradients
 
     tables = engram_tables(pm.module) if pm.engram is not None else []
     if tables:
         reduce_engram_gradients(pm.module, pm.meshes.dp_ep_cp.size(), replica_group=pm.engram.replica_group)
     if not pm.fsdp:
         if pm.sequence_parallel:
-            from model.parallelize import reduce_partial_grads
-
             reduce_partial_grads(pm.module)
         _reduce_replicated(pm.module, pm.meshes, exclude=tables)
         return

@@ -38,8 +38,26 @@ from pathlib import Path
 
 import torch
 
+import model as model_pkg
+from data.config import build_dataloader, ensure_prepared
+from model.accounting import dspark_parameters
+from model.dspark import DSpark, acceptance_length, draft_loss, drafter_config, stream_means
+from trainer.batch import compute_device
+from trainer.checkpoint.hf_io import is_hf_dir
+from trainer.checkpoint.loading import (
+    find_checkpoint,
+    load_model,
+    model_config,
+    read_marker,
+    read_model_state,
+    run_tokenizer,
+)
+from trainer.engine import Engine, Request, SamplingParams
 from trainer.loss import IGNORE_INDEX, LMLoss
+from trainer.parallel.gradients import sum_over_data
 from trainer.stages.base import Stage
+from trainer.stages.common import check_tokenizer
+from trainer.train import MicroBatches
 
 log = logging.getLogger(__name__)
 
@@ -103,10 +121,6 @@ def load_backbone(ckpt: str, model_cfg, device: torch.device, tokenizer_path: st
     """(the frozen backbone in eval mode, its checkpoint path). The checkpoint must hold `model_cfg`'s parameters
     (keys that change no parameter, e.g. the stage's fake-quant hooks, may differ: `model_cfg` is what runs), and
     with `tokenizer_path` have been trained with that tokenizer."""
-    from trainer.checkpoint.loading import find_checkpoint, load_model, model_config, read_marker
-    from trainer.checkpoint.hf_io import is_hf_dir
-    from trainer.stages.common import check_tokenizer
-
     if is_hf_dir(Path(ckpt)):
         raise ValueError(f"{key}={ckpt} is a Hugging Face directory: import it first (python -m "
                          "trainer.cli.import_hf) and give the checkpoint it writes")
@@ -128,8 +142,6 @@ def load_backbone(ckpt: str, model_cfg, device: torch.device, tokenizer_path: st
 
 
 def _tokenizer_or_none(path: Path) -> str | None:
-    from trainer.checkpoint.loading import run_tokenizer
-
     try:
         return run_tokenizer(path)
     except ValueError:
@@ -140,8 +152,6 @@ def load_drafter(ckpt: str, device: torch.device, *, backbone: str | None = None
     """A DSpark run's checkpoint (or run directory: its newest) in this process for generation -> (the backbone,
     the drafter), both in eval mode. The backbone is the checkpoint the drafter was trained on (its marker's
     `backbone`), or `backbone` (a checkpoint of the same model, e.g. one moved elsewhere)."""
-    from trainer.checkpoint.loading import find_checkpoint, model_config, read_marker
-
     path = find_checkpoint(ckpt)
     marker = read_marker(path)
     _check_drafter_marker(path, marker)
@@ -162,9 +172,6 @@ def _check_drafter_marker(path: Path, marker: dict) -> None:
 def load_drafter_weights(ckpt, model_cfg, device: torch.device):
     """The drafter of a DSpark run's checkpoint (or run directory) for a backbone of `model_cfg` (the checkpoint must
     have been trained on that model: keys that change no parameter may differ), in eval mode."""
-    from model.dspark import DSpark
-    from trainer.checkpoint.loading import find_checkpoint, model_config, read_marker, read_model_state
-
     path = find_checkpoint(str(ckpt))
     marker = read_marker(path)
     _check_drafter_marker(path, marker)
@@ -190,9 +197,6 @@ class DSparkStage(Stage):
 
     # -- the set-up ----------------------------------------------------------------------------------------------------
     def check(self, cfg) -> None:
-        from model.dspark import drafter_config
-        from trainer.checkpoint.hf_io import is_hf_dir
-
         if not cfg.checkpoint.init_from:
             raise ValueError("stage=dspark trains the drafter of a frozen backbone: set checkpoint.init_from=<the "
                              "backbone's checkpoint or run directory>")
@@ -225,13 +229,9 @@ class DSparkStage(Stage):
                                  "is whole on every rank)")
 
     def build_module(self, cfg):
-        from model.dspark import DSpark
-
         return DSpark(cfg)
 
     def batches(self, cfg, data_rank: int, data_ranks: int, *, progress: bool = False):
-        from data.config import build_dataloader, ensure_prepared
-
         ensure_prepared(cfg.data, progress=progress)
         loader, tokenizer = build_dataloader(cfg.data, data_rank, data_ranks)
         self.tokenizer_path = tokenizer.path
@@ -248,8 +248,6 @@ class DSparkStage(Stage):
         return []
 
     def bind(self, job) -> None:
-        from trainer.batch import compute_device
-
         self.job = job
         cfg = job.pm.cfg
         init_from = job.checkpointer.info["init_from"]
@@ -264,9 +262,6 @@ class DSparkStage(Stage):
         """seq_len -> FLOPs per token of a step: the backbone's forward (a third of its training FLOPs), the context
         projection at every position, and per drafted slot (anchors x block_size over seq_len a token) the
         drafter's active parameters and the head, forward and backward."""
-        import model as model_pkg
-        from model.accounting import dspark_parameters
-
         with torch.device("meta"):
             backbone = model_pkg.build(cfg)
         drafter = dspark_parameters(cfg)["params_dspark_active"] + backbone.head.weight.numel()
@@ -284,8 +279,6 @@ class DSparkStage(Stage):
         """The micro-batch (input_ids, labels [B, T], on the CPU) with its first `stage.generated_rows` rows replaced:
         each keeps its first `generation_prefix` tokens and continues with the backbone's own sampled tokens to
         T + 1 tokens (stop tokens ignored: the text runs on as a packed row does), every label counting."""
-        from trainer.engine import Engine, Request, SamplingParams
-
         s = self.stage
         B, T = ids.shape
         P = s.generation_prefix
@@ -311,11 +304,6 @@ class DSparkStage(Stage):
         """The trainer's forward and backward over this data rank's micro-batches (trainer/train.py
         `compute_gradients`), for the drafter: see the module docstring. Returns MicroBatches whose aux carries the
         step's figures (averaged over data ranks by the trainer)."""
-        from model.dspark import acceptance_length, draft_loss, stream_means
-        from trainer.parallel.gradients import sum_over_data
-        from trainer.batch import compute_device
-        from trainer.train import MicroBatches
-
         s, cfg, drafter = self.stage, pm.cfg, pm.module
         K, device = cfg.dspark.block_size, compute_device(pm)
         step = self.job.state.step + 1

@@ -30,8 +30,13 @@ import time
 import torch
 import torch.distributed as dist
 
+from data.envs import get_env, sample_problems
 from trainer.callbacks import Callback
+from trainer.engine import Engine
+from trainer.parallel.gradients import sum_over_data
 from trainer.stages.base import Stage
+from trainer.stages.common import completion_logprobs, load_frozen, stage_tokenizer
+from trainer.stages.grpo import PolicyLoss
 from trainer.stages.rollout import Rollout, RolloutBatches, draw_prompts, engine_replay, generate_groups, prompt_seed
 
 log = logging.getLogger(__name__)
@@ -68,8 +73,6 @@ class RolloutStage(Stage):
         self.job = self.engine = self.loader = None
 
     def batches(self, cfg, data_rank: int, data_ranks: int, *, progress: bool = False):
-        from trainer.stages.common import stage_tokenizer
-
         s = self.stage
         self.check_layout(cfg.parallel)
         if s.prompts_per_step % data_ranks:
@@ -95,15 +98,11 @@ class RolloutStage(Stage):
                              f"sequence_parallel={parallel.sequence_parallel}, engram_shard={parallel.engram_shard}")
 
     def bind(self, job) -> None:
-        from trainer.engine import Engine
-
         self.job = job
         self.device = next(job.pm.module.parameters()).device
         self.engine = Engine(job.pm, max_batch=self.stage.max_batch, max_len=self.cfg.data.seq_len, replay=self.replay)
 
     def loss(self):
-        from trainer.stages.grpo import PolicyLoss
-
         s = self.stage
         self._loss = PolicyLoss(eps_low=s.eps_low, eps_high=s.eps_high, tis_cap=s.tis_cap,
                                 kl_coef=getattr(s, "kl_coef", 0.0), temperature=s.temperature)
@@ -184,8 +183,6 @@ class RL(RolloutStage):
         super().bind(job)
         self.reference = None
         if self.stage.kl_coef > 0:
-            from trainer.stages.common import load_frozen
-
             if not self.cfg.checkpoint.init_from:
                 raise ValueError("stage.kl_coef > 0 keeps a reference model: the weights of checkpoint.init_from, "
                                  "which is not set")
@@ -193,8 +190,6 @@ class RL(RolloutStage):
                                          what="reference model", key="checkpoint.init_from")
 
     def score(self, groups):
-        from data.envs import get_env
-
         s = self.stage
         for group in groups:
             for r in group:
@@ -214,7 +209,6 @@ class RL(RolloutStage):
     def prepare(self, rollouts):
         if self.reference is None:
             return
-        from trainer.stages.common import completion_logprobs
 
         # the reference's log-probs of each completion token (the loss's K3 KL)
         lps = completion_logprobs(self.reference, rollouts, self.device, temperature=self.stage.temperature,
@@ -225,8 +219,6 @@ class RL(RolloutStage):
     # -- held-out evaluation -----------------------------------------------------------------------------------------
     def evaluate(self) -> dict[str, float]:
         """Greedy completions of this rank's share of the held-out prompts at each of EVAL_EFFORTS."""
-        from data.envs import get_env, sample_problems
-
         s, cfg = self.stage, self.cfg
         problems = sample_problems(list(s.envs), s.num_eval, cfg.trainer.seed + EVAL_SEED_OFFSET,
                                    list(s.difficulty) or None)[self.data_rank::self.data_ranks]
@@ -238,7 +230,6 @@ class RL(RolloutStage):
             ok = sum(get_env(g[0].problem.env).score(g[0].problem, self.template.decode_response(g[0].token_ids)).correct
                      for g in chunk)
             sums += [float(ok), float(sum(len(g[0].token_ids) for g in chunk)), float(len(chunk))]
-        from trainer.parallel.gradients import sum_over_data
 
         sums = sum_over_data(self.job.pm, sums)
         out = {}
@@ -262,8 +253,6 @@ class RolloutMetrics(Callback):
         self.t0 = time.perf_counter()
 
     def on_step_end(self, job, step, stats):
-        from trainer.parallel.gradients import sum_over_data
-
         st, loss, p = self.stage.loader.stats, self.stage._loss.step_metrics(), self.stage.prefix
         names = sorted(k for k in st if k != "generate_s")
         lnames = sorted(k for k in loss if k != "max_ratio")

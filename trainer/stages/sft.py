@@ -17,8 +17,14 @@ import random
 
 import torch
 
+from data.envs import sample_problems
+from data.sft import SFTLoader, load_samples, split_samples
+from trainer.batch import compute_device, local_chunk, to_device
 from trainer.callbacks import Callback
+from trainer.loss import LMLoss
+from trainer.parallel.gradients import reduce_over
 from trainer.stages.base import Stage, with_replay_cuts
+from trainer.stages.common import stage_tokenizer, whole_logits
 
 log = logging.getLogger(__name__)
 
@@ -28,8 +34,6 @@ __all__ = ["SFT", "env_samples", "eval_lm_loss"]
 def env_samples(envs: list[str], n: int, seed: int, difficulty: list[int], effort: list[int]) -> list[dict]:
     """n chat samples generated from `envs`: the problem as the user turn, its worked answer at a drawn effort as the
     assistant's."""
-    from data.envs import sample_problems
-
     rng = random.Random(seed)
     problems = sample_problems(list(envs), n, seed, list(difficulty) or None)
     out = []
@@ -44,10 +48,6 @@ def env_samples(envs: list[str], n: int, seed: int, difficulty: list[int], effor
 def eval_lm_loss(job, batches: list[dict]) -> float:
     """Mean cross-entropy over the valid labels of `batches` (this data rank's share of a held-out set), summed over
     every rank that holds different tokens: a scoring forward in eval mode (no balancing counts)."""
-    from trainer.parallel.gradients import reduce_over
-    from trainer.stages.common import whole_logits
-    from trainer.batch import compute_device, local_chunk, to_device
-
     pm = job.pm
     device, module = compute_device(pm), pm.module
     total, count = 0.0, 0.0
@@ -112,8 +112,6 @@ class SFT(Stage):
         """(the training samples or their source, the held-out samples)."""
         s = self.stage
         if s.data:
-            from data.sft import load_samples, split_samples
-
             samples, self.skipped = load_samples(s.data)
             return split_samples(samples, s.num_eval, cfg.trainer.seed)
         train = env_samples(s.envs, s.num_samples, cfg.trainer.seed, s.difficulty, s.effort)
@@ -122,9 +120,6 @@ class SFT(Stage):
         return train, held
 
     def batches(self, cfg, data_rank: int, data_ranks: int, *, progress: bool = False):
-        from data.sft import SFTLoader
-        from trainer.stages.common import stage_tokenizer
-
         template, info = stage_tokenizer(cfg, progress=progress)
         self.template = template
         train, held = self.samples(cfg, template)
@@ -139,8 +134,6 @@ class SFT(Stage):
         return with_replay_cuts(loader, self.stage, cfg), info
 
     def loss(self):
-        from trainer.loss import LMLoss
-
         return LMLoss()
 
     def callbacks(self):
