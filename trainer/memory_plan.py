@@ -20,7 +20,7 @@ Per rank and pipeline rank r (a rank's figures depend only on its pipeline posit
 except Engram rows, where the figure is the largest block):
 - parameters by kind (embed, head, dense, routed_experts, engram_tables): the meta model's parameters of the layers
   the rank's stages hold (cuts: parallel.pp_cuts or trainer.parallel.pipeline.split_points), each divided the way the
-  plans divide it: TP (model.parallelize.tp_shard_dims, read off apply_tp's plan), EP (routed experts / ep), FSDP2
+  plans divide it: TP (trainer.parallel.tensor.tp_shard_dims, read off apply_tp's plan), EP (routed experts / ep), FSDP2
   (dim 0 of what is left / dp_shard, rounded up, as fully_shard pads), Engram rows, with parallel.engram_shard, over
   the Engram group (dp x ep x cp: every rank of the stage and tp rank, trainer/parallel/engram.py; largest block =
   ceil(rows / group)), else whole on every rank.
@@ -47,7 +47,7 @@ Peak = parameters + gradients + optimiser state + max(activations + working set,
 + reserve; it fits when the peak is within the device memory (parallel.device_memory_gb, default 141: H200).
 
 Communication, bytes each rank sends per optimiser step (received volumes are the same on balance), by dimension:
-- tp: per layer and micro-batch the all-reduces of model/parallelize.py's table (attention and MoE outputs forward;
+- tp: per layer and micro-batch the all-reduces of trainer/parallel/tensor.py's table (attention and MoE outputs forward;
   q_res, latent, the experts' and shared expert's inputs backward), ring cost 2 (tp - 1) / tp of the tensor; the
   embedding's all-gather and, when pp > 1 (no loss_parallel), the logits' all-gather;
 - ep: per MoE layer and micro-batch, forward the token rows (fp32 streams + the packed routing weight) out and the
@@ -81,7 +81,7 @@ import torch
 import model as model_pkg
 from model import accounting
 from model.attention import head_rows
-from model.parallelize import tp_shard_dims
+from trainer.parallel.tensor import tp_shard_dims
 from optim.hybrid import CHUNK
 from optim.rules import assign, rows_per_head
 from trainer.config import to_config
@@ -228,7 +228,7 @@ def param_kind(name: str) -> str:
 
 def local_numel(name: str, shape: tuple[int, ...], lay: Layout, tp_dims: dict[str, int]) -> int:
     """Elements of parameter `name` on the rank holding the largest share of it in layout `lay`. tp_dims: the
-    model's `model.parallelize.tp_shard_dims` (the dim tp splits, for the parameters it splits)."""
+    model's `trainer.parallel.tensor.tp_shard_dims` (the dim tp splits, for the parameters it splits)."""
     shape = list(shape)
     kind = param_kind(name)
     if kind == "engram_tables" and lay.engram_shard:

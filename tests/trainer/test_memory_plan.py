@@ -12,7 +12,7 @@ The training plan (per rank memory and communication):
   dp x ep x cp, the planner's parameter elements and bytes by kind for each rank's pipeline position equal the
   local shards of the real tiny model after the trainer's plans (trainer.parallel.apply.parallelize, apply_engram_
   sharding, fully_shard), walked on the meta device (Engram: the largest block, which group rank 0 holds);
-- what the planner and the accounting count as split by tp, and along which dim (model.parallelize.tp_shard_dims),
+- what the planner and the accounting count as split by tp, and along which dim (trainer.parallel.tensor.tp_shard_dims),
   is exactly the Shard placements apply_tp gives the tiny model's parameters at tp 2 (fake process group);
 - the activation terms of model/accounting.py for the MoE (with its norm), the Engram and an mHC site equal, within
   2%, the bytes autograd actually saves for them on CPU under bf16 autocast (the same code as on CUDA);
@@ -253,7 +253,7 @@ def test_activation_terms_match_saved_tensors():
     assert site == pytest.approx(B * T * 8 * n_dim + (est["mhc_coefficients"] - B * T * 4 * 25) / 2, rel=0.02)
 
 
-# What the planner and the accounting count as tp-split (model.parallelize.tp_shard_dims) against apply_tp's DTensors.
+# What the planner and the accounting count as tp-split (trainer.parallel.tensor.tp_shard_dims) against apply_tp's DTensors.
 
 
 def test_tp_shard_dims_are_apply_tps_placements():
@@ -266,7 +266,7 @@ def test_tp_shard_dims_are_apply_tps_placements():
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     import model as model_pkg
-    from model.parallelize import apply_tp, tp_shard_dims
+    from trainer.parallel.tensor import apply_tp, tp_shard_dims
 
     with torch.device("meta"):
         model = model_pkg.build(load_config("v41_tiny"))

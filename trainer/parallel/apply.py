@@ -2,7 +2,7 @@
 
 Order (torchtitan's `parallelize_llama`, with the pipeline split first in spirit):
 1. `validate_layout`, before any process group exists: every divisibility rule, each error naming the key to change.
-2. On the whole meta-built Transformer: TP (model/parallelize.py `apply_tp`) -> EP (`apply_ep`; over TP, the experts
+2. On the whole meta-built Transformer: TP (trainer/parallel/tensor.py `apply_tp`) -> EP (`apply_ep`; over TP, the experts
    are re-placed on the (ep, tp) mesh) -> CP (`apply_cp`) -> activation checkpointing of every block
    (parallel.activation_checkpoint=full, trainer/parallel/activation_checkpoint.py; in a single process too). The
    plans take the Transformer, not a stage; the pipeline's stage modules share its submodules and copy its
@@ -49,7 +49,7 @@ from torch import nn
 from model.common import init_normal
 from model.config import ModelConfig
 from model.layer_plan import build_layer_plan
-from model.parallelize import apply_tp
+from trainer.parallel.tensor import apply_tp
 from trainer.config import ENGRAM_SHARD_AXES, ParallelConfig, ParallelDims
 from trainer.parallel.activation_checkpoint import apply_activation_checkpointing
 from trainer.parallel.context import apply_cp, check_sequence_length
@@ -75,7 +75,7 @@ def validate_layout(parallel: ParallelConfig, cfg: ModelConfig, *, seq_len: int,
     cuts (first layer of each stage but the first; [] without pp). Needs no world size and no process group.
 
     tp must divide the query heads, the output groups, the expert width, the hidden width and the vocabulary (the
-    plan of model/parallelize.py splits them; the indexer is replicated, so its heads need not divide); under
+    plan of trainer/parallel/tensor.py splits them; the indexer is replicated, so its heads need not divide); under
     sequence parallelism also each rank's sequence. ep must divide the routed experts; cp the sequence, in chunks
     whole in every compression ratio and at least one window halo long; pp * pp_virtual stages must fit the layer
     plan (trainer/parallel/pipeline.py split_points) and the schedule must get enough micro-batches."""

@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torch import nn
 
 from model.common import local as local_shard
-from model.parallelize import reduce_partial_grads
+from trainer.parallel.tensor import reduce_partial_grads
 from trainer.parallel.apply import ParallelModel
 from trainer.parallel.engram import engram_tables, reduce_engram_gradients
 from trainer.parallel.expert import expert_parameters, moe_layers

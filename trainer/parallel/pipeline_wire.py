@@ -25,7 +25,7 @@ size back (the integer and bit entries have none):
 | image mask | batches carry one (MoE routes image tokens with its own bias) | [B, T] uint8 | B*T |
 | aux: indexer KL sum, KL count, MoE seq balance | always | [3] fp32 | 12 |
 
-Under sequence parallelism (tp > 1, model/parallelize.py) each stage holds the streams, `pre` and h_{L/2} as its
+Under sequence parallelism (tp > 1, trainer/parallel/tensor.py) each stage holds the streams, `pre` and h_{L/2} as its
 tp rank's sequence shard, T / tp tokens, and they cross as such (`sequence_shards`: the pipeline links ranks of one
 tp coordinate, each ships its own shard); everything else crosses whole, as every tp rank holds it: the KV, keys,
 top-k and pool (attention and the indexer gather the whole sequence before they make them), the Engram row ids and
