@@ -7,6 +7,7 @@ function. Imports under `if TYPE_CHECKING:` are annotations only
 OLMo-core's callbacks import their Trainer. Proves, for trainer/ and optim/:
 - no import loop between files;
 - no library module imports an entry point (trainer/cli/, or the old command paths that forward to it);
+- the generation engine imports nothing of the trainer but itself and checkpoint loading;
 - no private name (a leading underscore) is imported from another module;
 - at most a few imports of the project's own modules sit inside functions, each with a reason on its line.
 `python tests/test_imports.py` prints the numbers for the whole project.
@@ -197,6 +198,14 @@ def test_no_import_loop():
 def test_no_library_module_imports_an_entry_point():
     bad = [f"{i.source}:{i.line} imports {i.target}" for i in GRAPH.imports
            if _checked(i.source) and not _entry_point(i.source) and _entry_point(i.target)]
+    assert bad == []
+
+
+def test_the_engine_depends_on_the_model_not_on_the_training_loop():
+    allowed = ("trainer.engine", "trainer.checkpoint")
+    bad = [f"{i.source}:{i.line} imports {i.target}" for i in GRAPH.imports
+           if i.source.startswith("trainer.engine") and not i.type_checking and i.target.startswith("trainer")
+           and not i.target.startswith(allowed)]
     assert bad == []
 
 
