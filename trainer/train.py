@@ -254,7 +254,7 @@ def check_fused_loss(cfg: Config, loss: LMLoss) -> None:
     pipeline). Raises ValueError naming the key."""
     if not cfg.trainer.fused_loss:
         return
-    if not getattr(loss, "supports_fused", False):
+    if not loss.supports_fused:
         raise ValueError(f"trainer.fused_loss=true computes the plain LM loss from the head's input, but "
                          f"stage.name={cfg.stage.name}'s loss ({type(loss).__name__}) reads the logits themselves: "
                          "set trainer.fused_loss=false")
@@ -433,7 +433,7 @@ def forward_backward(pm: ParallelModel, batches: list[dict], autocast_dtype: tor
     if loss is None:
         loss = LMLoss()
         loss.begin_step(StepTokens(sum(valid_tokens(b["labels"]) for b in batches), 1, len(batches)))
-    fused = getattr(loss, "fused", False)
+    fused = loss.fused
     if fused and (pm.pipeline is not None or pm.loss_parallel):
         raise ValueError("trainer.fused_loss=true does not run under pipeline parallelism or loss_parallel "
                          "(tensor parallelism): set trainer.fused_loss=false")
@@ -479,7 +479,7 @@ def forward_backward(pm: ParallelModel, batches: list[dict], autocast_dtype: tor
                 values["aux_metric/moe_dropped_share"] = share
         for name, value in values.items():
             aux_sums[name] = aux_sums.get(name, 0.0) + value / accum
-    return MicroBatches(loss_sum / accum, aux_sums, tokens, seq_len, getattr(loss, "kind_sums", None))
+    return MicroBatches(loss_sum / accum, aux_sums, tokens, seq_len, loss.kind_sums)
 
 
 def _pipeline_forward_backward(pm: ParallelModel, batches: list[dict], loss: LMLoss) -> MicroBatches:
