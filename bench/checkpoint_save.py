@@ -4,7 +4,7 @@
                                     [--device cpu|cuda] [--dir DIR]
 
 Builds the model and AdamW as the trainer does (one process), trains `--steps` steps as a baseline, then per mode
-saves a checkpoint of the trainer's states (weights, optimiser moments, schedule; trainer/checkpoint.py) and trains
+saves a checkpoint of the trainer's states (weights, optimiser moments, schedule; trainer/checkpoint/checkpointer.py) and trains
 `--steps` more: the time the save blocks the step (blocking: the whole write; asynchronous: the copy of the state to
 host memory), the mean step time while the background write runs, the extra wait to complete it at the end (none if
 it finished). A save costs the training its blocking time and the wait, plus the steps' slowdown over the baseline

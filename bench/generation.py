@@ -113,9 +113,9 @@ def build(name: str, device, seed: int = 0):
 
 def load_checkpoint(path: str, device, tokenizer_path: str):
     """(model, checkpoint dir) from a run directory, its checkpoints/ folder or one step_<N> directory: the newest
-    complete checkpoint in one process (trainer/engine/loading.py, what `python -m trainer.generate` loads), with
+    complete checkpoint in one process (trainer/checkpoint/loading.py, what `python -m trainer.cli.generate` loads), with
     Engram's canonical map from the run's tokenizer."""
-    from trainer.engine.loading import find_checkpoint, load_model, model_config, read_marker
+    from trainer.checkpoint.loading import find_checkpoint, load_model, model_config, read_marker
 
     p = find_checkpoint(path)
     cfg = model_config(read_marker(p).get("model"), None, [], p)

@@ -1,4 +1,4 @@
-"""Host memory and time of the Hugging Face export and import (trainer/hf_checkpoint.py), each in a fresh process.
+"""Host memory and time of the Hugging Face export and import (trainer/checkpoint/hf_io.py), each in a fresh process.
 
     python bench/hf_io.py [--model v41_small] [--dtype bfloat16] [--chunk-mb 256] [--shard-gb 5] [--work DIR]
 
@@ -30,7 +30,7 @@ _CHILD = r"""
 import sys, time, json, torch
 sys.path.insert(0, {root!r})
 from tests.helpers import load_config
-from trainer import hf_checkpoint as H
+from trainer.checkpoint import hf_io as H
 from pathlib import Path
 step, cfg = {step!r}, load_config({model!r})
 t = time.perf_counter()
@@ -38,7 +38,7 @@ if step == "export":
     H.export(Path({ckpt!r}), Path({out!r}), cfg, dtype=getattr(torch, {dtype!r}), max_shard_bytes={shard},
              chunk_bytes={chunk})
 elif step == "import":
-    from trainer.import_hf import hf_model_config
+    from trainer.checkpoint.hf_io import hf_model_config
     H.import_(Path({out!r}), Path({imp!r}), hf_model_config(Path({out!r})), chunk_bytes={chunk})
 wall = time.perf_counter() - t
 hwm = [l for l in open("/proc/self/status") if l.startswith("VmHWM")][0].split()[1]
@@ -69,7 +69,7 @@ def _child(**kw) -> dict:
 def plan(args) -> None:
     from tests.helpers import load_config
     from trainer.checkpoint import row_ranges
-    from trainer.hf_checkpoint import export_plan
+    from trainer.checkpoint.hf_io import export_plan
 
     cfg = load_config("v41_flash")
     shards = export_plan(cfg, getattr(torch, args.dtype), int(args.shard_gb * 1e9))

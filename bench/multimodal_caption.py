@@ -4,7 +4,7 @@ the true image, a blank one and another sample's image in its place (data=multim
 Usage:
   .venv/bin/python bench/multimodal_caption.py RUN_DIR [--samples 200] [--seed 1000] [--device cpu] [--json OUT]
 
-For every complete checkpoint of RUN_DIR (a `python -m trainer.main model=v41_tiny_mm data=multimodal` run), in
+For every complete checkpoint of RUN_DIR (a `python -m trainer.cli.main model=v41_tiny_mm data=multimodal` run), in
 step order: the model as saved (its config from the checkpoint's marker, its tokenizer the run's), in eval mode, on
 `--samples` captioned images of the generated source (data/vision/synthetic.py) drawn with image seed `--seed`,
 which the run never saw (it trains on data.multimodal.image_seed, 0 by default), at the run's size range and
@@ -113,7 +113,7 @@ def main() -> None:
 
     from data.tokenizer import load_tokenizer
     from trainer.checkpoint import complete_checkpoints
-    from trainer.engine.loading import load_model, model_config, read_marker, run_tokenizer
+    from trainer.checkpoint.loading import load_model, model_config, read_marker, run_tokenizer
 
     device = torch.device(args.device)
     ckpts = complete_checkpoints(args.run_dir / "checkpoints")

@@ -9,7 +9,7 @@ Three parts, all on this machine's GPUs (NCCL for the model's collectives, gloo 
    layout, once in fp32 (TF32 off: every difference is summation order) and once under bf16 autocast. Every layout
    sees the same global batch (micro-batches split over its data ranks as the loader would). Prints the loss and
    the gradient norm of each step and their relative differences from one GPU.
-2. Throughput (`--steps`): the CLI (`python -m torch.distributed.run ... -m trainer.main`) on the prepared stdlib
+2. Throughput (`--steps`): the CLI (`python -m torch.distributed.run ... -m trainer.cli.main`) on the prepared stdlib
    corpus, bf16, the model's default kernels; tokens/s is the median over the steps after `--warmup`, memory the
    peak allocated. Scaling efficiency = tokens/s of the layout / (GPUs x tokens/s of one GPU at the same
    per-data-rank batch). tp keeps one data rank (the same global batch as one GPU); ep and dp read one batch per
@@ -160,7 +160,7 @@ def _train(name: str, args: argparse.Namespace, run_dir: Path, *overrides: str) 
     """One CLI training run of layout `name`; its metrics.jsonl records, or why there are none."""
     fields, gpus = LAYOUTS[name]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}",
-           "-m", "trainer.main", f"model={args.model}", f"data.path={_prepare_data(args)}",
+           "-m", "trainer.cli.main", f"model={args.model}", f"data.path={_prepare_data(args)}",
            f"data.vocab_size={args.vocab_size}", f"data.seq_len={args.seq_len}",
            f"data.batch_size={args.batch_size}", f"trainer.max_steps={args.steps}",
            f"trainer.grad_accum={args.grad_accum}", "logger.wandb.mode=disabled", "logger.progress_bar=false",

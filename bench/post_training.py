@@ -37,7 +37,7 @@ def mismatch(root: Path, steps: int, threads: int) -> dict:
     out = {}
     for replay in (True, False):
         with tempfile.TemporaryDirectory() as tmp:
-            cmd = [sys.executable, "-m", "trainer.main", "stage=rl", f"checkpoint.init_from={root / 'sft'}",
+            cmd = [sys.executable, "-m", "trainer.cli.main", "stage=rl", f"checkpoint.init_from={root / 'sft'}",
                    f"trainer.max_steps={steps}", "checkpoint.interval=0", "checkpoint.save_final=false",
                    "stage.eval_every=0", "stage.num_eval=1", f"stage.replay_routing={str(replay).lower()}",
                    "stage.dynamic_sampling=false", "optim.lr=3e-4", "optim.warmup_steps=0",
@@ -63,7 +63,7 @@ def main() -> None:
     from data.chat import ChatTemplate
     from data.sft import measure_padding
     from data.tokenizer import load_tokenizer
-    from trainer.engine.loading import find_checkpoint, run_tokenizer
+    from trainer.checkpoint.loading import find_checkpoint, run_tokenizer
     from trainer.stages.sft import env_samples
 
     template = ChatTemplate(load_tokenizer(run_tokenizer(find_checkpoint(str(root / "sft")))))

@@ -85,7 +85,7 @@ def text_prompts(drafter_ckpt: str, pattern: str, n: int, length: int) -> list[l
 
     from data.tokenizer import load_tokenizer
     from trainer.checkpoint import Checkpointer
-    from trainer.engine.loading import find_checkpoint, run_tokenizer
+    from trainer.checkpoint.loading import find_checkpoint, run_tokenizer
 
     backbone = Checkpointer.marker(find_checkpoint(drafter_ckpt))["backbone"]
     tok = load_tokenizer(run_tokenizer(find_checkpoint(backbone)))

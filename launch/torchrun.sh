@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One node, N processes:  launch/torchrun.sh N [hydra overrides...]
 #   e.g. launch/torchrun.sh 4 model=v41_tiny trainer.max_steps=100
-# Every argument after N is a Hydra override, passed unchanged to each rank's `python -m trainer.main`.
+# Every argument after N is a Hydra override, passed unchanged to each rank's `python -m trainer.cli.main`.
 set -euo pipefail
 
 if [[ $# -lt 1 || ! $1 =~ ^[1-9][0-9]*$ ]]; then
@@ -22,6 +22,6 @@ RUN_DIR=runs/$(date +%Y-%m-%d_%H-%M-%S)
 cd "$REPO"
 # The trainer's start-up checks against NPROC processes first: a layout that does not fit is one line, before
 # torchrun starts (instead of every rank's error and torchrun's failure report).
-"$PY" -m trainer.preflight "$NPROC" "$@" || exit $?
+"$PY" -m trainer.cli.preflight "$NPROC" "$@" || exit $?
 exec "$PY" -m torch.distributed.run --standalone --nnodes=1 --nproc_per_node="$NPROC" \
-  -m trainer.main "hydra.run.dir=$RUN_DIR" "$@"
+  -m trainer.cli.main "hydra.run.dir=$RUN_DIR" "$@"

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from kernels import fp4
-from model.parallelize import block_shard_dims
+from trainer.parallel.tensor import block_shard_dims
 
 
 def _numel(params) -> int:
@@ -195,7 +195,7 @@ def vision_parameters(cfg, tp: int = 1) -> dict[str, int]:
     out = {"params_vision": _numel(v.parameters()), "params_vision_vit": _numel(v.vit.parameters()),
            "params_vision_aligner": _numel(v.aligner.parameters())}
     if tp > 1:
-        from model.parallelize import vision_shard_dims
+        from trainer.parallel.tensor import vision_shard_dims
 
         split = vision_shard_dims(v)
         out["params_vision_per_tp_rank"] = sum(p.numel() // tp if name in split else p.numel()

@@ -13,7 +13,9 @@ from collections.abc import Iterable
 
 import torch
 
+from optim.adamw import AdamW
 from optim.config import OptimConfig
+from optim.hybrid import Hybrid
 from optim.rules import assign, describe, rows_per_head
 
 
@@ -39,52 +41,6 @@ def _check_fp32(p: torch.Tensor, what: str) -> None:
                          f"for {what}")
 
 
-def _kind(p: torch.Tensor) -> tuple:
-    """What one multi-tensor call can take together: plain tensors by device type; DTensors by device type and mesh
-    (torch's foreach kernels refuse a list mixing DTensors with plain tensors, or DTensors of different meshes)."""
-    mesh = getattr(p, "device_mesh", None)
-    local = p.to_local() if mesh is not None else p
-    return local.device.type, mesh
-
-
-class AdamW(torch.optim.AdamW):
-    """torch's AdamW, its step run over each param group split by `_kind`: a layout mixes DTensors (tensor-, expert-
-    or Engram-sharded weights) with plain tensors and, with parallel.engram_host_memory, host tensors with device
-    ones, which one multi-tensor (foreach, CUDA's default) call refuses or would move. Each kind keeps the
-    multi-tensor step; the update of every parameter is the one torch's AdamW makes (element-wise, per parameter).
-    The split lives only for the step: param_groups, and so state dicts and checkpoints, stay as built.
-
-    The split of each group's parameters is worked out once and kept (re-worked only if a group's parameter list
-    changes, e.g. after load_state_dict or add_param_group): a step rebuilds only the small dicts around the kept
-    lists, so that the scheduler's lr and any other hyperparameter of the group reach the step as they are now."""
-
-    _split: tuple[tuple, list[list[list[torch.Tensor]]]] | None = None
-
-    def _kinds(self) -> list[list[list[torch.Tensor]]]:
-        key = tuple((id(g["params"]), len(g["params"])) for g in self.param_groups)
-        if self._split is None or self._split[0] != key:
-            parts = []
-            for group in self.param_groups:
-                kinds: dict = {}
-                for p in group["params"]:
-                    kinds.setdefault(_kind(p), []).append(p)
-                parts.append(list(kinds.values()))
-            self._split = (key, parts)
-        return self._split[1]
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        groups = self.param_groups
-        parts = self._kinds()
-        if all(len(ps) == 1 for ps in parts):
-            return super().step(closure)
-        self.param_groups = [{**group, "params": ps} for group, kinds in zip(groups, parts) for ps in kinds]
-        try:
-            return super().step(closure)
-        finally:
-            self.param_groups = groups
-
-
 def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: OptimConfig, *,
                     named: Iterable[tuple[str, torch.nn.Parameter]] | None = None,
                     head_rows: dict[str, int] | None = None, log=None) -> torch.optim.Optimizer:
@@ -101,8 +57,6 @@ def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: OptimConfig, *,
         groups, table = rule_groups(params, named, cfg, head_rows or {})
         if log is not None:
             log("optimiser groups (optim.rules):\n" + describe(table))
-        from optim.hybrid import Hybrid
-
         return Hybrid(groups, adamw_options)
     groups = param_groups(params, cfg.weight_decay)
     if not groups:
@@ -130,7 +84,7 @@ def rule_groups(params: list[torch.nn.Parameter], named, cfg: OptimConfig, head_
         _check_fp32(p, name)
     which = assign(names, cfg.rules)
     # One group per rule and variant, in rule order, those this rank holds parameters of (a pipeline stage holds
-    # only some): checkpoints key the Hybrid optimiser's hyperparameters by parameter name (trainer/checkpoint.py).
+    # only some): checkpoints key the Hybrid optimiser's hyperparameters by parameter name (trainer/checkpoint/checkpointer.py).
     groups: dict[tuple, dict] = {}
     for i, rule in enumerate(cfg.rules):
         for variant in _variants(rule, head_rows):

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from model.common import local
 from optim import muon as muon_lib
 from optim import sinkhorn as sinkhorn_lib
+from optim.adamw import AdamW
 
 
 CHUNK = 1 << 27
@@ -45,11 +46,9 @@ class Hybrid(torch.optim.Optimizer):
 
     groups_vary_by_layout = True
     """its groups are the rules' with parameters on this rank: checkpoints key them by parameter name
-    (trainer/checkpoint.py)"""
+    (trainer/checkpoint/checkpointer.py)"""
 
     def __init__(self, groups: list[dict], adamw_options: dict | None = None):
-        from optim.builder import AdamW
-
         super().__init__(groups, {"lr": 1e-3, "weight_decay": 0.0})
         adam_groups = [g for g in self.param_groups if g["kind"] == "adamw"]
         self._adamw = AdamW(adam_groups, **(adamw_options or {})) if adam_groups else None

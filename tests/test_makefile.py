@@ -14,7 +14,7 @@ WRITTEN = ["runs/2031-01-01_00-00-00/checkpoints/step_10/x.distcp", "runs/multir
            "runs/slurm-42/.hydra/config.yaml", "outputs/a/main.log", "multirun/b/main.log", "wandb/offline-run/x",
            "checkpoints/step_1/x", ".pytest_cache/v/cache", "slurm-42.out", "trainer/__pycache__/plan.pyc",
            "tests/launch/__pycache__/x.pyc"]
-KEPT = ["trainer/plan.py", "conf/config.yaml", ".venv/bin/python", ".venv/lib/site/__pycache__/x.pyc",
+KEPT = ["trainer/memory_plan.py", "conf/config.yaml", ".venv/bin/python", ".venv/lib/site/__pycache__/x.pyc",
         ".data/stdlib/shard-000000.tar", ".data/stdlib/__pycache__/kept.pyc", "runsheet.txt"]
 
 

@@ -14,7 +14,7 @@ request; everything else runs in callbacks, at these points, in list order (`Cal
 | on_train_end(job) | the loop ended (finished, stopped or raised) | progress bar closed |
 
 The order (`ordered`): `RouterBalance` (aux-loss-free MoE balancing from the step's expert loads,
-trainer/parallel/gradients.py), then the stage's callbacks (trainer/stage.py) and those named in `trainer.callbacks`
+trainer/parallel/gradients.py), then the stage's callbacks (trainer/stages/base.py) and those named in `trainer.callbacks`
 (import paths "package.module:Class" or "package.module.Class", built without arguments), then `MetricsLog`
 (progress, the metrics file and W&B) and `PeriodicCheckpoint` (checkpoint.interval) last, so that a step's record
 holds what every other callback put in `stats.extra` and a checkpoint holds what they changed.
@@ -29,6 +29,10 @@ import math
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from trainer.metrics import memory_mb
+from trainer.parallel.gradients import sum_over_data, update_router_biases
+from trainer.progress import Progress
 
 if TYPE_CHECKING:
     from trainer.train import Job, StepStats
@@ -100,8 +104,6 @@ class RouterBalance(Callback):
     step moves nothing (nan)."""
 
     def on_after_optimizer_step(self, job, step, stats):
-        from trainer.parallel.gradients import update_router_biases
-
         stats.extra["expert_imbalance"] = update_router_biases(job.pm) if stats.finite else math.nan
 
 
@@ -116,8 +118,6 @@ class MetricsLog(Callback):
         self._flops: dict[int, float] = {}
 
     def on_train_start(self, job):
-        from trainer.progress import Progress
-
         self.progress = Progress(job.rt.rank == 0, job.state.step, job.trainer.max_steps, bar=job.progress_bar,
                                  log_every=job.log_every)
         self.window_tokens, self.window_start = 0, time.perf_counter()
@@ -129,9 +129,6 @@ class MetricsLog(Callback):
         return self._flops[seq_len] * tokens_per_s / (job.peak_flops * job.rt.world_size)
 
     def on_step_end(self, job, step, stats):
-        from trainer.metrics import memory_mb
-        from trainer.parallel.gradients import sum_over_data
-
         self.window_tokens += stats.tokens
         tokens_per_s = self.window_tokens / max(time.perf_counter() - self.window_start, 1e-9)
         mfu = self._mfu(job, stats.seq_len, tokens_per_s)

@@ -15,8 +15,10 @@ from typing import Any, List, Optional
 
 from config_checks import at_least, check_choices, choice_field, positive
 from data.config import DataConfig
+from data.multimodal import MultimodalDataConfig
 from model.config import ModelConfig
 from optim.config import OptimConfig
+from trainer.stages.config import STAGE_SCHEMAS, StageConfig
 
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs", "max-autotune")
@@ -241,35 +243,6 @@ class ParallelDims:
 
 
 @dataclass
-class StageConfig:
-    name: str = choice_field("pretrain", ("pretrain", "sft", "rl", "distill", "dspark"))
-    """the training stage (SPEC 2): pretrain, sft, rl, distill, dspark (each with its schema,
-    trainer/stages/config.py)"""
-    fp4_kv_qat: bool = False
-    """hook: fake-quantise, in the training forward, what the inference cache quantises, as it stores it (main KV
-    FP4 + E4M3 scales, indexer queries and keys FP4 + UE8M0, SWA KV FP8; per model.quant.cache_*), straight-through
-    gradients (post-training, SPEC 1.4)"""
-    bounded_replay_sim: bool = False
-    """hook: at sampled cut points the training forward computes what serving's bounded replay rebuilds
-    (model/replay.py; SPEC 1.5)"""
-    replay_sim_prob: float = 0.5
-    """per sequence and kind, the probability of a cut (uniform in [window, seq_len))"""
-    replay_sim_kinds: list[str] = field(default_factory=lambda: ["decoder", "encoder"])
-    """decoder: a replay="window" prefill; encoder: a prefix-cache hit whose SWA state expired"""
-    hierarchical_indexer: bool = False
-    """hook: the Reindex layers search only the candidate pool (model.csa2.hierarchical_pool=true; SPEC 1.3)"""
-
-    def __post_init__(self) -> None:
-        check_choices(self, "stage")
-        if not 0.0 <= self.replay_sim_prob <= 1.0:
-            raise ValueError(f"stage.replay_sim_prob must be in [0, 1], got {self.replay_sim_prob}")
-        bad = [k for k in self.replay_sim_kinds if k not in ("decoder", "encoder")]
-        if bad or not self.replay_sim_kinds:
-            raise ValueError(f"stage.replay_sim_kinds must be a non-empty subset of [decoder, encoder], got "
-                             f"{list(self.replay_sim_kinds)}")
-
-
-@dataclass
 class WandbConfig:
     mode: str = choice_field("offline", ("offline", "online", "disabled"))
     """offline writes the run under <run dir>/wandb/ (sync later with `wandb sync`); never needs the network"""
@@ -370,21 +343,16 @@ def register_configs() -> None:
     from hydra.core.config_store import ConfigStore
 
     cs = ConfigStore.instance()
-    from trainer.stages.config import STAGE_SCHEMAS
-
     cs.store(name="config_schema", node=Config)
     for group, node in _GROUPS.items():
         cs.store(group=group, name="schema", node=node)
     for name, node in STAGE_SCHEMAS.items():  # conf/stage/<name>.yaml: defaults [<name>_schema, _self_]
         cs.store(group="stage", name=f"{name}_schema", node=node)
-    from data.multimodal import MultimodalDataConfig
 
     cs.store(group="data", name="multimodal_schema", node=MultimodalDataConfig)  # conf/data/multimodal.yaml
 
 
 def _stage_schema(stage: dict):
-    from trainer.stages.config import STAGE_SCHEMAS
-
     name = stage.get("name", "pretrain")
     if name not in STAGE_SCHEMAS:
         raise ValueError(f"stage.name={name!r} is not implemented: choose one of {sorted(STAGE_SCHEMAS)} (stage=<name>)")
@@ -406,7 +374,6 @@ def to_config(node) -> Config:
         stage = plain.pop("stage", None) or {}
         data = plain.get("data") or {}
         if "multimodal" in data:  # conf/data/multimodal.yaml: the data section against its own schema
-            from data.multimodal import MultimodalDataConfig
 
             plain.pop("data")
         merged = OmegaConf.merge(OmegaConf.structured(Config), plain)

@@ -31,9 +31,9 @@ import torch
 import torch.nn.functional as F
 
 from model.common import autocast_dtype
-from trainer.loss import IGNORE_INDEX
+__all__ = ["IGNORE_INDEX", "CHUNK_BYTES", "default_chunk_tokens", "linear_cross_entropy"]
 
-__all__ = ["CHUNK_BYTES", "default_chunk_tokens", "linear_cross_entropy"]
+IGNORE_INDEX = -100  # a label that takes no part in the loss (prompt tokens, padding); torch's cross_entropy default
 
 CHUNK_BYTES = 512 << 20  # fp32 logits of one chunk (the matmul's product and the softmax's temporaries come beside)
 

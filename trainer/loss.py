@@ -35,9 +35,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-__all__ = ["IGNORE_INDEX", "StepTokens", "LMLoss", "valid_tokens", "KindSums"]
+from trainer.fused_loss import IGNORE_INDEX, linear_cross_entropy
 
-IGNORE_INDEX = -100  # a label that takes no part in the loss (prompt tokens, padding)
+__all__ = ["IGNORE_INDEX", "StepTokens", "LMLoss", "valid_tokens", "KindSums"]
 
 
 def valid_tokens(labels: torch.Tensor) -> int:
@@ -137,8 +137,6 @@ class LMLoss:
         """`lm` from the head's input instead of its logits: hidden [B, T, D] (what the head reads), head the output
         head (an nn.Linear without bias; its weight the whole, unsharded one), labels and weights as for `lm`. The
         head's matmul runs as the plain head's would here (call it under the forward's autocast)."""
-        from trainer.fused_loss import linear_cross_entropy
-
         if getattr(head, "bias", None) is not None:
             raise ValueError("trainer.fused_loss: the output head has a bias; the fused loss takes a head without")
         per_token = None if row_kind is None else torch.empty(labels.numel(), dtype=torch.float32,

@@ -35,20 +35,28 @@ import torch
 import torch.distributed as dist
 
 import model as model_pkg
-from model.config import ModelConfig
+from data.multimodal import ROW_KINDS
 from model.attention import head_rows
+from model.config import ModelConfig
 from optim import LRScheduler, build_optimizer
+from trainer.batch import compute_device, local_chunk, to_device
 from trainer.callbacks import Callbacks, load_callbacks, ordered
+from trainer.canonical_vocab import install_canonical_vocab
 from trainer.checkpoint import Checkpointer, RankLocalState, TrainState
+from trainer.checkpoint.hf_io import is_hf_dir
+from trainer.checkpoint.init_from import init_weights_from
+from trainer.checkpoint.loading import find_checkpoint
 from trainer.config import Config, ParallelConfig, ParallelDims, StageConfig, TrainerConfig
 from trainer.loss import KindSums, LMLoss, StepTokens, valid_tokens
 from trainer.metrics import MetricsLogger, device_peak_flops
 from trainer.parallel.apply import ParallelModel, describe, materialize, parallelize, validate_layout
-from trainer.parallel.compile import CUDAGRAPH_MODES, mark_step
+from trainer.parallel.compile import CUDAGRAPH_MODES, compile_blocks, mark_step
+from trainer.parallel.expert import dropped_share
 from trainer.parallel.gradients import clip_grad_norm_, mean_over_data, reduce_gradients, sum_over_data
+from trainer.parallel.mesh import build_mesh
 from trainer.preemption import StopRequest
 from trainer.run_lock import RunLock
-from trainer.stage import Stage, build_stage, indexer_or_all_parameters
+from trainer.stages.base import Stage, build_stage, indexer_or_all_parameters
 
 if TYPE_CHECKING:
     from trainer.parallel.mesh import Meshes
@@ -104,14 +112,13 @@ def setup_runtime(cfg: TrainerConfig, parallel: ParallelConfig, dims: ParallelDi
             # On GPU, gloo beside NCCL: a few small bookkeeping collectives (MoE usage votes, metrics) run on CPU.
             backend = "cuda:nccl,cpu:gloo" if device.type == "cuda" else "gloo"
             dist.init_process_group(backend=backend, timeout=timedelta(seconds=parallel.timeout_s))
-        from trainer.parallel.mesh import build_mesh
 
         meshes = build_mesh(dims, device.type)
     return Runtime(rank, world_size, device, torch.bfloat16 if precision == "bf16" else None, dims, meshes)
 
 
 def apply_stage_hooks(model_cfg: ModelConfig, stage: StageConfig) -> ModelConfig:
-    """The model config the stage trains (its hooks applied: SPEC 2's post-training switches), trainer/stage.py."""
+    """The model config the stage trains (its hooks applied: SPEC 2's post-training switches), trainer/stages/base.py."""
     return build_stage(stage).model_config(model_cfg)
 
 
@@ -138,7 +145,6 @@ def build_model(cfg: ModelConfig, rt: Runtime, parallel: ParallelConfig, seed: i
                          f"{parallel.pp}, trainer.grad_accum={grad_accum}): set trainer.compile_mode=default, or "
                          "grad_accum=1 and dp_replicate / tp / ep / cp only")
     if compile_backend is not None:
-        from trainer.parallel.compile import compile_blocks
 
         compile_blocks(pm.module, compile_backend, mode=compile_mode)
     materialize(pm, rt.device, seed, microbatch_size=batch_size, seq_len=seq_len, grad_accum=grad_accum,
@@ -148,27 +154,8 @@ def build_model(cfg: ModelConfig, rt: Runtime, parallel: ParallelConfig, seed: i
 
 def trainable_parameters(module: torch.nn.Module, cfg: ModelConfig) -> list[torch.nn.Parameter]:
     """What the pretraining optimiser owns of `module` (a Transformer or a pipeline StageGroup): every parameter,
-    or only the indexers in the dense warm-up phase (trainer/stage.py)."""
+    or only the indexers in the dense warm-up phase (trainer/stages/base.py)."""
     return indexer_or_all_parameters(module, cfg)
-
-
-def install_canonical_vocab(model: torch.nn.Module, cfg: ModelConfig, tokenizer_path: str) -> None:
-    """Engram hashes canonical ids (REFERENCE A8): derive the map from the tokenizer the shards were made with.
-    It is a pure function of the tokenizer, so a resumed run recomputes the same map."""
-    if not cfg.engram.layers:
-        return
-    from data.tokenizer import load_tokenizer
-    from model.engram import canonical_vocab_from_tokenizer
-
-    mapping, num_canonical = canonical_vocab_from_tokenizer(load_tokenizer(tokenizer_path), cfg.vocab_size)
-    if num_canonical > cfg.engram.compressed_vocab_size:
-        raise ValueError(
-            f"model.engram.compressed_vocab_size={cfg.engram.compressed_vocab_size} is smaller than the "
-            f"{num_canonical} canonical ids of tokenizer {tokenizer_path}"
-        )
-    hasher = getattr(model, "hasher", None)  # only the first pipeline stage hashes
-    if hasher is not None:
-        hasher.set_canonical_map(mapping)
 
 
 def freeze_all_but(model: torch.nn.Module, trainable: list[torch.nn.Parameter]) -> None:
@@ -204,7 +191,7 @@ class Job:
     peak_flops: float
     run_dir: Path
     flops_per_token: object  # seq_len -> training FLOPs per token of the whole model (model/accounting.py)
-    stage: Stage  # what is trained, on which batches, with which loss (trainer/stage.py)
+    stage: Stage  # what is trained, on which batches, with which loss (trainer/stages/base.py)
     loss: LMLoss
     callbacks: Callbacks  # trainer/callbacks.py: the built-ins, the stage's, trainer.callbacks'
     batches: object = None  # the live iterator over `loader`
@@ -267,7 +254,7 @@ def check_fused_loss(cfg: Config, loss: LMLoss) -> None:
     pipeline). Raises ValueError naming the key."""
     if not cfg.trainer.fused_loss:
         return
-    if not getattr(loss, "supports_fused", False):
+    if not loss.supports_fused:
         raise ValueError(f"trainer.fused_loss=true computes the plain LM loss from the head's input, but "
                          f"stage.name={cfg.stage.name}'s loss ({type(loss).__name__}) reads the logits themselves: "
                          "set trainer.fused_loss=false")
@@ -324,16 +311,14 @@ def build(cfg: Config, run_dir: Path) -> Job:
     model_cfg = stage.model_config(cfg.model)
     check_multimodal(cfg, model_cfg)
     user_callbacks = load_callbacks(cfg.trainer.callbacks)  # a bad import path fails before any process group
-    if hasattr(stage, "check_layout"):  # a stage's own layout rules (RL's rollouts need the whole model), as early
-        stage.check_layout(cfg.parallel)
-    if hasattr(stage, "check"):  # a stage's rules on the rest of the job (dspark needs its backbone), as early
-        stage.check(cfg)
+    stage.check_layout(cfg.parallel)  # a stage's own rules (RL's rollouts need the whole model), as early
+    stage.check(cfg)  # and on the rest of the job (dspark needs its backbone)
     # Every layout rule before any process group exists (the model's first, then the world size): a bad layout
     # fails at once, on every rank alike, naming the key to change.
     validate_layout(cfg.parallel, model_cfg, seq_len=cfg.data.seq_len, grad_accum=cfg.trainer.grad_accum)
     dims = cfg.parallel.resolve(int(os.environ.get("WORLD_SIZE", "1")))
     rt = setup_runtime(cfg.trainer, cfg.parallel, dims)
-    RunLock.acquire(run_dir, rt.rank)  # held since Hydra's callback when launched through trainer.main
+    RunLock.acquire(run_dir, rt.rank)  # held since Hydra's callback when launched through trainer.cli.main
     data_rank = rt.meshes.data.get_local_rank() if rt.meshes is not None else 0
     loader, tokenizer = stage.batches(cfg, data_rank, dims.data, progress=rt.rank == 0)
     if tokenizer.vocab_size > model_cfg.vocab_size:
@@ -344,15 +329,13 @@ def build(cfg: Config, run_dir: Path) -> Job:
     info = {"model": dataclasses.asdict(model_cfg), "layout": dataclasses.asdict(dims),
             "optim": dataclasses.asdict(cfg.optim), "max_steps": cfg.trainer.max_steps, "stage": cfg.stage.name}
     if cfg.checkpoint.init_from:  # which weights the run started from, in every checkpoint's marker
-        from trainer.engine.loading import find_checkpoint
-        from trainer.hf_checkpoint import is_hf_dir
 
         try:
             init = Path(cfg.checkpoint.init_from)
             info["init_from"] = str((init if is_hf_dir(init) else find_checkpoint(cfg.checkpoint.init_from)).resolve())
         except ValueError as e:
             raise ValueError(f"checkpoint.init_from: {e}".replace("ckpt=", "")) from None
-        if getattr(stage, "reads_init_from", False):  # the stage's frozen model (dspark's backbone), not these weights
+        if stage.reads_init_from:  # the stage's frozen model (dspark's backbone), not these weights
             info["backbone"] = info["init_from"]
     checkpointer = Checkpointer(run_dir / "checkpoints", cfg.checkpoint, rt.rank, info=info)
     resume_from = checkpointer.resume_path()
@@ -361,7 +344,7 @@ def build(cfg: Config, run_dir: Path) -> Job:
     pm = build_model(model_cfg, rt, cfg.parallel, cfg.trainer.seed, batch_size=cfg.data.batch_size,
                      seq_len=cfg.data.seq_len, grad_accum=cfg.trainer.grad_accum,
                      compile_backend=cfg.trainer.compile_backend if cfg.trainer.compile else None,
-                     compile_mode=cfg.trainer.compile_mode, module_fn=getattr(stage, "build_module", None))
+                     compile_mode=cfg.trainer.compile_mode, module_fn=stage.build_module)
     log.info("parallel layout: %s", describe(pm))
     install_canonical_vocab(pm.module, model_cfg, tokenizer.path)
     trainable = stage.trainable_parameters(pm.module, model_cfg)
@@ -373,8 +356,7 @@ def build(cfg: Config, run_dir: Path) -> Job:
     ckpt_states = {"train": state, "rank_local": RankLocalState(loader, rt.rank, data_rank)}
     seed_everything(cfg.trainer.seed + rt.rank)  # anything random after init differs per rank
     metrics = MetricsLogger(run_dir, cfg.logger.wandb, rt.rank, config=dataclasses.asdict(cfg))
-    if resume_from is None and cfg.checkpoint.init_from and not getattr(stage, "reads_init_from", False):
-        from trainer.init_from import init_weights_from
+    if resume_from is None and cfg.checkpoint.init_from and not stage.reads_init_from:
 
         init_weights_from(cfg.checkpoint.init_from, pm, optimizer if cfg.checkpoint.init_optimizer else None,
                           model_cfg, checkpointer)
@@ -387,11 +369,7 @@ def build(cfg: Config, run_dir: Path) -> Job:
         for key, old, new in hyperparameter_changes(marker, state.loaded_hyperparameters, cfg):
             log.info("resume: %s changed from %r (checkpoint) to %r (config); the config's value is used", key, old,
                      new)
-    if hasattr(stage, "flops_per_token"):  # what the stage computes per token (dspark: a forward of the backbone
-        flops_per_token = stage.flops_per_token(model_cfg)  # and the drafter's training on the anchors)
-    else:
-        with torch.device("meta"):  # FLOPs of the whole model, whatever this rank holds of it
-            flops_per_token = model_pkg.build(model_cfg).flops_per_token
+    flops_per_token = stage.flops_per_token(model_cfg)  # dspark: a backbone forward and the drafter's training
     job = Job(
         rt=rt, trainer=cfg.trainer, pm=pm, optimizer=optimizer, scheduler=scheduler, state=state,
         loader=loader, checkpointer=checkpointer, ckpt_states=ckpt_states, metrics=metrics,
@@ -400,21 +378,8 @@ def build(cfg: Config, run_dir: Path) -> Job:
         flops_per_token=flops_per_token, stage=stage, loss=loss,
         callbacks=ordered([*stage.callbacks(), *user_callbacks]),
     )
-    if hasattr(stage, "bind"):  # a stage whose batches need the model (RL's rollouts, a teacher's scores)
-        stage.bind(job)
+    stage.bind(job)  # a stage whose batches need the model (RL's rollouts, a teacher's scores)
     return job
-
-
-def _to_device(batch: dict, device: torch.device):
-    """A loader batch -> (input_ids [B, T], labels [B, T], image_mask [B, T] or None, loss_weights [B, T] or None)
-    on `device`."""
-    mask, weights = batch.get("image_mask"), batch.get("loss_weights")
-    return (
-        batch["input_ids"].to(device, non_blocking=True),
-        batch["labels"].to(device, non_blocking=True),
-        None if mask is None else mask.to(device, non_blocking=True),
-        None if weights is None else weights.to(device, non_blocking=True),
-    )
 
 
 _BATCH_KEYS = ("input_ids", "labels", "image_mask", "loss_weights", "replay_cuts", "routing", "pixel_values", "grids")
@@ -452,21 +417,6 @@ class MicroBatches:
     kinds: KindSums | None = None  # per row kind, this rank's loss sums and valid tokens (multimodal batches)
 
 
-def _device(pm: ParallelModel) -> torch.device:
-    """The compute device (host-resident Engram rows, parallel.engram_host_memory, are not it)."""
-    devices = [p.device for p in pm.module.parameters()]
-    return next((d for d in devices if d.type != "cpu"), devices[0])
-
-
-def _local_chunk(pm: ParallelModel, *tensors):
-    """This rank's context-parallel chunk of each [B, T] tensor (None passes); the tensors as they are otherwise."""
-    if pm.dims.cp == 1:
-        return tensors
-    from trainer.parallel.context import shard_sequence
-
-    return tuple(None if t is None else shard_sequence(t, pm.meshes.cp) for t in tensors)
-
-
 def step_tokens(pm: ParallelModel, batches: list[dict]) -> StepTokens:
     """The step's loss normalisation (trainer/loss.py): valid labels of the global batch (summed over the ranks that
     read different data: one all-reduce), the ranks the gradient mean runs over (dp x ep x cp), the micro-batches."""
@@ -483,23 +433,23 @@ def forward_backward(pm: ParallelModel, batches: list[dict], autocast_dtype: tor
     if loss is None:
         loss = LMLoss()
         loss.begin_step(StepTokens(sum(valid_tokens(b["labels"]) for b in batches), 1, len(batches)))
-    fused = getattr(loss, "fused", False)
+    fused = loss.fused
     if fused and (pm.pipeline is not None or pm.loss_parallel):
         raise ValueError("trainer.fused_loss=true does not run under pipeline parallelism or loss_parallel "
                          "(tensor parallelism): set trainer.fused_loss=false")
     if pm.pipeline is not None:
         return _pipeline_forward_backward(pm, batches, loss)
-    accum, device = len(batches), _device(pm)
+    accum, device = len(batches), compute_device(pm)
     if pm.loss_parallel:  # the logits are vocab-sharded DTensors: cross-entropy and backward under loss_parallel
         from torch.distributed.tensor.parallel import loss_parallel as loss_context
     else:
         loss_context = contextlib.nullcontext
     loss_sum, aux_sums, tokens = 0.0, {}, 0
     for batch in batches:
-        input_ids, labels, image_mask, weights = _to_device(batch, device)
+        input_ids, labels, image_mask, weights = to_device(batch, device)
         tokens += input_ids.numel()
         seq_len = input_ids.shape[1]
-        input_ids, labels, image_mask, weights = _local_chunk(pm, input_ids, labels, image_mask, weights)
+        input_ids, labels, image_mask, weights = local_chunk(pm, input_ids, labels, image_mask, weights)
         mark_step(pm.module)
         if pm.engram is not None:
             # Row ids depend only on token ids: the rows' exchange goes out before the forward and travels while
@@ -523,22 +473,21 @@ def forward_backward(pm: ParallelModel, batches: list[dict], autocast_dtype: tor
         values = {f"aux/{k}": float(v.detach()) for k, v in out.aux.items()}
         values.update({f"aux_metric/{k}": v for k, v in out.metrics.items()})
         if pm.dims.ep > 1:  # the sync-free dispatcher (parallel.ep_capacity_factor > 0) counts what it drops
-            from trainer.parallel.expert import dropped_share
 
             share = dropped_share(pm.module, input_ids.numel())  # this micro-batch's (a recompute writes the same)
             if share is not None:  # the mean over micro-batches and data ranks: the step's share of copies dropped
                 values["aux_metric/moe_dropped_share"] = share
         for name, value in values.items():
             aux_sums[name] = aux_sums.get(name, 0.0) + value / accum
-    return MicroBatches(loss_sum / accum, aux_sums, tokens, seq_len, getattr(loss, "kind_sums", None))
+    return MicroBatches(loss_sum / accum, aux_sums, tokens, seq_len, loss.kind_sums)
 
 
 def _pipeline_forward_backward(pm: ParallelModel, batches: list[dict], loss: LMLoss) -> MicroBatches:
     """The micro-batches as one [M*B, T] batch through the schedule; the last stage's loss terms reach every
     pipeline rank (Pipeline.step). Row-sharded Engram lookups go unprefetched here: the schedule runs the
     micro-batches' forwards itself, and stages past the first receive their row ids across the cut."""
-    device = _device(pm)
-    parts = [_to_device(batch, device) for batch in batches]
+    device = compute_device(pm)
+    parts = [to_device(batch, device) for batch in batches]
     if any(p[2] is not None for p in parts):
         raise ValueError("pipeline parallelism: these batches carry images (an image mask), which the pipeline's "
                          "schedule does not take; data=multimodal runs with parallel.pp=1")
@@ -548,7 +497,7 @@ def _pipeline_forward_backward(pm: ParallelModel, batches: list[dict], loss: LML
         weights = torch.cat([p[3] if p[3] is not None else torch.ones_like(p[1], dtype=torch.float32)
                              for p in parts])
     tokens, seq_len = input_ids.numel(), input_ids.shape[1]
-    input_ids, labels, weights = _local_chunk(pm, input_ids, labels, weights)
+    input_ids, labels, weights = local_chunk(pm, input_ids, labels, weights)
     pm.pipeline.loss.lm = loss  # the stage's loss computes the last stage's LM term
     pm.pipeline.step(input_ids, labels, weights=weights, tokens=loss.tokens)
     terms, cfg, aux = pm.pipeline.metrics, pm.cfg, {}
@@ -605,8 +554,6 @@ def kind_losses(pm: ParallelModel, kinds: KindSums) -> dict[str, float]:
     """{"loss_<kind>": the global token mean of that kind's rows} (data/multimodal.py ROW_KINDS: loss_text,
     loss_multimodal) from this rank's sums (one all-reduce over the data ranks); a kind with no valid token in the
     step's global batch has no entry."""
-    from data.multimodal import ROW_KINDS
-
     k = len(ROW_KINDS)  # = LMLoss.num_kinds, the length of the sums
     values = sum_over_data(pm, [*kinds.loss.tolist(), *kinds.tokens.tolist()])
     return {f"loss_{name}": values[i] / values[k + i] for i, name in enumerate(ROW_KINDS) if values[k + i] > 0}
@@ -634,7 +581,7 @@ def train_loop(job: Job) -> None:
             callbacks.on_step_start(job, step)
             batches = [next(job.batches) for _ in range(cfg.grad_accum)]
             stats = compute_gradients(job.pm, batches, params, max_norm, rt.autocast_dtype, step, job.loss,
-                                      forward=getattr(job.stage, "forward_backward", None))
+                                      forward=job.stage.forward_backward)
             stats.lr = lr
             if stats.finite:
                 callbacks.on_before_optimizer_step(job, step, stats)

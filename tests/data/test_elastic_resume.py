@@ -16,7 +16,7 @@ every packed document is recorded with the epoch it belongs to:
 - Through DataLoader workers: an elastic resume into 1 rank x 2 workers gives the same batches and positions as 2
   ranks in process, and a save / resume with workers in the middle of the drain is exact.
 - Refused: a missing data rank, another seed; without `elastic`, another reader count (as before).
-- trainer/checkpoint.py: a checkpoint with 2 data ranks loads into 1 and into 3 data ranks through
+- trainer/checkpoint/checkpointer.py: a checkpoint with 2 data ranks loads into 1 and into 3 data ranks through
   Checkpointer.load (every rank reads all saved positions), equal to the loader's own elastic load; the same
   layout takes the exact path and reads only its own position. Through the CLI (slow): a run with 2 data ranks
   (torchrun, gloo) resumes in one process and that one's checkpoint again with 2 data ranks, logging the change.
@@ -35,7 +35,8 @@ import torch
 
 from data.loader import PackedLoader, _Reader
 from tests.data.synthetic import EOS, MARK, write_synthetic_shards
-from trainer.checkpoint import Checkpointer, RankLocalState, _rng_state
+from trainer.checkpoint import Checkpointer, RankLocalState
+from trainer.checkpoint.checkpointer import _rng_state
 from trainer.config import CheckpointConfig
 
 B, T = 2, 8
@@ -304,7 +305,7 @@ def test_elastic_refusals(root):
         _loader(root).load_state_dict(saved)  # without elastic: refused as before
 
 
-# --- trainer/checkpoint.py: the load path with another number of data ranks -----------------------------------------
+# --- trainer/checkpoint/checkpointer.py: the load path with another number of data ranks -----------------------------------------
 
 
 class _SavedRanks:
@@ -364,7 +365,7 @@ def test_trainer_resumes_with_another_number_of_data_ranks(tmp_path):
     def run(ranks, name, steps, resume=None):
         args = micro_overrides(tmp_path / name, data, "checkpoint.interval=2", f"trainer.max_steps={steps}",
                                "data.num_workers=0", *([f"checkpoint.resume={resume}"] if resume else []))
-        cmd = ([sys.executable, "-m", "trainer.main"] if ranks == 1
+        cmd = ([sys.executable, "-m", "trainer.cli.main"] if ranks == 1
                else ["bash", str(REPO / "launch" / "torchrun.sh"), str(ranks)])
         r = subprocess.run([*cmd, *args], cwd=REPO, env=env(), capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, r.stderr[-3000:]

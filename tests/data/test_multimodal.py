@@ -200,7 +200,7 @@ def test_data_multimodal_composes_with_its_keys_checked():
     """`data=multimodal` composes into MultimodalDataConfig, its keys checked by name (the trainer's use of it:
     tests/trainer/test_multimodal_train.py)."""
     from trainer.config import to_config
-    from trainer.plan import compose
+    from trainer.compose import compose
 
     cfg = to_config(compose(["model=v41_tiny_mm", "data=multimodal", "data.multimodal.text_to_multimodal=3"]))
     assert type(cfg.data).__name__ == "MultimodalDataConfig" and cfg.data.multimodal.text_to_multimodal == 3

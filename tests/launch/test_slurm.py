@@ -57,7 +57,7 @@ n=$(cat "$CEDAR_LOG/date" 2>/dev/null || echo 0); echo $((n + 1)) > "$CEDAR_LOG/
     # torchrun: records its arguments and its ignored-signal mask, starts one worker and waits for it. No trap: a
     # SIGTERM ends it at once (the tests assert it gets none).
     "fake-python": r"""
-if [[ $1 == -m && $2 == trainer.preflight ]]; then  # the preflight: records its arguments, passes
+if [[ $1 == -m && $2 == trainer.cli.preflight ]]; then  # the preflight: records its arguments, passes
   printf '%s\0' "$@" > "$CEDAR_LOG/preflight.argv"
   exit "${CEDAR_FAKE_PREFLIGHT_RC:-0}"
 fi
@@ -147,12 +147,12 @@ def test_torchrun_command_line(fake_slurm):
                 "--rdzv_endpoint=gpu-head:29500"):
         assert arg in torchrun, (arg, torchrun)
     rest = torchrun[torchrun.index("-m", 1):]
-    assert rest == ["-m", "trainer.main", f"hydra.run.dir=runs/slurm-{JOB_ID}", "model=v41_tiny",
+    assert rest == ["-m", "trainer.cli.main", f"hydra.run.dir=runs/slurm-{JOB_ID}", "model=v41_tiny",
                     "trainer.max_steps=10"]
     assert "rendezvous gpu-head:29500" in r.stdout
     assert not any("requeue" in e for e in _events(log))  # a job that ends by itself is not requeued
     # the trainer's start-up checks ran first, against the whole job: 2 nodes x 8 processes
-    assert _argv(log / "preflight.argv") == ["-m", "trainer.preflight", "16", f"hydra.run.dir=runs/slurm-{JOB_ID}",
+    assert _argv(log / "preflight.argv") == ["-m", "trainer.cli.preflight", "16", f"hydra.run.dir=runs/slurm-{JOB_ID}",
                                              "model=v41_tiny", "trainer.max_steps=10"]
 
 

@@ -32,7 +32,7 @@ def build(quant: dict | None = None, seed: int = 0, name: str = "v41_tiny", *, s
     if csa2:
         cfg = dataclasses.replace(cfg, csa2=dataclasses.replace(cfg.csa2, **csa2))
     if stage is not None:
-        from trainer.stage import apply_model_hooks
+        from trainer.stages.base import apply_model_hooks
 
         cfg = apply_model_hooks(stage, cfg)
     torch.manual_seed(seed)

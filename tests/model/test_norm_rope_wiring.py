@@ -148,7 +148,7 @@ def _dtensor_norm_worker(rank: int, world_size: int) -> dict:
     from torch.distributed.tensor.parallel import parallelize_module
 
     from kernels import norm_rope_fp4
-    from model.parallelize import ReplicateParallel
+    from trainer.parallel.tensor import ReplicateParallel
 
     calls = []
     real = norm_rope_fp4.norm_rope_fake_quant

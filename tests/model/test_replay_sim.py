@@ -1,4 +1,4 @@
-"""The trainer hooks make the training forward compute what serving computes (model/replay.py, trainer/stage.py):
+"""The trainer hooks make the training forward compute what serving computes (model/replay.py, trainer/stages/base.py):
 bounded-replay simulation against the cache's bounded replays, FP4/FP8 QAT against the quantised cache, and the
 hierarchical indexer against the cache's pool-restricted search."""
 

@@ -66,7 +66,7 @@ def _mixed_step(rank: int, world: int, impl: str) -> dict:
     ours, ref = params(), params()
     opt = build_optimizer(ours, OptimConfig(lr=1e-2, warmup_steps=0, impl=impl))
     torch_opt = torch.optim.AdamW(param_groups(ref, 0.1), lr=1e-2, betas=(0.9, 0.95), eps=1e-8, foreach=False)
-    import optim.builder as builder
+    import optim.adamw as builder
 
     kinds_seen, kind = [], builder._kind
     builder._kind = lambda p: kinds_seen.append(p) or kind(p)  # counts how often the split is worked out

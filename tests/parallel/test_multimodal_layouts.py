@@ -108,7 +108,7 @@ def test_tp_splits_the_tower(runs):
     """tp 2 holds half of each split tensor of the tower (the plan is applied, not a replicated tower), and the
     planner's `tp_shard_dims` lists the tower's split tensors."""
     import model as model_pkg
-    from model.parallelize import tp_shard_dims
+    from trainer.parallel.tensor import tp_shard_dims
 
     assert runs[0]["tp2"]["wq_local_rows"] == 32
     assert runs[0]["dp_shard2"]["wq_local_rows"] == 32  # FSDP's dim-0 shards

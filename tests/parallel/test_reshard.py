@@ -1,5 +1,5 @@
 """Proves checkpoints move between layouts: saved by one process, resumed under tp 2 x pp 2 (4 gloo ranks, torchrun),
-and the reverse, through the real CLI (trainer.main) with optim=muon (conf/optim/muon.yaml: Muon and head-wise Muon
+and the reverse, through the real CLI (trainer.cli.main) with optim=muon (conf/optim/muon.yaml: Muon and head-wise Muon
 momentum, Sinkhorn momentum for the embedding, head and Engram table, AdamW's moments for the rest, every state a
 DTensor like its parameter under tp), the micro model with Engram on.
 

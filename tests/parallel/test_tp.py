@@ -1,4 +1,4 @@
-"""Proves tensor parallelism (model/parallelize.py `apply_tp`) computes what the single process computes.
+"""Proves tensor parallelism (trainer/parallel/tensor.py `apply_tp`) computes what the single process computes.
 
 tp 2 on the tiny V4.1 (fp32, CPU, gloo), without sequence parallelism (logits all-gathered) and with it (logits
 vocab-sharded, the loss under `loss_parallel`). Every tp rank sees the whole global batch, as tp ranks do.
@@ -45,7 +45,7 @@ from torch.overrides import TorchFunctionMode
 
 import model as model_pkg
 from model.layer_plan import build_layer_plan
-from model.parallelize import apply_tp, reduce_partial_grads
+from trainer.parallel.tensor import apply_tp, reduce_partial_grads
 from tests.distributed import run_distributed
 from tests.helpers import TRITON_SEQ_LEN, assert_rel, every_role_config, load_config
 from trainer.parallel.apply import ParallelModel

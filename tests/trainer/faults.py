@@ -100,9 +100,9 @@ def main() -> None:
     if sep != "--":
         raise SystemExit("usage: python -m tests.trainer.faults FAULT[,FAULT...] -- [hydra overrides...]")
     install(spec)
-    # as `python -m trainer.main` runs it: Hydra finds conf/ relative to the file only when it runs as __main__
-    sys.argv = [str(Path(__file__).resolve().parents[2] / "trainer" / "main.py"), *[o for o in overrides if o]]
-    runpy.run_module("trainer.main", run_name="__main__", alter_sys=True)
+    # as `python -m trainer.cli.main` runs it: Hydra finds conf/ relative to the file only when it runs as __main__
+    sys.argv = [str(Path(__file__).resolve().parents[2] / "trainer" / "cli" / "main.py"), *[o for o in overrides if o]]
+    runpy.run_module("trainer.cli.main", run_name="__main__", alter_sys=True)
 
 
 if __name__ == "__main__":

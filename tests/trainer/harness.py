@@ -51,20 +51,20 @@ def env(**extra: str) -> dict:
 
 
 def run_cli(args: list[str], timeout: float = 300, **env_extra: str) -> subprocess.CompletedProcess:
-    """`python -m trainer.main ARGS` from the repository root."""
+    """`python -m trainer.cli.main ARGS` from the repository root."""
     return subprocess.run(
-        [sys.executable, "-m", "trainer.main", *args], cwd=REPO, env=env(**env_extra), capture_output=True,
+        [sys.executable, "-m", "trainer.cli.main", *args], cwd=REPO, env=env(**env_extra), capture_output=True,
         text=True, timeout=timeout,
     )
 
 
 def kill_9_when(args: list[str], ready, timeout: float = 300) -> int:
-    """Launch `python -m trainer.main ARGS`, SIGKILL it as soon as ready() is true, and return its exit status
+    """Launch `python -m trainer.cli.main ARGS`, SIGKILL it as soon as ready() is true, and return its exit status
     (-SIGKILL when it was killed, its own status when it finished first)."""
     import signal
     import time
 
-    proc = subprocess.Popen([sys.executable, "-m", "trainer.main", *args], cwd=REPO, env=env(),
+    proc = subprocess.Popen([sys.executable, "-m", "trainer.cli.main", *args], cwd=REPO, env=env(),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + timeout
     try:
@@ -79,7 +79,7 @@ def kill_9_when(args: list[str], ready, timeout: float = 300) -> int:
 
 
 def run_faulty(faults: str, args: list[str], timeout: float = 300, **env_extra: str) -> subprocess.CompletedProcess:
-    """`python -m trainer.main ARGS` with faults patched in (tests/trainer/faults.py)."""
+    """`python -m trainer.cli.main ARGS` with faults patched in (tests/trainer/faults.py)."""
     return subprocess.run(
         [sys.executable, "-m", "tests.trainer.faults", faults, "--", *args], cwd=REPO, env=env(**env_extra),
         capture_output=True, text=True, timeout=timeout,

@@ -32,7 +32,7 @@ import torch
 from optim import LRScheduler, OptimConfig, build_optimizer
 from model.config import ModelConfig
 from tests.trainer.harness import REPO, env, kill_9_when, losses, micro_overrides, read_metrics, run_cli, run_faulty
-from trainer.checkpoint import (
+from trainer.checkpoint.checkpointer import (
     COMPLETE_MARKER, Checkpointer, CheckpointSaveError, CorruptCheckpoint, RankLocalState, TrainState, _rng_state,
     complete_checkpoints, model_config_differences, verify,
 )
@@ -289,7 +289,7 @@ def test_a_full_disk_during_a_save_is_one_line_and_the_run_resumes(tmp_path, sma
 @pytest.mark.slow
 def test_sigterm_saves_exits_zero_and_resumes_exactly(tmp_path, small_data, reference):
     args = micro_overrides(tmp_path, small_data, *RUN_ARGS)
-    proc = subprocess.Popen([sys.executable, "-m", "trainer.main", *args], cwd=REPO, env=env(),
+    proc = subprocess.Popen([sys.executable, "-m", "trainer.cli.main", *args], cwd=REPO, env=env(),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 300

@@ -66,7 +66,7 @@ def test_checkpoints_hold_the_drafter_alone_and_name_the_backbone(drafted, backb
     from torch.distributed.checkpoint import FileSystemReader
 
     from trainer.checkpoint import Checkpointer
-    from trainer.engine.loading import find_checkpoint, load_model, model_config, read_marker, run_tokenizer
+    from trainer.checkpoint.loading import find_checkpoint, load_model, model_config, read_marker, run_tokenizer
     from trainer.stages.dspark import load_drafter
 
     ckpt = find_checkpoint(str(drafted))
@@ -103,7 +103,7 @@ def test_no_gradient_reaches_the_backbone_and_it_stays_bit_identical(tmp_path, s
     off, its weights and buffers (MoE biases included) after two steps are the loaded ones bit for bit, it stays in
     eval mode; the drafter's weights move."""
     from trainer.config import to_config
-    from trainer.plan import compose
+    from trainer.compose import compose
     from trainer.train import build, train_loop
 
     args = _dspark(tmp_path, small_data, backbone, "trainer.max_steps=2", "checkpoint.interval=0")
@@ -213,9 +213,9 @@ def test_generated_rows_continue_the_prefix_with_the_backbones_own_tokens():
 
 
 def test_generate_with_the_drafter_returns_the_plain_greedy_text(drafted, backbone, tmp_path, capsys):
-    """`python -m trainer.generate ckpt=<backbone> drafter=<dspark run>`: the same greedy completions as without the
+    """`python -m trainer.cli.generate ckpt=<backbone> drafter=<dspark run>`: the same greedy completions as without the
     drafter, the throughput line counting the drafts; a drafter of another model is refused, naming it."""
-    from trainer import generate
+    from trainer.cli import generate
 
     base = [f"ckpt={backbone}", "prompt_template={prompt}", "prompt=def main(", "max_new_tokens=12"]
 

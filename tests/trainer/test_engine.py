@@ -58,7 +58,7 @@ def test_sampling_is_seeded_and_cut(model):
     seq = _t([a.prompt_ids + a.token_ids])
     with torch.no_grad():
         logits = model(seq)[0, len(a.prompt_ids) - 1:-1]
-    from trainer.engine.sampling import _sampling_logprobs
+    from trainer.engine.sampling import sampling_logprobs as _sampling_logprobs
 
     for t, (tok, lp) in enumerate(zip(a.token_ids, a.logprobs)):
         dist = _sampling_logprobs(logits[t], SamplingParams(**p))

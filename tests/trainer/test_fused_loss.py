@@ -266,7 +266,8 @@ def test_fsdp_dp_shard2_equals_the_plain_run():
 ], ids=["rl", "tp", "pp"])
 def test_unsupported_combinations_are_refused_at_start_up(overrides, message, tmp_path):
     from trainer.config import to_config
-    from trainer.plan import check_layout, compose
+    from trainer.compose import compose
+    from trainer.memory_plan import check_layout
     from trainer.train import build
 
     node = compose(["model=v41_tiny", "trainer.fused_loss=true", *overrides])

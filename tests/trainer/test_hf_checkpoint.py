@@ -1,4 +1,4 @@
-"""Hugging Face checkpoints in and out (model/hf.py, trainer/hf_checkpoint.py, trainer.export_hf / import_hf):
+"""Hugging Face checkpoints in and out (trainer/checkpoint/hf.py, trainer/checkpoint/hf_io.py, trainer.cli.export_hf / import_hf):
 the official names and shapes on the flagship (REFERENCE A11), the config both ways, a bit-exact round trip in
 pieces smaller than a tensor, bad directories refused by name, and a run started from an exported directory
 (checkpoint.init_from=<HF dir>) with the weights of the run it was exported from."""
@@ -18,13 +18,13 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 import model as model_pkg
-from model import hf
+from trainer.checkpoint import hf
 from tests.helpers import ROOT, build_tiny, load_config
 from tests.trainer.harness import env, losses, micro_overrides, run_cli
 from trainer.checkpoint import Checkpointer, model_config_differences
 from trainer.config import CheckpointConfig
-from trainer.hf_checkpoint import INDEX, export, import_
-from trainer.import_hf import hf_model_config
+from trainer.checkpoint.hf_io import INDEX, export, import_
+from trainer.checkpoint.hf_io import hf_model_config
 
 
 def test_flagship_names_and_shapes_are_the_reference_ones():
@@ -78,7 +78,7 @@ def test_config_both_ways(name):
     # config.json carries no vision section yet (the tower's HF names are not known here, issue 20): text model
     cfg = dataclasses.replace(cfg, vision=dataclasses.replace(cfg.vision, num_layers=0))
     back = hf.model_config(hf.hf_config(cfg))
-    # the tables' storage dtype is the files' (trainer/import_hf.py), not config.json's
+    # the tables' storage dtype is the files' (trainer/cli/import_hf.py), not config.json's
     back = dataclasses.replace(back, engram=dataclasses.replace(back.engram, table_dtype=cfg.engram.table_dtype))
     assert model_config_differences(dataclasses.asdict(cfg), dataclasses.asdict(back)) == []
     # a composite config (text_config) with the released draft-layer entries of compress_ratios reads the same
@@ -188,12 +188,12 @@ def test_a_run_starts_from_an_exported_directory(tmp_path, small_data):
     pre = tmp_path / "pre"
     r = run_cli(micro_overrides(pre, small_data, "trainer.max_steps=2", "checkpoint.interval=2"))
     assert r.returncode == 0, r.stderr[-2000:]
-    r = _cli("trainer.export_hf", f"ckpt={pre}", f"out={tmp_path / 'hf32'}", "dtype=float32")
+    r = _cli("trainer.cli.export_hf", f"ckpt={pre}", f"out={tmp_path / 'hf32'}", "dtype=float32")
     assert r.returncode == 0 and "exported" in r.stdout, r.stderr[-2000:]
     assert (tmp_path / "hf32" / "tokenizer.json").is_file()  # the run's, beside the weights
-    r = _cli("trainer.export_hf", f"ckpt={pre}", f"out={tmp_path / 'hf16'}")
+    r = _cli("trainer.cli.export_hf", f"ckpt={pre}", f"out={tmp_path / 'hf16'}")
     assert r.returncode == 0, r.stderr[-2000:]
-    r = _cli("trainer.import_hf", f"src={tmp_path / 'hf16'}", f"out={tmp_path / 'imp'}")
+    r = _cli("trainer.cli.import_hf", f"src={tmp_path / 'hf16'}", f"out={tmp_path / 'imp'}")
     assert r.returncode == 0 and "checkpoint.init_from=" in r.stdout, r.stderr[-2000:]
 
     runs = {}
@@ -207,13 +207,13 @@ def test_a_run_starts_from_an_exported_directory(tmp_path, small_data):
     r = run_cli(micro_overrides(tmp_path / "bad", small_data, "trainer.max_steps=1", "model.dim=64",
                                 f"checkpoint.init_from={tmp_path / 'hf32'}"))
     assert r.returncode == 2 and "its config.json gives another model: model.dim=32 there, 64 here" in r.stderr
-    r = _cli("trainer.export_hf", f"ckpt={tmp_path / 'nowhere'}", "out=x")
+    r = _cli("trainer.cli.export_hf", f"ckpt={tmp_path / 'nowhere'}", "out=x")
     assert r.returncode == 2 and "does not exist" in r.stderr and "Traceback" not in r.stderr
-    r = _cli("trainer.import_hf", f"src={pre}", "out=x")
+    r = _cli("trainer.cli.import_hf", f"src={pre}", "out=x")
     assert r.returncode == 2 and "is not a Hugging Face checkpoint directory" in r.stderr
-    r = _cli("trainer.import_hf", "nosuch=1")
+    r = _cli("trainer.cli.import_hf", "nosuch=1")
     assert r.returncode == 2 and "Key 'nosuch' not in 'ImportConfig'" in r.stderr and "Traceback" not in r.stderr
-    r = _cli("trainer.export_hf", "--help")
+    r = _cli("trainer.cli.export_hf", "--help")
     assert r.returncode == 0 and "max_shard_gb" in r.stdout
 
 
@@ -243,13 +243,13 @@ def test_two_ranks_export_and_import_the_same_files(tmp_path):
     run = lambda module, *args: subprocess.run(  # noqa: E731
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", module, *args],
         cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
-    r = run("trainer.export_hf", f"ckpt={ckpt}", f"out={tmp_path / 'two'}", "max_shard_gb=0.002097152")
+    r = run("trainer.cli.export_hf", f"ckpt={ckpt}", f"out={tmp_path / 'two'}", "max_shard_gb=0.002097152")
     assert r.returncode == 0, r.stderr[-3000:]
     files = set(one["weight_map"].values())
     assert len(files) > 2 and json.loads((tmp_path / "two" / INDEX).read_text())["weight_map"] == one["weight_map"]
     for f in files:
         assert (tmp_path / "one" / f).read_bytes() == (tmp_path / "two" / f).read_bytes(), f
-    r = run("trainer.import_hf", f"src={tmp_path / 'two'}", f"out={tmp_path / 'imp'}", "table_dtype=float32")
+    r = run("trainer.cli.import_hf", f"src={tmp_path / 'two'}", f"out={tmp_path / 'imp'}", "table_dtype=float32")
     assert r.returncode == 0, r.stderr[-3000:]
     back = _load(tmp_path / "imp" / "checkpoints" / "step_00000000", cfg)
     assert all(torch.equal(back[k], v if hf.keeps_fp32(k) else v.to(torch.bfloat16).float()) for k, v in state.items())

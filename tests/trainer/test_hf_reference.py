@@ -30,7 +30,7 @@ from tests.helpers import build_tiny, load_config
 from tests.trainer import hf_reference
 from trainer.checkpoint import Checkpointer
 from trainer.config import CheckpointConfig
-from trainer.hf_checkpoint import export
+from trainer.checkpoint.hf_io import export
 
 B, T = 2, 80
 

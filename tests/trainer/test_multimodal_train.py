@@ -47,7 +47,7 @@ def _overrides(run_dir, root, *extra: str) -> list[str]:
 
 
 def _build(run_dir, root, *extra: str):
-    """The Job trainer.main builds past Hydra, in this process."""
+    """The Job trainer.cli.main builds past Hydra, in this process."""
     from trainer.train import build
 
     return build(_config(root, *extra), run_dir)
@@ -64,7 +64,7 @@ def _train(run_dir, root, *extra: str, outcome: str = "finished"):
 
 def _config(root, *extra: str):
     from trainer.config import to_config
-    from trainer.plan import compose
+    from trainer.compose import compose
 
     return to_config(compose([a for a in _overrides("unused", root, *extra) if not a.startswith("hydra.")]))
 
@@ -106,8 +106,9 @@ def test_trains_logs_both_kinds_and_resumes_exactly(tmp_path, mm_data):
     (["stage.bounded_replay_sim=true"], r"stage.bounded_replay_sim=true: the bounded-replay simulation runs on text"),
 ])
 def test_bad_combinations_are_refused_naming_the_key(mm_data, extra, message):
-    """By the trainer's start-up checks, which trainer.preflight (launch/torchrun.sh) runs too."""
-    from trainer.plan import check_layout, compose
+    """By the trainer's start-up checks, which trainer.cli.preflight (launch/torchrun.sh) runs too."""
+    from trainer.compose import compose
+    from trainer.memory_plan import check_layout
 
     node = compose([a for a in _overrides("unused", mm_data, *extra) if not a.startswith("hydra.")])
     with pytest.raises(ValueError, match=message):

@@ -40,7 +40,7 @@ def _worker_pids(run_dir: Path) -> dict[int, int]:
             environ = dict(v.split(b"=", 1) for v in (entry / "environ").read_bytes().split(b"\0") if b"=" in v)
         except OSError:
             continue
-        if b"trainer.main" in cmdline and f"hydra.run.dir={run_dir}".encode() in cmdline and b"RANK" in environ:
+        if b"trainer.cli.main" in cmdline and f"hydra.run.dir={run_dir}".encode() in cmdline and b"RANK" in environ:
             found[int(environ[b"RANK"])] = int(entry.name)
     return found
 

@@ -28,7 +28,7 @@ import model as model_pkg
 from model.dspark import DSpark, stream_means
 from tests.helpers import build_tiny, every_role_config, load_config
 from trainer.engine import Engine, PrefixCache, Request, SamplingParams
-from trainer.engine.sampling import _sampling_logprobs
+from trainer.engine.sampling import sampling_logprobs as _sampling_logprobs
 from trainer.engine.speculative import SpecScheduler, ThroughputCurve
 
 K = 3  # spec_tokens (v41_tiny's block_size is 5)

@@ -1,4 +1,4 @@
-"""trainer/stage.py and trainer/callbacks.py, the seams a new stage plugs into.
+"""trainer/stages/base.py and trainer/callbacks.py, the seams a new stage plugs into.
 
 - stage.name picks the Stage; an unimplemented one fails naming the implemented ones; pretraining's hooks (FP4 QAT,
   bounded replay refused) are the Stage's model-config transform.
@@ -22,7 +22,7 @@ import torch
 
 from trainer.callbacks import Callback, load_callbacks
 from trainer.config import StageConfig
-from trainer.stage import STAGES, Pretrain, build_stage
+from trainer.stages.base import STAGES, Pretrain, build_stage
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -73,12 +73,12 @@ def test_the_documented_example_stage_runs(monkeypatch):
     doc = (ROOT / "docs" / "data_flow.md").read_text()
     code = re.search(r"## A 20-line example stage.*?```python\n(.*?)```", doc, re.S).group(1)
     assert len(code.strip().splitlines()) <= 30
-    monkeypatch.setattr("trainer.stage.STAGES", dict(STAGES))
+    monkeypatch.setattr("trainer.stages.base.STAGES", dict(STAGES))
     namespace: dict = {}
     exec(compile(code, "docs/data_flow.md", "exec"), namespace)
-    import trainer.stage
+    import trainer.stages.base
 
-    cls = trainer.stage.STAGES["answers_only"]
+    cls = trainer.stages.base.STAGES["answers_only"]
     stage_cfg = StageConfig()
     object.__setattr__(stage_cfg, "name", "answers_only")  # the example's own name (a real stage adds it to the set)
     stage = build_stage(stage_cfg)
@@ -152,7 +152,7 @@ def test_bounded_replay_sim_batches_carry_cuts_the_forward_reads():
     trainer hands them to the model (trainer/train.py `_model_extras`), and pp / cp are refused by name."""
     from model.replay import ReplayCuts
     from trainer.config import Config, ParallelConfig
-    from trainer.stage import with_replay_cuts
+    from trainer.stages.base import with_replay_cuts
     from trainer.train import _model_extras
 
     cfg = Config()

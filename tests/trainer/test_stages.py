@@ -116,7 +116,7 @@ def test_a_teacher_with_another_tokenizer_is_refused(tmp_path, pretrained):
     from omegaconf import OmegaConf
 
     from data.tokenizer import train_tokenizer
-    from trainer.engine.loading import find_checkpoint, run_tokenizer
+    from trainer.checkpoint.loading import find_checkpoint, run_tokenizer
     from trainer.stages.common import load_frozen
 
     other = tmp_path / "teacher"

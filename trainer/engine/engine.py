@@ -54,7 +54,10 @@ from typing import Callable, Protocol
 
 import torch
 
+from model.attention import SequenceShard
+from model.routing import RoutingRecords
 from trainer.engine.sampling import SamplingParams, sample
+from trainer.engine.spec_decode import SpecDecoder
 
 __all__ = ["Request", "Completion", "RolloutBackend", "Engine", "PromptFormat", "serving_module"]
 
@@ -79,7 +82,6 @@ def serving_module(model) -> torch.nn.Module:
     if module.__class__.__name__ == "StageGroup" or not hasattr(module, "new_cache"):
         raise ValueError("the generation engine needs the whole model on every rank: it does not run under pipeline "
                          "parallelism (parallel.pp > 1)")
-    from model.attention import SequenceShard
 
     if getattr(module, "sequence_shard", SequenceShard()) != SequenceShard():
         raise ValueError("the generation engine does not run under context parallelism (parallel.cp > 1)")
@@ -183,8 +185,6 @@ class Engine:
         self.spec = None
         if drafter is not None:
             from torch.distributed.tensor import DTensor
-
-            from trainer.engine.spec_decode import SpecDecoder
 
             if cuda_graph:
                 raise ValueError("Engine(cuda_graph=True) does not take a drafter: a verify forward's length changes "
@@ -338,8 +338,6 @@ class Engine:
         if self.stats["decode_row_forwards"]:
             self.stats["tokens_per_forward"] = self.stats["decode_tokens"] / self.stats["decode_row_forwards"]
         if keep:
-            from model.routing import RoutingRecords
-
             for b, (_, req, _) in enumerate(chunk):
                 if req.return_routing:
                     comps[b].routing = RoutingRecords.cat(records[b], dim=1)
@@ -449,8 +447,6 @@ def _uncached_autocast():
 
 def _no_records(model, n: int):
     """Records of n rows the engine did not compute (restored from the prefix cache): -1, the forward chooses."""
-    from model.routing import RoutingRecords
-
     ke = model.cfg.moe.experts_per_token
     return RoutingRecords({s.index: torch.full((1, n, 1), -1, dtype=torch.int32) for s in model.plan
                            if s.owns_indexer},

@@ -44,7 +44,7 @@ class SamplingParams:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
 
 
-def _sampling_logprobs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+def sampling_logprobs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     """[V] fp32 logits -> [V] log-probs of the sampling distribution (-inf outside the cut)."""
     z = logits / p.temperature
     order = torch.sort(z, descending=True, stable=True).indices
@@ -69,7 +69,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
             tokens.append(int(row.argmax()))
             lps.append(0.0)
             continue
-        lp = _sampling_logprobs(row, p)
+        lp = sampling_logprobs(row, p)
         u = float(torch.rand((), generator=generators[b], device=generators[b].device))
         cdf = lp.exp().cumsum(0)
         tok = int(torch.searchsorted(cdf, torch.tensor([u * float(cdf[-1])], device=cdf.device)).clamp(

@@ -42,7 +42,7 @@ import time
 import torch
 
 from model.dspark import stream_means
-from trainer.engine.sampling import _sampling_logprobs
+from trainer.engine.sampling import sampling_logprobs
 from trainer.engine.speculative import SCHEDULES, SpecScheduler, ThroughputCurve, accept_greedy, accept_sampled
 
 __all__ = ["SpecDecoder", "ContextRing"]
@@ -216,7 +216,7 @@ class SpecDecoder:
             d = logits.argmax(dim=-1)  # greedy requests (and stopped rows, whose drafts nobody reads)
             for b, qb in enumerate(q):
                 if qb is not None:
-                    probs = _sampling_logprobs(logits[b], params[b]).exp()  # q_j: the request's transform
+                    probs = sampling_logprobs(logits[b], params[b]).exp()  # q_j: the request's transform
                     qb.append(probs)
                     d[b] = int(torch.multinomial(probs.cpu(), 1, generator=gens[b]))
             drafts.append(d)
@@ -233,7 +233,7 @@ class SpecDecoder:
         for b, p in enumerate(params):
             if not active[b] or p.temperature == 0:
                 continue
-            lp = torch.stack([_sampling_logprobs(logits[b, j].float(), p) for j in range(k + 1)])  # [k + 1, V]
+            lp = torch.stack([sampling_logprobs(logits[b, j].float(), p) for j in range(k + 1)])  # [k + 1, V]
             sampling_lp[b] = lp
             qb = torch.stack(q[b][:k]) if k else lp.new_zeros(0, lp.shape[-1])
             nb, tb = accept_sampled(lp.exp()[None].cpu(), qb[None].cpu(), drafts[b:b + 1].cpu(), gens[b])

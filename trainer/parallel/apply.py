@@ -2,7 +2,7 @@
 
 Order (torchtitan's `parallelize_llama`, with the pipeline split first in spirit):
 1. `validate_layout`, before any process group exists: every divisibility rule, each error naming the key to change.
-2. On the whole meta-built Transformer: TP (model/parallelize.py `apply_tp`) -> EP (`apply_ep`; over TP, the experts
+2. On the whole meta-built Transformer: TP (trainer/parallel/tensor.py `apply_tp`) -> EP (`apply_ep`; over TP, the experts
    are re-placed on the (ep, tp) mesh) -> CP (`apply_cp`) -> activation checkpointing of every block
    (parallel.activation_checkpoint=full, trainer/parallel/activation_checkpoint.py; in a single process too). The
    plans take the Transformer, not a stage; the pipeline's stage modules share its submodules and copy its
@@ -49,8 +49,13 @@ from torch import nn
 from model.common import init_normal
 from model.config import ModelConfig
 from model.layer_plan import build_layer_plan
+from trainer.parallel.tensor import apply_tp
 from trainer.config import ENGRAM_SHARD_AXES, ParallelConfig, ParallelDims
 from trainer.parallel.activation_checkpoint import apply_activation_checkpointing
+from trainer.parallel.context import apply_cp, check_sequence_length
+from trainer.parallel.engram import apply_engram_sharding, engram_tables
+from trainer.parallel.expert import AllToAllDispatcher, apply_ep, moe_layers
+from trainer.parallel.pipeline import build_pipeline, check_torch_version, split_model, split_points, stage_ids_for_rank
 
 if TYPE_CHECKING:  # importing the mesh machinery costs a single process a second or so
     from torch.distributed.device_mesh import DeviceMesh
@@ -70,7 +75,7 @@ def validate_layout(parallel: ParallelConfig, cfg: ModelConfig, *, seq_len: int,
     cuts (first layer of each stage but the first; [] without pp). Needs no world size and no process group.
 
     tp must divide the query heads, the output groups, the expert width, the hidden width and the vocabulary (the
-    plan of model/parallelize.py splits them; the indexer is replicated, so its heads need not divide); under
+    plan of trainer/parallel/tensor.py splits them; the indexer is replicated, so its heads need not divide); under
     sequence parallelism also each rank's sequence. ep must divide the routed experts; cp the sequence, in chunks
     whole in every compression ratio and at least one window halo long; pp * pp_virtual stages must fit the layer
     plan (trainer/parallel/pipeline.py split_points) and the schedule must get enough micro-batches."""
@@ -88,15 +93,12 @@ def validate_layout(parallel: ParallelConfig, cfg: ModelConfig, *, seq_len: int,
         raise ValueError(f"parallel.ep={parallel.ep} does not divide model.moe.num_experts={cfg.moe.num_experts}: each "
                          "expert-parallel rank holds num_experts / ep experts; choose an ep that divides it")
     if parallel.cp > 1:
-        from trainer.parallel.context import check_sequence_length
-
         try:
             check_sequence_length(cfg, seq_len, parallel.cp)
         except ValueError as e:
             raise ValueError(f"parallel.cp={parallel.cp} with data.seq_len={seq_len}: {e}") from None
     if parallel.pp == 1:
         return []
-    from trainer.parallel.pipeline import check_torch_version, split_points
 
     check_torch_version()
 
@@ -202,8 +204,6 @@ def _apply_ep_over_tp(model: nn.Module, meshes: Meshes, capacity_factor: float =
     (experts' input gradient all-reduced over tp, MoE output reduced over tp) then stay exact."""
     from torch.distributed.tensor import DTensor, Shard
 
-    from trainer.parallel.expert import AllToAllDispatcher, moe_layers
-
     mesh = meshes.world["ep", "tp"]
     ep, rank = meshes.ep.size(), meshes.ep.get_local_rank()
     for moe in moe_layers(model):
@@ -228,8 +228,6 @@ def parallelize(model: nn.Module, meshes: Meshes | None, parallel: ParallelConfi
         apply_activation_checkpointing(model, parallel.activation_checkpoint)
         return ParallelModel(model, None, dims, False, activation_checkpoint=parallel.activation_checkpoint)
     if dims.tp > 1:
-        from model.parallelize import apply_tp
-
         # Pipeline stages exchange plain tensors and the pipeline's loss reads whole logits: no loss_parallel (the
         # head all-gathers the logits; under sequence parallelism also the sequence, so the last stage returns
         # whole [B, T, V] logits while the streams cross cuts as sequence shards).
@@ -238,12 +236,8 @@ def parallelize(model: nn.Module, meshes: Meshes | None, parallel: ParallelConfi
         if dims.tp > 1:
             _apply_ep_over_tp(model, meshes, parallel.ep_capacity_factor)
         else:
-            from trainer.parallel.expert import apply_ep
-
             apply_ep(model, meshes.ep, capacity_factor=parallel.ep_capacity_factor)
     if dims.cp > 1:
-        from trainer.parallel.context import apply_cp
-
         apply_cp(model, meshes.cp)
     apply_activation_checkpointing(model, parallel.activation_checkpoint)  # after the plans' hooks, before FSDP
     pm = ParallelModel(model, meshes, dims, parallel.sequence_parallel and dims.tp > 1, fsdp=dims.dp_shard > 1,
@@ -251,14 +245,10 @@ def parallelize(model: nn.Module, meshes: Meshes | None, parallel: ParallelConfi
     if pm.fsdp and dims.ep * dims.cp > 1:
         pm.ep_cp = meshes.world["ep", "cp"]._flatten("ep_cp")  # every rank creates the group, now
     if dims.pp > 1:
-        from trainer.parallel.pipeline import split_model, stage_ids_for_rank
-
         ids = stage_ids_for_rank(meshes.pp.get_local_rank(), dims.pp, parallel.pp_virtual, parallel.pp_schedule)
         pm.stages = split_model(model, cuts, ids)
         pm.module = StageGroup(pm.stages)
     if parallel.engram_shard and model.cfg.engram.layers:
-        from trainer.parallel.engram import apply_engram_sharding
-
         # After the cut, so only this rank's Engram layers get a reader; over the ranks of its stage and tp rank on
         # the axes parallel.engram_shard_over names, replicated over the rest of dp x ep x cp. On meta:
         # init_weights then draws each rank's rows with the single process's values.
@@ -319,8 +309,6 @@ def _pieces(module: nn.Module) -> list[tuple[int, nn.Module, object, bool]]:
 def _engram_tables(module: nn.Module) -> set[nn.Parameter] | None:
     """Row-sharded Engram tables FSDP must leave alone: it would all-gather whole tables (trainer/parallel/engram.py).
     None without any (an empty set would change which parameterless modules fully_shard manages)."""
-    from trainer.parallel.engram import engram_tables
-
     return set(engram_tables(module)) or None
 
 
@@ -368,8 +356,6 @@ def materialize(pm: ParallelModel, device: torch.device, seed: int, *, microbatc
                 # as zeros, so every rank issues the same collectives.
                 m.set_reduce_scatter_unused_params(True)
     if pm.stages:
-        from trainer.parallel.pipeline import build_pipeline
-
         cp = pm.dims.cp
         pm.pipeline = build_pipeline(
             pm.stages, pm.meshes.pp.get_group(), schedule=schedule, n_microbatches=grad_accum,

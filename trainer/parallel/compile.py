@@ -30,6 +30,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from model.transformer import Block
+
 __all__ = ["CUDAGRAPH_MODES", "compile_blocks", "is_compiled", "mark_step"]
 
 _COMPILED = "_cedar_compiled"
@@ -40,8 +42,6 @@ _GRAPHS_PER_BLOCK = 8
 
 
 def _blocks(model: nn.Module) -> list[nn.Module]:
-    from model.transformer import Block
-
     return [m for m in model.modules() if isinstance(m, Block)]
 
 

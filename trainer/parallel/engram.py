@@ -68,8 +68,10 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
+from model.attention import SequenceShard
 from model.common import local
 from model.engram import Engram
+from model.transformer import new_state
 
 __all__ = [
     "EngramSharding", "ShardedRows", "RowFetch", "apply_engram_sharding", "engram_tables", "reduce_engram_gradients",
@@ -261,9 +263,6 @@ class EngramSharding:
         """Issue the exchanges of the forward on input_ids [B, T] (this process's tokens), hashed as the model's
         forward hashes them (its hasher and sequence shard). A pipeline stage without the hasher (Engram layers
         behind the first stage get their row ids across the cut) uses `prefetch_row_ids`."""
-        from model.attention import SequenceShard
-        from model.transformer import new_state
-
         hasher = getattr(self.model, "hasher", None)
         if hasher is None:
             raise ValueError("EngramSharding.prefetch: this module has no Engram hasher; use prefetch_row_ids")

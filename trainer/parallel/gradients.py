@@ -38,7 +38,9 @@ import torch.distributed as dist
 from torch import nn
 
 from model.common import local as local_shard
+from trainer.parallel.tensor import reduce_partial_grads
 from trainer.parallel.apply import ParallelModel
+from trainer.parallel.engram import engram_tables, reduce_engram_gradients
 from trainer.parallel.expert import expert_parameters, moe_layers
 
 __all__ = [
@@ -58,15 +60,12 @@ def reduce_gradients(pm: ParallelModel) -> None:
     """Bring every gradient of this rank's parameters to the single process's value (the rules above)."""
     if pm.meshes is None:
         return
-    from trainer.parallel.engram import engram_tables, reduce_engram_gradients
 
     tables = engram_tables(pm.module) if pm.engram is not None else []
     if tables:
         reduce_engram_gradients(pm.module, pm.meshes.dp_ep_cp.size(), replica_group=pm.engram.replica_group)
     if not pm.fsdp:
         if pm.sequence_parallel:
-            from model.parallelize import reduce_partial_grads
-
             reduce_partial_grads(pm.module)
         _reduce_replicated(pm.module, pm.meshes, exclude=tables)
         return
@@ -204,7 +203,9 @@ def reduce_load_counts(model: nn.Module, meshes) -> list[torch.Tensor]:
     return list(counts)
 
 
-def _reduce_over(pm: ParallelModel, values: list[float], mesh_name: str, mean: bool) -> list[float]:
+def reduce_over(pm: ParallelModel, values: list[float], mesh_name: str, mean: bool) -> list[float]:
+    """Per-rank numbers summed (mean: averaged) over the ranks of mesh `mesh_name` (a `Meshes` field, e.g. "data",
+    "dp_ep_cp"); as they are in a single process."""
     if pm.meshes is None or not values:
         return list(values)
     mesh = getattr(pm.meshes, mesh_name)
@@ -220,12 +221,12 @@ def _reduce_over(pm: ParallelModel, values: list[float], mesh_name: str, mean: b
 def mean_over_data(pm: ParallelModel, values: list[float]) -> list[float]:
     """Mean of per-rank numbers over the ranks that see different tokens (dp x ep x cp): the job's loss from each
     rank's mean loss (equal token counts per rank). tp and pp peers hold the same numbers already."""
-    return _reduce_over(pm, values, "dp_ep_cp", mean=True)
+    return reduce_over(pm, values, "dp_ep_cp", mean=True)
 
 
 def sum_over_data(pm: ParallelModel, values: list[float]) -> list[float]:
     """Sum over the ranks that read different batches (dp x ep): per-reader counts such as skipped shards."""
-    return _reduce_over(pm, values, "data", mean=False)
+    return reduce_over(pm, values, "data", mean=False)
 
 
 def full_named_tensors(module: nn.Module, grads: bool = False) -> dict[str, torch.Tensor]:

@@ -1,6 +1,6 @@
 """The wire format of a pipeline cut: which tensors cross the boundary between two stages of
 trainer/parallel/pipeline.py, in which order, shape and dtype (`boundary_slots`, the slot table), how many bytes
-(`boundary_bytes`, which trainer/plan.py also counts), and the encodings some of them cross in: bit-packed masks
+(`boundary_bytes`, which trainer/memory_plan.py also counts), and the encodings some of them cross in: bit-packed masks
 (`pack_bits` / `unpack_bits`) and, on torch < 2.13, float32 carriers of integer tensors (`to_carrier` /
 `from_carrier`). Functions of the config, the cut and the micro-batch shape only; the stage modules that fill and
 read these tuples, and the flag that turns the float wire on, live in trainer/parallel/pipeline.py.
@@ -25,7 +25,7 @@ size back (the integer and bit entries have none):
 | image mask | batches carry one (MoE routes image tokens with its own bias) | [B, T] uint8 | B*T |
 | aux: indexer KL sum, KL count, MoE seq balance | always | [3] fp32 | 12 |
 
-Under sequence parallelism (tp > 1, model/parallelize.py) each stage holds the streams, `pre` and h_{L/2} as its
+Under sequence parallelism (tp > 1, trainer/parallel/tensor.py) each stage holds the streams, `pre` and h_{L/2} as its
 tp rank's sequence shard, T / tp tokens, and they cross as such (`sequence_shards`: the pipeline links ranks of one
 tp coordinate, each ships its own shard); everything else crosses whole, as every tp rank holds it: the KV, keys,
 top-k and pool (attention and the indexer gather the whole sequence before they make them), the Engram row ids and

@@ -2,7 +2,7 @@
 held-out prompts, and the forwards that score sequences without training.
 
 The tokenizer of a post-training run is the one its starting weights were trained with (checkpoint.init_from's run,
-trainer/engine/loading.py `run_tokenizer`), else data.path's (prepared as for pretraining). The chat template
+trainer/checkpoint/loading.py `run_tokenizer`), else data.path's (prepared as for pretraining). The chat template
 (data/chat.py) adds its role and effort markers when the tokenizer lacks them; the model's vocabulary must cover
 the result.
 """
@@ -15,7 +15,14 @@ from pathlib import Path
 
 import torch
 
+from data.chat import ChatTemplate
+from data.config import ensure_prepared, tokenizer_path
+from data.shards import file_sha256
 from data.tokenizer import TokenizerInfo, load_tokenizer, tokenizer_info
+from model.config import ModelConfig
+from trainer.checkpoint.hf_io import is_hf_dir
+from trainer.checkpoint.loading import find_checkpoint, load_model, model_config, read_marker, run_tokenizer
+from trainer.stages.rollout import sequences
 
 log = logging.getLogger(__name__)
 
@@ -23,21 +30,13 @@ __all__ = ["stage_tokenizer", "load_frozen", "token_logprobs", "whole_logits", "
 
 
 def tokenizer_sha(path: str) -> str:
-    from data.shards import file_sha256
-
     return file_sha256(path)
 
 
 def stage_tokenizer(cfg, *, progress: bool = False):
     """(ChatTemplate, TokenizerInfo) of a post-training run (see the module docstring)."""
-    from data.chat import ChatTemplate
-
     path = None
     if cfg.checkpoint.init_from:
-        from trainer.engine.loading import find_checkpoint, run_tokenizer
-
-        from trainer.hf_checkpoint import is_hf_dir
-
         hf = Path(cfg.checkpoint.init_from)
         try:
             if is_hf_dir(hf):  # a Hugging Face directory: its own tokenizer.json, when it ships one
@@ -49,8 +48,6 @@ def stage_tokenizer(cfg, *, progress: bool = False):
         except ValueError as e:
             log.warning("checkpoint.init_from: %s; using data.path's tokenizer", e)
     if path is None:
-        from data.config import ensure_prepared, tokenizer_path
-
         ensure_prepared(cfg.data, progress=progress)
         path = tokenizer_path(cfg.data)
     template = ChatTemplate(load_tokenizer(path))
@@ -64,9 +61,6 @@ def load_frozen(ref, device: torch.device, tokenizer_path: str, *, what: str, ke
     """A frozen whole model (a teacher, the RL reference) from a checkpoint, on every rank. ref: a path, or a
     ModelRef (ckpt, model). Refuses, naming `key`, a checkpoint whose run used another tokenizer."""
     from omegaconf import OmegaConf
-
-    from model.config import ModelConfig
-    from trainer.engine.loading import find_checkpoint, load_model, model_config, read_marker
 
     ckpt, model_name = (ref, "") if isinstance(ref, (str, Path)) else (ref.ckpt, ref.model)
     try:
@@ -96,8 +90,6 @@ def check_tokenizer(path: Path, tokenizer_path: str, *, key: str, what: str, why
     """Refuse, naming `key`, checkpoint `path` when its run trained with another tokenizer than `tokenizer_path`
     (another file whose bytes differ; a run whose tokenizer cannot be found is not refused). why: what would go
     wrong, for the message."""
-    from trainer.engine.loading import run_tokenizer
-
     try:
         theirs = run_tokenizer(path)
     except ValueError:
@@ -157,8 +149,6 @@ def completion_logprobs(module: torch.nn.Module, rollouts, device, *, temperatur
 
 
 def _scoring_batch(rollouts, pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    from trainer.stages.rollout import sequences
-
     T = max(len(r.prompt_ids) + len(r.token_ids) - 1 for r in rollouts)
     ids, labels = sequences(rollouts, T, pad_id)
     return ids.to(device), labels.to(device)

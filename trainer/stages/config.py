@@ -12,9 +12,37 @@ from dataclasses import dataclass, field
 from typing import List
 
 from config_checks import at_least, check_choices, choice_field, positive
-from trainer.config import StageConfig
 
-__all__ = ["ModelRef", "SFTStageConfig", "RLStageConfig", "DistillStageConfig", "DSparkStageConfig", "STAGE_SCHEMAS"]
+__all__ = ["StageConfig", "ModelRef", "SFTStageConfig", "RLStageConfig", "DistillStageConfig", "DSparkStageConfig",
+           "STAGE_SCHEMAS"]
+
+
+@dataclass
+class StageConfig:
+    name: str = choice_field("pretrain", ("pretrain", "sft", "rl", "distill", "dspark"))
+    """the training stage (SPEC 2): pretrain, sft, rl, distill, dspark (each with its schema, `STAGE_SCHEMAS`)"""
+    fp4_kv_qat: bool = False
+    """hook: fake-quantise, in the training forward, what the inference cache quantises, as it stores it (main KV
+    FP4 + E4M3 scales, indexer queries and keys FP4 + UE8M0, SWA KV FP8; per model.quant.cache_*), straight-through
+    gradients (post-training, SPEC 1.4)"""
+    bounded_replay_sim: bool = False
+    """hook: at sampled cut points the training forward computes what serving's bounded replay rebuilds
+    (model/replay.py; SPEC 1.5)"""
+    replay_sim_prob: float = 0.5
+    """per sequence and kind, the probability of a cut (uniform in [window, seq_len))"""
+    replay_sim_kinds: list[str] = field(default_factory=lambda: ["decoder", "encoder"])
+    """decoder: a replay="window" prefill; encoder: a prefix-cache hit whose SWA state expired"""
+    hierarchical_indexer: bool = False
+    """hook: the Reindex layers search only the candidate pool (model.csa2.hierarchical_pool=true; SPEC 1.3)"""
+
+    def __post_init__(self) -> None:
+        check_choices(self, "stage")
+        if not 0.0 <= self.replay_sim_prob <= 1.0:
+            raise ValueError(f"stage.replay_sim_prob must be in [0, 1], got {self.replay_sim_prob}")
+        bad = [k for k in self.replay_sim_kinds if k not in ("decoder", "encoder")]
+        if bad or not self.replay_sim_kinds:
+            raise ValueError(f"stage.replay_sim_kinds must be a non-empty subset of [decoder, encoder], got "
+                             f"{list(self.replay_sim_kinds)}")
 
 
 @dataclass

@@ -24,6 +24,10 @@ import logging
 
 import torch
 
+from data.envs import get_env, sample_problems
+from trainer.parallel.gradients import sum_over_data
+from trainer.stages.common import completion_distributions, completion_logprobs, load_frozen, reverse_kl
+from trainer.stages.config import ModelRef
 from trainer.stages.rl import EVAL_SEED_OFFSET, RolloutStage
 
 log = logging.getLogger(__name__)
@@ -36,8 +40,6 @@ class Distill(RolloutStage):
     prefix = "distill"
 
     def bind(self, job) -> None:
-        from trainer.stages.common import load_frozen
-
         super().bind(job)
         s = self.stage
         self.default_teacher = None
@@ -46,16 +48,12 @@ class Distill(RolloutStage):
                                                key="stage.teacher.ckpt")
         self.teachers = {}
         for family, ref in s.teachers.items():
-            from trainer.stages.config import ModelRef
-
             self.teachers[family] = load_frozen(ModelRef(**ref), self.device, self.tokenizer_path,
                                                 what=f"teacher of {family}", key=f"stage.teachers.{family}.ckpt")
         for p in self._families():
             self.teacher_for(p)  # every family the prompts can have is covered, before the first step
 
     def _families(self) -> list[str]:
-        from data.envs import get_env
-
         return sorted({get_env(e).family for e in self.stage.envs})
 
     def teacher_for(self, family: str):
@@ -73,8 +71,6 @@ class Distill(RolloutStage):
         (unbiased), so each position's advantages are centred. Without it they average -KL: with finite samples
         every sampled token is pushed down, which raises the student's entropy and with it the KL it should lower
         (BENCHMARKS.md, post-training)."""
-        from trainer.stages.common import completion_distributions, reverse_kl
-
         s = self.stage
         rollouts = [r for g in groups for r in g]
         kw = dict(temperature=s.temperature, pad_id=self.template.pad_id)
@@ -108,10 +104,6 @@ class Distill(RolloutStage):
         return {"distill/reverse_kl": -tot["reward_sum"] / max(tot["samples"], 1.0)}
 
     def evaluate(self) -> dict[str, float]:
-        from data.envs import sample_problems
-        from trainer.parallel.gradients import sum_over_data
-        from trainer.stages.common import completion_logprobs
-
         s, cfg = self.stage, self.cfg
         problems = sample_problems(list(s.envs), s.num_eval, cfg.trainer.seed + EVAL_SEED_OFFSET,
                                    list(s.difficulty) or None)[self.data_rank::self.data_ranks]

@@ -1,8 +1,8 @@
 """DSpark drafter training (`stage=dspark`; SPEC 1.6 and 4, REFERENCE B6): the drafter (model/dspark.py) learns the
 frozen backbone's own next-token distributions on the training data.
 
-`python -m trainer.main stage=dspark checkpoint.init_from=<backbone checkpoint or run dir>`:
-- The backbone is loaded from checkpoint.init_from whole on every rank (trainer/engine/loading.py), in eval mode, every
+`python -m trainer.cli.main stage=dspark checkpoint.init_from=<backbone checkpoint or run dir>`:
+- The backbone is loaded from checkpoint.init_from whole on every rank (trainer/checkpoint/loading.py), in eval mode, every
   parameter with requires_grad off; it is not a submodule of what the trainer builds, trains and saves: the job's
   model is the drafter alone (`build_module`), so the optimiser, the gradient reduction, the router balancing (the
   drafter's own MoE) and every checkpoint see only the drafter. Checkpoints record the backbone's checkpoint in
@@ -38,7 +38,26 @@ from pathlib import Path
 
 import torch
 
+import model as model_pkg
+from data.config import build_dataloader, ensure_prepared
+from model.accounting import dspark_parameters
+from model.dspark import DSpark, acceptance_length, draft_loss, drafter_config, stream_means
+from trainer.batch import compute_device
+from trainer.checkpoint.hf_io import is_hf_dir
+from trainer.checkpoint.loading import (
+    find_checkpoint,
+    load_model,
+    model_config,
+    read_marker,
+    read_model_state,
+    run_tokenizer,
+)
+from trainer.engine import Engine, Request, SamplingParams
 from trainer.loss import IGNORE_INDEX, LMLoss
+from trainer.parallel.gradients import sum_over_data
+from trainer.stages.base import Stage
+from trainer.stages.common import check_tokenizer
+from trainer.train import MicroBatches
 
 log = logging.getLogger(__name__)
 
@@ -102,13 +121,9 @@ def load_backbone(ckpt: str, model_cfg, device: torch.device, tokenizer_path: st
     """(the frozen backbone in eval mode, its checkpoint path). The checkpoint must hold `model_cfg`'s parameters
     (keys that change no parameter, e.g. the stage's fake-quant hooks, may differ: `model_cfg` is what runs), and
     with `tokenizer_path` have been trained with that tokenizer."""
-    from trainer.engine.loading import find_checkpoint, load_model, model_config, read_marker
-    from trainer.hf_checkpoint import is_hf_dir
-    from trainer.stages.common import check_tokenizer
-
     if is_hf_dir(Path(ckpt)):
-        raise ValueError(f"{key}={ckpt} is a Hugging Face directory: import it first (python -m trainer.import_hf) and "
-                         "give the checkpoint it writes")
+        raise ValueError(f"{key}={ckpt} is a Hugging Face directory: import it first (python -m "
+                         "trainer.cli.import_hf) and give the checkpoint it writes")
     try:
         path = find_checkpoint(ckpt)
         marker = read_marker(path)
@@ -127,8 +142,6 @@ def load_backbone(ckpt: str, model_cfg, device: torch.device, tokenizer_path: st
 
 
 def _tokenizer_or_none(path: Path) -> str | None:
-    from trainer.engine.loading import run_tokenizer
-
     try:
         return run_tokenizer(path)
     except ValueError:
@@ -139,8 +152,6 @@ def load_drafter(ckpt: str, device: torch.device, *, backbone: str | None = None
     """A DSpark run's checkpoint (or run directory: its newest) in this process for generation -> (the backbone,
     the drafter), both in eval mode. The backbone is the checkpoint the drafter was trained on (its marker's
     `backbone`), or `backbone` (a checkpoint of the same model, e.g. one moved elsewhere)."""
-    from trainer.engine.loading import find_checkpoint, model_config, read_marker
-
     path = find_checkpoint(ckpt)
     marker = read_marker(path)
     _check_drafter_marker(path, marker)
@@ -161,9 +172,6 @@ def _check_drafter_marker(path: Path, marker: dict) -> None:
 def load_drafter_weights(ckpt, model_cfg, device: torch.device):
     """The drafter of a DSpark run's checkpoint (or run directory) for a backbone of `model_cfg` (the checkpoint must
     have been trained on that model: keys that change no parameter may differ), in eval mode."""
-    from model.dspark import DSpark
-    from trainer.engine.loading import find_checkpoint, model_config, read_marker, read_model_state
-
     path = find_checkpoint(str(ckpt))
     marker = read_marker(path)
     _check_drafter_marker(path, marker)
@@ -175,7 +183,7 @@ def load_drafter_weights(ckpt, model_cfg, device: torch.device):
     return drafter.eval()
 
 
-class DSparkStage:
+class DSparkStage(Stage):
     """`stage=dspark` (see the module docstring)."""
 
     name = "dspark"
@@ -189,15 +197,12 @@ class DSparkStage:
 
     # -- the set-up ----------------------------------------------------------------------------------------------------
     def check(self, cfg) -> None:
-        from model.dspark import drafter_config
-        from trainer.hf_checkpoint import is_hf_dir
-
         if not cfg.checkpoint.init_from:
             raise ValueError("stage=dspark trains the drafter of a frozen backbone: set checkpoint.init_from=<the "
                              "backbone's checkpoint or run directory>")
         if is_hf_dir(Path(cfg.checkpoint.init_from)):
             raise ValueError(f"checkpoint.init_from={cfg.checkpoint.init_from} is a Hugging Face directory: import it "
-                             "first (python -m trainer.import_hf) and give the checkpoint it writes")
+                             "first (python -m trainer.cli.import_hf) and give the checkpoint it writes")
         drafter_config(cfg.model)  # the model has a drafter (model.dspark.target_layers), named otherwise
         s = self.stage
         if s.heldout_rows >= cfg.data.batch_size:
@@ -223,19 +228,10 @@ class DSparkStage:
                                  f"parallel.{key}={getattr(parallel, key)} is not wired for the drafter (the backbone "
                                  "is whole on every rank)")
 
-    def model_config(self, cfg):
-        from trainer.stage import apply_model_hooks
-
-        return apply_model_hooks(self.stage, cfg)
-
     def build_module(self, cfg):
-        from model.dspark import DSpark
-
         return DSpark(cfg)
 
     def batches(self, cfg, data_rank: int, data_ranks: int, *, progress: bool = False):
-        from data.config import build_dataloader, ensure_prepared
-
         ensure_prepared(cfg.data, progress=progress)
         loader, tokenizer = build_dataloader(cfg.data, data_rank, data_ranks)
         self.tokenizer_path = tokenizer.path
@@ -252,12 +248,10 @@ class DSparkStage:
         return []
 
     def bind(self, job) -> None:
-        from trainer.train import _device
-
         self.job = job
         cfg = job.pm.cfg
         init_from = job.checkpointer.info["init_from"]
-        self.backbone, path = load_backbone(init_from, cfg, _device(job.pm), self.tokenizer_path,
+        self.backbone, path = load_backbone(init_from, cfg, compute_device(job.pm), self.tokenizer_path,
                                             key="checkpoint.init_from")
         self.data_rank = job.pm.meshes.data.get_local_rank() if job.pm.meshes is not None else 0
         log.info("dspark: backbone %s (%s, %.1fM parameters frozen); drafter %.1fM parameters", path, cfg.name,
@@ -268,9 +262,6 @@ class DSparkStage:
         """seq_len -> FLOPs per token of a step: the backbone's forward (a third of its training FLOPs), the context
         projection at every position, and per drafted slot (anchors x block_size over seq_len a token) the
         drafter's active parameters and the head, forward and backward."""
-        import model as model_pkg
-        from model.accounting import dspark_parameters
-
         with torch.device("meta"):
             backbone = model_pkg.build(cfg)
         drafter = dspark_parameters(cfg)["params_dspark_active"] + backbone.head.weight.numel()
@@ -288,8 +279,6 @@ class DSparkStage:
         """The micro-batch (input_ids, labels [B, T], on the CPU) with its first `stage.generated_rows` rows replaced:
         each keeps its first `generation_prefix` tokens and continues with the backbone's own sampled tokens to
         T + 1 tokens (stop tokens ignored: the text runs on as a packed row does), every label counting."""
-        from trainer.engine import Engine, Request, SamplingParams
-
         s = self.stage
         B, T = ids.shape
         P = s.generation_prefix
@@ -315,12 +304,8 @@ class DSparkStage:
         """The trainer's forward and backward over this data rank's micro-batches (trainer/train.py
         `compute_gradients`), for the drafter: see the module docstring. Returns MicroBatches whose aux carries the
         step's figures (averaged over data ranks by the trainer)."""
-        from model.dspark import acceptance_length, draft_loss, stream_means
-        from trainer.parallel.gradients import sum_over_data
-        from trainer.train import MicroBatches, _device
-
         s, cfg, drafter = self.stage, pm.cfg, pm.module
-        K, device = cfg.dspark.block_size, _device(pm)
+        K, device = cfg.dspark.block_size, compute_device(pm)
         step = self.job.state.step + 1
         autocast = lambda: torch.autocast(device.type, dtype=autocast_dtype or torch.float32,  # noqa: E731
                                           enabled=autocast_dtype is not None)

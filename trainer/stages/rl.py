@@ -30,8 +30,13 @@ import time
 import torch
 import torch.distributed as dist
 
+from data.envs import get_env, sample_problems
 from trainer.callbacks import Callback
-from trainer.stage import apply_model_hooks, indexer_or_all_parameters
+from trainer.engine import Engine
+from trainer.parallel.gradients import sum_over_data
+from trainer.stages.base import Stage
+from trainer.stages.common import completion_logprobs, load_frozen, stage_tokenizer
+from trainer.stages.grpo import PolicyLoss
 from trainer.stages.rollout import Rollout, RolloutBatches, draw_prompts, engine_replay, generate_groups, prompt_seed
 
 log = logging.getLogger(__name__)
@@ -57,7 +62,7 @@ def group_advantages(rewards: list[float], norm: str) -> list[float]:
     return [(r - mean) / (std + 1e-6) for r in rewards]
 
 
-class RolloutStage:
+class RolloutStage(Stage):
     """What RL and distillation share: the rollout loader, the engine, the loss, the per-step metrics."""
 
     name = "rollout"
@@ -67,12 +72,7 @@ class RolloutStage:
         self.stage = stage
         self.job = self.engine = self.loader = None
 
-    def model_config(self, cfg):
-        return apply_model_hooks(self.stage, cfg)
-
     def batches(self, cfg, data_rank: int, data_ranks: int, *, progress: bool = False):
-        from trainer.stages.common import stage_tokenizer
-
         s = self.stage
         self.check_layout(cfg.parallel)
         if s.prompts_per_step % data_ranks:
@@ -98,18 +98,11 @@ class RolloutStage:
                              f"sequence_parallel={parallel.sequence_parallel}, engram_shard={parallel.engram_shard}")
 
     def bind(self, job) -> None:
-        from trainer.engine import Engine
-
         self.job = job
         self.device = next(job.pm.module.parameters()).device
         self.engine = Engine(job.pm, max_batch=self.stage.max_batch, max_len=self.cfg.data.seq_len, replay=self.replay)
 
-    def trainable_parameters(self, module, cfg):
-        return indexer_or_all_parameters(module, cfg)
-
     def loss(self):
-        from trainer.stages.grpo import PolicyLoss
-
         s = self.stage
         self._loss = PolicyLoss(eps_low=s.eps_low, eps_high=s.eps_high, tis_cap=s.tis_cap,
                                 kl_coef=getattr(s, "kl_coef", 0.0), temperature=s.temperature)
@@ -190,8 +183,6 @@ class RL(RolloutStage):
         super().bind(job)
         self.reference = None
         if self.stage.kl_coef > 0:
-            from trainer.stages.common import load_frozen
-
             if not self.cfg.checkpoint.init_from:
                 raise ValueError("stage.kl_coef > 0 keeps a reference model: the weights of checkpoint.init_from, "
                                  "which is not set")
@@ -201,8 +192,6 @@ class RL(RolloutStage):
     def verdicts(self, rollouts) -> list:
         """Each rollout's Score, every environment's rollouts scored as one batch (`Environment.score_many`: a code
         environment runs their programs in parallel sandboxes)."""
-        from data.envs import get_env
-
         out = [None] * len(rollouts)
         by_env: dict[str, list[int]] = {}
         for i, r in enumerate(rollouts):
@@ -235,7 +224,6 @@ class RL(RolloutStage):
     def prepare(self, rollouts):
         if self.reference is None:
             return
-        from trainer.stages.common import completion_logprobs
 
         # the reference's log-probs of each completion token (the loss's K3 KL)
         lps = completion_logprobs(self.reference, rollouts, self.device, temperature=self.stage.temperature,
@@ -246,8 +234,6 @@ class RL(RolloutStage):
     # -- held-out evaluation -----------------------------------------------------------------------------------------
     def evaluate(self) -> dict[str, float]:
         """Greedy completions of this rank's share of the held-out prompts at each of EVAL_EFFORTS."""
-        from data.envs import sample_problems
-
         s, cfg = self.stage, self.cfg
         problems = sample_problems(list(s.envs), s.num_eval, cfg.trainer.seed + EVAL_SEED_OFFSET,
                                    list(s.difficulty) or None)[self.data_rank::self.data_ranks]
@@ -259,7 +245,6 @@ class RL(RolloutStage):
             chunk = groups[k * len(problems):(k + 1) * len(problems)]
             ok = sum(v.correct for v in verdicts[k * len(problems):(k + 1) * len(problems)])
             sums += [float(ok), float(sum(len(g[0].token_ids) for g in chunk)), float(len(chunk))]
-        from trainer.parallel.gradients import sum_over_data
 
         sums = sum_over_data(self.job.pm, sums)
         out = {}
@@ -283,8 +268,6 @@ class RolloutMetrics(Callback):
         self.t0 = time.perf_counter()
 
     def on_step_end(self, job, step, stats):
-        from trainer.parallel.gradients import sum_over_data
-
         st, loss, p = self.stage.loader.stats, self.stage._loss.step_metrics(), self.stage.prefix
         names = sorted(k for k in st if k != "generate_s")
         lnames = sorted(k for k in loss if k != "max_ratio")

@@ -28,6 +28,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from data.envs import sample_problems
+from model.replay import ReplayCuts
+from model.routing import RoutingRecords
+from trainer.engine import Request
+from trainer.engine.sampling import SamplingParams
+
 log = logging.getLogger(__name__)
 
 __all__ = ["Rollout", "RolloutBatches", "engine_replay", "prompt_seed"]
@@ -130,12 +136,8 @@ class RolloutBatches:
                 t[b, p - 1:n] = torch.as_tensor(r.extra[key])
             batch[key] = t
         if self.replay_routing and rollouts[0].routing is not None:
-            from model.routing import RoutingRecords
-
             batch["routing"] = RoutingRecords.cat([_pad_records(r.routing, T) for r in rollouts], dim=0)
         if self.replay_cut:
-            from model.replay import ReplayCuts
-
             batch["replay_cuts"] = ReplayCuts(decoder=cuts)
         return batch
 
@@ -155,7 +157,6 @@ def sequences(rollouts: list[Rollout], T: int, pad_id: int) -> tuple[torch.Tenso
 
 def _pad_records(rec, T: int):
     """Routing records padded (-1: the forward chooses) or cut to T tokens."""
-    from model.routing import RoutingRecords
 
     def fit(t):
         n = t.shape[1]
@@ -169,9 +170,6 @@ def _pad_records(rec, T: int):
 def generate_groups(engine, template, problems_efforts: list[tuple[object, int]], *, group_size: int,
                     max_new_tokens: int, temperature: float, seed: int, return_routing: bool) -> list[list[Rollout]]:
     """G completions per (problem, effort), each sample with its own seed; groups in the order given."""
-    from trainer.engine import Request
-    from trainer.engine.sampling import SamplingParams
-
     requests, prompts = [], []
     for i, (problem, effort) in enumerate(problems_efforts):
         ids = template.render_prompt(problem.prompt, effort)
@@ -199,8 +197,6 @@ def generate_groups(engine, template, problems_efforts: list[tuple[object, int]]
 
 def draw_prompts(stage, n: int, seed: int) -> list[tuple[object, int]]:
     """n (problem, effort) pairs from the stage's environments, levels and effort range."""
-    from data.envs import sample_problems
-
     rng = random.Random(seed)
     problems = sample_problems(list(stage.envs), n, seed, list(stage.difficulty) or None)
     return [(p, rng.randint(stage.effort[0], stage.effort[1])) for p in problems]

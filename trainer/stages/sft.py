@@ -17,8 +17,14 @@ import random
 
 import torch
 
+from data.envs import sample_problems
+from data.sft import SFTLoader, load_samples, split_samples
+from trainer.batch import compute_device, local_chunk, to_device
 from trainer.callbacks import Callback
-from trainer.stage import apply_model_hooks, indexer_or_all_parameters, with_replay_cuts
+from trainer.loss import LMLoss
+from trainer.parallel.gradients import reduce_over
+from trainer.stages.base import Stage, with_replay_cuts
+from trainer.stages.common import stage_tokenizer, whole_logits
 
 log = logging.getLogger(__name__)
 
@@ -28,8 +34,6 @@ __all__ = ["SFT", "env_samples", "eval_lm_loss"]
 def env_samples(envs: list[str], n: int, seed: int, difficulty: list[int], effort: list[int]) -> list[dict]:
     """n chat samples generated from `envs`: the problem as the user turn, its worked answer at a drawn effort as the
     assistant's."""
-    from data.envs import sample_problems
-
     rng = random.Random(seed)
     problems = sample_problems(list(envs), n, seed, list(difficulty) or None)
     out = []
@@ -44,19 +48,15 @@ def env_samples(envs: list[str], n: int, seed: int, difficulty: list[int], effor
 def eval_lm_loss(job, batches: list[dict]) -> float:
     """Mean cross-entropy over the valid labels of `batches` (this data rank's share of a held-out set), summed over
     every rank that holds different tokens: a scoring forward in eval mode (no balancing counts)."""
-    from trainer.parallel.gradients import _reduce_over
-    from trainer.stages.common import whole_logits
-    from trainer.train import _device, _local_chunk, _to_device
-
     pm = job.pm
-    device, module = _device(pm), pm.module
+    device, module = compute_device(pm), pm.module
     total, count = 0.0, 0.0
     was = module.training
     module.eval()
     try:
         for batch in batches:
-            ids, labels, mask, _ = _to_device(batch, device)
-            ids, labels, mask = _local_chunk(pm, ids, labels, mask)
+            ids, labels, mask, _ = to_device(batch, device)
+            ids, labels, mask = local_chunk(pm, ids, labels, mask)
             with torch.autocast(device.type, dtype=job.rt.autocast_dtype or torch.float32,
                                 enabled=job.rt.autocast_dtype is not None):
                 logits = whole_logits(module(ids, image_mask=mask)).float()
@@ -66,7 +66,7 @@ def eval_lm_loss(job, batches: list[dict]) -> float:
             count += float((labels != -100).sum())
     finally:
         module.train(was)
-    total, count = _reduce_over(pm, [total, count], "dp_ep_cp", mean=False)
+    total, count = reduce_over(pm, [total, count], "dp_ep_cp", mean=False)
     return total / max(count, 1.0)
 
 
@@ -100,7 +100,7 @@ class HeldOutLoss(Callback):
             self._eval(job, step)
 
 
-class SFT:
+class SFT(Stage):
     name = "sft"
 
     def __init__(self, stage):
@@ -108,15 +108,10 @@ class SFT:
         self.held_out_batches: list[dict] = []
         self.skipped: dict[str, int] = {}
 
-    def model_config(self, cfg):
-        return apply_model_hooks(self.stage, cfg)
-
     def samples(self, cfg, template) -> tuple[list[dict] | str, list[dict]]:
         """(the training samples or their source, the held-out samples)."""
         s = self.stage
         if s.data:
-            from data.sft import load_samples, split_samples
-
             samples, self.skipped = load_samples(s.data)
             return split_samples(samples, s.num_eval, cfg.trainer.seed)
         train = env_samples(s.envs, s.num_samples, cfg.trainer.seed, s.difficulty, s.effort)
@@ -125,9 +120,6 @@ class SFT:
         return train, held
 
     def batches(self, cfg, data_rank: int, data_ranks: int, *, progress: bool = False):
-        from data.sft import SFTLoader
-        from trainer.stages.common import stage_tokenizer
-
         template, info = stage_tokenizer(cfg, progress=progress)
         self.template = template
         train, held = self.samples(cfg, template)
@@ -142,12 +134,7 @@ class SFT:
         return with_replay_cuts(loader, self.stage, cfg), info
 
     def loss(self):
-        from trainer.loss import LMLoss
-
         return LMLoss()
-
-    def trainable_parameters(self, module, cfg):
-        return indexer_or_all_parameters(module, cfg)
 
     def callbacks(self):
         return [HeldOutLoss(self)]

@@ -1,4 +1,4 @@
-"""The quantised weight formats of DeepSeek's released checkpoints, both ways (trainer/hf_checkpoint.py reads and
+"""The quantised weight formats of DeepSeek's released checkpoints, both ways (trainer/checkpoint/hf_io.py reads and
 writes them). config.json's `quantization_config` says which ones a directory uses: `quant_method` "fp8", `fmt`
 "e4m3", `weight_block_size` (default [128, 128]), `scale_fmt` ("ue8m0": one-byte power-of-two scales, V4; "float":
 fp32, V3) and `expert_dtype` ("fp4": FP4-packed routed experts, V4; "fp8").
@@ -14,7 +14,7 @@ loader reads DeepSeek-V4-Flash) or `<m>.weight_scale_inv` (V3's); their dtype is
 or uint8 exponent bytes (2^(b - 127)). These conventions are DeepSeek's V3 / V4 ones; the released V4.1 files have not
 been checked against them.
 
-The export (`python -m trainer.export_hf quant=released`) writes the released kinds: the routed experts in FP4, the
+The export (`python -m trainer.cli.export_hf quant=released`) writes the released kinds: the routed experts in FP4, the
 other matrices of the linear layers (`QUANTISED_MATRICES`) in FP8 blocks of 128 x 128, the Engram tables in FP8,
 every scale in ue8m0; the embedding, the head, the router, the compressor's gate, the indexer's head weights, the
 norms and what the reference keeps in fp32 stay unquantised. Scales are powers of two at least amax / max (E4M3's
@@ -28,7 +28,7 @@ import re
 
 import torch
 
-from kernels.fp4 import _pair_table
+from kernels.fp4 import dequantize as fp4_dequantize
 from kernels.fp4 import quantize as fp4_quantize
 from kernels.fp8 import FP8_MAX, pow2_ceil, quantize_fp8
 
@@ -106,7 +106,9 @@ def scales_as_float(s: torch.Tensor) -> torch.Tensor:
 
 def dequantise_fp4(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """FP4-packed rows [..., C / 2] (int8 or uint8) with scales [..., C / B] -> float32 [..., C]."""
-    values = _pair_table(codes.device)[codes.view(torch.uint8).long()].flatten(-2)  # [..., C]: (low, high) a byte
+    codes = codes.view(torch.uint8)
+    unit = torch.ones((*codes.shape[:-1], 1), device=codes.device).to(torch.float8_e8m0fnu)  # 2^0: the E2M1 values
+    values = fp4_dequantize(codes, unit, block=2 * codes.shape[-1])  # [..., C]: a byte's low nibble, then its high
     per = values.shape[-1] // scales.shape[-1]
     return (values.unflatten(-1, (-1, per)) * scales_as_float(scales).unsqueeze(-1)).flatten(-2)
 

@@ -1,4 +1,4 @@
-"""The planner: `python -m trainer.plan model=v41_flash` prints the flagship's figures read off the meta-built model,
+"""The planner: `python -m trainer.cli.plan model=v41_flash` prints the flagship's figures read off the meta-built model,
 within the report's tolerances (backbone 552B +-1%, Engram 196B +-1%, decode-active 16B +-5%, prefill-active 8B
 +-10%, global KV exactly 890 B/token and all of it persistent); a bad override fails with a clear message.
 
@@ -12,7 +12,7 @@ The training plan (per rank memory and communication):
   dp x ep x cp, the planner's parameter elements and bytes by kind for each rank's pipeline position equal the
   local shards of the real tiny model after the trainer's plans (trainer.parallel.apply.parallelize, apply_engram_
   sharding, fully_shard), walked on the meta device (Engram: the largest block, which group rank 0 holds);
-- what the planner and the accounting count as split by tp, and along which dim (model.parallelize.tp_shard_dims),
+- what the planner and the accounting count as split by tp, and along which dim (trainer.parallel.tensor.tp_shard_dims),
   is exactly the Shard placements apply_tp gives the tiny model's parameters at tp 2 (fake process group);
 - the activation terms of model/accounting.py for the MoE (with its norm), the Engram and an mHC site equal, within
   2%, the bytes autograd actually saves for them on CPU under bf16 autocast (the same code as on CUDA);
@@ -30,11 +30,11 @@ import pytest
 import torch
 
 from tests.helpers import ROOT, load_config
-from trainer.plan import Layout, param_kind, plan_model, stage_parameters
+from trainer.memory_plan import Layout, param_kind, plan_model, stage_parameters
 
 
 def _run(*args):
-    return subprocess.run([sys.executable, "-m", "trainer.plan", *args], cwd=ROOT, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "trainer.cli.plan", *args], cwd=ROOT, capture_output=True, text=True,
                           timeout=120)
 
 
@@ -81,8 +81,8 @@ def test_bad_override_is_reported():
 
 
 def _main(capsys, *args) -> tuple[int, str, str]:
-    """`python -m trainer.plan args` in this process: (exit status, stdout, stderr)."""
-    from trainer.plan import main
+    """`python -m trainer.cli.plan args` in this process: (exit status, stdout, stderr)."""
+    from trainer.cli.plan import main
 
     code = 0
     try:
@@ -97,7 +97,7 @@ def _trainer_refusal(world_size: int, *overrides: str) -> str:
     """What the trainer's build (trainer/train.py) raises for these overrides, from its own functions."""
     from trainer.config import to_config
     from trainer.parallel.apply import validate_layout
-    from trainer.plan import compose
+    from trainer.compose import compose
 
     cfg = to_config(compose(["model=v41_tiny", *overrides]))
     with pytest.raises(ValueError) as e:
@@ -253,7 +253,7 @@ def test_activation_terms_match_saved_tensors():
     assert site == pytest.approx(B * T * 8 * n_dim + (est["mhc_coefficients"] - B * T * 4 * 25) / 2, rel=0.02)
 
 
-# What the planner and the accounting count as tp-split (model.parallelize.tp_shard_dims) against apply_tp's DTensors.
+# What the planner and the accounting count as tp-split (trainer.parallel.tensor.tp_shard_dims) against apply_tp's DTensors.
 
 
 def test_tp_shard_dims_are_apply_tps_placements():
@@ -266,7 +266,7 @@ def test_tp_shard_dims_are_apply_tps_placements():
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     import model as model_pkg
-    from model.parallelize import apply_tp, tp_shard_dims
+    from trainer.parallel.tensor import apply_tp, tp_shard_dims
 
     with torch.device("meta"):
         model = model_pkg.build(load_config("v41_tiny"))
@@ -384,7 +384,8 @@ def test_fused_loss_plans_no_logits():
     logits and their gradient, where the plain loss keeps the [tokens, vocab] fp32 logits and log-softmax and works
     on their gradient (v41_small, one rank, 4 x 2048 tokens)."""
     from trainer.fused_loss import default_chunk_tokens
-    from trainer.plan import compose, plan
+    from trainer.compose import compose
+    from trainer.memory_plan import plan
 
     base = ["model=v41_small", "data.seq_len=2048", "data.batch_size=4"]
     plain, fused = (plan(compose(base + extra))["training"]["per_pp_rank"][0]

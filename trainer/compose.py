@@ -1,10 +1,13 @@
-"""One-line errors for a mistyped config group option (`model=v41_tinny`, `parallel=nosuch`), which Hydra reports
-in a dozen lines (the options one a line, then its config search path) and, outside `@hydra.main`, as a traceback.
+"""Composing a config from the command line with Hydra, without its runner, and its mistakes as one line.
 
-- `missing_config_message(e)`: Hydra's MissingConfigException as one line naming the group and its options;
-  for entry points that compose the config themselves (`trainer.plan.compose`).
-- `check_config_groups(overrides)`: the same check on the command line before Hydra composes anything (ValueError
-  with that line); for `@hydra.main` entry points, where Hydra reports the exception itself before our code runs.
+- `compose(overrides)`: the training job's config (conf/config.yaml), as `python -m trainer.cli.main` composes it;
+  `compose_node(config_name, overrides)` any conf/<config_name>.yaml; `compose_app(config_name, schema, argv)` a small
+  app's config as a validated `schema` instance.
+- `check_config_groups(overrides)`: a mistyped config group option (`model=v41_tinny`, `parallel=nosuch`), which
+  Hydra reports in a dozen lines (the options one a line, then its config search path) and, outside `@hydra.main`,
+  as a traceback, checked on the command line before Hydra composes anything: ValueError naming the group and its
+  options; for `@hydra.main` entry points, where Hydra reports the exception itself before our code runs.
+- `missing_config_message(e)`, `one_line(e)`: Hydra's and OmegaConf's composition errors as one line.
 
 The options are the group's configs in conf/ (and the ConfigStore), without the `schema` node every group
 registers (trainer/config.py `register_configs`): selecting it is legal but is nothing a user means.
@@ -15,6 +18,8 @@ from __future__ import annotations
 import difflib
 from collections.abc import Sequence
 from pathlib import Path
+
+from trainer.config import register_configs
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 _SCHEMA = "schema"
@@ -65,8 +70,6 @@ def check_config_groups(overrides: Sequence[str], config_dir: Path = CONF_DIR) -
     from hydra.core.global_hydra import GlobalHydra
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
-
-    from trainer.config import register_configs
 
     candidates = [a for a in overrides if "=" in a and not a.startswith("-")]
     try:
@@ -126,22 +129,26 @@ def compose_app(config_name: str, schema, argv: Sequence[str]):
         raise ValueError(one_line(e)) from None
 
 
-def run_app(config_name: str, schema, run, argv: Sequence[str] | None, doc: str) -> None:
-    """A small app's main: `-h` / `--help` prints `doc` and conf/<config_name>.yaml; otherwise `run` gets the composed
-    config (`compose_app`). A bad key, a bad value or a file it cannot read or write ends it with one line on stderr
-    and exit status 2."""
-    import sys
+def compose_node(config_name: str, overrides: Sequence[str]):
+    """conf/<config_name>.yaml with Hydra's override syntax (its schemas registered by the caller), as an OmegaConf
+    node; ValueError (one line) for what Hydra refuses: a config group option that does not exist names the group
+    and its options."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.errors import HydraException, MissingConfigException
+    from omegaconf.errors import OmegaConfBaseException
 
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if any(a in ("-h", "--help") for a in argv):
-        print(doc.strip() + f"\n\nKeys (conf/{config_name}.yaml):\n" + (CONF_DIR / f"{config_name}.yaml").read_text())
-        return
     try:
-        run(compose_app(config_name, schema, argv))
-    except (ValueError, OSError) as e:
-        if isinstance(e, OSError):
-            from trainer.main import _io_message
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+            return hydra_compose(config_name=config_name, overrides=list(overrides))
+    except MissingConfigException as e:
+        raise ValueError(missing_config_message(e)) from None
+    except (HydraException, OmegaConfBaseException) as e:
+        raise ValueError(one_line(e)) from None
 
-            e = _io_message(e)
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        sys.exit(2)
+
+def compose(overrides: Sequence[str]):
+    """The training job's config with Hydra's override syntax, without starting a run (trainer/config.py
+    `to_config` makes it typed); ValueError (one line) for what Hydra refuses."""
+    register_configs()
+    return compose_node("config", overrides)

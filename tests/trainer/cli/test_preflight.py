@@ -1,5 +1,5 @@
 """The launcher's preflight: launch/torchrun.sh with a layout that does not fit its number of processes fails in one
-line before torchrun starts (no per-rank errors, no torchrun failure report); trainer.preflight refuses what the
+line before torchrun starts (no per-rank errors, no torchrun failure report); trainer.cli.preflight refuses what the
 trainer's start-up refuses (a layout, a misspelled key) and passes what it accepts."""
 
 import subprocess
@@ -7,7 +7,7 @@ import subprocess
 import pytest
 
 from tests.trainer.harness import REPO, env
-from trainer.preflight import check
+from trainer.cli.preflight import check
 
 
 def test_a_world_size_mismatch_under_torchrun_is_one_line(tmp_path):

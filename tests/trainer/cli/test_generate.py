@@ -1,4 +1,4 @@
-"""`python -m trainer.generate` (trainer/generate.py): completions from a checkpoint of any layout, in one process.
+"""`python -m trainer.cli.generate` (trainer/cli/generate.py): completions from a checkpoint of any layout, in one process.
 
 - From the run directory of a 2-step v41_tiny training, the CLI's greedy tokens (two prompts of different lengths
   in one batch, read from a prompts_file, written as JSONL; the cache's quantisation switched off on the command line,
@@ -28,7 +28,7 @@ import torch
 from tests.distributed import run_distributed
 from tests.helpers import every_role_config
 from tests.trainer.harness import QUIET, REPO, SMALL_DATA, env, run_cli
-from trainer import generate
+from trainer.cli import generate
 from trainer.engine import Completion, Engine, PromptFormat, Request, SamplingParams
 
 EXACT_CACHE = ["model.quant.cache_main_kv=none", "model.quant.cache_index=none", "model.quant.cache_swa_kv=none"]
@@ -63,8 +63,8 @@ def tokenizer(small_data):
 
 
 def _main(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
-    """trainer.generate's main in this process: (exit status, stdout, stderr)."""
-    monkeypatch.setattr(sys, "argv", ["trainer.generate"])
+    """trainer.cli.generate's main in this process: (exit status, stdout, stderr)."""
+    monkeypatch.setattr(sys, "argv", ["trainer.cli.generate"])
     try:
         generate.main([*args, "num_threads=1"])
         code = 0
@@ -104,7 +104,7 @@ def _assert_same_state(a: torch.nn.Module, b: torch.nn.Module) -> None:
 def test_greedy_tokens_from_a_run_dir_are_the_trained_models_argmax(run_dir, small_data, tokenizer, tmp_path):
     prompts, out = tmp_path / "prompts.jsonl", tmp_path / "out.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p, "id": i}) + "\n" for i, p in enumerate(PROMPTS)))
-    r = subprocess.run([sys.executable, "-m", "trainer.generate", f"ckpt={run_dir}", f"prompts_file={prompts}",
+    r = subprocess.run([sys.executable, "-m", "trainer.cli.generate", f"ckpt={run_dir}", f"prompts_file={prompts}",
                         f"output={out}", "max_new_tokens=8", "num_threads=1", *EXACT_CACHE],
                        cwd=REPO, env=env(), capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]

@@ -432,7 +432,7 @@ def block_shard_dims(block: nn.Module) -> dict[str, int]:
 def tp_shard_dims(model: nn.Module) -> dict[str, int]:
     """Every parameter tensor parallelism splits (full names, as `model.named_parameters()` gives them) -> the dim it
     splits along, read off the plans `apply_tp` applies (`_block_plan`, `_top_plan`), so the planner and the
-    accounting (trainer/plan.py, model/accounting.py) count the very layout the trainer builds. Parameters not
+    accounting (trainer/memory_plan.py, model/accounting.py) count the very layout the trainer builds. Parameters not
     listed are replicated over tp. Pure: reads only the model's structure (a meta-device model is fine), no process
     group."""
     dims: dict[str, int] = {}

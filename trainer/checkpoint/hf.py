@@ -28,6 +28,7 @@ import re
 from dataclasses import dataclass
 
 from model.config import ModelConfig
+from model.engram_hash import engram_table_rows
 
 # the HF key prefixes of what Cedar does not model: (prefix, why it is dropped)
 DROPPED = (
@@ -212,8 +213,6 @@ def _set(d: dict, path: str, value) -> None:
 
 def hf_config(cfg: ModelConfig) -> dict:
     """The `config.json` of `cfg` in the reference's text-config layout (its field names, A1)."""
-    from model.engram_hash import engram_table_rows
-
     out = {"architectures": ["DeepseekV41ForCausalLM"], "model_type": MODEL_TYPE}
     for key, path in _CONFIG_KEYS.items():
         value = _get(cfg, path)
@@ -233,8 +232,6 @@ def model_config(hf: dict, base: ModelConfig | None = None) -> ModelConfig:
     """A Hugging Face `config.json` (the text config, or a composite one's `text_config`) -> ModelConfig, on top of
     `base` (default: the flagship's defaults) for what the file does not set. ValueError naming the key for a value
     Cedar does not model (another scoring function, several KV heads, a rope type other than YaRN)."""
-    from model.engram_hash import engram_table_rows
-
     from omegaconf import OmegaConf
 
     text = dict(hf.get("text_config") or hf)

@@ -1,7 +1,7 @@
 """Loading a training checkpoint, saved under any parallel layout, into one process for generation.
 
 - `find_checkpoint`: a checkpoint directory (`<run dir>/checkpoints/step_<N>`), or a run directory (or its
-  `checkpoints/`): its newest complete checkpoint; `read_marker` checks it is intact (trainer/checkpoint.py `verify`).
+  `checkpoints/`): its newest complete checkpoint; `read_marker` checks it is intact (trainer/checkpoint/checkpointer.py `verify`).
 - `model_config`: the config the checkpoint records (what was trained, stage hooks applied), with `model.<key>=`
   overrides or a chosen config that may change only what changes no parameter (the cache's formats, the kernels).
 - `run_tokenizer`: the tokenizer the run trained with (its `.hydra/config.yaml`).
@@ -20,7 +20,19 @@ from pathlib import Path
 
 import torch
 
+import model as model_pkg
+from data.shards import file_sha256
 from model.config import ModelConfig
+from trainer.canonical_vocab import install_canonical_vocab
+from trainer.checkpoint import (
+    COMPLETE_MARKER,
+    Checkpointer,
+    complete_checkpoints,
+    is_complete,
+    model_config_differences,
+    verify,
+)
+from trainer.compose import one_line
 
 __all__ = ["find_checkpoint", "read_marker", "model_config", "run_tokenizer", "load_model", "read_model_state"]
 
@@ -28,8 +40,6 @@ __all__ = ["find_checkpoint", "read_marker", "model_config", "run_tokenizer", "l
 # -- the checkpoint and its model config -------------------------------------------------------------------------------
 def find_checkpoint(ckpt: str) -> Path:
     """The checkpoint `ckpt` names: itself, or the newest complete one of a run directory (or of its checkpoints/)."""
-    from trainer.checkpoint import COMPLETE_MARKER, complete_checkpoints, is_complete
-
     path = Path(ckpt)
     if not path.is_dir():
         raise ValueError(f"ckpt={ckpt!r} {'is not a directory' if path.exists() else 'does not exist'}")
@@ -51,8 +61,6 @@ def find_checkpoint(ckpt: str) -> Path:
 
 def read_marker(path: Path) -> dict:
     """The checkpoint's marker, checked: every file it lists is there, with its size and sha256."""
-    from trainer.checkpoint import COMPLETE_MARKER, Checkpointer, complete_checkpoints, verify
-
     try:
         marker = Checkpointer.marker(path)
     except (OSError, ValueError) as e:
@@ -65,7 +73,9 @@ def read_marker(path: Path) -> dict:
     return marker
 
 
-def _model_from_dict(saved: dict, path: Path) -> ModelConfig:
+def model_config_from_dict(saved: dict, path: Path) -> ModelConfig:
+    """The ModelConfig a checkpoint's marker records (`saved`, a dict); ValueError naming `path` if this version
+    cannot read it."""
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
@@ -83,8 +93,6 @@ def _with_overrides(cfg: ModelConfig, overrides: list[str]) -> ModelConfig:
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    from trainer.cli_errors import one_line
-
     node = OmegaConf.structured(cfg)  # typed: a misspelled key or a value of the wrong type fails, named
     for line in overrides:
         try:
@@ -101,14 +109,12 @@ def model_config(saved: dict | None, chosen: ModelConfig | None, overrides: list
     """The config to build: the checkpoint's (`saved`) with `overrides` on top, or `chosen` (`model=<option>`, composed
     by Hydra) instead. ValueError when either changes a parameter, or when the checkpoint records none and no
     option is chosen."""
-    from trainer.checkpoint import model_config_differences
-
     if saved is None:
         if chosen is None:
             raise ValueError(f"checkpoint {path} records no model config (saved before format 2): give the one it was "
                              "trained with, model=<option> [model.<key>=<value> ...]")
         return chosen
-    cfg = chosen if chosen is not None else _with_overrides(_model_from_dict(saved, path), overrides)
+    cfg = chosen if chosen is not None else _with_overrides(model_config_from_dict(saved, path), overrides)
     diff = model_config_differences(saved, dataclasses.asdict(cfg))
     if diff:
         shown = "; ".join(f"model.{k}={a!r} there, {b!r} here" for k, a, b in diff)
@@ -122,8 +128,6 @@ def run_tokenizer(ckpt: Path) -> str:
     """The tokenizer of the training run that saved `ckpt` (<run dir>/checkpoints/step_<N>), from its Hydra config:
     data.tokenizer, or the tokenizer.json that data.path's shards were made with (their meta.json's sha256)."""
     from omegaconf import OmegaConf
-
-    from data.shards import file_sha256
 
     run_dir = ckpt.parent.parent
     config = run_dir / ".hydra" / "config.yaml"
@@ -157,9 +161,6 @@ def run_tokenizer(ckpt: Path) -> str:
 def load_model(path: Path, cfg: ModelConfig, device: torch.device, tokenizer_path: str) -> torch.nn.Module:
     """The whole model in this process, in eval mode, holding the checkpoint's weights and balancing biases whatever
     layout saved them (the checkpoint's `train.model` entry, read with DCP; the optimiser state is not read)."""
-    import model as model_pkg
-    from trainer.train import install_canonical_vocab
-
     with torch.device("meta"):
         model = model_pkg.build(cfg)
     model.to_empty(device=device)

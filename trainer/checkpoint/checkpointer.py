@@ -113,7 +113,7 @@ def row_ranges(shape, itemsize: int, max_bytes: int, multiple: int = 1) -> list[
 class PieceSavePlanner(DefaultSavePlanner):
     """DCP's default save plan with every tensor item above `piece_bytes` split into row ranges (dim 0) of at most
     that size. DCP reads a stored item whole before it narrows it to what a load asks for, so pieces bound the host
-    memory of any partial read: a resharded resume, the Hugging Face export (trainer/hf_checkpoint.py), which reads
+    memory of any partial read: a resharded resume, the Hugging Face export (trainer/checkpoint/hf_io.py), which reads
     a tensor a piece at a time. A piece is written as its own copy (DCP clones a view before writing it), so saving
     holds at most a piece more than the tensors themselves. The checkpoint's metadata lists a tensor's pieces as its
     chunks, as it lists a sharded tensor's shards; every layout loads it."""
@@ -330,7 +330,8 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def _world() -> tuple[int, int]:
+def rank_and_world() -> tuple[int, int]:
+    """(rank, world size) of the default process group; (0, 1) without one."""
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
@@ -338,7 +339,7 @@ def _world() -> tuple[int, int]:
 
 def _gather(local: dict) -> dict:
     """The union of every rank's dict (on every rank)."""
-    rank, world = _world()
+    rank, world = rank_and_world()
     if world == 1:
         return local
     parts: list = [None] * world
@@ -349,7 +350,7 @@ def _gather(local: dict) -> dict:
 def file_checksums(path: Path) -> dict[str, dict]:
     """{file name: {size, sha256}} of every file of a checkpoint directory (but the marker), each rank hashing a
     share; every rank of the job must call it."""
-    rank, world = _world()
+    rank, world = rank_and_world()
     names = sorted(f.name for f in Path(path).iterdir() if f.is_file() and f.name != COMPLETE_MARKER)
     mine = {n: {"size": (Path(path) / n).stat().st_size, "sha256": file_sha256(Path(path) / n)}
             for i, n in enumerate(names) if i % world == rank}
@@ -359,7 +360,7 @@ def file_checksums(path: Path) -> dict[str, dict]:
 def verify(path: Path) -> list[str]:
     """What is wrong with a complete checkpoint's files against its marker's checksums ([] = intact, or a
     checkpoint from before checksums). Every rank of the job must call it; all get the same answer."""
-    rank, world = _world()
+    rank, world = rank_and_world()
     recorded = json.loads((Path(path) / COMPLETE_MARKER).read_text()).get("files")
     if recorded is None:
         return []
@@ -507,7 +508,7 @@ class Checkpointer:
     def save(self, step: int, states: dict, extra: dict | None = None, planner=None,
              file_per_item: bool = False, wait: bool = True) -> Path | None:
         """Write `states` as checkpoint `step` (every rank); `extra` joins `info` in the marker; `planner`: DCP's
-        save planner (default DCP's; trainer/hf_checkpoint.py's import gives one that reads its tensors lazily);
+        save planner (default DCP's; trainer/checkpoint/hf_io.py's import gives one that reads its tensors lazily);
         `file_per_item`: a file per tensor piece instead of one per rank (DCP's writer keeps every tensor of a file
         alive until the file is closed, so a lazy planner's pieces would otherwise all be in memory at the end).
         With checkpoint.async_save and wait=False the states are copied (staged) and the files written by a

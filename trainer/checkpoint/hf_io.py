@@ -1,10 +1,10 @@
-"""Cedar checkpoints <-> Hugging Face safetensors shards, streaming: `python -m trainer.export_hf` and
-`python -m trainer.import_hf` (and `checkpoint.init_from=<HF dir>`) call `export` and `import_`.
+"""Cedar checkpoints <-> Hugging Face safetensors shards, streaming: `python -m trainer.cli.export_hf` and
+`python -m trainer.cli.import_hf` (and `checkpoint.init_from=<HF dir>`) call `export` and `import_`.
 
 Nothing here holds a whole model, nor a whole large tensor: a tensor moves in pieces of at most `chunk_bytes`
 (default 256 MiB; row ranges, or expert ranges of a stacked expert weight), so host memory stays near two pieces
 whatever the model's size (the flagship's Engram tables are 196 GB each in bf16). Checkpoints store large tensors
-as pieces too (trainer/checkpoint.py `PieceSavePlanner`): DCP reads a stored item whole for every request.
+as pieces too (trainer/checkpoint/checkpointer.py `PieceSavePlanner`): DCP reads a stored item whole for every request.
 - Export reads each piece from the DCP checkpoint with a load plan of that piece alone (DCP reads the byte ranges
   that hold it, in whatever layout the checkpoint was saved), casts it, and appends it to a safetensors file whose
   header was written first (the format is a JSON header of names, dtypes, shapes and byte offsets, then the raw
@@ -18,9 +18,9 @@ Under several processes (torchrun), export gives rank r the files r, r + world, 
 same way, and DCP writes one checkpoint from all ranks.
 
 Dtypes: export writes `dtype` (bf16 by default, as released; float32 for an exact round trip), except what the
-reference keeps in fp32 (model/hf.py `keeps_fp32`). Import casts to the dtypes Cedar's model holds (its fp32 master
+reference keeps in fp32 (trainer/checkpoint/hf.py `keeps_fp32`). Import casts to the dtypes Cedar's model holds (its fp32 master
 weights; the Engram tables in `model.engram.table_dtype`). bf16 -> fp32 -> bf16 is exact, so the released weights
-come back out of a Cedar checkpoint bit for bit. Quantised formats (model/hf_quant.py): the import dequantises what
+come back out of a Cedar checkpoint bit for bit. Quantised formats (trainer/checkpoint/hf_quant.py): the import dequantises what
 the files hold quantised; export's quant="released" writes them, a weight's scales computed from each piece as it
 passes (FP8 block rows are read in whole blocks of rows) and written beside it in the file.
 """
@@ -36,14 +36,17 @@ from pathlib import Path
 
 import torch
 
-from model import hf_quant
+import model as model_pkg
 from model.config import ModelConfig
-from model.hf import cedar_name, dropped_reason, hf_config, hf_tensors, keeps_fp32
-from trainer.checkpoint import row_ranges
+from trainer.checkpoint import hf_quant
+from trainer.checkpoint.checkpointer import Checkpointer, row_ranges
+from trainer.checkpoint.hf import cedar_name, dropped_reason, hf_config, hf_tensors, keeps_fp32
+from trainer.checkpoint.hf import model_config as model_config_from_hf
+from trainer.config import CheckpointConfig
 
 log = logging.getLogger(__name__)
 
-PREFIX = "train.model."  # where a Cedar checkpoint keeps the model's tensors (trainer/checkpoint.py TrainState)
+PREFIX = "train.model."  # where a Cedar checkpoint keeps the model's tensors (trainer/checkpoint/checkpointer.py TrainState)
 INDEX = "model.safetensors.index.json"
 CHUNK_BYTES = 256 * 2**20
 SHARD_BYTES = 5 * 10**9  # export_hf's max_shard_gb=5
@@ -63,7 +66,7 @@ class _Entry:
     dtype: torch.dtype
     source: str | None
     expert: int | None
-    kind: str | None = None  # a quantised format (model/hf_quant.py released_kind), None = a cast
+    kind: str | None = None  # a quantised format (trainer/checkpoint/hf_quant.py released_kind), None = a cast
     scale: _Entry | None = None  # a quantised weight's scales, written beside it
 
     @property
@@ -78,9 +81,7 @@ def _model_shapes(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...], torch.dt
     """Every tensor of Cedar's model of `cfg` (parameters and persistent buffers) that the Hugging Face format holds,
     in state-dict order, from a model on the meta device (no memory). Not the vision tower (`vision.*`): its names in
     the released files are not known here (issue 20), so an export is the text model and an import drops the
-    released files' tower (model/hf.py)."""
-    import model as model_pkg
-
+    released files' tower (trainer/checkpoint/hf.py)."""
     with torch.device("meta"):
         m = model_pkg.build(cfg)
     return [(k, tuple(v.shape), v.dtype) for k, v in m.state_dict().items() if not k.startswith("vision.")]
@@ -199,7 +200,7 @@ def _source_pieces(entries: list[_Entry], saved: dict, chunk_bytes: int):
     together, at most chunk_bytes: DCP reads a stored item whole for every request, so one request per expert would
     read the stacked weight once per expert), or the rows of one expert above chunk_bytes; a piece of any other
     tensor is one part, a row range of at most chunk_bytes (starting a block of rows where its format scales
-    blocks: model/hf_quant.py)."""
+    blocks: trainer/checkpoint/hf_quant.py)."""
     k = 0
     while k < len(entries):
         e = entries[k]
@@ -233,7 +234,7 @@ def export_plan(cfg: ModelConfig, dtype: torch.dtype, max_shard_bytes: int = SHA
                 quant: str = "none") -> list[list[_Entry]]:
     """The export's files, each a list of HF tensors (about max_shard_bytes a file, whole tensors with their scales,
     state-dict order): the same on every rank, computed from the model config alone. quant="released": the
-    released checkpoints' quantised formats where they use them (model/hf_quant.py), `dtype` elsewhere."""
+    released checkpoints' quantised formats where they use them (trainer/checkpoint/hf_quant.py), `dtype` elsewhere."""
     shards: list[list[_Entry]] = [[]]
     size = 0
     for name, shape, _ in _model_shapes(cfg):
@@ -262,7 +263,7 @@ def export(ckpt: Path, out: Path, cfg: ModelConfig, *, dtype: torch.dtype = torc
            tokenizer: str | None = None, quant: str = "none") -> dict:
     """Cedar checkpoint `ckpt` (a step directory; any layout) -> HF safetensors shards, index and config.json in
     `out`. This rank writes the files rank, rank + world, ...; rank 0 the index and the config (call it on every
-    rank, then wait for all). quant="released": the released quantised formats (model/hf_quant.py). Returns the
+    rank, then wait for all). quant="released": the released quantised formats (trainer/checkpoint/hf_quant.py). Returns the
     index."""
     reader = _dcp_reader(ckpt)
     saved = reader.read_metadata().state_dict_metadata
@@ -459,7 +460,7 @@ def _read_hf(files: _Files, name: str, shape: tuple[int, ...], dtype: torch.dtyp
 
 def _cast(files: _Files, name: str, piece: torch.Tensor, dtype: torch.dtype, rows=None) -> torch.Tensor:
     """A piece (rows [a, b) of HF tensor `name`, or all of it) dequantised where the file holds it quantised
-    (model/hf_quant.py: an FP8 block-scaled matrix, an FP4-packed expert, an FP8 Engram table), cast to `dtype`."""
+    (trainer/checkpoint/hf_quant.py: an FP8 block-scaled matrix, an FP4-packed expert, an FP8 Engram table), cast to `dtype`."""
     if piece.dtype in (torch.float8_e4m3fn, torch.int8, torch.uint8):
         scale = files.slice(files.scale_name(name))
         a, b = rows if rows else (0, piece.shape[0])
@@ -477,6 +478,21 @@ def _cast(files: _Files, name: str, piece: torch.Tensor, dtype: torch.dtype, row
     return piece.to(dtype)
 
 
+def hf_model_config(src: Path):
+    """The ModelConfig of HF directory `src`: its config.json, the Engram tables' dtype from the files."""
+    if not is_hf_dir(src):
+        raise ValueError(f"{src} is not a Hugging Face checkpoint directory (config.json and model.safetensors, or "
+                         "model-*.safetensors with model.safetensors.index.json)")
+    cfg = model_config_from_hf(json.loads((src / "config.json").read_text()))
+    if cfg.engram.layers:  # the tables' storage dtype: as in the files (fp8 tables dequantise to bf16)
+        where = weight_map(src)
+        name = f"model.layers.{cfg.engram.layers[0]}.engram.embed.weight"
+        if name in where:
+            dtype = "float32" if _Files(src, where).dtype(name) == "F32" else "bfloat16"
+            cfg = dataclasses.replace(cfg, engram=dataclasses.replace(cfg.engram, table_dtype=dtype))
+    return cfg
+
+
 def import_(src: Path, out: Path, cfg: ModelConfig, *, chunk_bytes: int = CHUNK_BYTES, rank: int = 0, world: int = 1,
             info: dict | None = None) -> Path:
     """HF directory `src` -> a Cedar checkpoint `out/checkpoints/step_0` holding the weights (no optimiser state:
@@ -485,9 +501,6 @@ def import_(src: Path, out: Path, cfg: ModelConfig, *, chunk_bytes: int = CHUNK_
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
     from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
-
-    from trainer.checkpoint import Checkpointer
-    from trainer.config import CheckpointConfig
 
     model, notes = import_plan(cfg, src)
     for note in notes:

@@ -11,7 +11,9 @@ from pathlib import Path
 import torch
 
 from model.config import ModelConfig
-from trainer.checkpoint import Checkpointer
+from trainer.checkpoint import Checkpointer, model_config_differences, rank_and_world
+from trainer.checkpoint.hf_io import hf_model_config, import_, is_hf_dir
+from trainer.checkpoint.loading import find_checkpoint, read_marker
 from trainer.parallel.apply import ParallelModel
 
 log = logging.getLogger(__name__)
@@ -24,16 +26,12 @@ def init_weights_from(ckpt: str, pm: ParallelModel, optimizer: torch.optim.Optim
     """Load another run's weights (and, with `optimizer`, its optimiser moments) into this rank's part of the model,
     whatever layout saved them (DCP reshards): checkpoint.init_from. The step count and schedule stay at 0.
     A Hugging Face directory (config.json + safetensors) is first imported, streaming, as a checkpoint beside the
-    run's own (`<run dir>/hf_init/`, trainer/hf_checkpoint.py), by every rank its share; its config.json must give
+    run's own (`<run dir>/hf_init/`, trainer/checkpoint/hf_io.py), by every rank its share; its config.json must give
     the run's model."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
                                                          set_model_state_dict, set_optimizer_state_dict)
-
-    from trainer.engine.loading import find_checkpoint, read_marker
-
-    from trainer.hf_checkpoint import is_hf_dir
 
     if is_hf_dir(Path(ckpt)):
         ckpt = str(_import_hf_init(Path(ckpt), pm, optimizer, model_cfg, checkpointer))
@@ -68,10 +66,6 @@ def init_weights_from(ckpt: str, pm: ParallelModel, optimizer: torch.optim.Optim
 def _import_hf_init(src: Path, pm: ParallelModel, optimizer, model_cfg: ModelConfig,
                     checkpointer: Checkpointer) -> Path:
     """checkpoint.init_from=<Hugging Face directory>: its weights as a checkpoint under `<run dir>/hf_init/`."""
-    from trainer.checkpoint import _world, model_config_differences
-    from trainer.hf_checkpoint import import_
-    from trainer.import_hf import hf_model_config
-
     if optimizer is not None:
         raise ValueError(f"checkpoint.init_from={src} is a Hugging Face directory: it holds no optimiser state, so "
                          "checkpoint.init_optimizer=true cannot apply; set checkpoint.init_optimizer=false")
@@ -84,7 +78,7 @@ def _import_hf_init(src: Path, pm: ParallelModel, optimizer, model_cfg: ModelCon
         shown = "; ".join(f"model.{k}={a!r} there, {b!r} here" for k, a, b in diff[:8])
         raise ValueError(f"checkpoint.init_from={src}: its config.json gives another model: {shown}"
                          + (f" (and {len(diff) - 8} more)" if len(diff) > 8 else ""))
-    rank, world = _world()
+    rank, world = rank_and_world()
     out = checkpointer.root.parent / "hf_init"
     path = import_(src, out, hf_cfg, rank=rank, world=world)
     log.info("checkpoint.init_from: imported the Hugging Face weights of %s as %s", src, path)

@@ -1,11 +1,11 @@
-"""trainer/cli_errors.py: a config group option that does not exist is one line naming the group and its options
+"""trainer/compose.py: a config group option that does not exist is one line naming the group and its options
 (without the `schema` node), the same line whether it is caught on the command line before Hydra runs
-(`check_config_groups`, for `@hydra.main` entry points) or from Hydra's MissingConfigException (`trainer.plan.compose`);
+(`check_config_groups`, for `@hydra.main` entry points) or from Hydra's MissingConfigException (`trainer.compose.compose`);
 a choice sweep and a nested group are checked too, and everything else is left to Hydra."""
 
 import pytest
 
-from trainer.cli_errors import check_config_groups, unknown_option_message
+from trainer.compose import check_config_groups, unknown_option_message
 
 
 @pytest.mark.parametrize("args, line", [
@@ -36,7 +36,7 @@ def test_what_exists_or_is_not_a_selection_passes(args):
 
 
 def test_same_line_as_the_planner():
-    from trainer.plan import compose
+    from trainer.compose import compose
 
     with pytest.raises(ValueError) as planned:
         compose(["model=v41_tinny"])

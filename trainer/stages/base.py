@@ -1,54 +1,50 @@
 """The stage seam: what changes between pretraining, SFT, RL, distillation and drafter training, behind one loop.
 
-A `Stage` (chosen by `stage.name`, `STAGES`) supplies, to trainer/train.py's one loop:
+`Stage` declares every hook trainer/train.py's one loop calls, each with its default; a stage (chosen by
+`stage.name`, `STAGES`) overrides what it changes. Required: `batches(cfg, data_rank, data_ranks, progress=)`, the
+loader of its batches (dicts of [B, T] tensors: input_ids, labels, -100 where a token takes no part in the loss, and
+optionally image_mask and loss_weights; a multimodal batch also pixel_values, grids and row_kind,
+data/multimodal.py) and the tokenizer. With defaults:
 - `model_config(cfg)`: its transforms of the model config (the post-training hooks, e.g. FP4 main-KV QAT);
-- `batches(cfg, data_rank, data_ranks, progress=)`: the loader of its batches (dicts of [B, T] tensors: input_ids, labels,
-  -100 where a token takes no part in the loss, and optionally image_mask and loss_weights; a multimodal batch also
-  pixel_values, grids and row_kind, data/multimodal.py) and the tokenizer;
+- `check_layout(parallel)`, `check(cfg)`: its rules on the layout and on the rest of the job, before any process
+  group;
+- `build_module(cfg)`: what is built, trained and saved (the Transformer; dspark's drafter);
 - `loss()`: its loss (trainer/loss.py; `LMLoss` normalises over the global batch's valid tokens and takes per-token
   weights), used by the plain and the pipeline paths alike;
 - `trainable_parameters(module, model_cfg)`: what the optimiser owns;
 - `callbacks()`: its trainer/callbacks.py callbacks, run at every point of the loop after the router-bias update
-  and before the metrics record and the periodic checkpoint.
+  and before the metrics record and the periodic checkpoint;
+- `bind(job)`: called once the job is built, for a stage whose batches need the model (RL's rollouts);
+- `flops_per_token(cfg)`: what a trained token costs, for MFU;
+- `forward_backward`: None (the loop's own), or the stage's step forward with the loop's signature;
+- `reads_init_from`: checkpoint.init_from is the stage's own frozen model (dspark's backbone), not the starting
+  weights.
 
-Pretraining is the first implementation; SFT, RL, distillation and DSpark drafter training live in trainer/stages/.
-A stage whose batches need the model (RL's rollouts) also has `bind(job)`, called once the job is built. Optional
-seams a stage may have (trainer/train.py reads them): `check_layout(parallel)` and `check(cfg)` (its rules, before
-any process group), `build_module(cfg)` (what is built, trained and saved instead of the Transformer: dspark's
-drafter), `reads_init_from = True` (checkpoint.init_from is the stage's own frozen model, not the starting weights),
-`forward_backward(pm, batches, autocast_dtype, loss)` (its own step forward, as trainer/train.py's), and
-`flops_per_token(cfg)` (for MFU).
-A new stage is a class with these five methods, registered in `STAGES` (docs/data_flow.md has a 20-line example).
+Pretraining is the first implementation (`Pretrain`); SFT, RL, distillation and DSpark drafter training live beside
+this module in trainer/stages/. A new stage registers in `STAGES` (docs/data_flow.md has a 20-line example).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Protocol
+import importlib
+from typing import TYPE_CHECKING
 
 import torch
 
+import model as model_pkg
+from data.config import build_dataloader, ensure_prepared
+from data.multimodal import build_multimodal_loader
+from model.config import ModelConfig
+from model.layer_plan import build_layer_plan
+from model.replay import sample_cuts
+from trainer.loss import LMLoss
+
 if TYPE_CHECKING:
-    from model.config import ModelConfig
     from trainer.callbacks import Callback
-    from trainer.config import Config, StageConfig
-    from trainer.loss import LMLoss
+    from trainer.config import Config, ParallelConfig, StageConfig
 
 __all__ = ["Stage", "Pretrain", "STAGES", "build_stage", "indexer_or_all_parameters"]
-
-
-class Stage(Protocol):
-    name: str
-
-    def model_config(self, cfg: ModelConfig) -> ModelConfig: ...
-
-    def batches(self, cfg: Config, data_rank: int, data_ranks: int, *, progress: bool = False): ...
-
-    def loss(self) -> LMLoss: ...
-
-    def trainable_parameters(self, module: torch.nn.Module, cfg: ModelConfig) -> list[torch.nn.Parameter]: ...
-
-    def callbacks(self) -> list[Callback]: ...
 
 
 def indexer_or_all_parameters(module: torch.nn.Module, cfg: ModelConfig) -> list[torch.nn.Parameter]:
@@ -72,8 +68,6 @@ def apply_model_hooks(stage: StageConfig, cfg: ModelConfig) -> ModelConfig:
             swa_kv="fp8" if q.cache_swa_kv == "fp8" else q.swa_kv))
     if stage.hierarchical_indexer:
         cfg = dataclasses.replace(cfg, csa2=dataclasses.replace(cfg.csa2, hierarchical_pool=True))
-        from model.layer_plan import build_layer_plan
-
         build_layer_plan(cfg)  # the pool's rules (a Full source layer, top-k within the pool) fail here, named
     return cfg
 
@@ -85,8 +79,6 @@ class _ReplayCutBatches:
         self.loader, self.stage, self.window, self.seed = loader, stage, window, seed
 
     def __iter__(self):
-        from model.replay import sample_cuts
-
         for batch in self.loader:
             batch = dict(batch)
             batch["replay_cuts"] = sample_cuts(batch["input_ids"], self.window, self.stage.replay_sim_prob,
@@ -109,11 +101,15 @@ def with_replay_cuts(loader, stage: StageConfig, cfg: Config):
     return _ReplayCutBatches(loader, stage, cfg.model.attention.window, cfg.trainer.seed)
 
 
-class Pretrain:
-    """Next-token prediction on packed webdataset shards (data/), every parameter trained (the indexers alone in
-    the dense warm-up phase)."""
+class Stage:
+    """Every hook the training loop calls, with its default (the module docstring lists them); `batches` has none."""
 
-    name = "pretrain"
+    name: str = ""
+    reads_init_from: bool = False
+    """True: checkpoint.init_from is the stage's own frozen model (dspark's backbone), not the starting weights"""
+    forward_backward = None
+    """None: the loop's forward and backward (trainer/train.py `forward_backward`); else the stage's own, with its
+    signature and result (dspark's runs the frozen backbone, then the drafter)"""
 
     def __init__(self, stage: StageConfig):
         self.stage = stage
@@ -121,21 +117,19 @@ class Pretrain:
     def model_config(self, cfg: ModelConfig) -> ModelConfig:
         return apply_model_hooks(self.stage, cfg)
 
+    def check_layout(self, parallel: ParallelConfig) -> None:
+        """Its rules on the layout (RL's rollouts need the whole model): ValueError naming the key."""
+
+    def check(self, cfg: Config) -> None:
+        """Its rules on the rest of the job (dspark needs its backbone): ValueError naming the key."""
+
     def batches(self, cfg: Config, data_rank: int, data_ranks: int, *, progress: bool = False):
-        from data.config import build_dataloader, ensure_prepared
+        raise NotImplementedError(f"stage {self.name!r} gives no batches")
 
-        if hasattr(cfg.data, "multimodal"):  # data=multimodal: text and image-text rows (data/multimodal.py)
-            from data.multimodal import build_multimodal_loader
-
-            loader = build_multimodal_loader(cfg.data, data_rank, data_ranks, progress=progress)
-            return with_replay_cuts(loader, self.stage, cfg)
-        ensure_prepared(cfg.data, progress=progress)  # node-safe: one process prepares, the others wait
-        loader = build_dataloader(cfg.data, data_rank, data_ranks)
-        return with_replay_cuts(loader, self.stage, cfg)
+    def build_module(self, cfg: ModelConfig) -> torch.nn.Module:
+        return model_pkg.build(cfg)
 
     def loss(self) -> LMLoss:
-        from trainer.loss import LMLoss
-
         return LMLoss()
 
     def trainable_parameters(self, module: torch.nn.Module, cfg: ModelConfig) -> list[torch.nn.Parameter]:
@@ -144,11 +138,35 @@ class Pretrain:
     def callbacks(self) -> list[Callback]:
         return []
 
+    def bind(self, job) -> None:
+        """Called once the job is built (trainer/train.py `Job`)."""
+
+    def flops_per_token(self, cfg: ModelConfig):
+        """seq_len -> training FLOPs per token of the whole model (model/accounting.py), whatever this rank holds."""
+        with torch.device("meta"):
+            return model_pkg.build(cfg).flops_per_token
+
+
+class Pretrain(Stage):
+    """Next-token prediction on packed webdataset shards (data/), every parameter trained (the indexers alone in
+    the dense warm-up phase)."""
+
+    name = "pretrain"
+
+    def batches(self, cfg: Config, data_rank: int, data_ranks: int, *, progress: bool = False):
+        if hasattr(cfg.data, "multimodal"):  # data=multimodal: text and image-text rows (data/multimodal.py)
+            loader = build_multimodal_loader(cfg.data, data_rank, data_ranks, progress=progress)
+            return with_replay_cuts(loader, self.stage, cfg)
+        ensure_prepared(cfg.data, progress=progress)  # node-safe: one process prepares, the others wait
+        loader = build_dataloader(cfg.data, data_rank, data_ranks)
+        return with_replay_cuts(loader, self.stage, cfg)
+
 
 def _post_training(module: str, cls: str):
-    def make(stage):
-        import importlib
+    """The stage class `cls` of trainer/stages/<module>.py, imported when chosen: pretraining loads none of what the
+    post-training stages import (the engine, the environments)."""
 
+    def make(stage):
         return getattr(importlib.import_module(f"trainer.stages.{module}"), cls)(stage)
 
     return make

@@ -1,0 +1,46 @@
+"""What the entry points share: a small app's main (`run_app`: help, its config composed, one line and exit 2 for
+what it refuses), one line for a file an app could not read or write (`io_message`), and the process group a
+torchrun launch of an app needs (`join_world`)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Sequence
+
+import torch.distributed as dist
+
+from trainer.checkpoint import rank_and_world
+from trainer.compose import CONF_DIR, compose_app
+
+__all__ = ["run_app", "io_message", "join_world"]
+
+
+def io_message(e: OSError) -> str:
+    """One line for a file the set-up could not read or write (the data, a tokenizer, the run directory)."""
+    where = f" {e.filename}" if e.filename else ""
+    return f"{e.strerror or e}:{where}" if e.strerror else str(e)
+
+
+def join_world() -> tuple[int, int]:
+    """(rank, world size), starting gloo when torchrun launched several processes."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+        dist.init_process_group("gloo")
+    return rank_and_world()
+
+
+def run_app(config_name: str, schema, run, argv: Sequence[str] | None, doc: str) -> None:
+    """A small app's main: `-h` / `--help` prints `doc` and conf/<config_name>.yaml; otherwise `run` gets the composed
+    config (trainer/compose.py `compose_app`). A bad key, a bad value or a file it cannot read or write ends it with
+    one line on stderr and exit status 2."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if any(a in ("-h", "--help") for a in argv):
+        print(doc.strip() + f"\n\nKeys (conf/{config_name}.yaml):\n" + (CONF_DIR / f"{config_name}.yaml").read_text())
+        return
+    try:
+        run(compose_app(config_name, schema, argv))
+    except (ValueError, OSError) as e:
+        if isinstance(e, OSError):
+            e = io_message(e)
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)

@@ -1,0 +1,105 @@
+"""Entry point: `python -m trainer.cli.main [hydra overrides]` (console script `cedar-train`).
+
+Hydra composes conf/config.yaml against the schemas of trainer/config.py; the composed config becomes
+typed dataclasses (every `__post_init__` check runs), then the job is built and trained. Exit status and output:
+- 0: trained to trainer.max_steps; or stopped by SIGTERM / SIGUSR1 after saving a checkpoint (one line says so); or
+  the resumed run had already reached trainer.max_steps (one line says so);
+- 2: a mistyped config group option, a bad config value, an impossible set-up, a missing file or a run directory in use or not writable: one line
+  naming the key or the path;
+- 3: trainer.max_bad_steps non-finite steps in a row;
+- 4: a checkpoint could not be saved (no space left, an I/O error): one line naming the cause and the path; the
+  previous checkpoint stays the one a resume starts from.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import hydra
+import torch.distributed as dist
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+from trainer import train
+from trainer.checkpoint import CheckpointSaveError
+from trainer.cli.app import io_message
+from trainer.compose import CONF_DIR, check_config_groups
+from trainer.config import register_configs, to_config
+from trainer.run_lock import RunLock
+
+register_configs()
+
+
+def _leave_together() -> None:
+    """Before the group is torn down after a finished run: a barrier, then every rank says it is through it on the
+    launcher's store (not gloo) and waits for all. A rank that closed its gloo connections while a peer still read
+    the barrier's last message would abort that peer ("terminate called without an active exception", seen once in
+    test_train's torchrun run); tests/distributed.py ends its workers the same way."""
+    import time
+
+    from torch.distributed import distributed_c10d
+
+    dist.barrier()
+    store, world = distributed_c10d._get_default_store(), dist.get_world_size()
+    store.add("cedar_shutdown", 1)
+    while store.add("cedar_shutdown", 0) < world:
+        time.sleep(0.01)
+
+
+def _fail(message: str, code: int) -> None:
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    sys.exit(code)  # SystemExit passes through Hydra untouched: no traceback
+
+
+@hydra.main(config_path=str(CONF_DIR), config_name="config", version_base=None)
+def _run(dcfg: DictConfig) -> None:
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    try:
+        cfg = to_config(dcfg)
+        job = train.build(cfg, run_dir)
+    except ValueError as e:
+        _fail(str(e), 2)
+    except OSError as e:  # a missing or unreadable file the set-up needs
+        _fail(io_message(e), 2)
+    try:
+        outcome = train.fit(job)
+    except train.TrainingDiverged as e:
+        _fail(f"training diverged: {e}", 3)
+    except CheckpointSaveError as e:
+        _fail(str(e), 4)
+    if job.rt.rank == 0:
+        step, max_steps = job.state.step, job.trainer.max_steps
+        if outcome == "already_finished":
+            print(f"nothing to do: the run in {run_dir} already reached trainer.max_steps={max_steps} (resumed at "
+                  f"step {step}); raise trainer.max_steps to train on, or pick a new hydra.run.dir", flush=True)
+        elif outcome == "stopped":
+            print(f"stopped by {job.stop.name} at step {step}/{max_steps}: checkpoint saved at {job.last_checkpoint}; "
+                  f"launch again with hydra.run.dir={run_dir} (checkpoint.resume=auto) to continue", flush=True)
+        wandb_dir = job.metrics.wandb_dir or "(W&B disabled)"
+        print(
+            f"run directory: {run_dir}\n"
+            f"checkpoints:   {job.checkpointer.root}\n"
+            f"metrics:       {job.metrics.path}\n"
+            f"W&B files:     {wandb_dir}",
+            flush=True,
+        )
+    if dist.is_initialized():
+        _leave_together()
+        dist.destroy_process_group()
+    RunLock.release_dir(run_dir)  # a multirun's next job may run in this process
+
+
+def main() -> None:
+    # A mistyped group option (model=v41_tinny) is reported by Hydra before _run, in a dozen lines: check first.
+    try:
+        check_config_groups(sys.argv[1:])
+    except ValueError as e:
+        _fail(str(e), 2)
+    _run()
+
+
+if __name__ == "__main__":
+    main()

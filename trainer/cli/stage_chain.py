@@ -1,0 +1,116 @@
+"""The whole pipeline in one command: pretrain -> SFT -> RL -> on-policy distillation -> the DSpark drafter of the
+distilled model (`make pipeline`).
+
+`python -m trainer.cli.stage_chain [--root runs/pipeline] [--scale 1.0] [-- <overrides for every stage>]` runs each
+stage as its own `python -m trainer.cli.main` launch (a run directory per stage under --root), each starting from the
+previous stage's checkpoint (checkpoint.init_from), and ends with a table of each stage's headline figure and where
+its checkpoint is. Distillation puts the post-trained model into a fresh student: the student starts from the
+pretrained weights and learns, on its own samples, the RL model's distributions (the SFT model itself as the
+student would start within 0.03 nats of its teachers, below the noise of the updates: BENCHMARKS.md). The drafter
+learns the distilled model's distributions on the pretraining data, the model frozen (trainer/stages/dspark.py).
+A stage whose run directory already holds its final checkpoint is not run again (relaunching resumes an interrupted
+stage: checkpoint.resume=auto), so an interrupted pipeline picks up where it stopped.
+
+On v41_tiny on a 2-core CPU each stage takes a few minutes (BENCHMARKS.md has the figures of a run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from trainer.checkpoint import is_complete, step_dir_name
+
+STAGES = (
+    ("pretrain", ["trainer.max_steps=400"]),
+    ("sft", ["stage=sft", "trainer.max_steps=400", "stage.envs=[arithmetic]", "stage.difficulty=[1]",
+             "stage.num_samples=8000", "data.batch_size=32", "optim.lr=3e-3", "optim.warmup_steps=20",
+             "checkpoint.interval=100", "stage.eval_every=50"]),
+    # rollouts are prompt (~10 tokens) + at most max_new_tokens (24): micro-batches padded to 64, not to 128
+    ("rl", ["stage=rl", "trainer.max_steps=20", "stage.prompts_per_step=16", "optim.lr=3e-5", "optim.warmup_steps=0",
+            "data.seq_len=64", "checkpoint.interval=10"]),
+    ("distill", ["stage=distill", "trainer.max_steps=30", "optim.lr=1e-3", "optim.warmup_steps=0", "data.seq_len=64",
+                 "checkpoint.interval=10", "stage.envs=[arithmetic]", "stage.difficulty=[1]", "stage.num_eval=64"]),
+    ("dspark", ["stage=dspark", "trainer.max_steps=200", "optim.lr=3e-3", "optim.warmup_steps=20",
+                "checkpoint.interval=100"]),
+)
+HEADLINE = {"pretrain": ("loss", "train loss"), "sft": ("eval/loss", "held-out assistant loss"),
+            "rl": ("eval/success", "held-out success (effort 20/80)"), "distill": ("eval/kl", "held-out KL to teacher"),
+            "dspark": ("acceptance_len", "held-out acceptance length tau")}
+
+
+def _records(run: Path) -> list[dict]:
+    path = run / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def headline(stage: str, run: Path) -> tuple[str, str]:
+    key, what = HEADLINE[stage]
+    values = [r[key] for r in _records(run) if r.get(key) is not None]
+    if not values:
+        return what, "-"
+    return what, f"{values[0]:.4f} -> {values[-1]:.4f}" if len(values) > 1 else f"{values[-1]:.4f}"
+
+
+def final_checkpoint(run: Path, steps: int) -> Path | None:
+    ckpt = run / "checkpoints" / step_dir_name(steps)
+    return ckpt if ckpt.is_dir() and is_complete(ckpt) else None
+
+
+def _steps(overrides: list[str], scale: float) -> tuple[list[str], int]:
+    out, steps = [], 0
+    for o in overrides:
+        if o.startswith("trainer.max_steps="):
+            steps = max(1, round(int(o.split("=", 1)[1]) * scale))
+            o = f"trainer.max_steps={steps}"
+        out.append(o)
+    return out, steps
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--root", default="runs/pipeline", help="a run directory per stage under here")
+    ap.add_argument("--scale", type=float, default=1.0, help="multiply every stage's trainer.max_steps")
+    ap.add_argument("overrides", nargs="*", help="Hydra overrides for every stage (after --)")
+    args = ap.parse_args(argv)
+    root = Path(args.root).resolve()
+    runs = {name: root / name for name, _ in STAGES}
+    rows = []
+    for name, overrides in STAGES:
+        overrides, steps = _steps(overrides, args.scale)
+        run = runs[name]
+        extra = [f"hydra.run.dir={run}", "logger.progress_bar=false"]
+        if name == "sft":
+            extra.append(f"checkpoint.init_from={runs['pretrain']}")
+        elif name == "rl":
+            extra.append(f"checkpoint.init_from={runs['sft']}")
+        elif name == "distill":
+            extra += [f"checkpoint.init_from={runs['pretrain']}", f"stage.teacher.ckpt={runs['rl']}"]
+        elif name == "dspark":
+            extra.append(f"checkpoint.init_from={runs['distill']}")
+        if final_checkpoint(run, steps) is None:
+            cmd = [sys.executable, "-m", "trainer.cli.main", *overrides, *extra, *args.overrides]
+            print(f"== {name}: {' '.join(cmd[1:])}", flush=True)
+            code = subprocess.call(cmd)
+            if code != 0:
+                print(f"error: stage {name} failed with exit status {code} (its run directory: {run}); fix it and "
+                      "run the pipeline again: finished stages are kept", file=sys.stderr)
+                return code
+        else:
+            print(f"== {name}: already finished in {run}", flush=True)
+        what, figure = headline(name, run)
+        rows.append((name, what, figure, str(final_checkpoint(run, steps) or "-")))
+    widths = [max(len(r[i]) for r in rows + [("stage", "figure", "start -> end", "checkpoint")]) for i in range(4)]
+    print()
+    for r in [("stage", "figure", "start -> end", "checkpoint"), *rows]:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
