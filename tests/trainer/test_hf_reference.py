@@ -29,8 +29,8 @@ import torch
 from tests.helpers import build_tiny, load_config
 from tests.trainer import hf_reference
 from trainer.checkpoint import Checkpointer
-from trainer.config import CheckpointConfig
 from trainer.checkpoint.hf_io import export
+from trainer.config import CheckpointConfig
 
 B, T = 2, 80
 

@@ -56,6 +56,7 @@ import torch
 
 from model.attention import SequenceShard
 from model.routing import RoutingRecords
+from model.serving import compiled_decode_step
 from trainer.engine.sampling import SamplingParams, sample
 from trainer.engine.spec_decode import SpecDecoder
 
@@ -165,8 +166,6 @@ class Engine:
         self.cuda_graph = cuda_graph
         self.decode_step = None
         if compile_decode is not None:
-            from model.serving import compiled_decode_step
-
             self.decode_step = compiled_decode_step(model, compile_decode)
         if cuda_graph:
             from torch.distributed.tensor import DTensor
