@@ -3,8 +3,11 @@
 # compiled by Inductor inside a CUDA graph (kernels per step counted), and the training step at the flagship's widths
 # (conf/model/v41_proxy.yaml) with its dense peer.
 #
-#   bash bench/gpu_engine_step.sh OUT_DIR PHASE [SECONDS]   PHASE: tests | decode | step
+#   bash bench/gpu_engine_step.sh OUT_DIR PHASE [SECONDS]   PHASE: tests | decode | step | engine-tests | decode-4k
 #
+# engine-tests: the compiled and CUDA-graph engine tests alone; decode-4k: the decode benchmark at 4K context alone.
+# The step runs with full activation checkpointing on a GPU under 100 GB (the planner puts v41_proxy's step at 93 GB
+# without, 69 GB with); AC=none|full overrides; PEER=0 skips the dense peer.
 # Writes OUT_DIR/PHASE.txt (and PHASE.jsonl where the benchmark emits rows).
 set -uo pipefail
 out=${1:?usage: bench/gpu_engine_step.sh OUT_DIR PHASE [SECONDS]}
@@ -18,6 +21,15 @@ case "$phase" in
       tests/model/test_cache.py tests/model/test_cache_rollback.py tests/trainer/test_hf_reference.py \
       > "$out/tests.txt" 2>&1
     echo "pytest exit $? (124: cut at ${limit} s)" >> "$out/tests.txt" ;;
+  engine-tests)
+    timeout "$limit" python3 -m pytest -q -rf -p no:cacheprovider --tb=short tests/trainer/test_engine.py \
+      -k "compiled or cuda_graph" > "$out/tests.txt" 2>&1
+    echo "pytest exit $? (124: cut at ${limit} s)" >> "$out/tests.txt" ;;
+  decode-4k)
+    timeout "$limit" python3 bench/generation.py batch --device cuda --model v41_small --context 4096 \
+      --batch-sizes 1,32 --step static,graph,compiled --steps 20 --count-kernels --json "$out/decode.jsonl" \
+      > "$out/decode.txt" 2>&1
+    echo "generation exit $?" >> "$out/decode.txt" ;;
   decode)
     {
       timeout "$limit" python3 bench/generation.py batch --device cuda --model v41_small --context 4096 \
@@ -28,11 +40,14 @@ case "$phase" in
       echo "generation exit $?"
     } > "$out/decode.txt" 2>&1 ;;
   step)
+    mem=$(python3 -c "import torch; print(torch.cuda.get_device_properties(0).total_memory // 2**30)")
+    ac=${AC:-$( (( mem < 100 )) && echo full || echo none )}
     {
       timeout "$limit" python3 bench/profile_step.py --model v41_proxy --batch-size 1 --seq-len 4096 \
-        --modes compiled+fused --steps 3 --warmup 3 --top 20 --activation-checkpoint "${AC:-none}" \
+        --modes compiled+fused --steps 3 --warmup 3 --top 20 --activation-checkpoint "$ac" \
         --json "$out/step.jsonl"
       echo "profile_step exit $?"
+      [ "${PEER:-1}" = 1 ] || exit 0
       timeout 200 python3 bench/peer_step.py --match v41_proxy --dim 5120 --heads 40 --ffn 13824 --batch-size 1 \
         --seq-len 4096 --steps 10 --json "$out/step.jsonl"
       echo "peer_step exit $?"
