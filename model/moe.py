@@ -437,7 +437,10 @@ class MoE(nn.Module):
         if self.shared_experts is not None:
             out = out + self.shared_experts(x_flat).float()
         y = out.to(x.dtype).view(b, t, d)
-        self.chosen_experts = topk_idx.view(b, t, -1) if return_experts else None
+        # set only when asked: torch.compile breaks a checkpointed block's graph at a module attribute's assignment
+        # (v41_proxy's compiled step on an H100 under activation checkpointing: 3 breaks, here)
+        if return_experts:
+            self.chosen_experts = topk_idx.view(b, t, -1)
         return y, load, balance
 
     # --- balancing ------------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ forward), from what the cache keeps of the earlier ones:
   stored entry in a prefill and over the selected entries only (read from the store alone) in a decode step.
 Per-row positions ([B, T]) let requests of different lengths decode together. This path runs the reference
 operations on every device; `compiled_decode_step` hands the decode step to torch.compile, whose Inductor fuses them
-(on a GPU: far fewer kernels a step, the same values to rounding).
+(experimental: on a GPU a third of the kernels, not yet equal to this path: docs/generation.md).
 
 A layer writes the cache while it runs: later layers of the same call read this layer's entries through the
 ForwardState (kv, selection, pool), as in the training forward.

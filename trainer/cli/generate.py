@@ -105,9 +105,6 @@ class GenerateConfig:
     """requests decoded together"""
     cuda_graph: bool = False
     """capture the decode step in a CUDA graph (one process, a CUDA device): one launch a token"""
-    compile_decode: bool = False
-    """compile the decode step with torch.compile's Inductor (fused kernels; compiles once per batch shape, tens of
-    seconds): pays on a GPU, with cuda_graph"""
     max_len: int = 4096
     """longest prompt + max_new_tokens, in tokens"""
     replay: str = choice_field("halo", ("none", "window", "halo"))
@@ -409,7 +406,7 @@ def _generate(cfg: GenerateConfig, model_overrides: list[str]) -> int:
             raise ValueError(f"drafter={cfg.drafter}: {e}") from None
         spec = dict(drafter=drafter, spec_tokens=cfg.spec_tokens or None, spec_schedule=cfg.spec_schedule)
     engine = Engine(model, max_batch=cfg.max_batch, max_len=cfg.max_len, replay=cfg.replay, tokenizer=tokenizer,
-                    cuda_graph=cfg.cuda_graph, compile_decode="inductor" if cfg.compile_decode else None, **spec)
+                    cuda_graph=cfg.cuda_graph, **spec)
     start = time.perf_counter()
     completions = engine.generate(requests)
     seconds = time.perf_counter() - start

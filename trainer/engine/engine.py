@@ -156,9 +156,9 @@ class Engine:
                  prefix_cache=None, tokenizer=None, prompt_format: PromptFormat | None = None,
                  cuda_graph: bool = False, compile_decode: str | None = None, drafter=None,
                  spec_tokens: int | None = None, spec_schedule: str = "fixed"):
-        """compile_decode: a torch.compile backend ("inductor") for the decode step
-        (model.serving.compiled_decode_step; with cuda_graph, the compiled step is what the graph captures), None:
-        the reference operations one by one. drafter: a model.dspark.DSpark of this model for speculative decoding
+        """compile_decode (experimental: not yet equal to the reference on a GPU, docs/generation.md): a
+        torch.compile backend for the decode step (model.serving.compiled_decode_step; with cuda_graph, the compiled
+        step is what the graph captures), None: the reference operations one by one. drafter: a model.dspark.DSpark of this model for speculative decoding
         (module docstring); spec_tokens: the most drafts a step verifies (None: the drafter's block_size); spec_schedule: "fixed" (always
         spec_tokens) or "auto" (from the confidences and the measured cost: trainer/engine/speculative.py)."""
         model = serving_module(model)
