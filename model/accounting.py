@@ -183,7 +183,7 @@ def dspark_parameters(cfg) -> dict[str, float]:
 def vision_parameters(cfg, tp: int = 1) -> dict[str, int]:
     """The vision side's parameters (model/vision/; built on the meta device): all of them, the ViT's, the aligner's
     (the START / NEWLINE / END vectors are the rest), and with tp > 1 those one tensor-parallel rank holds (the
-    tower's plan, model/parallelize.py `vision_shard_dims`). {} for a text-only model (model.vision.num_layers 0).
+    tower's plan, trainer/parallel/tensor.py `vision_shard_dims`). {} for a text-only model (model.vision.num_layers 0).
     Not part of params_total, which counts the backbone (`parameter_groups` leaves out Transformer.vision, which
     model.build builds too)."""
     if cfg.vision.num_layers == 0:
@@ -297,7 +297,7 @@ def layer_activation_bytes(layer, tokens: int, context: int, *, stream_bytes: in
     q_lora, o_groups, o_lora = attn.wq_a.out_features, cfg.attention.o_groups, cfg.attention.o_lora_rank
     iters = cfg.mhc.sinkhorn_iters
     casts = 0.0
-    tp_dims = block_shard_dims(layer)  # what apply_tp splits over tp (model/parallelize.py)
+    tp_dims = block_shard_dims(layer)  # what apply_tp splits over tp (trainer/parallel/tensor.py)
     for name, p in _matmul_weights(layer):
         split = (tp if name in tp_dims else 1) * (ep if name.startswith("ffn.experts.") else 1)
         casts += p.numel() / split

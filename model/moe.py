@@ -423,7 +423,7 @@ class MoE(nn.Module):
                 *, return_experts: bool = False):
         """experts [B, T, K]: recorded routing to replay (a row of -1 routes freely); return_experts: keep the chosen
         experts [B, T, K] (a rollout's record) in `self.chosen_experts`. The outputs are always (y, load, balance):
-        the tensor-parallel plan's output hook (model/parallelize.py) knows three."""
+        the tensor-parallel plan's output hook (trainer/parallel/tensor.py) knows three."""
         b, t, d = x.shape
         x_flat = x.reshape(b * t, d)  # [N, D]
         img = None if image_mask is None else image_mask.reshape(b * t).to(torch.bool)

@@ -120,7 +120,7 @@ def embed_streams(embed: nn.Embedding, input_ids: torch.Tensor, num_streams: int
     image_embeds [P, dim] (the vision tower's output, `Transformer.image_embeddings`) take the place of the token
     embedding at the P positions where input_ids == image_token_id, in row-major order over [B, T]. Under sequence
     parallelism the embedding returns this rank's chunk of the sequence, [B, T / n, dim] for chunk r of n
-    (`sequence_shard` = (r, n), set by model/parallelize.py `apply_tp`): the chunk's placeholders take their
+    (`sequence_shard` = (r, n), set by trainer/parallel/tensor.py `apply_tp`): the chunk's placeholders take their
     features from the whole sequence's layout (every tp rank holds every image's features)."""
     h = embed(input_ids)
     if image_embeds is not None:

@@ -26,17 +26,20 @@ import itertools
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
-from model.common import local
 from optim import muon as muon_lib
 from optim import sinkhorn as sinkhorn_lib
 from optim.adamw import AdamW
 
 
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a distributed parameter (a DTensor); any other tensor unchanged."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 CHUNK = 1 << 27
 """Muon's values per batched Newton-Schulz call (134 M: a transient of about 1.3 GB)"""
-
-
 
 
 class Hybrid(torch.optim.Optimizer):
