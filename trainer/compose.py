@@ -19,9 +19,9 @@ import difflib
 from collections.abc import Sequence
 from pathlib import Path
 
+from trainer import CONF_DIR
 from trainer.config import register_configs
 
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 _SCHEMA = "schema"
 
 
