@@ -212,7 +212,7 @@ def test_a_run_starts_from_an_exported_directory(tmp_path, small_data):
     r = _cli("trainer.cli.import_hf", f"src={pre}", "out=x")
     assert r.returncode == 2 and "is not a Hugging Face checkpoint directory" in r.stderr
     r = _cli("trainer.cli.import_hf", "nosuch=1")
-    assert r.returncode == 2 and "Key 'nosuch' not in 'ImportConfig'" in r.stderr and "Traceback" not in r.stderr
+    assert r.returncode == 2 and "unknown key nosuch" in r.stderr and "Traceback" not in r.stderr
     r = _cli("trainer.cli.export_hf", "--help")
     assert r.returncode == 0 and "max_shard_gb" in r.stdout
 

@@ -58,7 +58,7 @@ from data.tokenizer import load_tokenizer, tokenizer_info
 from model.config import ModelConfig
 from trainer.checkpoint.loading import find_checkpoint, load_model, model_config, read_marker, run_tokenizer
 from trainer.cli.app import io_message
-from trainer.compose import CONF_DIR, check_config_groups, compose_node
+from trainer.compose import CONF_DIR, check_config_groups, compose_node, hydra_overrides
 from trainer.config import register_configs as register_train_configs
 from trainer.engine import Completion, Engine, PromptFormat, Request, SamplingParams
 from trainer.stages.dspark import load_drafter_weights
@@ -478,8 +478,9 @@ def main(argv: list[str] | None = None) -> None:
     try:
         args, model_overrides = _hydra_arguments(argv)
         check_config_groups(args)
-        if not any(a.startswith("-") for a in args):  # --cfg, --help, -m: Hydra's own flags, left to its runner
-            compose(args)  # Hydra's runner reports a bad override in a dozen lines: one line here instead
+        overrides = hydra_overrides(args)
+        if overrides is not None:  # Hydra's runner reports a bad override in a dozen lines: one line here instead
+            compose(overrides)
     except ValueError as e:
         _fail(str(e), 2)
     register_configs()

@@ -23,6 +23,7 @@ import sys
 from pathlib import Path
 
 from trainer.checkpoint import is_complete, step_dir_name
+from trainer.compose import compose
 
 STAGES = (
     ("pretrain", ["trainer.max_steps=400"]),
@@ -72,6 +73,20 @@ def _steps(overrides: list[str], scale: float) -> tuple[list[str], int]:
     return out, steps
 
 
+def _chain(name: str, runs: dict[str, Path]) -> list[str]:
+    """The overrides that place stage `name` in its run directory and start it from the stage before it."""
+    extra = [f"hydra.run.dir={runs[name]}", "logger.progress_bar=false"]
+    if name == "sft":
+        extra.append(f"checkpoint.init_from={runs['pretrain']}")
+    elif name == "rl":
+        extra.append(f"checkpoint.init_from={runs['sft']}")
+    elif name == "distill":
+        extra += [f"checkpoint.init_from={runs['pretrain']}", f"stage.teacher.ckpt={runs['rl']}"]
+    elif name == "dspark":
+        extra.append(f"checkpoint.init_from={runs['distill']}")
+    return extra
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--root", default="runs/pipeline", help="a run directory per stage under here")
@@ -80,19 +95,16 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     root = Path(args.root).resolve()
     runs = {name: root / name for name, _ in STAGES}
+    launches = [(name, *_steps(overrides, args.scale), _chain(name, runs)) for name, overrides in STAGES]
+    try:  # every stage's config before the first one trains: a bad override is one line, not a failed stage later
+        for _, overrides, _, extra in launches:
+            compose([*overrides, *extra, *args.overrides])
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
     rows = []
-    for name, overrides in STAGES:
-        overrides, steps = _steps(overrides, args.scale)
+    for name, overrides, steps, extra in launches:
         run = runs[name]
-        extra = [f"hydra.run.dir={run}", "logger.progress_bar=false"]
-        if name == "sft":
-            extra.append(f"checkpoint.init_from={runs['pretrain']}")
-        elif name == "rl":
-            extra.append(f"checkpoint.init_from={runs['sft']}")
-        elif name == "distill":
-            extra += [f"checkpoint.init_from={runs['pretrain']}", f"stage.teacher.ckpt={runs['rl']}"]
-        elif name == "dspark":
-            extra.append(f"checkpoint.init_from={runs['distill']}")
         if final_checkpoint(run, steps) is None:
             cmd = [sys.executable, "-m", "trainer.cli.main", *overrides, *extra, *args.overrides]
             print(f"== {name}: {' '.join(cmd[1:])}", flush=True)

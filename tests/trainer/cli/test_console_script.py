@@ -25,6 +25,12 @@ def test_the_entry_function_composes_from_another_directory(tmp_path):
     assert not any(tmp_path.iterdir())  # printing the config starts no run
 
 
+def test_a_bad_override_from_another_directory_is_one_line(tmp_path):
+    r = _entry(["trainer.max_step=1"], tmp_path)
+    assert r.returncode == 2
+    assert len(r.stderr.strip().splitlines()) == 1 and "did you mean trainer.max_steps" in r.stderr, r.stderr
+
+
 def test_every_package_is_installed():
     pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
     project = pyproject["tool"]["setuptools"]
