@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -25,6 +26,7 @@ from trainer.checkpoint import Checkpointer, model_config_differences
 from trainer.config import CheckpointConfig
 from trainer.checkpoint.hf_io import INDEX, export, import_
 from trainer.checkpoint.hf_io import hf_model_config
+from trainer.cli import import_hf
 
 
 def test_flagship_names_and_shapes_are_the_reference_ones():
@@ -174,6 +176,32 @@ def test_import_refuses_by_name_and_drops_what_it_does_not_model(tmp_path, caplo
     (src / INDEX).write_text(json.dumps(index))
     with pytest.raises(ValueError, match=f"no tensor '{name}'"):
         import_(src, tmp_path / "imp3", cfg)
+
+
+def test_a_truncated_or_corrupt_file_is_one_line_naming_it(tmp_path, capsys):
+    """import_hf of a directory with a truncated safetensors shard, a corrupt index or config.json: one line naming
+    the file, exit status 2 (safetensors' own error names no file and comes with a traceback)."""
+    ckpt, cfg, _ = _random_checkpoint(tmp_path)
+    good = tmp_path / "hf"
+    index = export(ckpt, good, cfg, dtype=torch.float32)
+    first = sorted(set(index["weight_map"].values()))[0]
+
+    def import_error(damage: str, cut: int) -> str:
+        src = tmp_path / f"hf_{len(list(tmp_path.glob('hf_*')))}"
+        shutil.copytree(good, src)
+        (src / damage).write_bytes((src / damage).read_bytes()[:cut])
+        with pytest.raises(SystemExit) as e:
+            import_hf.main([f"src={src}", f"out={tmp_path / 'out'}"])
+        assert e.value.code == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and str(src / damage) in err[0] and "truncated or corrupt" in err[0], err
+        return err[0]
+
+    assert "not a readable safetensors file" in import_error(first, 100)  # inside the header
+    assert "not a readable safetensors file" in import_error(first, (good / first).stat().st_size // 2)  # the data
+    assert "not valid JSON" in import_error(INDEX, 50)
+    assert "not valid JSON" in import_error("config.json", 20)
+    assert not (tmp_path / "out").exists()
 
 
 def _cli(module: str, *args: str) -> subprocess.CompletedProcess:
