@@ -231,6 +231,13 @@ def test_a_run_starts_from_an_exported_directory(tmp_path, small_data):
         assert r.returncode == 0, r.stderr[-2000:]
     assert losses(runs["hf"]) == losses(runs["ckpt"])
     assert (runs["hf"] / "hf_init" / "checkpoints" / "step_00000000" / "COMPLETE").is_file()
+    # what import_hf tells the user to do: its bf16 tables are cast to the run's float32 ones, with one info line
+    r = run_cli(micro_overrides(tmp_path / "from_imp", small_data, "trainer.max_steps=1",
+                                f"checkpoint.init_from={tmp_path / 'imp'}"))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "stores the Engram tables in bfloat16; cast to this run's model.engram.table_dtype=float32" in (
+        r.stderr + (tmp_path / "from_imp" / "main.log").read_text())
+    assert abs(losses(tmp_path / "from_imp")[1] - losses(runs["ckpt"])[1]) < 0.05  # the weights, rounded to bf16
 
     r = run_cli(micro_overrides(tmp_path / "bad", small_data, "trainer.max_steps=1", "model.dim=64",
                                 f"checkpoint.init_from={tmp_path / 'hf32'}"))
