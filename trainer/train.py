@@ -356,13 +356,17 @@ def build(cfg: Config, run_dir: Path) -> Job:
     state = TrainState(pm.module, optimizer, scheduler)
     ckpt_states = {"train": state, "rank_local": RankLocalState(loader, rt.rank, data_rank)}
     seed_everything(cfg.trainer.seed + rt.rank)  # anything random after init differs per rank
-    metrics = MetricsLogger(run_dir, cfg.logger.wandb, rt.rank, config=dataclasses.asdict(cfg))
     if resume_from is None and cfg.checkpoint.init_from and not stage.reads_init_from:
-
         init_weights_from(cfg.checkpoint.init_from, pm, optimizer if cfg.checkpoint.init_optimizer else None,
                           model_cfg, checkpointer)
     if resume_from is not None:
         checkpointer.load(resume_from, ckpt_states)
+    # A relaunch with nothing left to do (the resumed step is trainer.max_steps) starts no W&B run: W&B would write a
+    # new offline run directory for it.
+    wandb_cfg = cfg.logger.wandb if state.step < cfg.trainer.max_steps else dataclasses.replace(cfg.logger.wandb,
+                                                                                                mode="disabled")
+    metrics = MetricsLogger(run_dir, wandb_cfg, rt.rank, config=dataclasses.asdict(cfg))
+    if resume_from is not None:
         marker = checkpointer.marker(resume_from)
         state.skipped_steps = int(marker.get("skipped_steps", 0))
         metrics.truncate_after(state.step)
