@@ -235,8 +235,9 @@ def _error_cases(run_dir: Path, tmp: Path, tok_path: str) -> dict[str, tuple[lis
         "too long": ([*ok, "max_len=16", "max_new_tokens=12"], "prompt: 8 prompt tokens (rendered with "
                                                                "prompt_template) + max_new_tokens=12 = 20 exceed "
                                                                "max_len=16"),
-        "bad value": ([*ok, "max_new_tokens=many"], "max_new_tokens=many Value 'many' of type 'str' could not be "
+        "bad value": ([*ok, "max_new_tokens=many"], "max_new_tokens: Value 'many' of type 'str' could not be "
                                                     "converted to Integer"),
+        "misspelled key": ([*ok, "max_new_tokenz=3"], "unknown key max_new_tokenz (did you mean max_new_tokens?)"),
     }
 
 
