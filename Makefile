@@ -23,10 +23,11 @@ train: $(STAMP)
 	$(VPY) -m trainer.cli.main $(ARGS)
 
 # pretrain -> SFT -> RL -> on-policy distillation -> DSpark drafter on v41_tiny (trainer/cli/stage_chain.py), a run
-# directory per stage under runs/pipeline/, then a table of each stage's headline figure and checkpoint. ARGS:
+# directory per stage under runs/pipeline/, then a table of each stage's headline figure, wall time and checkpoint.
+# PIPELINE_ARGS: the runner's own options (`make pipeline PIPELINE_ARGS="--scale 0.5 --root runs/x"`); ARGS:
 # overrides for every stage.
 pipeline: $(STAMP)
-	$(VPY) -m trainer.cli.stage_chain -- $(ARGS)
+	$(VPY) -m trainer.cli.stage_chain $(PIPELINE_ARGS) -- $(ARGS)
 
 # Two pytest workers (pytest-xdist), each test file whole on one worker (its module fixtures built once): the tiny
 # models leave a core idle most of the time, so two workers on the CI's two cores take 844 s where one took 1,304.

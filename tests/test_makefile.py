@@ -40,3 +40,14 @@ def test_gitignore_covers_run_directories():
                  ".data/stdlib"):
         r = subprocess.run(["git", "check-ignore", "-q", path], cwd=ROOT, timeout=30)
         assert r.returncode == 0, f"{path} is not ignored by .gitignore"
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="no make")
+def test_pipeline_passes_the_runners_options(tmp_path):
+    """`make pipeline PIPELINE_ARGS=... ARGS=...` gives stage_chain its own options before `--`, the overrides after."""
+    shutil.copy(ROOT / "Makefile", tmp_path / "Makefile")
+    r = subprocess.run(["make", "-n", "-o", ".venv/.cedar-installed", "pipeline",
+                        "PIPELINE_ARGS=--scale 0.5 --root runs/x", "ARGS=trainer.num_threads=1"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "-m trainer.cli.stage_chain --scale 0.5 --root runs/x -- trainer.num_threads=1" in r.stdout

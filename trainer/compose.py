@@ -19,9 +19,9 @@ import difflib
 from collections.abc import Sequence
 from pathlib import Path
 
-from trainer.config import register_configs
+from trainer import CONF_DIR
+from trainer.config import key_error_message, register_configs
 
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 _SCHEMA = "schema"
 
 
@@ -93,10 +93,38 @@ def check_config_groups(overrides: Sequence[str], config_dir: Path = CONF_DIR) -
                     raise ValueError(unknown_option_message(group, value, options))
 
 
+# Hydra's own flags that take a value (`--cfg job`); the others (`--resolve`, `--help`, ...) stand alone.
+_FLAGS_WITH_VALUE = ("--cfg", "-c", "--package", "-p", "--info", "-i")
+# Flags after which the overrides are not one config: a sweep, or another primary config.
+_NOT_ONE_CONFIG = ("-m", "--multirun", "--config-path", "-cp", "--config-name", "-cn", "--config-dir", "-cd")
+
+
+def hydra_overrides(argv: Sequence[str]) -> list[str] | None:
+    """The overrides of a `@hydra.main` command line without Hydra's flags (`--cfg job`, `--resolve`), so they can be
+    composed before Hydra's runner, which reports a bad one in a dozen lines; None for a multirun (`-m`: sweeps) or
+    another primary config, left to the runner."""
+    out, args = [], iter(argv)
+    for a in args:
+        flag = a.partition("=")[0]
+        if flag in _NOT_ONE_CONFIG:
+            return None
+        if a.startswith("-"):
+            if a in _FLAGS_WITH_VALUE and a not in ("--info", "-i"):
+                next(args, None)
+            continue
+        out.append(a)
+    return out
+
+
 def one_line(e: Exception) -> str:
-    """Any other Hydra or OmegaConf composition error in one line: its message and its cause's (Hydra's "Could not
+    """Any other Hydra or OmegaConf composition error in one line: a misspelled key with the closest valid key, a value
+    of the wrong type with its key (trainer/config.py `key_error_message`); else its message and its cause's (Hydra's "Could not
     override 'x'." wraps OmegaConf's "Key 'x' not in 'Config'"), lines joined, without Hydra's HYDRA_FULL_ERROR hint
     and OmegaConf's object_type / reference_type trailers (the full key stays)."""
+    for err in (e.__cause__, e):
+        line = key_error_message(err) if err is not None else None
+        if line:
+            return line
     drop = ("Set the environment variable HYDRA_FULL_ERROR", "object_type=", "reference_type=")
     lines = []
     for err in (e, e.__cause__):

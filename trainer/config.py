@@ -10,6 +10,7 @@ which raise ValueError naming the key and the bad value.
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass, field
 from typing import Any, List, Optional
 
@@ -359,6 +360,34 @@ def _stage_schema(stage: dict):
     return STAGE_SCHEMAS[name]
 
 
+def unknown_key_message(full_key: str, keys) -> str:
+    """`unknown key trainer.max_step (did you mean trainer.max_steps?)`: a key its section lacks, with the closest of
+    the section's `keys` (difflib); without a close one, the section's keys."""
+    section, _, name = full_key.rpartition(".")
+    keys = [str(k) for k in keys if k != "hydra"]
+    close = difflib.get_close_matches(name, keys, n=1)
+    if close:
+        return f"unknown key {full_key} (did you mean {section + '.' if section else ''}{close[0]}?)"
+    return f"unknown key {full_key}; the keys of {section or 'the config'}: {', '.join(keys)}"
+
+
+def key_error_message(e: Exception, prefix: str = "") -> str | None:
+    """One line for an OmegaConf error about one key (`prefix` + its full key): an unknown key with the closest
+    valid one, a value of the wrong type with its key; None for any other error."""
+    from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
+
+    key = getattr(e, "full_key", None)
+    if not key:
+        return None
+    if isinstance(e, (ConfigKeyError, ConfigAttributeError)):
+        parent = getattr(e, "parent_node", None)
+        return unknown_key_message(prefix + key, parent.keys() if parent is not None else [])
+    if isinstance(e, ValidationError):
+        lines = str(e).strip().splitlines()
+        return f"{prefix + key}: {lines[0] if lines else type(e).__name__}"
+    return None
+
+
 def to_config(node) -> Config:
     """The composed Hydra node as a typed, validated `Config`.
 
@@ -381,10 +410,10 @@ def to_config(node) -> Config:
             merged.data = OmegaConf.merge(OmegaConf.structured(MultimodalDataConfig), data)
     except OmegaConfBaseException as e:
         first_line = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise ValueError(f"{first_line} (full key: {e.full_key})") from None
+        raise ValueError(key_error_message(e) or f"{first_line} (full key: {e.full_key})") from None
     try:  # the stage section against the schema its name selects (a dict node of its own: keys without "stage.")
         merged.stage = OmegaConf.merge(OmegaConf.structured(_stage_schema(stage)), stage)
     except OmegaConfBaseException as e:
         first_line = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise ValueError(f"{first_line} (full key: stage.{e.full_key})") from None
+        raise ValueError(key_error_message(e, "stage.") or f"{first_line} (full key: stage.{e.full_key})") from None
     return OmegaConf.to_object(merged)

@@ -1,5 +1,6 @@
 """The memory planner behind `python -m trainer.cli.plan [--world-size=N] model=<name> [parallel=<layout>]
-[data.seq_len=T] [data.batch_size=B] [trainer.grad_accum=M] [overrides...]`, which prints one JSON object: counts
+[data.seq_len=T] [data.batch_size=B] [trainer.grad_accum=M] [overrides...]`, which prints a table of, or with
+`--json` one JSON object of, `plan`'s result: counts
 read off the model built on the meta device (model/accounting.py), and under "training" what one rank of the layout
 holds and sends per optimiser step.
 

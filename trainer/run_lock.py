@@ -24,6 +24,7 @@ import atexit
 import json
 import logging
 import os
+import shutil
 import socket
 import threading
 import time
@@ -72,6 +73,7 @@ class RunLock:
 
     def __init__(self, run_dir: Path) -> None:
         self.path = Path(run_dir) / LOCK_NAME
+        self.created_dir = False  # this launch created the run directory (RunDirLock): `discard_dir` may remove it
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -98,6 +100,19 @@ class RunLock:
         lock = cls._held.get(Path(run_dir).resolve())
         if lock is not None:
             lock.release()
+
+    @classmethod
+    def discard_dir(cls, run_dir: Path) -> None:
+        """A launch that failed at start-up: release this process's lock of `run_dir` and, if this launch created the
+        directory, remove it (it holds only what the start-up wrote: Hydra's `.hydra/`, an empty main.log), so a
+        failed launch leaves no run directory behind. A directory that existed before (a relaunch) is kept."""
+        run_dir = Path(run_dir).resolve()
+        lock = cls._held.get(run_dir)
+        if lock is None:
+            return
+        lock.release()
+        if lock.created_dir:
+            shutil.rmtree(run_dir, ignore_errors=True)
 
     def _read(self) -> tuple[dict | None, float]:
         try:
@@ -193,9 +208,12 @@ class RunDirLock(Callback):
         import sys
 
         run_dir = Path(str(config.hydra.run.dir))
+        created = not run_dir.exists()
         try:
             check_writable(run_dir)
-            RunLock.acquire(run_dir, _global_rank())
+            lock = RunLock.acquire(run_dir, _global_rank())
+            if lock is not None:
+                lock.created_dir = created
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr, flush=True)
             sys.exit(2)

@@ -56,7 +56,7 @@ from trainer.parallel.gradients import clip_grad_norm_, mean_over_data, reduce_g
 from trainer.parallel.mesh import build_mesh
 from trainer.preemption import StopRequest
 from trainer.run_lock import RunLock
-from trainer.stages.base import Stage, build_stage, indexer_or_all_parameters
+from trainer.stages.base import Stage, build_stage, check_starting_weights, indexer_or_all_parameters
 
 if TYPE_CHECKING:
     from trainer.parallel.mesh import Meshes
@@ -313,6 +313,7 @@ def build(cfg: Config, run_dir: Path) -> Job:
     user_callbacks = load_callbacks(cfg.trainer.callbacks)  # a bad import path fails before any process group
     stage.check_layout(cfg.parallel)  # a stage's own rules (RL's rollouts need the whole model), as early
     stage.check(cfg)  # and on the rest of the job (dspark needs its backbone)
+    check_starting_weights(cfg)  # sft, rl, distill: not from random weights unless asked
     # Every layout rule before any process group exists (the model's first, then the world size): a bad layout
     # fails at once, on every rank alike, naming the key to change.
     validate_layout(cfg.parallel, model_cfg, seq_len=cfg.data.seq_len, grad_accum=cfg.trainer.grad_accum)
@@ -355,13 +356,17 @@ def build(cfg: Config, run_dir: Path) -> Job:
     state = TrainState(pm.module, optimizer, scheduler)
     ckpt_states = {"train": state, "rank_local": RankLocalState(loader, rt.rank, data_rank)}
     seed_everything(cfg.trainer.seed + rt.rank)  # anything random after init differs per rank
-    metrics = MetricsLogger(run_dir, cfg.logger.wandb, rt.rank, config=dataclasses.asdict(cfg))
     if resume_from is None and cfg.checkpoint.init_from and not stage.reads_init_from:
-
         init_weights_from(cfg.checkpoint.init_from, pm, optimizer if cfg.checkpoint.init_optimizer else None,
                           model_cfg, checkpointer)
     if resume_from is not None:
         checkpointer.load(resume_from, ckpt_states)
+    # A relaunch with nothing left to do (the resumed step is trainer.max_steps) starts no W&B run: W&B would write a
+    # new offline run directory for it.
+    wandb_cfg = cfg.logger.wandb if state.step < cfg.trainer.max_steps else dataclasses.replace(cfg.logger.wandb,
+                                                                                                mode="disabled")
+    metrics = MetricsLogger(run_dir, wandb_cfg, rt.rank, config=dataclasses.asdict(cfg))
+    if resume_from is not None:
         marker = checkpointer.marker(resume_from)
         state.skipped_steps = int(marker.get("skipped_steps", 0))
         metrics.truncate_after(state.step)

@@ -15,9 +15,8 @@ def _cli(tmp_path, *args):
 
 def test_misspelled_key_fails_naming_the_key(tmp_path):
     r = _cli(tmp_path, "trainer.max_stepz=3")
-    assert r.returncode != 0
-    assert "trainer.max_stepz" in r.stderr
-    assert "Traceback" not in r.stderr
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == ["error: unknown key trainer.max_stepz (did you mean trainer.max_steps?)"]
 
 
 def test_appended_unknown_key_fails_naming_the_key(tmp_path):
@@ -25,15 +24,15 @@ def test_appended_unknown_key_fails_naming_the_key(tmp_path):
     r = _cli(tmp_path, "+logger.wandb.projekt=x")
     assert r.returncode == 2
     assert r.stderr.strip().splitlines()[-1] == (
-        "error: Key 'projekt' not in 'WandbConfig' (full key: logger.wandb.projekt)"
+        "error: unknown key logger.wandb.projekt (did you mean logger.wandb.project?)"
     )
 
 
 def test_wrong_type_fails_naming_the_key(tmp_path):
     r = _cli(tmp_path, "trainer.max_steps=many")
-    assert r.returncode != 0
-    assert "trainer.max_steps" in r.stderr and "many" in r.stderr
-    assert "Traceback" not in r.stderr
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == [
+        "error: trainer.max_steps: Value 'many' of type 'str' could not be converted to Integer"]
 
 
 def test_bad_value_exits_2_with_one_line(tmp_path):

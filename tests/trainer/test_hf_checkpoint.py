@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -25,6 +26,7 @@ from trainer.checkpoint import Checkpointer, model_config_differences
 from trainer.config import CheckpointConfig
 from trainer.checkpoint.hf_io import INDEX, export, import_
 from trainer.checkpoint.hf_io import hf_model_config
+from trainer.cli import import_hf
 
 
 def test_flagship_names_and_shapes_are_the_reference_ones():
@@ -176,6 +178,32 @@ def test_import_refuses_by_name_and_drops_what_it_does_not_model(tmp_path, caplo
         import_(src, tmp_path / "imp3", cfg)
 
 
+def test_a_truncated_or_corrupt_file_is_one_line_naming_it(tmp_path, capsys):
+    """import_hf of a directory with a truncated safetensors shard, a corrupt index or config.json: one line naming
+    the file, exit status 2 (safetensors' own error names no file and comes with a traceback)."""
+    ckpt, cfg, _ = _random_checkpoint(tmp_path)
+    good = tmp_path / "hf"
+    index = export(ckpt, good, cfg, dtype=torch.float32)
+    first = sorted(set(index["weight_map"].values()))[0]
+
+    def import_error(damage: str, cut: int) -> str:
+        src = tmp_path / f"hf_{len(list(tmp_path.glob('hf_*')))}"
+        shutil.copytree(good, src)
+        (src / damage).write_bytes((src / damage).read_bytes()[:cut])
+        with pytest.raises(SystemExit) as e:
+            import_hf.main([f"src={src}", f"out={tmp_path / 'out'}"])
+        assert e.value.code == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and str(src / damage) in err[0] and "truncated or corrupt" in err[0], err
+        return err[0]
+
+    assert "not a readable safetensors file" in import_error(first, 100)  # inside the header
+    assert "not a readable safetensors file" in import_error(first, (good / first).stat().st_size // 2)  # the data
+    assert "not valid JSON" in import_error(INDEX, 50)
+    assert "not valid JSON" in import_error("config.json", 20)
+    assert not (tmp_path / "out").exists()
+
+
 def _cli(module: str, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, env=env(), capture_output=True, text=True,
                           timeout=300)
@@ -203,6 +231,13 @@ def test_a_run_starts_from_an_exported_directory(tmp_path, small_data):
         assert r.returncode == 0, r.stderr[-2000:]
     assert losses(runs["hf"]) == losses(runs["ckpt"])
     assert (runs["hf"] / "hf_init" / "checkpoints" / "step_00000000" / "COMPLETE").is_file()
+    # what import_hf tells the user to do: its bf16 tables are cast to the run's float32 ones, with one info line
+    r = run_cli(micro_overrides(tmp_path / "from_imp", small_data, "trainer.max_steps=1",
+                                f"checkpoint.init_from={tmp_path / 'imp'}"))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "stores the Engram tables in bfloat16; cast to this run's model.engram.table_dtype=float32" in (
+        r.stderr + (tmp_path / "from_imp" / "main.log").read_text())
+    assert abs(losses(tmp_path / "from_imp")[1] - losses(runs["ckpt"])[1]) < 0.05  # the weights, rounded to bf16
 
     r = run_cli(micro_overrides(tmp_path / "bad", small_data, "trainer.max_steps=1", "model.dim=64",
                                 f"checkpoint.init_from={tmp_path / 'hf32'}"))
@@ -212,7 +247,7 @@ def test_a_run_starts_from_an_exported_directory(tmp_path, small_data):
     r = _cli("trainer.cli.import_hf", f"src={pre}", "out=x")
     assert r.returncode == 2 and "is not a Hugging Face checkpoint directory" in r.stderr
     r = _cli("trainer.cli.import_hf", "nosuch=1")
-    assert r.returncode == 2 and "Key 'nosuch' not in 'ImportConfig'" in r.stderr and "Traceback" not in r.stderr
+    assert r.returncode == 2 and "unknown key nosuch" in r.stderr and "Traceback" not in r.stderr
     r = _cli("trainer.cli.export_hf", "--help")
     assert r.returncode == 0 and "max_shard_gb" in r.stdout
 

@@ -34,8 +34,8 @@ from trainer.memory_plan import Layout, param_kind, plan_model, stage_parameters
 
 
 def _run(*args):
-    return subprocess.run([sys.executable, "-m", "trainer.cli.plan", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=120)
+    return subprocess.run([sys.executable, "-m", "trainer.cli.plan", "--json", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
 
 
 def test_flagship_figures_from_cli():
@@ -55,6 +55,25 @@ def test_flagship_figures_from_cli():
                 "kv_bytes_per_token", "kv_bytes_per_token_persistent", "swa_kv_bytes_per_layer",
                 "decode_flops_per_token_4k", "decode_flops_per_token_1m"):
         assert key in out
+
+
+def test_the_default_output_is_a_table(capsys):
+    """Without --json: the counts, the layout, each term's GiB per pipeline rank, the peak, fits or not, the dominant
+    term; no JSON."""
+    from trainer.cli.plan import main
+
+    main(["model=v41_tiny", "+parallel.device_memory_gb=1"])
+    out = capsys.readouterr().out
+    assert not out.lstrip().startswith("{")
+    lines = out.splitlines()
+    assert lines[0].startswith("model v41_tiny: 7.25M parameters (backbone 6.47M, Engram 785.98K)")
+    assert lines[4].split() == ["memory", "per", "GPU,", "GiB", "pp", "rank", "0"]
+    terms = {" ".join(ln.split()[:-1]): ln.split()[-1] for ln in lines[5:13]}
+    assert list(terms) == ["parameters", "gradients", "optimizer state", "activations", "working set",
+                           "optimizer step", "reserve", "peak"]
+    assert abs(sum(float(v) for k, v in terms.items() if k != "peak") - float(terms["peak"])) < 0.05
+    assert lines[13].split()[:2] == ["dominant", "term"]
+    assert any(ln.startswith("does NOT fit: peak") and "of 0.93 GiB per device" in ln for ln in lines)
 
 
 def test_counts_follow_the_modules():
@@ -86,7 +105,7 @@ def _main(capsys, *args) -> tuple[int, str, str]:
 
     code = 0
     try:
-        main(list(args))
+        main(["--json", *args])
     except SystemExit as e:
         code = e.code
     out, err = capsys.readouterr()

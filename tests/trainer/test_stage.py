@@ -7,6 +7,8 @@
 - trainer.callbacks: import paths load Callback instances; a bad path or a non-Callback fails naming it.
 - The callbacks run at their points of the loop, in order, through a real run (tests/trainer/harness.py's micro
   model): the hooks see every step, the optimiser step only on applied steps, and the periodic checkpoint.
+- sft, rl and distill refuse to start from random weights (no checkpoint.init_from) unless
+  stage.allow_random_init=true.
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.trainer.harness import run_cli
 from trainer.callbacks import Callback, load_callbacks
+from trainer.cli import preflight
 from trainer.config import StageConfig
 from trainer.stages.base import STAGES, Pretrain, build_stage
 
@@ -171,3 +175,20 @@ def test_bounded_replay_sim_batches_carry_cuts_the_forward_reads():
         bad = dataclasses.replace(cfg, parallel=ParallelConfig(**{field: 2}))
         with pytest.raises(ValueError, match=re.escape(message)):
             with_replay_cuts(loader, stage, bad)
+
+
+@pytest.mark.parametrize("stage", ["sft", "rl", "distill"])
+def test_post_training_refuses_random_weights_unless_asked(stage, tmp_path):
+    """sft, rl and distill without checkpoint.init_from would post-train a random model: one line and exit 2 at
+    start-up (before any data or model), in the trainer and in the launchers' preflight; stage.allow_random_init=true
+    asks for it."""
+    teacher = ["stage.teacher.ckpt=/nonexistent"] if stage == "distill" else []
+    line = (f"error: stage={stage} post-trains the weights it starts from: set checkpoint.init_from=<a checkpoint, run "
+            "directory or Hugging Face directory> (or stage.allow_random_init=true to start from random weights)")
+    r = run_cli([f"stage={stage}", *teacher, f"hydra.run.dir={tmp_path / 'run'}", "trainer.num_threads=1"])
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [line], r.stderr[-2000:]
+    with pytest.raises(ValueError, match=f"stage={stage} post-trains the weights it starts from"):
+        preflight.check(1, [f"stage={stage}", *teacher])
+    preflight.check(1, [f"stage={stage}", *teacher, "stage.allow_random_init=true"])
+    preflight.check(1, [f"stage={stage}", *teacher, "checkpoint.init_from=/some/run"])
+    preflight.check(1, ["stage=pretrain"])

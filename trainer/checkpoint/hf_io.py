@@ -341,20 +341,43 @@ def is_hf_dir(path: Path) -> bool:
     return (path / "config.json").is_file() and ((path / INDEX).is_file() or (path / "model.safetensors").is_file())
 
 
+def read_json(path: Path, key: str | None = None):
+    """The JSON object of `path` (its `key` entry, if given); ValueError in one line naming the file when it is not
+    JSON (truncated, corrupt) or lacks `key`."""
+    try:
+        obj = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: not valid JSON ({e}): the file is truncated or corrupt") from None
+    if key is None:
+        return obj
+    if not isinstance(obj, dict) or key not in obj:
+        raise ValueError(f"{path}: no {key!r} entry: the file is truncated or corrupt")
+    return obj[key]
+
+
+def open_safetensors(path: Path):
+    """`safetensors.safe_open` of `path`; ValueError in one line naming the file when it is not a safetensors file
+    (a truncated download, a corrupt header: safetensors says "incomplete metadata" without the file's name)."""
+    from safetensors import SafetensorError, safe_open  # the HF format's reader, needed only by HF import
+
+    try:
+        return safe_open(str(path), framework="pt")
+    except SafetensorError as e:
+        raise ValueError(f"{path}: not a readable safetensors file ({e}): the file is truncated or corrupt") from None
+
+
 def weight_map(src: Path) -> dict[str, str]:
     """HF tensor name -> the safetensors file (in `src`) that holds it."""
     if (src / INDEX).is_file():
-        return json.loads((src / INDEX).read_text())["weight_map"]
-    from safetensors import safe_open
-
-    with safe_open(str(src / "model.safetensors"), framework="pt") as f:
+        return read_json(src / INDEX, "weight_map")
+    with open_safetensors(src / "model.safetensors") as f:
         return {k: "model.safetensors" for k in f.keys()}
 
 
 def quantization(src: Path) -> dict:
     """The directory's `quantization_config` (config.json, or its text_config's); {} when none. Another method than
     DeepSeek's FP8 (with FP4 experts) is refused by name."""
-    config = json.loads((src / "config.json").read_text()) if (src / "config.json").is_file() else {}
+    config = read_json(src / "config.json") if (src / "config.json").is_file() else {}
     quant = config.get("quantization_config") or (config.get("text_config") or {}).get("quantization_config") or {}
     if quant and (quant.get("quant_method", "fp8") != "fp8" or quant.get("fmt", "e4m3") != "e4m3"
                   or quant.get("expert_dtype", "fp8") not in ("fp8", "fp4")):
@@ -378,12 +401,15 @@ class _Files:
         self.block = fp8_block(src)
 
     def slice(self, name: str):
-        from safetensors import safe_open
+        from safetensors import SafetensorError  # the HF format's reader, needed only by HF import
 
         file = self.where[name]
         if file not in self.open:
-            self.open[file] = safe_open(str(self.src / file), framework="pt")
-        return self.open[file].get_slice(name)
+            self.open[file] = open_safetensors(self.src / file)
+        try:
+            return self.open[file].get_slice(name)
+        except SafetensorError as e:
+            raise ValueError(f"{self.src / file}: cannot read {name} ({e}): the file is truncated or corrupt") from None
 
     def dtype(self, name: str) -> str:
         return self.slice(name).get_dtype()
@@ -483,7 +509,7 @@ def hf_model_config(src: Path):
     if not is_hf_dir(src):
         raise ValueError(f"{src} is not a Hugging Face checkpoint directory (config.json and model.safetensors, or "
                          "model-*.safetensors with model.safetensors.index.json)")
-    cfg = model_config_from_hf(json.loads((src / "config.json").read_text()))
+    cfg = model_config_from_hf(read_json(src / "config.json"))
     if cfg.engram.layers:  # the tables' storage dtype: as in the files (fp8 tables dequantise to bf16)
         where = weight_map(src)
         name = f"model.layers.{cfg.engram.layers[0]}.engram.embed.weight"

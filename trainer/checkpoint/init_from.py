@@ -37,11 +37,11 @@ def init_weights_from(ckpt: str, pm: ParallelModel, optimizer: torch.optim.Optim
         ckpt = str(_import_hf_init(Path(ckpt), pm, optimizer, model_cfg, checkpointer))
     try:
         path = find_checkpoint(ckpt)
-        read_marker(path)  # every file there, with its checksum
+        marker = read_marker(path)  # every file there, with its checksum
     except ValueError as e:
         raise ValueError(f"checkpoint.init_from: {e}".replace("ckpt=", "")) from None
     try:
-        checkpointer.check_model(path, model_cfg)
+        checkpointer.check_model(path, _stored_as(marker.get("model"), model_cfg, path))
     except ValueError as e:
         raise ValueError(f"checkpoint.init_from: {str(e).split('. Resume with')[0]}") from None
     state = {"model": get_model_state_dict(pm.module)}
@@ -61,6 +61,18 @@ def init_weights_from(ckpt: str, pm: ParallelModel, optimizer: torch.optim.Optim
             group.update(values)
     log.info("initialised from %s%s", path, " (weights and optimiser moments)" if optimizer is not None else "")
     return path
+
+
+def _stored_as(saved: dict | None, model_cfg: ModelConfig, path: Path) -> ModelConfig:
+    """`model_cfg` with the storage dtypes of checkpoint `path` (its marker's model config `saved`): a checkpoint
+    whose Engram tables are stored in another dtype (an imported bf16 checkpoint, a float32 run) is loaded into this
+    run's tables, cast by the load (one info line says so); every other difference is still refused."""
+    saved_dtype = ((saved or {}).get("engram") or {}).get("table_dtype")
+    if saved_dtype is None or saved_dtype == model_cfg.engram.table_dtype:
+        return model_cfg
+    log.info("checkpoint.init_from: %s stores the Engram tables in %s; cast to this run's "
+             "model.engram.table_dtype=%s", path, saved_dtype, model_cfg.engram.table_dtype)
+    return dataclasses.replace(model_cfg, engram=dataclasses.replace(model_cfg.engram, table_dtype=saved_dtype))
 
 
 def _import_hf_init(src: Path, pm: ParallelModel, optimizer, model_cfg: ModelConfig,

@@ -30,7 +30,8 @@ checkpoint saved under any parallel layout, in one process, through the built-in
   verifies with the model (trainer/engine/spec_decode.py: greedy tokens exactly the plain engine's, sampled ones
   exactly the model's distribution), `spec_tokens` drafts at most a step, `spec_schedule` auto or fixed; the
   throughput line adds the tokens per model forward.
-- Output: each completion on stdout (a header line: id, tokens, finish reason; then prompt + completion), or with
+- Output: each completion on stdout (a header line: id, tokens, finish reason; then `[prompt]`, the prompt's text,
+  `[completion]`, the completion's, each label on a line of its own: `shown`), or with
   `output=<path.jsonl>` one JSON object a line (`_record`), in the prompts' order; then one line of throughput.
 
 Exit status: 0 done; 1 a request the engine refused (one line each, the others still reported); 2 a bad value,
@@ -58,7 +59,7 @@ from data.tokenizer import load_tokenizer, tokenizer_info
 from model.config import ModelConfig
 from trainer.checkpoint.loading import find_checkpoint, load_model, model_config, read_marker, run_tokenizer
 from trainer.cli.app import io_message
-from trainer.compose import CONF_DIR, check_config_groups, compose_node
+from trainer.compose import CONF_DIR, check_config_groups, compose_node, hydra_overrides
 from trainer.config import register_configs as register_train_configs
 from trainer.engine import Completion, Engine, PromptFormat, Request, SamplingParams
 from trainer.stages.dspark import load_drafter_weights
@@ -420,7 +421,7 @@ def _generate(cfg: GenerateConfig, model_overrides: list[str]) -> int:
     else:
         for c, p in zip(completions, prompts):
             if c.error is None:
-                print(f"--- {c.request_id}: {len(c.token_ids)} tokens, {c.finish_reason}\n{p.text}{c.text}")
+                print(shown(c, p.text))
     failed = [c for c in completions if c.error is not None]
     for c in failed:
         print(f"error: {c.error}", file=sys.stderr)
@@ -436,6 +437,13 @@ def _hydra_quote(text: str) -> str:
     text = re.sub(r"(\\*)'", lambda m: m.group(1) * 2 + "\\'", text)
     text = re.sub(r"(\\+)$", lambda m: m.group(1) * 2, text)
     return f"'{text}'"
+
+
+def shown(c, prompt: str) -> str:
+    """A completion as printed: a header line (id, tokens, finish reason), then the prompt and the completion each
+    under its own label line, so an answer is never read as the end of its prompt (`7+2` then `8`, not `7+28`)."""
+    return (f"--- {c.request_id}: {len(c.token_ids)} tokens, {c.finish_reason}\n"
+            f"[prompt]\n{prompt}\n[completion]\n{c.text}")
 
 
 def _hydra_arguments(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -475,8 +483,9 @@ def main(argv: list[str] | None = None) -> None:
     try:
         args, model_overrides = _hydra_arguments(argv)
         check_config_groups(args)
-        if not any(a.startswith("-") for a in args):  # --cfg, --help, -m: Hydra's own flags, left to its runner
-            compose(args)  # Hydra's runner reports a bad override in a dozen lines: one line here instead
+        overrides = hydra_overrides(args)
+        if overrides is not None:  # Hydra's runner reports a bad override in a dozen lines: one line here instead
+            compose(overrides)
     except ValueError as e:
         _fail(str(e), 2)
     register_configs()

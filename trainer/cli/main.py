@@ -5,7 +5,7 @@ typed dataclasses (every `__post_init__` check runs), then the job is built and 
 - 0: trained to trainer.max_steps; or stopped by SIGTERM / SIGUSR1 after saving a checkpoint (one line says so); or
   the resumed run had already reached trainer.max_steps (one line says so);
 - 2: a mistyped config group option, a bad config value, an impossible set-up, a missing file or a run directory in use or not writable: one line
-  naming the key or the path;
+  naming the key or the path; a run directory this launch created is removed again (nothing of a run is in it);
 - 3: trainer.max_bad_steps non-finite steps in a row;
 - 4: a checkpoint could not be saved (no space left, an I/O error): one line naming the cause and the path; the
   previous checkpoint stays the one a resume starts from.
@@ -24,7 +24,7 @@ from omegaconf import DictConfig
 from trainer import train
 from trainer.checkpoint import CheckpointSaveError
 from trainer.cli.app import io_message
-from trainer.compose import CONF_DIR, check_config_groups
+from trainer.compose import CONF_DIR, check_config_groups, compose, hydra_overrides
 from trainer.config import register_configs, to_config
 from trainer.run_lock import RunLock
 
@@ -60,10 +60,9 @@ def _run(dcfg: DictConfig) -> None:
     try:
         cfg = to_config(dcfg)
         job = train.build(cfg, run_dir)
-    except ValueError as e:
-        _fail(str(e), 2)
-    except OSError as e:  # a missing or unreadable file the set-up needs
-        _fail(io_message(e), 2)
+    except (ValueError, OSError) as e:  # a bad value; a missing or unreadable file the set-up needs
+        RunLock.discard_dir(run_dir)  # a failed start-up leaves no run directory of its own behind
+        _fail(str(e) if isinstance(e, ValueError) else io_message(e), 2)
     try:
         outcome = train.fit(job)
     except train.TrainingDiverged as e:
@@ -78,7 +77,8 @@ def _run(dcfg: DictConfig) -> None:
         elif outcome == "stopped":
             print(f"stopped by {job.stop.name} at step {step}/{max_steps}: checkpoint saved at {job.last_checkpoint}; "
                   f"launch again with hydra.run.dir={run_dir} (checkpoint.resume=auto) to continue", flush=True)
-        wandb_dir = job.metrics.wandb_dir or "(W&B disabled)"
+        wandb_dir = job.metrics.wandb_dir or ("(none: nothing to do)" if outcome == "already_finished"
+                                              else "(W&B disabled)")
         print(
             f"run directory: {run_dir}\n"
             f"checkpoints:   {job.checkpointer.root}\n"
@@ -93,9 +93,13 @@ def _run(dcfg: DictConfig) -> None:
 
 
 def main() -> None:
-    # A mistyped group option (model=v41_tinny) is reported by Hydra before _run, in a dozen lines: check first.
+    # Hydra's runner reports a mistyped group option (model=v41_tinny), a misspelled key or a wrong type before _run,
+    # in a dozen lines: compose first, for one line naming the key (and the closest valid one) and exit status 2.
     try:
         check_config_groups(sys.argv[1:])
+        overrides = hydra_overrides(sys.argv[1:])
+        if overrides is not None:
+            compose(overrides)
     except ValueError as e:
         _fail(str(e), 2)
     _run()

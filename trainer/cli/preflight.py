@@ -14,11 +14,13 @@ import sys
 
 from trainer.compose import compose
 from trainer.memory_plan import check_layout
+from trainer.stages.base import check_starting_weights
 
 
 def check(world_size: int, overrides: list[str]) -> None:
     """ValueError (one line, naming the key) for what the trainer would refuse at start-up under world_size."""
-    check_layout(compose(overrides), world_size)
+    cfg = check_layout(compose(overrides), world_size)[0]
+    check_starting_weights(cfg)
 
 
 def main(argv: list[str] | None = None) -> None:

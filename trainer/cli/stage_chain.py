@@ -3,8 +3,9 @@ distilled model (`make pipeline`).
 
 `python -m trainer.cli.stage_chain [--root runs/pipeline] [--scale 1.0] [-- <overrides for every stage>]` runs each
 stage as its own `python -m trainer.cli.main` launch (a run directory per stage under --root), each starting from the
-previous stage's checkpoint (checkpoint.init_from), and ends with a table of each stage's headline figure and where
-its checkpoint is. Distillation puts the post-trained model into a fresh student: the student starts from the
+previous stage's checkpoint (checkpoint.init_from), and ends with a table of each stage's headline figure (start ->
+end; RL's held-out success per evaluation effort), its wall time and where its checkpoint is (`make pipeline
+PIPELINE_ARGS="--scale 0.5 --root runs/x" ARGS="<overrides>"`). Distillation puts the post-trained model into a fresh student: the student starts from the
 pretrained weights and learns, on its own samples, the RL model's distributions (the SFT model itself as the
 student would start within 0.03 nats of its teachers, below the noise of the updates: BENCHMARKS.md). The drafter
 learns the distilled model's distributions on the pretraining data, the model frozen (trainer/stages/dspark.py).
@@ -20,9 +21,11 @@ import argparse
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from trainer.checkpoint import is_complete, step_dir_name
+from trainer.compose import compose
 
 STAGES = (
     ("pretrain", ["trainer.max_steps=400"]),
@@ -38,8 +41,9 @@ STAGES = (
                 "checkpoint.interval=100"]),
 )
 HEADLINE = {"pretrain": ("loss", "train loss"), "sft": ("eval/loss", "held-out assistant loss"),
-            "rl": ("eval/success", "held-out success (effort 20/80)"), "distill": ("eval/kl", "held-out KL to teacher"),
+            "rl": ("eval/success", "held-out success"), "distill": ("eval/kl", "held-out KL to teacher"),
             "dspark": ("acceptance_len", "held-out acceptance length tau")}
+WALL = "stage_chain.json"  # in a stage's run directory: the seconds its launches took, summed over relaunches
 
 
 def _records(run: Path) -> list[dict]:
@@ -49,12 +53,47 @@ def _records(run: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def headline(stage: str, run: Path) -> tuple[str, str]:
-    key, what = HEADLINE[stage]
-    values = [r[key] for r in _records(run) if r.get(key) is not None]
+def _start_end(values: list[float]) -> str:
     if not values:
-        return what, "-"
-    return what, f"{values[0]:.4f} -> {values[-1]:.4f}" if len(values) > 1 else f"{values[-1]:.4f}"
+        return "-"
+    return f"{values[0]:.4f} -> {values[-1]:.4f}" if len(values) > 1 else f"{values[-1]:.4f}"
+
+
+def headline(stage: str, run: Path) -> tuple[str, str]:
+    """(what the figure is, its first and last value). A figure measured per effort (RL's `eval/success_e20`,
+    `eval/success_e80`) shows each effort's start and end."""
+    key, what = HEADLINE[stage]
+    records = _records(run)
+    per_effort = sorted({int(k.rsplit("_e", 1)[1]) for r in records for k in r
+                         if k.startswith(f"{key}_e") and k.rsplit("_e", 1)[1].isdigit()})
+    if per_effort:
+        figures = [f"effort {e}: {_start_end([r[f'{key}_e{e}'] for r in records if r.get(f'{key}_e{e}') is not None])}"
+                   for e in per_effort]
+        return what, "; ".join(figures)
+    return what, _start_end([r[key] for r in records if r.get(key) is not None])
+
+
+def wall_time(run: Path) -> str:
+    """The wall time of a stage's launches (`WALL`), as `12m 34s`; "-" when the chain did not run it."""
+    path = run / WALL
+    if not path.is_file():
+        return "-"
+    seconds = round(json.loads(path.read_text())["wall_s"])
+    return f"{seconds // 60}m {seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
+
+
+def _add_wall(run: Path, seconds: float) -> None:
+    path = run / WALL
+    before = json.loads(path.read_text())["wall_s"] if path.is_file() else 0.0
+    run.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"wall_s": before + seconds}))
+
+
+def table(rows: list[tuple[str, ...]]) -> str:
+    """The final table: a header, then per stage its headline figure, start -> end, wall time and checkpoint."""
+    header = ("stage", "figure", "start -> end", "wall time", "checkpoint")
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in [header, *rows])
 
 
 def final_checkpoint(run: Path, steps: int) -> Path | None:
@@ -72,6 +111,20 @@ def _steps(overrides: list[str], scale: float) -> tuple[list[str], int]:
     return out, steps
 
 
+def _chain(name: str, runs: dict[str, Path]) -> list[str]:
+    """The overrides that place stage `name` in its run directory and start it from the stage before it."""
+    extra = [f"hydra.run.dir={runs[name]}", "logger.progress_bar=false"]
+    if name == "sft":
+        extra.append(f"checkpoint.init_from={runs['pretrain']}")
+    elif name == "rl":
+        extra.append(f"checkpoint.init_from={runs['sft']}")
+    elif name == "distill":
+        extra += [f"checkpoint.init_from={runs['pretrain']}", f"stage.teacher.ckpt={runs['rl']}"]
+    elif name == "dspark":
+        extra.append(f"checkpoint.init_from={runs['distill']}")
+    return extra
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--root", default="runs/pipeline", help="a run directory per stage under here")
@@ -80,23 +133,22 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     root = Path(args.root).resolve()
     runs = {name: root / name for name, _ in STAGES}
+    launches = [(name, *_steps(overrides, args.scale), _chain(name, runs)) for name, overrides in STAGES]
+    try:  # every stage's config before the first one trains: a bad override is one line, not a failed stage later
+        for _, overrides, _, extra in launches:
+            compose([*overrides, *extra, *args.overrides])
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
     rows = []
-    for name, overrides in STAGES:
-        overrides, steps = _steps(overrides, args.scale)
+    for name, overrides, steps, extra in launches:
         run = runs[name]
-        extra = [f"hydra.run.dir={run}", "logger.progress_bar=false"]
-        if name == "sft":
-            extra.append(f"checkpoint.init_from={runs['pretrain']}")
-        elif name == "rl":
-            extra.append(f"checkpoint.init_from={runs['sft']}")
-        elif name == "distill":
-            extra += [f"checkpoint.init_from={runs['pretrain']}", f"stage.teacher.ckpt={runs['rl']}"]
-        elif name == "dspark":
-            extra.append(f"checkpoint.init_from={runs['distill']}")
         if final_checkpoint(run, steps) is None:
             cmd = [sys.executable, "-m", "trainer.cli.main", *overrides, *extra, *args.overrides]
             print(f"== {name}: {' '.join(cmd[1:])}", flush=True)
+            start = time.perf_counter()
             code = subprocess.call(cmd)
+            _add_wall(run, time.perf_counter() - start)
             if code != 0:
                 print(f"error: stage {name} failed with exit status {code} (its run directory: {run}); fix it and "
                       "run the pipeline again: finished stages are kept", file=sys.stderr)
@@ -104,11 +156,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print(f"== {name}: already finished in {run}", flush=True)
         what, figure = headline(name, run)
-        rows.append((name, what, figure, str(final_checkpoint(run, steps) or "-")))
-    widths = [max(len(r[i]) for r in rows + [("stage", "figure", "start -> end", "checkpoint")]) for i in range(4)]
-    print()
-    for r in [("stage", "figure", "start -> end", "checkpoint"), *rows]:
-        print("  ".join(c.ljust(w) for c, w in zip(r, widths)))
+        rows.append((name, what, figure, wall_time(run), str(final_checkpoint(run, steps) or "-")))
+    print("\n" + table(rows))
     return 0
 
 

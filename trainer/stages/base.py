@@ -39,12 +39,13 @@ from model.config import ModelConfig
 from model.layer_plan import build_layer_plan
 from model.replay import sample_cuts
 from trainer.loss import LMLoss
+from trainer.stages.config import PostTrainingConfig
 
 if TYPE_CHECKING:
     from trainer.callbacks import Callback
     from trainer.config import Config, ParallelConfig, StageConfig
 
-__all__ = ["Stage", "Pretrain", "STAGES", "build_stage", "indexer_or_all_parameters"]
+__all__ = ["Stage", "Pretrain", "STAGES", "build_stage", "check_starting_weights", "indexer_or_all_parameters"]
 
 
 def indexer_or_all_parameters(module: torch.nn.Module, cfg: ModelConfig) -> list[torch.nn.Parameter]:
@@ -160,6 +161,16 @@ class Pretrain(Stage):
         ensure_prepared(cfg.data, progress=progress)  # node-safe: one process prepares, the others wait
         loader = build_dataloader(cfg.data, data_rank, data_ranks)
         return with_replay_cuts(loader, self.stage, cfg)
+
+
+def check_starting_weights(cfg: Config) -> None:
+    """A post-training stage (sft, rl, distill) trains the weights it starts from: without checkpoint.init_from it
+    would post-train a random model, which is refused in one line unless stage.allow_random_init=true (dspark
+    refuses a missing backbone the same way, trainer/stages/dspark.py)."""
+    if isinstance(cfg.stage, PostTrainingConfig) and not cfg.checkpoint.init_from and not cfg.stage.allow_random_init:
+        raise ValueError(f"stage={cfg.stage.name} post-trains the weights it starts from: set checkpoint.init_from="
+                         "<a checkpoint, run directory or Hugging Face directory> (or stage.allow_random_init=true to "
+                         "start from random weights)")
 
 
 def _post_training(module: str, cls: str):

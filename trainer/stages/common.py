@@ -20,6 +20,7 @@ from data.config import ensure_prepared, tokenizer_path
 from data.shards import file_sha256
 from data.tokenizer import TokenizerInfo, load_tokenizer, tokenizer_info
 from model.config import ModelConfig
+from trainer import CONF_DIR
 from trainer.checkpoint.hf_io import is_hf_dir
 from trainer.checkpoint.loading import find_checkpoint, load_model, model_config, read_marker, run_tokenizer
 from trainer.stages.rollout import sequences
@@ -70,7 +71,7 @@ def load_frozen(ref, device: torch.device, tokenizer_path: str, *, what: str, ke
         raise ValueError(f"{key}: {e}") from None
     chosen = None
     if model_name:
-        conf = Path(__file__).resolve().parents[2] / "conf" / "model" / f"{model_name}.yaml"
+        conf = CONF_DIR / "model" / f"{model_name}.yaml"
         if not conf.is_file():
             raise ValueError(f"{key.rsplit('.', 1)[0]}.model={model_name!r}: no conf/model/{model_name}.yaml")
         node = OmegaConf.load(conf)

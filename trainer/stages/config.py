@@ -70,6 +70,9 @@ class PostTrainingConfig(StageConfig):
     """steps between held-out evaluations (also at the start and the end; 0 = only those two)"""
     num_eval: int = 32
     """held-out prompts (or samples) per evaluation, drawn from a seed the training prompts never use"""
+    allow_random_init: bool = False
+    """true: start without checkpoint.init_from, from random weights (refused otherwise: post-training a random
+    model is almost always a forgotten init_from)"""
 
     def _check_common(self, key: str) -> None:
         check_choices(self, key)

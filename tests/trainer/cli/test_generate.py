@@ -21,6 +21,7 @@ import subprocess
 import sys
 import zlib
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -185,9 +186,9 @@ def test_a_checkpoint_of_two_ranks_loads_as_the_same_weights(small_data, tokeniz
         code, out, err = _main(monkeypatch, capsys, f"ckpt={tmp_path / name}", f"tokenizer={tok_path}",
                                f"prompt={prompt}", "max_new_tokens=6")
         assert code == 0, err
-        lines = out.split("\n")  # a header, prompt + completion, the throughput, ""
+        lines = out.split("\n")  # a header, the prompt and the completion under their labels, the throughput, ""
         assert lines[0] == f"--- 1: {len(want.token_ids)} tokens, {want.finish_reason}", name
-        assert "\n".join(lines[1:-2]) == prompt + tokenizer.decode(want.token_ids), name
+        assert "\n".join(lines[1:-2]) == f"[prompt]\n{prompt}\n[completion]\n{tokenizer.decode(want.token_ids)}", name
         assert "tokens/s" in lines[-2]
 
 
@@ -234,8 +235,9 @@ def _error_cases(run_dir: Path, tmp: Path, tok_path: str) -> dict[str, tuple[lis
         "too long": ([*ok, "max_len=16", "max_new_tokens=12"], "prompt: 8 prompt tokens (rendered with "
                                                                "prompt_template) + max_new_tokens=12 = 20 exceed "
                                                                "max_len=16"),
-        "bad value": ([*ok, "max_new_tokens=many"], "max_new_tokens=many Value 'many' of type 'str' could not be "
+        "bad value": ([*ok, "max_new_tokens=many"], "max_new_tokens: Value 'many' of type 'str' could not be "
                                                     "converted to Integer"),
+        "misspelled key": ([*ok, "max_new_tokenz=3"], "unknown key max_new_tokenz (did you mean max_new_tokens?)"),
     }
 
 
@@ -286,3 +288,9 @@ def test_default_prompts_are_the_chat_templates_and_stop_at_end(tokenizer):
     raw = generate.to_requests(prompts, tokenizer, 1, raw_cfg, None)
     assert [r.prompt for r in raw] == [tokenizer.encode(t).ids for t in texts]
     assert all(r.sampling.stop_token_ids == [1] for r in raw)
+
+
+def test_a_completion_is_printed_apart_from_its_prompt():
+    """`7+2` answered `8` reads as two labelled texts, not `7+28`."""
+    c = SimpleNamespace(request_id=3, token_ids=[5, 6], finish_reason="stop", text="8")
+    assert generate.shown(c, "7+2") == "--- 3: 2 tokens, stop\n[prompt]\n7+2\n[completion]\n8"

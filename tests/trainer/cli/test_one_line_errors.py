@@ -1,0 +1,74 @@
+"""Every entry point reports a bad override the same way: one `error: ...` line on stderr naming the key, a
+misspelled key with the closest valid one (difflib), a value of the wrong type with its key, and exit status 2
+(trainer/config.py `key_error_message`, trainer/compose.py `one_line`, `hydra_overrides`). Training's main (the
+console script's entry function) composes before Hydra's runner, whose own report is a dozen lines and exit 1."""
+
+import sys
+
+import pytest
+
+from trainer.cli import export_hf, generate, import_hf, main, plan, preflight, stage_chain
+from trainer.compose import hydra_overrides
+
+
+def _training_main(args):
+    sys.argv = ["cedar-train", *args]
+    main.main()
+
+
+def _chain(args):
+    sys.exit(stage_chain.main(["--root", "/nonexistent/pipeline", "--", *args]))
+
+
+APPS = {
+    "main": (_training_main, [], "trainer."),
+    "plan": (plan.main, [], "trainer."),
+    "preflight": (lambda a: preflight.main(["1", *a]), [], "trainer."),
+    "stage_chain": (_chain, [], "trainer."),
+    "generate": (generate.main, ["ckpt=/nonexistent"], ""),
+    "export_hf": (export_hf.main, ["ckpt=/nonexistent", "out=/nonexistent"], ""),
+    "import_hf": (import_hf.main, ["src=/nonexistent", "out=/nonexistent"], ""),
+}
+TYPO = {"trainer.": ("trainer.max_stpes=5", "unknown key trainer.max_stpes (did you mean trainer.max_steps?)"),
+        "": ("chunk_mbb=5", "unknown key chunk_mbb (did you mean chunk_mb?)")}
+WRONG_TYPE = {"trainer.": ("trainer.max_steps=abc", "trainer.max_steps: Value 'abc' of type 'str' could not be "
+                                                     "converted to Integer"),
+              "": ("chunk_mb=abc", "chunk_mb: Value 'abc' of type 'str' could not be converted to Integer")}
+
+
+def _error(app, args, monkeypatch, capsys) -> str:
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    fn, base, _ = APPS[app]
+    with pytest.raises(SystemExit) as e:
+        fn([*base, *args])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    return err[0]
+
+
+@pytest.mark.parametrize("app", sorted(APPS))
+@pytest.mark.parametrize("mistakes", [TYPO, WRONG_TYPE], ids=["typo", "wrong_type"])
+def test_a_bad_override_is_one_line_and_exit_2(app, mistakes, monkeypatch, capsys):
+    if app == "generate" and mistakes is TYPO:  # generate has no chunk_mb: its own key
+        override, line = "max_new_tokenz=3", "unknown key max_new_tokenz (did you mean max_new_tokens?)"
+    elif app == "generate":
+        override, line = "max_new_tokens=abc", "max_new_tokens: Value 'abc' of type 'str' could not be converted to Integer"
+    else:
+        override, line = mistakes[APPS[app][2]]
+    assert _error(app, [override], monkeypatch, capsys) == f"error: {line}"
+
+
+def test_a_key_with_no_close_match_lists_its_section(monkeypatch, capsys):
+    line = _error("plan", ["logger.zzzzzz=1"], monkeypatch, capsys)
+    assert line.startswith("error: unknown key logger.zzzzzz; the keys of logger: ") and "log_every" in line
+
+
+@pytest.mark.parametrize("argv, overrides", [
+    (["--cfg", "job", "trainer.max_steps=3"], ["trainer.max_steps=3"]),
+    (["a=1", "--resolve", "-c", "all", "b=2"], ["a=1", "b=2"]),
+    (["-m", "trainer.max_steps=1,2"], None),
+    (["--config-name=other", "a=1"], None),
+])
+def test_hydra_flags_are_not_overrides(argv, overrides):
+    assert hydra_overrides(argv) == overrides

@@ -1,0 +1,37 @@
+"""trainer/cli/stage_chain.py's final table (`make pipeline`): each stage's headline figure from its first to its last
+value, RL's held-out success per evaluation effort (20 and 80, each start and end), the wall time the chain's launches
+of the stage took (summed over relaunches), and its checkpoint."""
+
+import json
+
+from trainer.cli import stage_chain
+
+
+def _metrics(run, records):
+    run.mkdir(parents=True)
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def test_the_table_shows_both_efforts_and_the_wall_time(tmp_path):
+    rl, sft = tmp_path / "rl", tmp_path / "sft"
+    _metrics(rl, [{"step": 0, "eval/success_e20": 0.25, "eval/success_e80": 0.125, "eval/success": 0.1875},
+                  {"step": 1, "loss": 0.1},
+                  {"step": 20, "eval/success_e20": 0.5, "eval/success_e80": 0.375, "eval/success": 0.4375}])
+    _metrics(sft, [{"step": 0, "eval/loss": 2.0}, {"step": 5, "eval/loss": 1.5}])
+    assert stage_chain.headline("rl", rl) == ("held-out success",
+                                              "effort 20: 0.2500 -> 0.5000; effort 80: 0.1250 -> 0.3750")
+    assert stage_chain.headline("sft", sft) == ("held-out assistant loss", "2.0000 -> 1.5000")
+    assert stage_chain.headline("distill", tmp_path / "none") == ("held-out KL to teacher", "-")
+
+    stage_chain._add_wall(rl, 100.4)
+    stage_chain._add_wall(rl, 30.0)  # a relaunch adds its time
+    assert stage_chain.wall_time(rl) == "2m 10s" and stage_chain.wall_time(sft) == "-"
+    stage_chain._add_wall(sft, 42.2)
+    assert stage_chain.wall_time(sft) == "42s"
+
+    rows = [("sft", *stage_chain.headline("sft", sft), stage_chain.wall_time(sft), "ckpt/sft"),
+            ("rl", *stage_chain.headline("rl", rl), stage_chain.wall_time(rl), "ckpt/rl")]
+    lines = stage_chain.table(rows).splitlines()
+    assert lines[0].split() == ["stage", "figure", "start", "->", "end", "wall", "time", "checkpoint"]
+    assert "effort 20: 0.2500 -> 0.5000; effort 80: 0.1250 -> 0.3750" in lines[2] and "2m 10s" in lines[2]
+    assert lines[1].startswith("sft ") and lines[1].endswith("ckpt/sft") and "42s" in lines[1]
