@@ -198,7 +198,7 @@ def _apply_ep_over_tp(model: nn.Module, meshes: Meshes, capacity_factor: float =
 def parallelize(model: nn.Module, meshes: Meshes | None, parallel: ParallelConfig, dims: ParallelDims, *,
                 cuts: list[int]) -> ParallelModel:
     """Apply TP -> EP -> CP -> activation checkpointing to the meta-built Transformer, then cut this rank's pipeline
-    stages (see the module docstring). FSDP comes in `materialize`. A single process (meshes None) gets only the
+    stages (see docs/parallelism.md). FSDP comes in `materialize`. A single process (meshes None) gets only the
     activation checkpointing."""
     if meshes is None:
         apply_activation_checkpointing(model, parallel.activation_checkpoint)
@@ -247,7 +247,7 @@ def _submesh(world: DeviceMesh, axes: list[str], name: str) -> DeviceMesh:
 
 
 def piece_seed(seed: int, piece: int) -> int:
-    """The generator seed of one piece of the model (see the module docstring)."""
+    """The generator seed of one piece of the model (see docs/parallelism.md#applying-the-plans)."""
     return (seed * 1_000_003 + piece) % 2**63
 
 

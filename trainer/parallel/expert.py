@@ -141,7 +141,7 @@ class AllToAllDispatcher:
     in the same order as LocalDispatcher gives those experts when one process holds every rank's tokens
     (concatenated in ep-rank order), so the expert GEMMs see identical inputs.
 
-    capacity_factor > 0: the sync-free mode (module docstring). Then R = W * C always, the valid rows come first
+    capacity_factor > 0: the sync-free mode (docs/parallelism.md). Then R = W * C always, the valid rows come first
     in the order above and tokens_per_expert counts only them; the padding rows after them are zero on arrival and
     whatever the experts make of them never leaves this rank. `dropped` holds the number of this rank's copies
     the last dispatch dropped (0-dim int64 on the device; always 0 when dropless).

@@ -291,7 +291,7 @@ def _top_plan(seq: Placement, loss_parallel: bool) -> dict[str, ParallelStyle]:
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool, *, loss_parallel: bool = True) -> None:
-    """Tensor (and sequence) parallelism for a `model.transformer.Transformer`, in place; see the module docstring.
+    """Tensor (and sequence) parallelism for a `model.transformer.Transformer`, in place; see docs/parallelism.md.
 
     With loss_parallel the model returns logits as a DTensor sharded over the vocabulary: compute the loss and call
     backward inside `torch.distributed.tensor.parallel.loss_parallel()`. A tp mesh of size 1 leaves the model alone.
