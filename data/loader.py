@@ -1,66 +1,15 @@
 """Reading prepared shards: split over ranks and workers, shuffled, packed into windows, resumable.
 
-Shape legend: B rows per batch (data.batch_size), T tokens per row (data.seq_len).
+Contract: `PackedLoader` is an infinite iterable of {"input_ids", "labels"} LongTensor [B, T] batches (B =
+data.batch_size, T = data.seq_len) for one data-parallel rank; labels are the inputs shifted by one (windows of
+T + 1 tokens every T tokens; documents end in <eos>, nothing is padded or dropped, attention is not masked at
+document boundaries). Each shard is read by exactly one of the world_size x max(1, num_workers) readers per epoch
+(fewer shards than readers is refused); every rank always has a next batch. `state_dict()` / `load_state_dict()`
+resume exactly (the same batches as an uninterrupted run) under the same layout, and with `elastic=True` and every
+saved data rank's state also under another number of readers, without losing or repeating a document
+(`elastic_split`). Unreadable shards are skipped with a warning (`skipped_shards`).
 
-Who reads what. Each rank runs R = max(1, num_workers) readers: one per DataLoader worker, or one in the main
-process when num_workers = 0. Reader g = rank * R + local index, of G = world_size * R. In epoch e the shard
-list is permuted by a generator seeded with (seed, e), the same permutation everywhere, and reader g takes
-positions g, g + G, g + 2G, ... of it: each shard is read by exactly one reader per epoch (no overlap, no loss).
-When G does not divide the number of shards S, readers hold floor(S/G) or ceil(S/G) shards (and shards differ
-in length anyway), so they reach the end of an epoch at different times. Nothing waits for that: each reader's
-stream is infinite and moves on to its own next epoch, so every rank always has a next batch and all ranks
-run the same number of steps. The epoch counter is therefore per reader. S < G is refused at construction:
-a reader without a shard would never yield.
-
-Shuffling (data.shuffle): the per-epoch shard permutation above, plus a buffer shuffle: a reader takes its
-documents in chunks of `shuffle_buffer` consecutive documents and permutes each chunk with a generator seeded by
-(seed, epoch, reader, chunk start). A chunk is recomputable from its start, which keeps the saved position small.
-
-Packing. Every document is followed by <eos> and appended to the reader's token stream. Rows are windows of
-T + 1 tokens starting every T tokens (neighbouring rows overlap by one token); input_ids = window[:-1] and
-labels = window[1:], so each token of the stream except the first is a label exactly once. A document is cut
-wherever a window ends and its rest carries into the next row, the next batch, the next epoch: nothing is
-padded or dropped. Attention is not masked at document boundaries; the <eos> marks them.
-
-Position. A reader's state is {epoch, start of its current chunk (shard position, document index), documents
-of that chunk already packed, the carried tokens, shards skipped}, plus, after an elastic resume, the pending work
-it drains first (below). Each batch travels from its worker with the state its reader had right after making it;
-the loader keeps the state of the last batch it handed out per reader, plus which reader hands out the next batch
-(DataLoader collects from workers round-robin, so batch n comes from reader (first + n) mod R; a restored loader
-runs reader (first + j) mod R in worker slot j). Prefetched batches are not part of the state, so a resumed loader
-yields exactly the batches an uninterrupted one would.
-
-Elastic resume (`load_state_dict(states, elastic=True)`, given every saved data rank's state; the trainer's
-checkpoint does this): a position saved with another number of readers G (other data ranks or data.num_workers)
-is continued without losing or repeating a document. With the same G and another split into ranks x workers, every
-reader's state moves as it is to the reader with its global index: exact per reader, only the interleaving of a
-rank's workers changes. With G -> G', the work left is rebuilt and dealt out:
-- e_max = the highest epoch any old reader has begun. Each old reader's leftover is: the rest of the chunk it is in
-  (its unpacked documents, in that chunk's shuffled order), the rest of that shard, its remaining shards of that
-  epoch, and its whole shard lists of the later epochs up to e_max (plus, if it was itself still draining, its
-  pending work): after the leftovers every epoch <= e_max has had each shard read exactly once. Chunk extents are
-  computed from meta.json's document counts (shards the reader recorded as skipped count as empty, as they did
-  when it read them), so planning reads no shard.
-- Segments are {epoch, shard, from} (documents from..end of a shard) and {epoch, docs: [[shard, doc], ...]} (the
-  rest of a begun chunk). In order of (epoch, old reader, position), each goes to the new reader with the fewest
-  leftover documents so far (ties: lowest index): loads differ by at most one segment, and every new reader drains
-  its segments epoch by epoch, in that order. A {docs} segment keeps the old reader's shuffled order; a
-  {epoch, shard, from} segment is read in chunks of shuffle_buffer documents, each permuted by a generator seeded
-  (seed, epoch, shard, from, chunk offset, 1), which does not depend on which reader drains it.
-- Old reader r's carried tokens go to new reader r mod G' (several carries: joined in reader order), ahead of its
-  segments: no token is lost. (The first token of a carry was already the last label of its old reader's last
-  batch; in a carry that follows another one it is a label once more, after the other's <eos>.) Skipped shard
-  names follow the carries.
-- Then every new reader runs normal epochs from e_max + 1 under the new G' split. Its state during the drain is
-  {epoch: e_max + 1, shard 0, doc 0, taken 0, carry, skipped, pending: the segments not finished, pending_pos:
-  [chunk offset in the first one, documents of that chunk taken]}: saved and resumed like any other, exactly with
-  the same layout, and elastically again (pending work is leftover too).
-The plan is computed identically on every rank from all old states; it is logged once (data rank 0).
-
-Unreadable shards (bad checksum, bad tar, wrong counts) are skipped with a warning naming them; the number of
-distinct shards this rank's readers skipped is `PackedLoader.skipped_shards` (per rank: other ranks read other
-shards). A reader whose whole epoch is unreadable moves on to its next epoch; it raises only once every shard
-has proved unreadable, or at once without shuffling (it would be dealt the same shards forever).
+Design and reasoning: docs/data.md#packed-pretraining-reader
 """
 
 from __future__ import annotations
@@ -344,7 +293,7 @@ class PackedLoader:
     def load_state_dict(self, state_dict: dict, elastic: bool = False) -> None:
         """Restore a position. Saved under this layout: exactly (the same batches as an uninterrupted run). With
         `elastic=True` and the states of every saved data rank (`dp_rank_<d>` entries merged into one dict), also
-        a position saved with another number of data ranks or data.num_workers (the module docstring says how);
+        a position saved with another number of data ranks or data.num_workers (docs/data.md says how);
         without `elastic`, such a position is refused."""
         if elastic and not self.resumes_exactly(state_dict):
             self._load_elastic(state_dict)
@@ -477,7 +426,7 @@ def _leftover(s: dict, reader: int, num_readers: int, shards: list[ShardInfo], *
 def elastic_split(old: list[dict], shards: list[ShardInfo], *, num_readers: int, seed: int, shuffle: bool,
                   shuffle_buffer: int) -> tuple[list[dict], dict]:
     """New states for `num_readers` readers that together read exactly what the old readers (states `old`, indexed
-    by global reader) have left, then go on with epoch e_max + 1 split over the new readers (module docstring).
+    by global reader) have left, then go on with epoch e_max + 1 split over the new readers (docs/data.md).
 
     Returns (states, {"last_epoch": e_max, "documents": leftover documents, "carried_tokens": ...})."""
     last = max((s["epoch"] if _begun(s) else s["epoch"] - 1) for s in old)

@@ -1,45 +1,15 @@
 """Mixing text rows and image-text rows into one resumable batch stream (issue 20, the data side).
 
-Shape legend: B rows per batch (data.batch_size), T tokens per row (data.seq_len), N images of a batch, S patches
-of those images together (sum of grid_h * grid_w), 588 = 3 x 14 x 14 values per patch.
+Contract: `MultimodalLoader` (built by `build_multimodal_loader`) yields batches of input_ids, labels, image_mask
+[B, T], row_kind [B] (0 text, 1 multimodal), pixel_values [S, 588] and grids [N, 2], the images packed back to back
+in the order of their placeholder runs. Text rows are the text loader's (data/loader.py), none lost or repeated;
+a multimodal row is one image-text sample, image positions never predicted (label -100), an image in a row whole
+or not at all. Exactly one row of every block of text_to_multimodal + 1 rows is multimodal, at the same places on
+every data rank (`multimodal_rows`). Without shards at `image_path` a generated source is written there first
+(`ensure_images`). `state_dict()` / `load_state_dict()` resume exactly under the same layout only (no elastic
+resume).
 
-Rows. Each row of a batch is either
-- text (row_kind 0): the next packed row of the text loader (data/loader.py), taken from its batches in order;
-  rows of a text batch not yet used are carried to the next batch, so no text row is lost or repeated; or
-- multimodal (row_kind 1): one image-text sample (data/vision/shards.py), encoded in segment order as the tokens
-  of each text segment and, for each image, `num_tokens` copies of the placeholder id (model.image_token_id; the
-  model rebuilds START / IMAGE / NEWLINE / END from the grid, data/vision/processor.py), then <eos>; padded to T
-  with <pad>. labels[j] = token j + 1 of the sample, -100 where that token is a placeholder (image positions are
-  never predicted) and past the sample's end. A sample longer than T is cut at T, or, where T falls inside an
-  image's placeholder run, just before that image: an image is in a row whole or not at all. A sample whose first
-  image does not fit is skipped and counted (`skipped_samples`).
-
-The mixture. Rows are numbered per data rank (0, 1, 2, ... over the whole run). With r = text_to_multimodal, rows
-are dealt in blocks of r + 1 consecutive rows, and exactly one row of each block is multimodal, at a position
-hashed from (data.seed, block) (`multimodal_rows`): a stratified schedule, so the share is 1 / (r + 1) within one
-row over any window, yet the position moves from block to block. It depends on the row number alone, so it is
-computed without reading any data, and every data rank has its multimodal rows at the same places: the vision
-tower costs the same on every rank of a step. r = 0: text only (no image is read).
-
-Images of a batch are packed back to back, without padding to the largest: pixel_values [S, 588] and grids [N, 2]
-in row-major order of their placeholder runs (row by row, left to right), so image n's features go to the n-th
-placeholder run of image_mask.
-
-Image source. `image_path` holds image-text shards; when it has none, a generated source (data/vision/synthetic.py:
-captioned images, and every `interleaved_every`-th sample an interleaved document) is written there first, into a
-private temporary directory renamed into place, so concurrent ranks and nodes never see a half-written one (the
-first rename wins; the others drop their copy). Shards there must have been generated with this config's settings;
-others are refused, naming the key; shards of another source (your own, written by data/vision/shards.py, or a
-webdataset corpus indexed by `python -m data.vision.shards index DIR`) are read as they are. Each data rank reads
-the samples whose ordinal in the pass (the key, for written shards) is rank mod world_size (rank r takes samples r,
-r + world, ...), disjoint across ranks; every rank decodes every shard to find its own
-samples, a cost that is small for the generated source. Samples are read in stored order (no shuffle); at the end
-of a pass the next pass starts (`image_epoch`).
-
-Position (`state_dict`): the text loader's position, the text rows carried, the image reader's position and pass,
-the row counter and the skipped-sample count. A loader restored from it yields exactly the batches an uninterrupted
-one would. Only under the same layout (data rank, world size, ratio, seed, seq_len): an elastic resume of a
-multimodal stream is not supported.
+Design and reasoning: docs/data.md#multimodal-mixture
 """
 
 from __future__ import annotations
@@ -124,7 +94,7 @@ class MultimodalDataConfig(DataConfig):
 
 
 def multimodal_rows(seed: int, text_to_multimodal: int, start: int, count: int) -> np.ndarray:
-    """[count] bool: which of rows start .. start + count - 1 are multimodal (module docstring, the mixture)."""
+    """[count] bool: which of rows start .. start + count - 1 are multimodal (docs/data.md#multimodal-mixture)."""
     if text_to_multimodal == 0:
         return np.zeros(count, dtype=bool)
     period = text_to_multimodal + 1
@@ -154,7 +124,7 @@ class EncodedSample:
 
 def encode_sample(segments: list[Segment], encode, *, seq_len: int, image_token_id: int, eos_id: int,
                   processor: ProcessorConfig) -> EncodedSample | None:
-    """A sample as one row of at most `seq_len` tokens (module docstring, Rows), or None when its first image does
+    """A sample as one row of at most `seq_len` tokens (docs/data.md, Rows), or None when its first image does
     not fit. `encode(text) -> list[int]` tokenizes a text segment. Images are planned here, not decoded to patches."""
     tokens: list[np.ndarray] = []
     runs: list[tuple[int, int]] = []  # [start, end) of each image's placeholders
@@ -230,7 +200,7 @@ def ensure_images(cfg: MultimodalConfig, samples_per_shard: int = 256) -> str:
 
 
 class MultimodalLoader:
-    """Infinite iterable of batches mixing text rows and image-text rows for one data rank (module docstring).
+    """Infinite iterable of batches mixing text rows and image-text rows for one data rank (docs/data.md).
 
     A batch: input_ids, labels, image_mask [B, T] (int64, int64, bool), row_kind [B] int64 (TEXT / MULTIMODAL),
     pixel_values [S, 588] float32 and grids [N, 2] int64. Each `iter()` continues from the current position; call

@@ -1,39 +1,14 @@
 """Triton kernels for FP4 E2M1 block quantisation, bit-exact with `kernels.fp4`.
 
-The PyTorch references (`impl="reference"`) sit in kernels/fp4.py and kernels/fp8.py and define the contract
-(formats, rounding, scale rules); every kernel here and in kernels.fp8_triton reproduces them bit for bit for finite
-inputs (NaN/inf inputs are out of contract: their codes may differ). `kernels.fp4.quantize(..., impl="triton")` and
-friends route here, `kernels.fp8.quantize_fp8(..., impl="triton")` and friends to kernels.fp8_triton.
+Contract: the PyTorch references (`impl="reference"`) sit in kernels/fp4.py and kernels/fp8.py and define the
+contract (formats, rounding, scale rules); every kernel here and in kernels.fp8_triton reproduces them bit for bit
+for finite inputs (NaN/inf inputs are out of contract: their codes may differ). `kernels.fp4.quantize(...,
+impl="triton")` and friends route here (`quantize`, `fake_quant`, `dequantize`), `kernels.fp8.quantize_fp8(...,
+impl="triton")` and friends to kernels.fp8_triton. Tuning arguments (`blocks_per_prog`, `num_warps`, `variant`, a
+key of VARIANTS) change the speed, not the result. The helpers shared with the other kernels live in
+kernels.triton_common.
 
-Shape legend:
-    R    rows: all leading dims flattened (tokens x heads); blocks never straddle rows since D % block == 0
-    D    channels, the last dim
-    NB   R * D // block, the total number of blocks (one scale each)
-    P    blocks handled by one program
-
-Why the kernels look the way they do:
-- Everything is fp32 inside. Rounding is done with integer bit operations (e4m3, e8m0, bf16), never with
-  Triton's float8/bf16 casts: that gives one code path whose result is fixed by the bits, on the GPU and in
-  the CPU interpreter alike (the interpreter's bf16 casts round wrongly, and fp8 cast rounding is backend
-  specific). Signs are moved as bits too: Triton negates a float as 0 - x, which turns -0 into +0.
-- The reference divides by the scale (IEEE division). A power-of-two scale is a multiply by its exact
-  reciprocal. An e4m3 scale s gets y = RN(1/s) once per block, then per element q = a*y, r = fma(-q, s, a),
-  q' = fma(r, y, q): this is the correctly rounded a/s (Markstein's theorem; checked exhaustively for all fp32
-  significands against all eight e4m3 significands), three flops instead of a full division.
-- FP4 packs two codes per byte, element 2i in the low nibble. The kernels read and write the channel *pairs*
-  as one machine word (two bf16 in an int32, two fp32 in an int64), so the pairing costs no shuffles and the
-  loads stay 16-byte vectors. Codes and scales are stored byte by byte: ptxas already stores a block's 8 code
-  bytes as one 64-bit word (each thread owns whole blocks), and explicitly word-packed stores (removed) were
-  slower on the H200 (BENCHMARKS.md).
-- One program owns P whole blocks laid out as a [P, block / 2] tile of words, so a block's amax is a row
-  reduction inside the program and the scales of the tile are a contiguous [P] store.
-- The quantisers are issue bound rather than memory bound on the H200 unless each element costs ~20
-  instructions: the first kernel ("base" in VARIANTS) compiled (sm_90, ptxas) to ~39 SASS instructions per
-  element for e4m3/16, "rn" to ~22 (E2M1 code by one rounding add, both nibble signs in one masked or, amax / 6
-  without a division).
-
-The helpers these kernels share with the others (bf16 rounding, device checks, e4m3/e8m0/e2m1 codes, tile loads and
-stores, the launch variants VARIANTS) live in kernels.triton_common; the rest of the reasoning above applies to them.
+Design and reasoning: docs/kernels.md#fp4-quantisation-kernels
 """
 
 from __future__ import annotations
@@ -107,7 +82,7 @@ def fp4_e4m3_scale(amax):
 
     The reference divides: e4m3(min(max(amax, 6 * 2^-9) / 6, 448)); the e4m3 rounding may go down, past-6
     quotients then saturate the code. 6 has the e4m3 significand 1.5, so the three-flop quotient with
-    RN(1/6) is the correctly rounded division (module docstring). The reciprocal of the scale feeds the same
+    RN(1/6) is the correctly rounded division (docs/kernels.md). The reciprocal of the scale feeds the same
     quotient per element. kernels.norm_rope_fp4 keeps its own scale code, two div_rn as in the "base" variant: the
     same result by the argument above, but not the same operations (a division against a reciprocal and two fmas)."""
     ratio = tl.minimum(_exact_quotient(tl.maximum(amax, E4M3_RATIO_AMAX_FLOOR), 6.0, INV_SIX), 448.0)
@@ -118,7 +93,7 @@ def fp4_e4m3_scale(amax):
 
 @triton.jit
 def _exact_quotient(a, s, y):
-    """Correctly rounded a / s from y = RN(1/s) for an e4m3 s (Markstein: see the module docstring)."""
+    """Correctly rounded a / s from y = RN(1/s) for an e4m3 s (Markstein: see docs/kernels.md)."""
     q = a * y
     return tl.fma(tl.fma(-q, s, a), y, q)
 

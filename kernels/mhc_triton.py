@@ -1,39 +1,15 @@
 """Triton kernels for the single-pass mHC step (SPEC 1.6, REFERENCE A6), forward and backward.
 
-The PyTorch reference is `model.mhc.single_pass` (and `unfused_step`, the same function). The kernels here take
-tensors only: `mhc_step` the flat activations, the per-token mix matrix W and the next site's fn, `next_coeffs`
-(kernels.mhc_coeffs_triton) the statistics and the site's scale, base and settings; model.kernels.mhc_single_pass
-builds W from the coefficients (`model.mhc.mix_matrix`) and reads the site's parameters, so the composition has
-model.mhc.single_pass's signature and returns.
+Contract: the PyTorch reference is `model.mhc.single_pass` (and `unfused_step`, the same function). The kernels take
+tensors only: `mhc_step` the flat activations y [N, D], S [N, n, D], the per-token mix matrix W [N, n+1, n+1] fp32
+and the next site's fn [M, n*D] or None -> (S' [N, n, D], x [N, D], sum_sq [N], raw [N, M]; the last two None
+without fn), gradients reaching y, S, W and fn; `next_coeffs` (kernels.mhc_coeffs_triton) the statistics and
+the site's scale, base and settings. model.kernels.mhc_single_pass builds W from the coefficients
+(`model.mhc.mix_matrix`) and reads the site's parameters, so the composition has model.mhc.single_pass's
+signature and returns. The statistics come from the
+rounded, stored S', as in the reference; streams are bf16 or fp32.
 
-Shape legend:
-    N    tokens (B * T flattened)
-    n    streams; NW = n + 1 inputs (y, S_0..S_{n-1}) and n + 1 outputs (S'_0..S'_{n-1}, x)
-    D    model dim, tiled by BLOCK_D
-    M    coefficient logits of the next site, 2n + n^2; BLOCK_M >= M (padded with zero rows)
-
-The forward reads y [N, D] and S [N, n, D] once and writes S' [N, n, D], x [N, D], and the next site's
-statistics: sum_sq [N] = |flatten(S')|^2 and raw [N, M] = fn . flatten(S') (both from the rounded, stored S',
-as the reference does). Per token, all outputs are one small matrix W [NW, NW] (`model.mhc.mix_matrix`, built
-in PyTorch) applied to the inputs, so the traffic is (n + 1) reads + (n + 1) writes of D-wide rows (bf16, n = 4:
-20 KB per token at D = 5120), plus ~0.6 KB of mix matrix and statistics. The grid is token blocks x D chunks
-(`FWD_CONFIGS`); with several chunks each writes partial statistics that the host sums ([chunks, N, 65] fp32).
-The rms factor, sigmoids and the n x n Sinkhorn then run in one Triton launch on [N, M] numbers (`next_coeffs`,
-with its own backward, in kernels.mhc_coeffs_triton), instead of ~100 small PyTorch kernels.
-
-Numerics. Mixing is fp32 FMAs. The projection runs on the tensor cores in bf16 with fp32 accumulation: fn is
-split as fn_hi + fn_lo (two bf16 parts, ~2^-16 relative error left; laid side by side so one MMA gives both
-products), and S' is exact in bf16 when the streams are bf16 (for fp32 streams S' is split the same way, one
-more product). The CPU interpreter gets bf16 math wrong, so there (`GPU=False`) the same split values are
-carried in fp32 and bf16 rounding is done on the bits (`bf16_bits`); compiled for the GPU it is the hardware's
-round-to-nearest-even convert. Both give the same bits.
-
-Backward (one token-major kernel + one split-K GEMM):
-    G_k   = dL/dS'_k + 2 dL/dsum_sq S'_k + dL/draw . fn_k            (total gradient reaching S'_k)
-    dL/d(input j)  = sum_i W[i, j] G_i          (G_n = dL/dx)
-    dL/dW[i, j]    = sum_d G_i[d] input_j[d]    (per token; PyTorch then backprops W into post/comb/pre)
-    dL/dfn         = dL/draw^T @ flatten(S')    (`_mhc_fn_grad_kernel`: reads the saved S' once more)
-S' is recomputed from y, S and W in the backward (same arithmetic), not read back.
+Design and reasoning: docs/kernels.md#single-pass-mhc-kernels
 """
 
 from __future__ import annotations

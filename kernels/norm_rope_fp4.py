@@ -1,56 +1,16 @@
 """Fused RMSNorm + RoPE + block (fake-)quantisation of KV-style rows, forward and backward (issue #5, kernel 1).
 
-The model builds each of its quantised attention tensors in three passes over the rows:
-    y = norm(x)                   model.common.RMSNorm: fp32 statistics, output rounded to x's dtype
-    r = apply_rope(y, cos, sin)   model.rope.apply_rope: the last R channels, interleaved pairs, fp32, x's dtype
-    q = fake_quant(r)             kernels.fp4.fake_quant / kernels.fp8.fake_quant_fp8 (straight-through gradient)
-`norm_rope_fake_quant` computes q in one pass per row (one read of x, one write of q); `norm_rope_quantize` writes
-the inference cache record instead (codes + scales, the kernels.fp4.quantize / kernels.fp8.quantize_fp8
-contract). Both can also return y, the pre-RoPE normed row (the compressed latent the indexer keys are made of).
-`impl="reference"` is the composition of the model's own functions above, `impl="triton"` the kernels here. Both
-take the norm as its weight and eps (tensors and scalars, no module): the RMSNorm and RoPE of the reference are the
-tensor functions of kernels.norm_rope_ref, which model.common.RMSNorm and model.rope.apply_rope are.
+Contract: `norm_rope_fake_quant` computes fake_quant(apply_rope(rms_norm(x, weight, eps), cos, sin)) in one pass per
+row, differentiable in x and weight (straight-through at the quantiser); `norm_rope_quantize` writes the inference
+cache record instead (codes + scales, the kernels.fp4.quantize / kernels.fp8.quantize_fp8 contract; no gradient).
+Both can also return y, the pre-RoPE normed row (detached). `impl="reference"` is the composition of the model's own
+functions, `impl="triton"` the kernels here; both take the norm as its weight and eps (no module), weight None for
+no norm. `quant` (`QUANTS`): "fp4" (E2M1, e4m3 scale per 16: main KV), "fp4_ue8m0" (E2M1, ue8m0 scale per 32:
+indexer keys and queries), "fp8" (E4M3, ue8m0 scale per 32: SWA KV), None (norm + RoPE only). Every rounding the
+reference makes is made at the same place, on the bits, except the order of the sum of squares: rstd can move by
+an ulp and, rarely, y by one rounding of x's dtype.
 
-Sites (`quant`, one cache format per site, REFERENCE A9 / B2):
-    "fp4"        FP4 E2M1, e4m3 scale per 16 channels     compressed main KV [B, E, 512]      (norm: compressor.norm)
-    "fp4_ue8m0"  FP4 E2M1, ue8m0 scale per 32 channels    indexer keys [B, E, 128]            (norm: indexer.k_norm)
-                                                          indexer queries [B, T, Hi, 128]     (no norm)
-    "fp8"        FP8 E4M3, ue8m0 scale per 32 channels    SWA KV [B, T, 512]                  (norm: kv_norm)
-    None         no quantiser (QAT off): norm + RoPE only
-
-Shape legend:
-    R    rows: the leading dims of x flattened, [B, T, D] or [B, T, H, D] (H heads share the token's cos/sin)
-    D    channels; DP = D / 2 channel pairs, the unit the kernels work in (RoPE rotates a pair, FP4 packs one)
-    RD   RoPE channels, the last 2 * cos.shape[-1] of D; RoPE pairs are the last RD / 2 of the DP pairs
-    NB   D / block quantisation blocks per row, each HB = block / 2 pairs; a tile is [BLOCK_R, NB_P, HB] pairs
-         (NB_P = NB rounded up to a power of two), so a block's amax is a reduction over the last axis and the
-         row's sum of squares one over the last two
-
-Numerics: every rounding the three-pass reference makes is made here at the same place, on the bits:
-- the norm: sum of squares in fp32, / D (correctly rounded, as torch's CPU mean; exact for the model's 512 and 128),
-  + eps, rsqrt (tl.math.rsqrt: 1 / sqrt in the interpreter, as torch on CPU; on CUDA libdevice's rsqrtf,
-  rsqrt.approx, the instruction torch's CUDA rsqrt also compiles to), (x * rstd) * w, rounded to x's dtype;
-- RoPE in fp32 from the rounded y with the tables' values, rounded to x's dtype again; the quantiser as in
-  kernels.fp4_triton / kernels.fp8_triton (bit-exact with kernels.fp4 / kernels.fp8 for finite input).
-Kernels are launched with enable_fp_fusion=False: a contracted `even * c - odd * s` (one fma) would round once
-where the reference rounds three times. The one thing that is not reproduced is the order of the D-term sum of
-squares (torch's order depends on the CPU's vector width; CUDA's on its reduction tree): where the fp32 sum
-differs in its last bit, rstd can move by an ulp and, rarely, y by one rounding of x's dtype. The tests therefore
-prove bit equality on rows whose sum of squares is exact in any order (tests/kernels/test_norm_rope_fp4.py).
-
-Backward (`norm_rope_fake_quant`): the quantiser is straight-through (as kernels.fp4.fake_quant), RoPE's exact
-transpose (the gradient rounded to x's dtype where the reference's `.float()` casts it back), then RMSNorm's
-backward from the saved x and rstd [R] fp32 (recomputing y, not storing it):
-    dw = sum_rows dy * x * rstd,   dx = rstd * dy * w - x * rstd^3 * mean(dy * w * x)
-dw is summed per program (a grid-stride loop over row tiles) into a [programs, D] fp32 buffer, then over programs.
-The pre-RoPE `normed` output carries no gradient (the model detaches it: the indexer never moves the backbone).
-
-Bytes per row of D channels (bf16 x, the ideal traffic; bench/kernel_cases/norm_rope_fp4.py reports it):
-    fused forward      read 2D,  write 2D (fake quant) or D/2 + D/block (fp4 record) or D + D/32 (fp8 record);
-                       + 2D with `normed`, + 4 for rstd when a backward follows
-    unfused forward    three passes of read 2D + write 2D = 12D at least; as torch runs them ~50D, counted op by
-                       op (the norm's fp32 casts and products ~36D, RoPE's slice/stack/cat ~11D, the quantiser 4D)
-    fused backward     read 2D (dq) + 2D (x), write 2D (dx): 6D (+ 4 B rstd, + the dw partials)
+Design and reasoning: docs/kernels.md#fused-norm-rope-and-quantisation
 """
 
 from __future__ import annotations
@@ -451,7 +411,7 @@ def norm_rope_fake_quant(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
 
     x [B, T, D] or [B, T, H, D] bf16/fp16/fp32 (contiguous for the kernel); weight [D], eps: the RMSNorm's weight
     and eps (a model.common.RMSNorm's `weight` and `eps`), or weight None for no norm; cos, sin [T, RD / 2]
-    (model.rope tables, usually in x's dtype); quant: None, "fp4", "fp4_ue8m0" or "fp8" (see the module docstring).
+    (model.rope tables, usually in x's dtype); quant: None, "fp4", "fp4_ue8m0" or "fp8" (see `QUANTS`).
     Returns q (x's shape and dtype), or (q, y) with return_normed: y = rms_norm(x, weight, eps), pre-RoPE, detached.
     The gradient is straight-through at the quantiser, as kernels.fp4.fake_quant's.
     """

@@ -2,39 +2,14 @@
 configs, host wrappers and autograd Functions over the Triton kernels (forward in kernels/sparse_attention_fwd.py,
 backward in kernels/sparse_attention_bwd.py), and the gather-based reference (kernels/sparse_attention_ref.py).
 
-Shape legend: B batch, T tokens (queries = window keys), H query heads, D latent/head width, E compressed entries,
-K top-k slots per query, W window.
+Contract: each query attends to its window keys of kv_win and the kv_cmp entries its topk_idx selects, K = V, with
+the sink in the softmax max and denominator only (a row with no visible key gives out = 0), as
+`model.attention.attend` does. Quantised inference-cache inputs (FP8 kv_win, FP4 kv_cmp) are forward only: they are
+dequantised first, and a gradient through one raises. Caller contract: topk_idx holds distinct entries per query
+(duplicates would be counted twice, unlike the one-hot mask of `attend`); -1 marks an empty slot; any index outside
+[0, E) is treated as empty (the kernel never reads out of bounds), whereas the reference raises on it.
 
-What one query at position t computes (REFERENCE A2, `model.attention.attend`):
-    keys    = [kv_win[t-W+1 .. t] (those >= 0) ; kv_cmp[topk_idx[t, k]] for the slots k with idx >= 0]
-    logits  = q[t, h] . key * D^-1/2, in fp32
-    p       = exp(logit - m) / (sum exp(logit - m) + exp(sink_h - m)),  m = max(logits, sink_h)
-    out     = sum p * key                      (K = V: one latent serves as key and value for all heads)
-The sink joins the max and the denominator only, so a row with no visible key gives out = 0 and stays finite.
-
-Kernel layout (FlashMLA-style, in Triton): one program per query token holds all H heads as the M dimension of its
-tensor-core tiles, so every key row it loads serves all heads at once (MQA: with H=64 a [64, D] x [D, N] tile).
-The window keys are a contiguous slice of kv_win; the compressed keys are gathered row by row through topk_idx.
-The forward saves lse; the backward recomputes P and dS per chunk of queries into a scratch buffer and runs three
-launches over it (dS/P, dq, atomically scatter-added dkv); the kernel modules' docstrings say why.
-
-Quantised inference-cache inputs (SPEC 1.4), forward only: kv_win may be FP8 `(values float8_e4m3fn [B, T, D],
-scales float8_e8m0fnu [B, T, D/32])` as `kernels.fp8.quantize_fp8(x, block=32)` writes it, and kv_cmp FP4 E2M1
-`(codes uint8 [B, E, D/2], scales float8_e4m3fn [B, E, D/16])` as `kernels.fp4.quantize(x, 16, "e4m3")` writes it.
-The Triton path dequantises them first, in one Triton pass each into q's dtype (kernels.fp8 / kernels.fp4 with
-impl="triton", bit-exact against their references), and then runs the plain kernel. A gradient through a quantised
-input raises (`sparse_attention` when a quantised tensor requires grad, the backward when it is reached).
-
-Why dequantise first (H200, 2026-11-30, bench/kernels.py at T=32K, H=64, D=512, top-512 + window 128): the separate
-pass plus the plain kernel ran 11.53 ms against 11.42 ms for the plain kernel on unquantised input (1%), since the
-dequantised copy is small next to the attention work (each key serves all heads of many queries). A decode of each
-FP8/FP4 key tile in the kernel's inner loop, as it was loaded, was correct but ran 86.9 ms with bf16 queries
-(31.6 TFLOP/s) and 163 ms with fp32 queries on TF32: the decode's registers and shared memory forced 16-key tiles
-(32- and 64-key tiles asked for 262 KB and 393 KB of shared memory, 232 KB available). It was removed.
-
-Caller contract: topk_idx holds distinct entries per query (duplicates would be counted twice, unlike the one-hot
-mask of `attend`); -1 marks an empty slot; any index outside [0, E) is treated as empty (the kernel never reads out
-of bounds), whereas the reference raises on it.
+Design and reasoning: docs/kernels.md#sparse-attention
 """
 
 from __future__ import annotations

@@ -1,52 +1,15 @@
 """Row-wise top-k selection (unsorted): the indexer's top-512 and the candidate pool's top-2048 blocks (SPEC 1.2-1.3,
 REFERENCE A4 and B4). `impl="reference"` is torch.topk; `impl="triton"` has two kernels, picked by `variant`.
 
-Shape legend: R rows (all leading dims flattened, B * T for the indexer), N entries per row, K picks per row.
-
 Contract: `topk(x, k)` returns (values [..., K] fp32, indices [..., K] int32) of the K largest entries of each row,
 in no particular order. The SET of indices equals torch.topk's whenever the K-th largest value is not tied; when it
 is, the Triton kernel takes every entry above it plus the LOWEST indices among the entries equal to it (torch.topk's
 own choice among ties is unspecified). -0.0 and +0.0 are equal (a tie), and -inf is an ordinary value: a row with
-fewer than K finite entries returns its finite ones plus -inf ones by the same rule. NaN is out of contract (a
-positive-signed NaN ranks above +inf, as in torch.topk; a negative-signed one below -inf).
+fewer than K finite entries returns its finite ones plus -inf ones by the same rule. NaN is out of contract.
+`variant`: "auto" (default: "resident" when the row has at most RESIDENT_MAX_N entries, torch.topk otherwise, so
+longer rows keep torch.topk's choice among ties), "resident", or "radix" (any N, only when asked for by name).
 
-Both kernels run one program per row and share the keys: the fp32 bits as uint32 with the sign bit flipped for
-non-negative values and every bit flipped for negative ones, so that unsigned key order is float order (-0.0 is first
-made +0.0 so the two tie, as they compare).
-
-`variant="auto"` (the default) runs the resident kernel when the row fits and torch.topk otherwise: on the H200 the
-radix kernel ran at about half of torch.topk's speed on rows past RESIDENT_MAX_N (BENCHMARKS.md, session 3), so
-longer rows keep torch.topk's unspecified choice among ties at the K-th value.
-
-`variant="resident"` (`_topk_resident_kernel`, rows of up to RESIDENT_MAX_N entries):
-- The row is loaded once into registers as one [COLS, ROWS] tile (COLS = the threads, ROWS = N rounded up to a power
-  of two / COLS in each thread's registers; 32768 keys over 16 warps are 64 a thread), padding keys 0 (below every
-  in-contract key). Sums and scans along ROWS stay within a thread.
-- The K-th largest key is found by a bitwise search from the MSB: `thr` is the largest key value with at least K keys
-  >= it, built one bit at a time with one compare-and-count (tl.sum, no histogram) over the resident row per bit.
-  The search stops once exactly K keys are >= `thr` (after about 20 of the 32 steps on normal rows at the indexer's
-  sizes): those K are then the answer and `thr` need not be a key.
-- The keys > thr are taken, and of the keys equal to thr the `K - #above` lowest-index ones: when there are more
-  ties than that, a second bitwise search (over the index, up to log2(N) steps, none on tie-free rows) finds the
-  index below which exactly that many ties lie.
-- Output slots are numbered thread by thread (a scan within each thread plus one scan of the thread totals; the
-  contract leaves the order free), not by index: one scan over the whole row in index order is several times the
-  instructions. Values are re-read from x for the K taken entries only (bitwise copies, so -0.0 stays -0.0).
-The row is read from memory once; the cost is the compare-and-count steps (about 3.5 instructions per key per step
-on sm_90).
-
-`variant="radix"` (`_topk_kernel`, any N, looping over the row in chunks of BLOCK_N; only when asked for by name):
-- Radix select of the K-th largest key, RADIX_BITS bits per pass from the top (8 bits: 4 passes; 11 or 12: 3; 6: 6;
-  5 to 12 allowed, wider histograms spill): each pass histograms the next digit of the keys that still match the
-  prefix found so far (tl.histogram, 2^RADIX_BITS bins), and the bin where the count from the top reaches the
-  remaining rank extends the prefix. After the last pass the prefix is the exact K-th key `thr`, and the remaining
-  rank is the number of ties at `thr` to keep.
-- One more pass writes, in index order, every entry with key > thr and the first `ties` entries with key == thr;
-  output slots come from a running count plus tl.cumsum over the chunk, so exactly K are written.
-The row is read (passes + 1) times; at the indexer's sizes (a row of 64-128 KB) the later passes mostly hit L2. The
-cost is the histogram, not the bytes: Triton 3.6 lowers it to per-warp ballots and popcounts (work per element grows
-with the bin count), Triton 3.9 to one shared-memory atomic per unmasked element (cost grows with same-bin
-collisions), hence the radix width is a tuning knob.
+Design and reasoning: docs/kernels.md#top-k-selection
 """
 
 from __future__ import annotations

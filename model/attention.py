@@ -1,34 +1,15 @@
 """CSA2 attention for one layer: shared-KV (MQA) attention over the SWA window plus the selected compressed entries.
 
-Shape legend: B batch, T tokens, H query heads, D latent/head width, E compressed entries, W window,
-Hi/Di indexer heads/dims, G output groups, R rope dims.
+Contract: `CSA2Attention` computes one layer's attention (REFERENCE A2-A5): K = V (one latent shared by all heads),
+a per-head sink in the softmax denominator only. Full layers build the main KV and indexer keys and return both;
+Reuse/Reindex layers read them from their KV source's entry in the `ForwardState`; index sources (Full, Reindex)
+return their top-k, Reuse layers read their source's. The indexer learns from a KL loss only (`indexer_kl`; its
+inputs and target are detached, so the loss never reaches the backbone). A layer reads what earlier layers made
+from the ForwardState and returns what it makes (`LayerOutputs`), writing nothing that outlives its call; the loop
+records the outputs (`ForwardState.record`). `SequenceShard` is the context-parallel seam (identity when one
+process holds the whole sequence). `attend` is the reference attention; the Triton path is model/kernels.py's.
 
-Per layer (REFERENCE A2-A5):
-- its own query (low-rank: wq_a -> q_norm -> wq_b, RoPE on the last R channels) and its own SWA KV
-  (wkv -> kv_norm -> RoPE, FP8 fake-quant when enabled); K = V (one latent shared by all heads);
-- Full layers build the main KV (compressor, RoPE at the group's first token, FP4 fake-quant when enabled) and the
-  indexer keys and return both; Reuse/Reindex layers read them from their KV source's entry in the ForwardState;
-- index sources (Full, Reindex) score visible entries, optionally restricted to the hierarchical pool, and return
-  their top-k; Reuse layers read the top-k of their index source;
-- logits q.k / sqrt(D) over [window keys ; compressed entries], a per-head sink in the softmax denominator only,
-  inverse RoPE on the output at the query position, grouped output projection wo_a (block diagonal) then wo_b.
-
-The indexer learns from a KL loss only (top-k has no gradient): target = this layer's attention distribution over
-compressed entries, summed over heads and renormalised on the indexer's search domain, detached; the indexer's inputs
-are detached so the loss never reaches the backbone.
-
-State: a layer reads what earlier layers made from the ForwardState and returns what it makes (`LayerOutputs`); it
-writes nothing that outlives its call. The loop that runs the layers records the outputs (`ForwardState.record`),
-so a recomputation under activation checkpointing, which calls a block's forward again and drops its result,
-changes nothing and needs no special case.
-
-Kernels (ModelConfig.kernels, resolved once per module when it is placed on a device, `kernels.KernelPath`, which
-also says when the reference path stays): on the
-Triton path the indexer scores, pools and picks with `kernels.indexer` and returns int32 top-k ids, and the
-attention runs `kernels.sparse_attention` over them, which also returns the KL target (top-k probabilities summed
-over heads); `attend` and the [B, T, E] masks are the reference path. Each norm -> RoPE -> fake-quant chain (SWA
-KV, main KV, indexer keys; RoPE -> fake-quant for the indexer queries) is one `kern.norm_rope_quant` call, a single
-fused kernel pass on the Triton path.
+Design and reasoning: docs/model.md#csa2-attention
 """
 
 from __future__ import annotations

@@ -1,42 +1,16 @@
 """The inference cache: what serving keeps per request between forwards (SPEC 1.4-1.5, REFERENCE B2).
 
-Shape legend: B cache rows (requests), N stored rows of one buffer, D channels, W window, k speculation headroom
-(`spec_tokens`), R = W + k SWA ring rows, C = m - 1 + k compressor ring rows, E entries, m compression ratio, Di indexer
-key width.
+Contract: `KVCache` holds one `LayerCache` per layer: Full (KV-source) layers keep the persistent global KV (main KV
+and indexer keys of every compressed entry, `max_len // m` per request) and, for ratio m > 1, a ring of the
+compressor's fp32 projections of the last m - 1 + k tokens; every layer keeps its SWA KV in a ring of window + k
+rows (k = `spec_tokens`, 0 by default: the plain cache). `KVCache.rollback` takes back rejected speculative tokens
+(at most k per rollback). `Store` keeps a buffer in one of `STORE_FORMATS`; with the forward fake-quantising in
+the store's format, what it dequantises is bit for bit what the training forward used. Per request the cache
+tracks `lengths`, `swa_start`, `entries`, the token ids, `reached` and `prefill_end`. `KVCache.rows(i, j)` is a
+view of requests i..j-1 sharing the buffers. `CacheError`: a cache that does not fit the call (another model,
+`model_fingerprint`; another batch size, too short, bad rows).
 
-Per layer (`LayerCache`):
-- Full (KV-source) layers: the global KV, persistent: every compressed entry's main KV (D channels) and indexer key
-  (Di channels), `max_len // m` entries per request, in the formats `model.quant.cache_main_kv` / `cache_index`
-  name. These are the bytes the prefix cache keeps and `trainer.plan` counts (890 B/token at flagship dims).
-  Ratio m > 1: the compressor's fp32 projections (kv and gate rows) of the last C = m - 1 + k tokens, a ring (position
-  p at slot p % C, vLLM's compressor state ring): a group whose last token has not arrived is read from it when it
-  closes; not persistent.
-- Every layer: its SWA KV, a ring of R = window + k rows (position p at slot p % R) in `cache_swa_kv`'s format;
-  short-lived (REFERENCE B2: DeepSeek keeps it in a DRAM pool with a time-to-live), never persisted.
-
-Speculative decoding (`spec_tokens` = k, the most tokens one rollback takes back: a verify forward's drafts): a verify
-forward writes the rings' slots of its positions, and `KVCache.rollback` then takes back the drafts it rejected. Both
-rings are indexed by position and hold k rows more than a decode step reads (the window, the open group), so the rows
-the kept tokens need survive the rejected tokens' writes, and a rollback only moves the counts (and blanks the global
-entries the rejected tokens closed). k = 0 (the default) is the plain cache: rings of W and m - 1 rows.
-
-Storage formats (`Store`): "none" keeps the compute dtype (the forward's values exactly), "bf16", "fp8" (E4M3
-values, one UE8M0 scale per 32 channels), "fp4" (packed E2M1 codes, one E4M3 scale per 16: main KV) and
-"fp4_ue8m0" (packed E2M1, one UE8M0 scale per 32: indexer keys). When the forward fake-quantises a tensor in the
-same format as its store (QAT: `model.quant.main_kv=fp4` with `cache_main_kv=fp4`, ...), the store quantises the
-same pre-quantisation values with the same quantiser (kernels/fp4.py, kernels/fp8.py), so what it dequantises is
-bit for bit what the training forward used; otherwise it quantises the value the forward computed.
-
-Per request the cache tracks `lengths` (tokens appended), `swa_start` (the first position whose SWA rows are in
-the ring: > 0 after a prefix-cache hit whose SWA state expired and was rebuilt by bounded replay), `entries` per
-KV source (global entries stored; a replayed span never rewrites them), the token ids (Engram's n-gram history,
-the prefix cache's block hashes), and for rollbacks `reached` (the longest the row has been: the rings hold the
-positions from `reached - R` or `reached - C` on) and `prefill_end` (its length after its first call, the prefill:
-a bounded-replay prefill computed the decoder's SWA rows of its last rows only, and a prefix-cache replay keeps cached
-entries ahead of its rows, so no rollback goes below it).
-
-`KVCache.rows(i, j)` is a view of requests i..j-1 sharing the buffers: the engine prefills one request at a time
-into its row and decodes all rows together.
+Design and reasoning: docs/model.md#inference-cache
 """
 
 from __future__ import annotations
@@ -162,7 +136,7 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 
 @dataclasses.dataclass
 class LayerCache:
-    """One layer's part of the cache (see the module docstring)."""
+    """One layer's part of the cache (see docs/model.md#inference-cache)."""
 
     swa: Store  # [B, R, D] ring, position p at slot p % R
     main: Store | None = None  # Full layers: [B, max_len // m, D]
@@ -191,7 +165,7 @@ class KVCache:
     row's logits are exact (vLLM's "exact halo"). Rows the decoder skipped get NaN logits.
 
     spec_tokens: the speculation headroom k, the most tokens a `rollback` takes back (a verify forward's drafts): the
-    SWA rings get W + k rows and the compressor rings m - 1 + k (see the module docstring); 0 is the plain cache.
+    SWA rings get W + k rows and the compressor rings m - 1 + k (docs/model.md); 0 is the plain cache.
     """
 
     REPLAYS = ("none", "window", "halo")

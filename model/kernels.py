@@ -1,56 +1,16 @@
 """The kernel switch (`ModelConfig.kernels`): the one place that resolves it, and thin calls into `kernels/`.
 
-Shape legend: B batch, T tokens, E compressed entries, K top-k slots, P pool blocks per query, BS entries per pool
-block, S = P * BS pool slots, Hi/Di indexer heads/dims, H query heads, D latent width, n mHC streams.
+Contract: "reference" runs the plain-PyTorch code in the model files, "triton" the Triton kernels of `kernels/`
+(tensors and numbers only; the module-aware glue is here), "auto" triton on CUDA and reference elsewhere
+(`resolve`, `CHOICES`). Both paths compute the same functions (tests/kernels, tests/model/test_kernels_switch.py).
+The switch is resolved once per module (`KernelPath`: the attention, the block's mHC step, the Engram) whenever the
+module is placed (built, `.to()`, `.to_empty()`); forwards read `kernel_path`, so one forward takes one path
+everywhere. Where the Triton path does not apply (DTensor inputs or weights, the dense warm-up, a sharded Engram
+table, ...) the site keeps the reference path. The Triton attention path keeps the selection as int32 top-k ids
+[B, T, K] and the pool as int32 block ids [B, T, P] (-1 = empty); the reference path keeps [B, T, E] bool masks.
+Exact ties in the indexer scores may be broken differently on the two paths (both pick a valid top-k).
 
-"reference" runs the plain-PyTorch code in the model files; "triton" runs the Triton kernels of `kernels/`, which
-take tensors and numbers only (the module-aware glue that reads a module's parameters and settings is here) and
-compute the same functions (each is proven against its reference in tests/kernels, the whole model in
-tests/model/test_kernels_switch.py); "auto" is triton on CUDA and reference elsewhere. The switch is resolved once
-per module (`KernelPath`: the attention, the block's mHC step, the Engram), from its config string and the device
-of its parameters, whenever the module is placed (built, `.to()`, `.to_empty()`); forwards read `kernel_path`, so
-one forward takes one path everywhere.
-
-Where the Triton path does not apply yet, the site keeps the reference path (correct, only slower); the reasons:
-| site | Triton kernel | stays on the reference when |
-| --- | --- | --- |
-| norm + RoPE + fake-quant: SWA KV (FP8), main KV, index keys (FP4) | kernels.norm_rope_fp4 | DTensor input or weight |
-| RoPE + fake-quant: indexer queries (FP4) | kernels.norm_rope_fp4, no norm | DTensor input; QAT off |
-| QAT fake-quant where the fused kernel does not run | kernels.fp4 / kernels.fp8 (impl=) | DTensor input |
-| sparse attention over window + top-k | kernels.sparse_attention | dense-warmup phase |
-| indexer scores, candidate pool, pool scores, top-k | kernels.indexer | (always on the kernels) |
-| single-pass mHC step | kernels.mhc_triton, mhc_coeffs_triton | mhc.impl="unfused"; DTensor parameters or inputs |
-| Engram gather + gate | kernels.engram_triton | DTensor parameters or inputs; a sharded table |
-- Norm + RoPE + quantiser: the fused kernel reads a norm's weight outside the norm's own call, so it runs only where
-  that weight is a plain tensor. Under tensor parallelism the plan makes kv_norm, the compressor and the indexer's
-  k_norm replicated DTensor modules whose hooks all-reduce their outputs' gradients (parallelize.py); there the
-  site composes the norm module, `apply_rope` and the fake-quant as the reference does (the fake-quant still on its
-  kernel). The fused norm sums its squares in another order than torch, so its output can differ from the
-  reference's by an ulp of x's dtype (kernels/norm_rope_fp4.py "Numerics").
-- Dense warm-up: the attention reads every visible entry, a [B, T, E] mask that an int32 top-k list would only
-  spell out entry by entry (K = E per query, no saving), so it stays on `model.attention.attend`; the indexer still
-  scores, pools and picks with the kernels, and its KL target comes from attend's probabilities.
-- Context parallelism takes the kernels: a chunk's window keys arrive with the previous chunk's `lead` halo rows in
-  front ([B, lead + T, D]); `sparse_attention` puts as many empty query rows (zero queries, no top-k) in front of
-  the chunk's queries, so that row r's window is rows r - W + 1 .. r as the kernel reads it, and drops them from
-  the outputs (their output gradient is zero, so they add nothing to any gradient). The indexer kernels score,
-  pool and pick at the chunk's position offset (`q_offset`): the visibility rule and the pool's newest block
-  depend on the absolute position (tests/parallel/test_cp.py, Triton under cp 2).
-- Tensor parallelism takes the kernels: the plan hands the attention plain local tensors (this rank's heads of q
-  and the sink, the replicated latent, compressor and indexer outputs), the indexer runs whole on every rank (the
-  same top-k everywhere), and the kernel's head-summed top-k probabilities, a sum over this rank's heads, pass
-  through `HeadSum`, whose output the plan all-reduces (tests/parallel/test_tp.py, Triton under tp and tp + sp).
-- mHC: only the step `mhc_step` does (attention expand + FFN site + collapse) is fused; the block's FFN expand and
-  the next block's site prediction run unfused in `model.transformer.Block` on either path.
-- Engram: the kernel gathers rows by global id from the whole table, so a table sharded by a `row_reader` stays on
-  the reference lookup.
-The Triton attention path keeps the selection as int32 top-k ids [B, T, K] (-1 = empty) and the pool as int32
-block ids [B, T, P] in the ForwardState; the reference path keeps [B, T, E] bool masks. Pipeline stages ship
-whichever form their path keeps (trainer/parallel/pipeline_wire.py `boundary_slots`: bit-packed masks or the int32 ids).
-Exact ties in the indexer scores (0 where every head's ReLU is 0) are broken by torch.topk on the reference path
-(unspecified which) and by the Triton top-k (kernels.topk: the lowest positions) on the Triton path, over the entry
-layout or, in a pool-restricted layer, the pool's slot layout: both pick a valid top-k, not always the same one.
-With 32 indexer heads (flagship) such a zero is about 2^-32 rare; the 4-head tiny config has one in ~16.
+Design and reasoning: docs/model.md#kernel-switch
 """
 
 from __future__ import annotations

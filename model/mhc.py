@@ -1,44 +1,15 @@
 """Manifold-constrained hyper-connections (mHC), single pass (SPEC 1.6, REFERENCE A6).
 
-The residual stream is n parallel streams S [B, T, n, D]. Every sub-block (attention, FFN) is a *site* with
-its own fp32 coefficient predictor (`HCSite`) that reads all n streams and predicts, per token:
-- pre  [n]:    how the sub-block's input is collapsed from the streams, x = sum_k pre_k S_k;
-- post [n]:    how the sub-block's output y is written back into each stream;
-- comb [n, n]: a doubly-stochastic (Sinkhorn-projected) mixing of the streams, comb[j, k] = weight of S_j in
-  the new S_k: out_k = post_k y + sum_j comb[j, k] S_j.
+Contract: the residual stream is n parallel streams S [B, T, n, D]. Every sub-block (attention, FFN) is a site
+(`HCSite`) that predicts, per token, fp32 coefficients (`Coeffs`): pre [n] (collapse: x = sum_k pre_k S_k), post
+[n] (write-back of the output y) and a doubly-stochastic comb [n, n] (`sinkhorn`); out_k = post_k y +
+sum_j comb[j, k] S_j. A site's `pre` is used by the next site (the lag), so expand, next-site prediction and
+collapse fuse into one pass: `mhc_step(impl, ...)` with impl "single_pass" or "unfused" (the same function).
+Helpers: `init_streams`, `first_pre`, `enter`, `collapse`, `expand`, `mix_matrix`. Coefficient arithmetic is fp32
+whatever the stream dtype; site parameters stay fp32 in a bf16 model (do not cast the model wholesale); streams
+are stored in the activation dtype.
 
-The lag (A6). A site's `pre` collapses the stream *after* that site's expand, i.e. it is used by the next site.
-This removes the dependency "coefficients of site i+1 -> input of site i+1", so expanding site i, predicting
-site i+1's coefficients and collapsing the input of site i+1 read the same tensors and fuse into one pass
-(`single_pass`): activation traffic (n+1) reads + (n+1) writes instead of (4n+4) D.
-
-How a transformer stack uses this module (`impl` is MHCConfig.impl; both impls compute the same function):
-
-    S = init_streams(embed(tokens), n)                          # all n streams = the embedding
-    S = layers[0].engram(S)                                     # engram acts at layer entry, if present
-    x, c_attn = enter(S, first_pre(n), layers[0].hc_attn)      # pre_prev of the first site: one-hot stream 0
-    for l, layer in enumerate(layers):
-        a = layer.attn(layer.attn_norm(x))                     # x = collapse(S, pre_prev)
-        # expand attention into S; FFN coefficients from the new S; FFN input collapsed with pre_attn (lag)
-        S, x, c_ffn = mhc_step(impl, a, S, c_attn, c_attn.pre, layer.hc_ffn)
-        f = layer.ffn(layer.ffn_norm(x))
-        nxt = layers[l + 1] if l + 1 < len(layers) else None
-        if nxt is not None and nxt.has_engram:                 # engram sits between expand and the next site
-            S = nxt.engram(expand(f, S, c_ffn.post, c_ffn.comb))
-            x, c_attn = enter(S, c_ffn.pre, nxt.hc_attn)
-        else:                                                  # pre_ffn is passed on as pre_prev
-            S, x, c_attn = mhc_step(impl, f, S, c_ffn, c_ffn.pre, nxt.hc_attn if nxt else None)
-    logits = lm_head(norm(x))                                   # final x = collapse(S, last layer's pre_ffn)
-
-In the chain `pre_lag` is always `coeffs.pre` (the pre of the site being expanded); it stays a separate argument
-so the step assumes nothing about the chain. The first site and the site after an engram have no expand before
-them: `enter` collapses with first_pre / the previous pre and predicts that site's coefficients.
-
-All coefficient arithmetic is fp32 whatever the stream dtype; the site parameters stay fp32 in a bf16 model
-(do not cast the model wholesale). Streams are stored in the activation dtype; expand and collapse compute in
-fp32 and cast back.
-
-Shape legend: B batch, T tokens, n streams, D model dim, M = 2n + n^2 coefficient logits per token.
+Design and reasoning: docs/model.md#manifold-constrained-hyper-connections
 """
 
 from __future__ import annotations

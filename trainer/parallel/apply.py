@@ -1,39 +1,15 @@
 """All parallel plans applied to the meta-built model in one place: `validate_layout`, `parallelize`, `materialize`.
 
-Order (torchtitan's `parallelize_llama`, with the pipeline split first in spirit):
-1. `validate_layout`, before any process group exists: every divisibility rule, each error naming the key to change.
-2. On the whole meta-built Transformer: TP (trainer/parallel/tensor.py `apply_tp`) -> EP (`apply_ep`; over TP, the experts
-   are re-placed on the (ep, tp) mesh) -> CP (`apply_cp`) -> activation checkpointing of every block
-   (parallel.activation_checkpoint=full, trainer/parallel/activation_checkpoint.py; in a single process too). The
-   plans take the Transformer, not a stage; the pipeline's stage modules share its submodules and copy its
-   SequenceShard when they are cut, so applying the plans before the cut is the same as applying them to each
-   stage, and costs nothing on meta.
-3. Pipeline split (pp > 1): this rank's stage modules (`split_model`), gathered into one `StageGroup` whose names
-   are the whole model's. The other stages' layers stay on meta and are dropped with the Transformer.
-   Then, with parallel.engram_shard, Engram row sharding (trainer/parallel/engram.py) of this rank's Engram tables
-   over Meshes.dp_ep_cp (every rank of the stage and tp rank); after the cut, so a stage without Engram layers
-   holds no reader.
-4. `materialize`: piece by piece (embedding, head, final norm, Engram hasher, each block), `to_empty`, then the
-   piece's init from its own seed (`piece_seed`), then (parallel.engram_host_memory) the block's Engram rows to
-   host memory, then FSDP2 `fully_shard` of each block and of the root(s) when dp_shard > 1 (gradients
-   reduce-scattered in fp32, MixedPrecisionPolicy(reduce_dtype=float32)), row-sharded Engram tables ignored.
+Order: `validate_layout` before any process group exists (each error names the key to change); `parallelize` on the
+whole meta-built Transformer: TP -> EP -> CP -> activation checkpointing, then the pipeline split (this rank's
+stages in one `StageGroup` named like the whole model) and Engram row sharding; `materialize`: piece by piece,
+`to_empty`, init from the piece's own seed (`piece_seed`), then FSDP2 `fully_shard` when dp_shard > 1.
 
-Why each piece has its own seed: a pipeline rank initialises only its layers, so one generator running through
-the whole model (Transformer.init_weights) cannot give it the single process's values. With a seed per piece,
-every layout (one process, TP / EP shards drawn as full tensors and sliced, any pipeline split) holds exactly the
-single process's values of what it holds.
+Contract: every layout (one process, TP / EP shards, any pipeline split) holds exactly the single process's
+initial values of what it holds, and module names match the unparallelised model. The result is a
+`ParallelModel` (meshes None for a single process), what trainer/parallel/gradients.py takes.
 
-Why FSDP comes after the initialisation: the model's init functions give TP and EP shards their single-process
-values (model.common.init_normal), but not every one of them handles a parameter
-sharded on dim 0 over dp_shard (mHC's `fn` is drawn with nn.init.normal_, Engram's table rows from its own row
-offset); fully_shard of an initialised block keeps each rank's slice of the values, exactly. Peak memory is one
-unsharded block on top of the sharded rest.
-
-Activation checkpointing keeps module names (it swaps each block's class, as fully_shard does), so it composes with
-FSDP, the pipeline's StageGroup and checkpoints. Blocks write no shared state (they return what they make, and the
-loop records it: model/attention.py `ForwardState`), so a recomputation needs no special case and FSDP's pre-forward
-hook may hand a block a rebuilt copy of the state (it does: it rebuilds dataclasses and dicts to hook their
-tensors), which the block only reads.
+Design and reasoning: docs/parallelism.md#applying-the-plans
 """
 
 from __future__ import annotations
@@ -222,7 +198,7 @@ def _apply_ep_over_tp(model: nn.Module, meshes: Meshes, capacity_factor: float =
 def parallelize(model: nn.Module, meshes: Meshes | None, parallel: ParallelConfig, dims: ParallelDims, *,
                 cuts: list[int]) -> ParallelModel:
     """Apply TP -> EP -> CP -> activation checkpointing to the meta-built Transformer, then cut this rank's pipeline
-    stages (see the module docstring). FSDP comes in `materialize`. A single process (meshes None) gets only the
+    stages (see docs/parallelism.md). FSDP comes in `materialize`. A single process (meshes None) gets only the
     activation checkpointing."""
     if meshes is None:
         apply_activation_checkpointing(model, parallel.activation_checkpoint)
@@ -271,7 +247,7 @@ def _submesh(world: DeviceMesh, axes: list[str], name: str) -> DeviceMesh:
 
 
 def piece_seed(seed: int, piece: int) -> int:
-    """The generator seed of one piece of the model (see the module docstring)."""
+    """The generator seed of one piece of the model (see docs/parallelism.md#applying-the-plans)."""
     return (seed * 1_000_003 + piece) % 2**63
 
 

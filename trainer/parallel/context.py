@@ -1,60 +1,14 @@
 """Context parallelism (CP): the cp ranks of one data group split every sequence of the batch into cp chunks.
 
-Shape legend: B batch rows, T tokens per sequence, cp chunks, T_c = T / cp tokens per chunk, m compression ratio,
-E = T / m compressed entries (E_c = T_c / m per chunk), D main latent width (512 in the flagship), Di indexer key
-width (128), W SWA window (128), n_exp routed experts, s bytes per element of the model dtype (2 in bf16).
+Contract: rank r of the cp axis holds positions [r * T_c, (r + 1) * T_c) of every row (T_c = T / cp; contiguous
+chunks aligned with compressor groups, T_c >= SWA window - 1: `check_sequence_length`). Every cp rank reads the same
+batch and keeps its chunk of ids, labels and image mask (`shard_sequence`). `apply_cp` installs plain callables in
+the model's `SequenceShard` (and each MoE's `chunk_mean`); parameters are not touched, so FSDP/TP/EP compose as
+usual. Each query row, its top-k and its pool equal the single process's; the mean over cp ranks of a rank's aux
+loss equals the single process's. The trainer averages each rank's per-token LM loss over cp, averages replicated
+gradients over dp x ep x cp and sums MoE load counts over dp x ep x cp (trainer/parallel/gradients.py).
 
-Layout: rank r of the cp axis holds positions [r * T_c, (r + 1) * T_c) of every row (contiguous chunks). Every cp rank
-reads the same batch (the data mesh excludes cp) and keeps its chunk of the ids, labels and image mask
-(`shard_sequence`). The model stays free of process groups: `apply_cp` installs plain callables in its
-`model.attention.SequenceShard` (and each MoE's `chunk_mean`); they are the identity when one process holds the
-whole sequence. Parameters are not touched: every cp rank holds the whole model (FSDP/TP/EP compose as usual).
-
-What crosses chunks, and how:
-- Compressed global KV (Full layers). Chunks align with compressor groups (T_c % m == 0), so each rank compresses its
-  own groups (RoPE at the groups' absolute first-token positions, FP4 per entry) and one all-gather along the entry
-  axis hands every rank all E entries, main latent and indexer keys packed in one message. Visibility (entry t seen by
-  position p iff t < (p + 1) // m) uses absolute positions, so nothing from the future leaks. The gradient of the
-  gathered entries is reduce-scattered (summed) back to the rank that made them. Reuse and Reindex layers read the
-  gathered entries of their source: no more traffic.
-- Indexer top-k and the hierarchical pool: local queries score all E gathered keys, with visibility and the pool's
-  newest-block rule at absolute positions (`q_offset`), so each query row equals the single process's row, and so do
-  its top-k and its pool. The queries and head weights are per position.
-- SWA window: a query near its chunk's start needs up to W - 1 SWA KV rows of the previous chunk. Each rank sends its
-  last W - 1 rows (after RoPE and FP8) to the next rank point-to-point, which puts them in front of its window keys;
-  rank 0 puts zeros there at negative positions, which are masked. The rows' gradient goes back the same way.
-  Needs T_c >= W - 1 (the whole halo on one neighbour).
-- Engram: an n-gram reaches back max_ngram - 1 = 3 tokens. The token ids (and the image mask) are all-gathered once
-  per forward and hashed on the whole sequence; each rank keeps its chunk's row ids.
-- RoPE at absolute positions (offset r * T_c). h_{L/2}, mHC, norms, MoE routing and experts are per position: local.
-- Whole-sequence statistics: the indexer KL is a mean over query rows with a target, which the chunks hold unevenly:
-  each rank divides its rows' sum by the chunks' mean row count. The MoE sequence-wise balance loss uses the whole
-  sequence's expert frequencies f (the chunks' mean) and the chunk's own mean probabilities P (the loss is linear in
-  P). Both make the mean over cp ranks of a rank's aux loss equal the single process's.
-
-Loss and gradients (what the trainer does): each rank's LM loss is the mean over its own T_c tokens of every row, so
-the mean over cp ranks is the mean over all tokens (equal chunk sizes; with ignored labels use a token-count-weighted
-mean instead). Gradients of replicated weights are averaged over dp x ep x cp (`trainer.parallel.gradients.
-reduce_gradients`): the collectives' backwards above already deliver to each rank the gradient of the SUM of all
-ranks' losses with respect to its own activations, so the average is the gradient of the mean loss. MoE load counts
-are summed over dp x ep x cp (`reduce_load_counts`): cp ranks route different tokens.
-
-Communication per layer and micro-batch, bytes per rank (ring all-gather / reduce-scatter move (cp - 1) / cp of the
-gathered size in each direction; FP4/FP8 values travel as fake-quantised model-dtype values):
-| where | forward | backward |
-| --- | --- | --- |
-| Full layer: entries (main + indexer keys) | all-gather (cp-1)/cp * B*E*(D+Di)*s | reduce-scatter, the same |
-| every layer: SWA halo | send + receive B*(W-1)*D*s | the same, reversed |
-| index source: KL row count | all-reduce of one fp32 | none |
-| MoE layer, only if seq_aux_loss_coef > 0 | all-reduce B*n_exp fp32 | none |
-| once per forward: token ids (+ image mask) | all-gather (cp-1)/cp * B*T*8 (+ B*T) | none |
-Flagship, B = 1, T = 64K, cp = 8, bf16: an encoder Full layer (m = 2) moves 7/8 * 32768 * 640 * 2 = 36.7 MB each way,
-the decoder's Full layer (m = 1) 73.4 MB, each layer's halo 127 * 512 * 2 = 130 KB: about 190 MB per direction per
-sequence for all 40 layers, where CP for dense attention (ring attention) would pass every layer's whole per-token KV
-around, 40 * 7/8 * 64K * 512 * 2 = 2.3 GB.
-Memory: every rank holds all E entries of each source (B*E*(D+Di)*s: 42 MB at m = 2 above) and [B, T_c, E] indexer
-scores. Compute: each rank scores its T_c queries against all E entries (the reference computes dense masked
-[T, E] scores), so the chunks are balanced; a kernel that skips invisible entries would give the last rank more work.
+Design and reasoning: docs/parallelism.md#context-parallelism
 """
 
 from __future__ import annotations

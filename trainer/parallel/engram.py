@@ -1,59 +1,16 @@
 """Engram row sharding: each rank of a group holds a contiguous block of every Engram table's rows; lookups travel.
 
-Shape legend: M row ids this rank looks up (B * T * C), U distinct ids among them, W ranks of the group, R ids other
-ranks ask this rank for (its rows they read, each requester's ids distinct), Dh row width (head_dim), N table rows,
-N_r = ceil(N / W) rows per rank (the last ranks may hold fewer, or none).
-
-Why: the flagship's two tables are 98.3B values each (SPEC 1.6), 16 bytes per value with AdamW: no rank holds one.
-Rows are addressed only by token ids, so any rank can ask for any row, and a micro-batch of N tokens reads at most
-C * N rows of a table (C = 24: 98K of its 384M rows for 4K tokens): moving rows is cheap next to holding tables.
-
-Layout: rank r of the group owns rows [r * N_r, min((r + 1) * N_r, N)) of each table (torch.chunk's split, which is
-DTensor's Shard(0)): the table parameter becomes a DTensor sharded on dim 0, so DCP saves each rank's block under
-the usual key and a checkpoint loads into any other layout, the single process included. `Engram.lookup` goes
-through an installed `ShardedRows` reader (the `row_reader` seam); the gate and projections are untouched.
-
-One lookup, forward, per rank (`ShardedRows.issue`, then `_ShardedLookup.forward`):
-- the M ids are made distinct (sorted unique, U of them) and each owner is sent the ids it owns: an all-to-all of
-  W int64 counts, then one of the U ids;
-- each owner gathers the R rows asked of it from its block and sends them back: one all-to-all, R * Dh values out,
-  U * Dh in (table dtype); the requester expands its U rows to the M positions.
-Backward (`_ShardedLookup.backward`): the M row gradients are summed per distinct id in position order, one term
-at a time in the table dtype (as F.embedding's backward sums repeats), sent back to the owners (U * Dh out, R * Dh
-in), and each owner adds them into the touched rows of its block's gradient, requesters in rank order. A row nobody
-read gets a zero gradient; no rank ever forms a gradient of the whole table (each forms its block's, dense).
-Per lookup and rank: forward U int64 ids out and R in, R * Dh rows out and U * Dh in; backward U * Dh out, R * Dh
-in (balanced ranks: R ~ U, and (W - 1) / W of it crosses the network). Flagship (C = 24, Dh = 256, bf16): at most
-24 * (8 + 2 * 256 * 2) = 24.8 KB per token and Engram layer each way over forward + backward, less the repeats.
-
-Exactness: forward rows are copies. The block's gradient is, row by row, ((g_0 + g_1) + g_2) + ... where g_r is the
-sum rank r's positions made in position order: bit for bit the sum over ranks, in rank order, of what the unsharded
-module's backward gives each rank on its own ids (what data parallelism with a replicated table all-reduces); the
-whole batch on one process adds the same terms in another order (fp32 rounding apart).
-
-Host memory (`host_memory=True`, REFERENCE B5 `cpu_offload`): the block lives in host memory (pinned when CUDA is
-available); owners gather on the host and the rows cross to the device for the exchange; gradients come back to
-the host, where the optimiser updates the block. On a CPU-only machine it is ordinary CPU memory.
-
-Prefetch: row ids depend only on token ids, so the exchange for a micro-batch can be issued before its forward
-(`EngramSharding.prefetch(input_ids)`, e.g. while the previous micro-batch computes); the rows' all-to-all is left
-in flight and the layer's `lookup` waits for it and consumes it. A prefetched block read is only valid while the
-table is unchanged: the shard's version counter is recorded at issue, and a lookup after an in-place update (the
-optimiser step) re-issues the exchange (every rank steps together, so every rank re-issues). A lookup checks that it
-asks for the prefetched ids (one comparison; a device sync on GPU, `verify_prefetch=False` drops it) and raises
-otherwise: falling back alone would leave the other ranks' collectives unmatched.
-
+Contract: `apply_engram_sharding` makes each table a DTensor sharded on dim 0 over the group (rank r owns rows
+[r * N_r, min((r + 1) * N_r, N)) of N, N_r = ceil(N / W) over W ranks; DCP checkpoints load into any layout) and
+installs a `ShardedRows` reader in `Engram.lookup`; forward rows are exact copies, no rank forms a whole-table
+gradient.
 Every rank of the group must run the same lookups in the same order (forward and backward), as with EP.
+`EngramSharding.prefetch(input_ids)` may issue a micro-batch's exchange early; a lookup for other ids raises.
+After backward call `reduce_engram_gradients(model, num_loss_ranks)` (usually `meshes.dp_ep_cp.size()`);
+`engram_tables(model)` must be kept out of the replicated all-reduce and out of FSDP
+(fully_shard(..., ignored_params=set(engram_tables(model)))). `host_memory=True` keeps the blocks in host memory.
 
-Gradients (`reduce_engram_gradients`): after backward, a rank's block gradient already holds every group rank's
-contribution; the job's loss is the mean of `num_loss_ranks` per-rank losses, so the block gradient is divided by
-that (and first summed over `replica_group`, ranks outside the group that hold the same block and read other
-tokens). The usual group is `Meshes.dp_ep_cp`: every rank of one pipeline stage and tp rank, which are exactly the
-ranks whose losses are averaged, so `reduce_engram_gradients(model, meshes.dp_ep_cp.size())`.
-trainer/parallel/gradients.py's `reduce_gradients` keeps `engram_tables(model)` out of the replicated all-reduce
-(it would reduce these blocks as if replicated), and its `clip_grad_norm_` sums their squares over the group (their
-Shard axis). FSDP must leave them alone too (fully_shard(..., ignored_params=set(engram_tables(model)))): it would
-all-gather whole tables.
+Design and reasoning: docs/parallelism.md#engram-row-sharding
 """
 
 from __future__ import annotations

@@ -1,43 +1,14 @@
 """Expert parallelism (EP): each rank of the `ep` mesh axis holds E/ep routed experts; tokens travel to them.
 
-Shape legend: N tokens on this rank, D model dim, K experts per token, E routed experts, W = ep ranks,
-E_local = E / W experts per rank, S = N*K token copies this rank routes, R copies it receives.
+Contract: `apply_ep` makes rank r own experts [r * E_local, (r + 1) * E_local) of every MoE layer (w1/w3/w2
+DTensors, Shard(0) over the ep mesh; DCP checkpoints load into any layout) and installs an all-to-all dispatcher.
+Dropless by default (one host sync per layer, in the forward). With parallel.ep_capacity_factor = f > 0 every
+message has a fixed size (no host sync, static shapes): copies beyond C = ceil(f * S / W) per destination rank are
+dropped (`dropped_copies`, `dropped_share`), and every ep rank must route the same number of copies S.
+Gradients (trainer/parallel/gradients.py): non-expert ones are averaged over dp x ep x cp; an expert's
+(`expert_parameters`) is summed over dp and cp and divided by dp x ep x cp.
 
-Layout: rank r of the ep axis owns experts [r * E_local, (r + 1) * E_local) of every MoE layer; their w1/w3/w2
-are DTensors sharded on dim 0 over the ep mesh (Shard(0)), so DCP saves each rank's rows under the usual keys
-and a checkpoint loads into any other layout, the single process included.
-
-Communication of one MoE layer, per rank, forward (the backward sends the same volumes the other way):
-- split sizes: one all-to-all of E int64 counts (E_local to each rank);
-- tokens: one all-to-all of the S copies, D model-dtype values each, with the fp32 routing weight packed
-  bit-exactly into c extra columns of the same message (c = 2 in bf16, 1 in fp32), because the reference
-  multiplies the weight in before w2, on the expert's side: S * (D + c) elements sent, R * (D + c) received;
-- results: one all-to-all of the R expert outputs (D model-dtype values each) back to the tokens' ranks, where
-  each token's K copies are summed in fp32 in a fixed order: R * D sent, S * D received.
-So about 2 * N * K * D elements leave and arrive per rank and layer in the forward (balanced routing:
-(W - 1) / W of them cross the network), and as much again in the backward. Dropless: nothing is capped or
-dropped, so the split sizes go through the host (one sync per layer, in the forward; the backward reuses them).
-
-Sync-free mode (parallel.ep_capacity_factor = f > 0): every message has a fixed size, so a step under ep has static
-shapes, no host sync and no branch on tensor values (torch.compile fullgraph, CUDA graphs). Each rank sends exactly
-C = ceil(f * S / W) rows (at most S) to every ep rank: its copies for that rank, in LocalDispatcher's order (global
-expert, then token), the first C of them, zero-padded; copies beyond C are dropped: their expert output counts as
-zero (the token keeps its other copies and the shared expert), their gradient is zero, and `dropped` counts them
-(this rank's copies, last forward, a device tensor). The counts of one layer are one all-to-all of W * E_local int64
-(clipped to C); the rows one all-to-all of W * C * (D + c) elements, equal splits, sent and received; the results
-W * C * D. The receiver regroups its W blocks of C rows by local expert with a stable sort whose padding rows carry
-the sentinel E_local (last); the grouped GEMM reads only the first sum(counts) rows, and the rows after them (left
-undefined by torch._grouped_mm) are zeroed before the return all-to-all. f >= W gives C = S: nothing is ever
-dropped and the result equals the dropless path's, at W times its message size. Every ep rank must route the same
-number of copies S (the same tokens per micro-batch), since the equal splits assume one C.
-The collectives are the functional ones (torch.ops._c10d_functional, autograd-registered: the backward is the same
-equal-split exchange), which dynamo traces into the graph.
-
-Gradients (trainer/parallel/gradients.py `reduce_gradients`, which also holds the clip and the router-bias update):
-every rank's loss is the mean over its own tokens, and the job's loss is the mean over the ranks that read
-different tokens (dp x ep x cp). A non-expert gradient is therefore averaged over those ranks. An expert's local
-gradient already holds the contributions of every ep peer whose tokens it served (they came back through the
-all-to-all), so it is summed over its replicas only (dp, and cp) and divided by the same dp x ep x cp.
+Design and reasoning: docs/parallelism.md#expert-parallelism
 """
 
 from __future__ import annotations
@@ -170,7 +141,7 @@ class AllToAllDispatcher:
     in the same order as LocalDispatcher gives those experts when one process holds every rank's tokens
     (concatenated in ep-rank order), so the expert GEMMs see identical inputs.
 
-    capacity_factor > 0: the sync-free mode (module docstring). Then R = W * C always, the valid rows come first
+    capacity_factor > 0: the sync-free mode (docs/parallelism.md). Then R = W * C always, the valid rows come first
     in the order above and tokens_per_expert counts only them; the padding rows after them are zero on arrival and
     whatever the experts make of them never leaves this rank. `dropped` holds the number of this rank's copies
     the last dispatch dropped (0-dim int64 on the device; always 0 when dropless).

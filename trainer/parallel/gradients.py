@@ -1,34 +1,14 @@
-"""What happens between backward and the optimiser step in every layout: gradient reduction, the clipped global
-gradient norm, the MoE balancing update and the job-wide mean of per-rank numbers.
+"""What happens between backward and the optimiser step in every layout: gradient reduction (`reduce_gradients`),
+the clipped global gradient norm (`clip_grad_norm_`), the MoE balancing update (`update_router_biases`) and the
+job-wide mean or sum of per-rank numbers (`mean_over_data`, `sum_over_data`).
 
 The one place these rules live: the trainer (trainer/train.py) and the layout tests (tests/parallel/) call the
-same functions, with a ParallelModel (trainer/parallel/apply.py; meshes None for a single process).
+same functions, with a ParallelModel (trainer/parallel/apply.py; meshes None for a single process). Contract:
+after `reduce_gradients` every gradient equals the single process's gradient of the job's loss (the mean over
+dp x ep x cp of each rank's mean loss); the clip norm and coefficient match the single process's; router biases
+stay identical on every rank and equal the single process's.
 
-The rules (the job's loss is the mean over the ranks that see different tokens, dp x ep x cp, of each rank's mean
-loss; see trainer/parallel/expert.py and context.py for why each rule gives the single process's gradient):
-- non-expert gradients: mean over dp_replicate x dp_shard x ep x cp;
-- routed-expert gradients (already summed over their ep peers by the all-to-all backward): sum over dp x cp,
-  divided by dp x ep x cp;
-- tp and pp ranks hold different parameters (or identical replicas computed from the same tokens): no reduction
-  over them, except that sequence parallelism leaves the replicated norms and mHC sites a Partial gradient (each
-  tp rank saw only its tokens), completed over tp first.
-Without FSDP all of it is `_reduce_replicated` below (one flat all-reduce per rule). With FSDP, the
-reduce-scatter in the backward already averaged every gradient over dp (and HSDP's all-reduce over dp_replicate);
-what is left is a sum over ep x cp (non-experts) or cp (experts) of the local shards, times 1 / (ep x cp).
-Row-sharded Engram tables (parallel.engram_shard) take neither path: the row exchange's backward already summed
-every group rank's contribution into the owner's block, which is only divided by dp x ep x cp
-(trainer/parallel/engram.py `reduce_engram_gradients`).
-
-The clip norm sums squares over every axis that shards a parameter: for each gradient, the mesh axes on which its
-placement is Shard (tp, ep, dp_shard, and dp x ep x cp for a row-sharded Engram table; a plain tensor is whole),
-then over pp (each pipeline rank holds other layers). Squares are summed in fp64: the layouts add per-rank partial
-sums, the single process one running sum, and the two orders then agree far below fp32 rounding, so the fp32 norm
-and clip coefficient match (torch's fp32 norms differ in the last bits, which the Engram gates amplify to 1e-4
-relative in the next step's gradients).
-
-MoE balancing (`update_router_biases`): every MoE layer's load counts are summed over the ranks that route
-different tokens through the same layers (dp x ep x cp, `reduce_load_counts`; tp peers routed the same ones), so
-every rank applies the same sign update and the biases stay identical everywhere and equal the single process's.
+Design and reasoning: docs/parallelism.md#gradients-clipping-and-balancing
 """
 
 from __future__ import annotations

@@ -1,51 +1,16 @@
-"""Pipeline parallelism for the CED backbone: where to cut, the stage modules, the last stage's loss and the
-torch.distributed.pipelining schedules that drive them (1F1B, interleaved 1F1B, and the zero-bubble ZBV and
-interleaved schedules, with our own split backward). What crosses a cut, the wire format of the tuples the stages
-send (slot table, bit-packed masks, float carriers), is trainer/parallel/pipeline_wire.py.
+"""Pipeline parallelism for the CED backbone: where to cut (`split_points`, `allowed_cuts`), the stage modules
+(`PipelineStageModule`, `split_model`), the last stage's loss (`PipelineLoss`) and the torch.distributed.pipelining
+schedules that drive them (`SCHEDULES`, `build_pipeline`: 1F1B, interleaved 1F1B, and the zero-bubble ZBV and
+interleaved schedules, with our own split backward). What crosses a cut is trainer/parallel/pipeline_wire.py.
 
-Shape legend: B micro-batch rows, T tokens, n mHC streams, dim hidden width, E = T // m entries of a ratio-m KV
-source, V vocabulary, M micro-batches per optimiser step.
+Contract: a stage computes exactly what its layers compute inside the whole model; cuts fall only in front of a
+layer that reuses no earlier top-k (unless `any_layer=True`). Stage modules keep the model's parameter names
+(`layers` keyed by global layer index), so state dicts and checkpoints match the whole model. Shapes are static:
+every micro-batch must have B rows of T tokens. The last stage's loss is lm + coef * kl_sum / kl_count +
+seq_balance. Needs torch >= PIPELINE_MIN_TORCH (`check_torch_version`); on torch < 2.13 `_FLOAT_WIRE` is on
+(the float wire: integer slots cross as float32 carriers, docs/parallelism.md#pipeline-wire-format).
 
-Where to cut (`split_points`)
------------------------------
-A stage is a contiguous slice of layers run by `model.transformer.forward_blocks`, the loop the whole model runs,
-so a stage computes exactly what its layers compute inside the whole model. Stages are cut only at a layer that
-does not reuse the top-k of a layer before it (an SWA layer or the start of a Full / Reindex group): a cut in
-front of a Reuse layer would ship a [T, E] selection that a group-start cut never needs. Among those cuts a
-small dynamic programme minimises the most expensive stage, where a stage costs its layer count plus
-`embed_cost` on the first stage (embedding + Engram hashing) and `head_cost` on the last (final norm, head,
-cross-entropy): the first and last stages get fewer layers (torchtitan's "less layers" on both ends). Ties go to
-the cuts that carry the least state (`carried`). Flagship, 40 layers, group starts at 1, 2, 8, 14, 20, 24, 28,
-32, 36: pp 2 -> [20] (the decoder starts on the second stage, which then computes h_{L/2} itself); pp 4 ->
-[8, 20, 32] (stage costs 9, 12, 12, 9); 8 stages -> [2, 8, 14, 20, 24, 28, 36] (3, 6, 6, 6, 4, 4, 8, 5: the
-six-layer encoder groups bound the balance). At most 10 stages fit; `any_layer=True` also cuts in front of Reuse
-layers, one extra top-k per such cut, for better balance (8 stages -> max cost 6) or more stages.
-
-Auxiliary losses: every stage adds its layers' indexer KL (sum and count, so the last stage forms the same mean
-over layers as `Transformer._aux`) and MoE sequence-balance terms to the running aux vector; the last stage's
-loss is lm + coef * kl_sum / kl_count + seq_balance, so each term's gradient flows back to the stage that made it.
-
-MoE balancing: each stage's MoE layers count the loads of all M micro-batches; trainer/parallel/gradients.py's
-`update_router_biases` updates them from those counts (summed over the data ranks when dp/ep/cp > 1), as the single
-process does on the whole batch, and its `clip_grad_norm_` sums the squared gradient norms over the pipeline group.
-
-Zero bubble: ZBVZeroBubble and InterleavedZeroBubble split each stage's backward into an input and a weight pass;
-trainer/parallel/zero_bubble.py makes that split exact on these stages (the stage wraps its received inputs and
-its outputs in that module's `ContiguousGrad` and `Tie`, and the schedules run `ZeroBubbleStage`s).
-
-torch 2.11 (the GPU machine's) sets requires_grad on every received buffer, which integer dtypes refuse, creates a
-gradient receive buffer for every output of the previous stage and expects a gradient back for every received
-tensor. `_FLOAT_WIRE` (on for torch < 2.13) therefore turns on the float wire: `set_shapes` fixes it per stage and
-passes it to the wire functions, under which every non-floating slot crosses as a float32 carrier of its exact
-bytes (pipeline_wire.py's docstring). Each received carrier gets an exact zero gradient back
-(zero_bubble.ZeroGrad), and any received float that gets no gradient gets zeros (ZeroBubbleStage.fill_input_grads);
-the sender's backward skips outputs that neither require grad nor have a grad_fn. torch 2.13 carries the integers
-as they are and sends zeros itself.
-
-Stage modules keep the model's parameter names (`embed.weight`, `layers.<i>...`, `norm.weight`, `head.weight`):
-`layers` is an nn.ModuleDict keyed by the global layer index, so state dicts and checkpoints match the whole model.
-The stages use static shapes (PipelineStage input/output metadata from `boundary_slots`): no metadata-inference
-forward runs, so MoE load counters see only real micro-batches, and every micro-batch must have B rows of T tokens.
+Design and reasoning: docs/parallelism.md#pipeline-parallelism
 """
 
 from __future__ import annotations

@@ -1,60 +1,14 @@
 """The wire format of a pipeline cut: which tensors cross the boundary between two stages of
-trainer/parallel/pipeline.py, in which order, shape and dtype (`boundary_slots`, the slot table), how many bytes
-(`boundary_bytes`, which trainer/memory_plan.py also counts), and the encodings some of them cross in: bit-packed masks
-(`pack_bits` / `unpack_bits`) and, on torch < 2.13, float32 carriers of integer tensors (`to_carrier` /
-`from_carrier`). Functions of the config, the cut and the micro-batch shape only; the stage modules that fill and
-read these tuples, and the flag that turns the float wire on, live in trainer/parallel/pipeline.py.
+trainer/parallel/pipeline.py, in which order, shape and dtype (`boundary_slots`, the slot table of `Slot`s), how
+many bytes (`boundary_bytes`, which trainer/memory_plan.py also counts), and the encodings some of them cross in:
+bit-packed masks (`pack_bits` / `unpack_bits`) and, on torch < 2.13, float32 carriers of integer tensors holding
+their exact bytes (`to_carrier` / `from_carrier`, `slot_meta`). Functions of the config, the cut and the
+micro-batch shape only; the stage modules that fill and read these tuples, and the flag that turns the float wire
+on, live in trainer/parallel/pipeline.py. Float slots carry a gradient of the same size back; integer and bit
+slots carry none. Under sequence parallelism the streams, `pre` and h_{L/2} cross as each tp rank's sequence
+shard (`sequence_shards`); everything else crosses whole.
 
-Shape legend: B micro-batch rows, T tokens, n mHC streams, dim hidden width, D main-KV latent width (head_dim),
-Di indexer key width, E = T // m entries of a ratio-m KV source, C Engram columns per layer (orders x heads),
-K top-k ids per query, P pool block ids per query, b bytes per activation element (4 fp32, 2 bf16).
-
-What crosses a cut (`boundary_slots`), per micro-batch, forward; the float entries carry a gradient of the same
-size back (the integer and bit entries have none):
-
-| state | crosses cut c when | shape | bytes |
-| --- | --- | --- | --- |
-| mHC streams S | always | [B, T, n, dim] | b*B*T*n*dim |
-| previous site's `pre` | always | [B, T, n] fp32 | 4*B*T*n |
-| h_{L/2} | the encoder ended before c and a decoder Full layer is >= c | [B, T, dim] | b*B*T*dim |
-| main KV + indexer keys of source s | s < c and a layer >= c reads them | [B, E, D], [B, E, Di] | b*B*E*(D+Di) |
-| top-k of index source s | s < c, a Reuse layer >= c uses it (sparse phase) | [B, T, E] bits, or ids | B*T*ceil(E/8) |
-| candidate pool | built before c, a pool-restricted Reindex layer >= c | [B, T, E] bits, or ids | B*T*ceil(E/8) |
-| Engram row ids | per Engram layer >= c (hashed once, on the first stage) | [B, T, C] int64 | 8*B*T*C |
-| Engram dead mask | with any of those | [B, T] uint8 | B*T |
-| image mask | batches carry one (MoE routes image tokens with its own bias) | [B, T] uint8 | B*T |
-| aux: indexer KL sum, KL count, MoE seq balance | always | [3] fp32 | 12 |
-
-Under sequence parallelism (tp > 1, trainer/parallel/tensor.py) each stage holds the streams, `pre` and h_{L/2} as its
-tp rank's sequence shard, T / tp tokens, and they cross as such (`sequence_shards`: the pipeline links ranks of one
-tp coordinate, each ships its own shard); everything else crosses whole, as every tp rank holds it: the KV, keys,
-top-k and pool (attention and the indexer gather the whole sequence before they make them), the Engram row ids and
-dead mask (hashed from the whole token sequence), the image mask and aux. The first stage takes whole token ids
-(the embedding hands on its shard) and the last returns whole logits (the head gathers the sequence).
-
-On the Triton attention path (model/kernels.py; the default on CUDA without context parallelism) the top-k and the
-pool live in the context as int32 ids, and cross as such (`ids=True`), exactly: the top-k [B, T, K] entry ids
-(K = min(index_topk, E), or of the pool's slots in a pool-restricted source), 4*B*T*K bytes, and the pool [B, T, P]
-block ids (P = min(candidate_topk_blocks, ceil(E / block))), 4*B*T*P bytes; -1 marks an empty place.
-
-Under autocast with fp32 streams, compressed KV and keys cross in fp32 whatever dtype their path made (a bf16 one
-is upcast exactly), with a [number of KV tensors] uint8 code the receiver uses to restore each one's dtype.
-
-The streams dominate. Flagship (n=4, dim=5120, D=512, Di=128, C=24), bf16, B=1, T=4096, at the cut in front of
-layer 24 (a Reindex group start): S 167.8 MB, pre 0.07 MB, layer 20's KV + keys 5.2 MB, pool 2.1 MB: 175 MB per
-micro-batch forward and 173 MB of gradient back. At the cut in front of layer 2, the two Engram layers' row ids
-add 0.8 MB. The pool and a top-k grow as T^2/8 (33.6 MB per boundary at T=16K); both are bit-packed. h_{L/2}
-(42 MB) crosses only when the encoder ends on an earlier stage than a decoder Full layer; in the flagship plan
-the one decoder Full layer is layer 20, the first decoder layer, so no cut carries it. A top-k never crosses a
-group-start cut.
-
-The float wire: torch 2.11's PipelineStage (the GPU machine's) sets requires_grad on every received buffer, which
-integer dtypes refuse. Under it (pipeline.py `_FLOAT_WIRE`, on for torch < 2.13, passed to these functions as
-`float_wire`) every non-floating slot crosses as a float32 "carrier" holding its exact bytes (`to_carrier` /
-`from_carrier`: int32 [..., K] -> [..., K]; int64 [..., C] -> [..., 2C]; uint8 [..., N] -> [..., ceil(N / 4)],
-zero-padded), declared requires_grad in the stage metadata (`slot_meta`) and decoded from its detached bytes on
-arrival; a carrier's bit pattern may be a NaN as a float, so nothing computes on it (gloo and NCCL copy bytes).
-The cost: the carriers' bytes again as (zero) gradient traffic, and uint8 masks padded to 4 bytes per row.
+Design and reasoning: docs/parallelism.md#pipeline-wire-format
 """
 
 from __future__ import annotations

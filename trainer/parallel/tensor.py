@@ -1,78 +1,18 @@
-"""Parallel plans for the V4.1 backbone, applied from outside the model (torchtitan's `parallelize_llama` pattern).
+"""Tensor and sequence parallelism for the V4.1 backbone, applied from outside the model (`apply_tp`).
 
 Order (torchtitan): TP -> activation checkpointing -> compile -> FSDP, on a model built on the meta device; then
 `to_empty()` and `init_weights()`. Every function here only reads the model's structure and installs DTensor
 parameters and forward hooks; the model code never sees a process group.
 
-Shape legend: B batch, T tokens, N = B*T, dim hidden width, D latent / head width (512 in the flagship), H query
-heads, G output groups, E compressed entries (T / m), K experts per token, F expert width, V vocabulary, n mHC streams.
+Contract: after `apply_tp` every parameter is a DTensor on the tp mesh (Shard where split, Replicate elsewhere);
+which parameters are split, and on which dim, is `tp_shard_dims` (read off the same plan objects). Under
+`sequence_parallel=True` activations between sub-blocks are Shard(1) along T (T must divide by tp), and the
+replicated norms / mHC sites get Partial gradients that `reduce_partial_grads` completes after backward. With
+`loss_parallel` (default) the logits stay vocab-sharded and the caller computes the cross-entropy and backward
+inside `torch.distributed.tensor.parallel.loss_parallel()`. `apply_tp` refuses parameters another plan already
+distributed (not composed with EP's expert split).
 
-Tensor parallelism (`apply_tp`), decisions
-------------------------------------------
-Every parameter becomes a DTensor on the tp mesh, Shard where it is split and Replicate elsewhere (torchtitan's
-NoParallel), so optimisers, gradient clipping, FSDP2 and checkpoints see one kind of parameter. Which parameters are
-split, and along which dim, is read off the same plan objects by `tp_shard_dims` (the planner's and the accounting's
-source), never listed a second time.
-
-- Attention: query heads split. wq_b column-wise (each rank owns H/tp heads), the per-head sink sharded with them,
-  wo_a's groups split (group g is the head block g*H/G.., so rank r's G/tp groups are exactly its heads; the
-  model reads the shard through `model.common.local`), wo_b row-wise. Replicated: wq_a, q_norm, the shared K=V
-  latent (wkv, kv_norm: one 512-wide latent per token, shared by all heads), the compressor and the indexer.
-  The indexer is replicated rather than split by heads: its scores are [B, T, E] fp32, so a head split would save
-  2*Hi*Di*(1 - 1/tp) FLOPs per (query, entry) pair (8192 in the flagship, at most) but add an all-reduce of 4 bytes
-  per pair (about 8 bytes of ring traffic): on an H200 (~1 PFLOP/s, ~450 GB/s NVLink) the traffic takes longer than
-  the FLOPs it saves, and replication keeps top-k identical on every rank by construction. Its KL target
-  (attention mass summed over heads) is the one thing the head split breaks: `HeadSum`'s output is all-reduced
-  (forward only; the target is detached).
-  The latent, main KV and q_res are computed replicated and read by this rank's heads only, so their gradients
-  are partial sums: all-reduced where they leave the replicated part (Megatron's `f`), at q_res (wq_b's input),
-  kv_norm's output and the compressor's output. Every gradient that reaches the attention input is then complete,
-  so under sequence parallelism the input all-gather's backward is a slice, not a reduce-scatter.
-- MoE: routed experts split along their width F (w1/w3 [E, F, D] on F, w2 [E, D, F] on F; SwiGLU is elementwise in
-  F, so this is exact), the shared expert column/row-wise, the router replicated: every tp rank routes the same
-  tokens (load counts stay identical across tp, so bias updates reduce over the data mesh only). Experts and the
-  shared expert return partial sums, reduced once at the MoE output. The tokens and routing weights the experts
-  read get their partial gradients all-reduced at the experts' input ([N*K, dim]: the dispatch has no seam before
-  it; torchtitan's expert TP does the same). Not composed with expert parallelism yet: apply_tp refuses parameters
-  another plan already distributed (experts split by EP and not by tp would make that all-reduce double-count).
-- Embedding column-wise (each rank holds dim/tp channels of every row), not vocab-parallel: DTensor has no row-wise
-  strategy for the embedding backward, so a vocab-sharded table would get a full-size [V, dim] gradient on every
-  rank, reduced every step; column-wise keeps the gradient sharded and its forward is a gather, not a reduction.
-- Head column-wise (vocab-parallel). With `loss_parallel` (default) the logits stay sharded over the vocabulary (a
-  DTensor [B, T, V]) and the caller computes the cross-entropy and calls backward inside
-  `torch.distributed.tensor.parallel.loss_parallel()`; otherwise the logits are all-gathered ([N, V] per step).
-- Norms, mHC sites and Engram: replicated; they act on the full hidden width / all streams of a token.
-
-Sequence parallelism (`sequence_parallel=True`): activations between sub-blocks (the embedding output, the mHC
-streams S [B, T/tp, n, dim], h_mid, the FFN/attention outputs) are sharded along T (Shard(1)). Norms and mHC sites
-compute on the local shard in DTensor form, so their replicated parameters get Partial gradients (completed by
-`reduce_partial_grads` after backward, or by FSDP2). Attention and MoE all-gather their inputs (x; kv_in = norm of
-h_mid in decoder Full layers) and reduce-scatter their outputs, so everything that reads across positions (windows,
-compressor groups, indexer, top-k, the hierarchical pool, per-sequence balance statistics) sees the whole sequence.
-Engram's row ids
-are hashed from the whole token sequence (input_ids stay replicated); Engram itself all-gathers the streams, runs
-on the whole sequence and slices its output back, so its table's gradient is complete on every rank. Run on the
-shard, the table (98B rows x 256 per module in the flagship) would get a partial gradient: a dense all-reduce of
-the whole table every step instead of two all-gathers of the streams. T must divide by tp.
-
-Communication per layer and micro-batch (elements; x2 bytes in bf16, x4 in fp32; ring all-reduce moves twice an
-all-gather or reduce-scatter):
-| where | forward | backward |
-| --- | --- | --- |
-| attention input (SP) | all-gather N*dim (+ N*dim for kv_in in decoder Full layers) | none (slice) |
-| attention output | all-reduce N*dim, or reduce-scatter (SP) | none, or all-gather N*dim (SP) |
-| q_res / latent / main KV | none | all-reduce N*q_lora_rank + N*D (+ B*E*D in Full layers) |
-| indexer KL target (index sources) | all-reduce B*T*E fp32 (no gradient) | none |
-| MoE input (SP) | all-gather N*dim | none (slice) |
-| MoE output | all-reduce N*dim, or reduce-scatter (SP) | none, or all-gather N*dim (SP) |
-| experts' / shared expert's input | none | all-reduce N*K*dim + N*K, and N*dim |
-| Engram (SP, 2 layers) | all-gather N*n*dim | all-gather N*n*dim |
-Once per forward: embedding output all-gather N*dim, or all-to-all to sequence shards (SP; its backward too); head
-input all-gather N*dim (SP) and its backward reduce-scatter (all-reduce without SP); with loss_parallel a few
-all-reduces of N fp32 (max, sum-exp, target logit) instead of gathering N*V logits.
-Once per step under SP: the Partial gradients of the norms and mHC sites (dim or 24 x n*dim each) are reduced.
-Costs of these choices: the replicated parts of attention (wq_a, wkv, compressor, indexer) and Engram run on every
-tp rank.
+Design and reasoning: docs/parallelism.md#tensor-and-sequence-parallelism
 """
 
 from __future__ import annotations
@@ -351,7 +291,7 @@ def _top_plan(seq: Placement, loss_parallel: bool) -> dict[str, ParallelStyle]:
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool, *, loss_parallel: bool = True) -> None:
-    """Tensor (and sequence) parallelism for a `model.transformer.Transformer`, in place; see the module docstring.
+    """Tensor (and sequence) parallelism for a `model.transformer.Transformer`, in place; see docs/parallelism.md.
 
     With loss_parallel the model returns logits as a DTensor sharded over the vocabulary: compute the loss and call
     backward inside `torch.distributed.tensor.parallel.loss_parallel()`. A tp mesh of size 1 leaves the model alone.
