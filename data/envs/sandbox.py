@@ -1,12 +1,14 @@
 """Run untrusted Python (a model's answer to a code problem) where it can harm neither the trainer nor the machine.
 
 `run_sandboxed(code)` runs `code` in a fresh interpreter (`-I -S -B`) inside a bubblewrap sandbox: new user, PID,
-mount, network, IPC, UTS and cgroup namespaces, no capabilities, uid 65534, a read-only view of only the
-interpreter (its binary, the standard library, the shared objects they load), a size-limited scratch tmpfs as its
-working directory, its own /proc and a minimal /dev, no terminal (a session of its own), and the seccomp filter of
-data/envs/seccomp.py. The whole tree dies with the run (the PID namespace's init, the interpreter, is killed). The
-child sets rlimits (address space, CPU, file size, open files, threads) and installs an audit hook (PEP 578) that
-stops it, exit status BLOCKED_EXIT, at the first act no program here needs; that hook is the inner layer only.
+mount, network, IPC, UTS and cgroup namespaces, no capabilities, uid 65534 on the host too (as root, where that uid
+cannot reach the interpreter, bwrap makes no user namespace and `setpriv` drops to it: _drops_to_nobody), a
+read-only view of only the interpreter (its binary, the standard library, the shared objects they load), a
+size-limited scratch tmpfs as its working directory, its own /proc and a minimal /dev, no terminal (a session of its
+own), and the seccomp filter of data/envs/seccomp.py. The whole tree dies with the run (the PID namespace's init,
+the interpreter, is killed). The child sets rlimits (address space, CPU, file size, open files, threads) and
+installs an audit hook (PEP 578) that stops it, exit status BLOCKED_EXIT, at the first act no program here needs;
+that hook is the inner layer only.
 
 The code reaches the child through an inherited descriptor; the child reports why it stopped on a pipe that the
 code may write too, so that report is believed only with BLOCKED_EXIT, and "ok" only for exit 0. Where bwrap is
