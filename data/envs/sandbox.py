@@ -1,12 +1,14 @@
 """Run untrusted Python (a model's answer to a code problem) where it can harm neither the trainer nor the machine.
 
 `run_sandboxed(code)` runs `code` in a fresh interpreter (`-I -S -B`) inside a bubblewrap sandbox: new user, PID,
-mount, network, IPC, UTS and cgroup namespaces, no capabilities, uid 65534, a read-only view of only the
-interpreter (its binary, the standard library, the shared objects they load), a size-limited scratch tmpfs as its
-working directory, its own /proc and a minimal /dev, no terminal (a session of its own), and the seccomp filter of
-data/envs/seccomp.py. The whole tree dies with the run (the PID namespace's init, the interpreter, is killed). The
-child sets rlimits (address space, CPU, file size, open files, threads) and installs an audit hook (PEP 578) that
-stops it, exit status BLOCKED_EXIT, at the first act no program here needs; that hook is the inner layer only.
+mount, network, IPC, UTS and cgroup namespaces, no capabilities, uid 65534 on the host too (as root, where that uid
+cannot reach the interpreter, bwrap makes no user namespace and `setpriv` drops to it: _drops_to_nobody), a
+read-only view of only the interpreter (its binary, the standard library, the shared objects they load), a
+size-limited scratch tmpfs as its working directory, its own /proc and a minimal /dev, no terminal (a session of its
+own), and the seccomp filter of data/envs/seccomp.py. The whole tree dies with the run (the PID namespace's init,
+the interpreter, is killed). The child sets rlimits (address space, CPU, file size, open files, threads) and
+installs an audit hook (PEP 578) that stops it, exit status BLOCKED_EXIT, at the first act no program here needs;
+that hook is the inner layer only.
 
 The code reaches the child through an inherited descriptor; the child reports why it stopped on a pipe that the
 code may write too, so that report is believed only with BLOCKED_EXIT, and "ok" only for exit 0. Where bwrap is
@@ -184,8 +186,10 @@ def _run(code: str, top: str, timeout_s: float, memory_mb: int, file_mb: int, di
     with open(code_path, "wb") as f:
         f.write(code.encode("utf-8", "surrogatepass"))  # lone surrogates reach the child as a SyntaxError
     cpu_s = math.ceil(timeout_s) + 1  # a backstop: the wall-time limit normally fires first
-    # Threads count as processes for RLIMIT_NPROC; inside bwrap, seccomp refuses every other new process.
-    nproc = 32 if isolated else 0
+    # Threads count as processes for RLIMIT_NPROC; inside bwrap, seccomp refuses every other new process. Without a
+    # user namespace (_setpriv) the count is every task of uid SANDBOX_UID on the host, so concurrent runs share it.
+    drop = isolated and _drops_to_nobody(user)
+    nproc = (32 * (os.cpu_count() or 1) if drop else 32) if isolated else 0
     fds: list[int] = []
     try:
         code_fd = os.open(code_path, os.O_RDONLY | os.O_CLOEXEC)
@@ -202,7 +206,7 @@ def _run(code: str, top: str, timeout_s: float, memory_mb: int, file_mb: int, di
             os.close(seccomp_w)
             info_r, info_w = os.pipe()
             fds += [info_r, info_w]
-            argv = _bwrap_argv(seccomp_r, info_w, disk_mb) + child
+            argv = _bwrap_argv(seccomp_r, info_w, disk_mb, drop) + child
             cwd, home = "/", SCRATCH
             pass_fds = (code_fd, status_w, seccomp_r, info_w)
         else:
@@ -281,9 +285,10 @@ def _end(proc: subprocess.Popen, init: int | None) -> None:
 @functools.lru_cache(maxsize=1)
 def _host_user() -> dict:
     """Popen's arguments that run bwrap as SANDBOX_UID, when we are root and that user can reach the interpreter:
-    the sandbox's uid is then unprivileged on the host too. Otherwise bwrap runs as we do and maps the sandbox's
-    uid to ours (as root, host uid 0 without capabilities: the read-only mounts and the filter are what stop it).
-    Where unprivileged user namespaces are refused (Ubuntu's AppArmor restriction), bwrap runs as root too."""
+    the sandbox's uid is then unprivileged on the host too. Otherwise ({}) bwrap runs as we do: not as root, it maps
+    the sandbox's uid to ours; as root, it makes no user namespace and setpriv drops to host uid SANDBOX_UID
+    (_drops_to_nobody). Where unprivileged user namespaces are refused (Ubuntu's AppArmor restriction), bwrap runs
+    as root too."""
     if os.geteuid() != 0:
         return {}
     exe = os.path.realpath(sys.executable)
@@ -299,8 +304,23 @@ def _host_user() -> dict:
     return nobody if _probe(nobody).stdout.strip() == "42" else {}
 
 
+def _drops_to_nobody(user: dict) -> bool:
+    """Whether bwrap runs as root (`user` {}: SANDBOX_UID cannot reach the interpreter on the host) without a user
+    namespace, keeping only CAP_SETUID, CAP_SETGID and CAP_SETPCAP, and starts the interpreter through `setpriv`,
+    which takes the process to host uid and gid SANDBOX_UID with no groups and empty capability sets (bounding set
+    included). The interpreter's directories are reachable there: bwrap makes their parents (0755) in its tmpfs
+    root. Without setpriv (util-linux) the sandbox keeps the mapped root of a user namespace."""
+    return not user and os.geteuid() == 0 and _setpriv() is not None
+
+
 @functools.lru_cache(maxsize=1)
-def _interpreter_view() -> tuple[str, ...]:
+def _setpriv() -> str | None:
+    found = shutil.which("setpriv", path="/usr/bin:/bin")
+    return os.path.realpath(found) if found else None
+
+
+@functools.lru_cache(maxsize=None)
+def _interpreter_view(drop: bool = False) -> tuple[str, ...]:
     """bwrap arguments that show the interpreter, read-only, at its own paths: the binary, the standard library
     (site-packages hidden) and the shared objects that the binary and lib-dynload's modules load (from `ldd`; Tk's
     module and its X11 libraries left out). Each shared object is bound at the path the loader asks for (its
@@ -313,8 +333,10 @@ def _interpreter_view() -> tuple[str, ...]:
                                  f"shared objects; or set {MODE_VARIABLE}=inprocess")
     modules = [path for path in sorted(glob.glob(os.path.join(stdlib, "lib-dynload", "*.so")))
                if not os.path.basename(path).startswith("_tkinter")]
-    listing = subprocess.run([ldd, exe, *modules], capture_output=True, text=True, env={"LC_ALL": "C"}).stdout
-    shown = {exe}
+    extra = [_setpriv()] if drop else []
+    listing = subprocess.run([ldd, exe, *modules, *extra], capture_output=True, text=True,
+                             env={"LC_ALL": "C"}).stdout
+    shown = {exe, *extra}
     for line in listing.splitlines():
         path = line.strip().rpartition(" => ")[2].partition(" (")[0]
         if path.startswith("/") and os.path.isfile(path):
@@ -330,6 +352,15 @@ def _interpreter_view() -> tuple[str, ...]:
             bound.add(seen)
             args += ["--ro-bind", os.path.realpath(path), seen]
     args += ["--ro-bind", stdlib, stdlib]
+    if drop:  # bwrap as root makes a bind's missing parents as private as the host's (/root: 0700)
+        parents = set()
+        for target in (*bound, stdlib):
+            parts = target.split("/")
+            parents.update("/".join(parts[:i]) for i in range(2, len(parts)))
+        made = []
+        for parent in sorted(parents):
+            made += ["--perms", "0755", "--dir", parent]
+        args = made + args
     hidden = os.path.join(stdlib, "site-packages")
     if os.path.isdir(hidden):
         args += ["--tmpfs", hidden, "--remount-ro", hidden]  # a tmpfs is writable, and sized by half the RAM
@@ -345,19 +376,28 @@ def _bwrap_extra() -> tuple[str, ...]:
     return ("--disable-userns",) if "--disable-userns" in usage else ()
 
 
-def _bwrap_argv(seccomp_fd: int, info_fd: int, disk_mb: int) -> list[str]:
+def _bwrap_argv(seccomp_fd: int, info_fd: int, disk_mb: int, drop: bool = False) -> list[str]:
+    """`drop`: no user namespace, setpriv takes the interpreter to host uid SANDBOX_UID (see _drops_to_nobody); the
+    filter is in force from setpriv on and allows its calls (setres[ug]id, setgroups, capset, prctl)."""
+    if drop:
+        user = ["--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID", "--cap-add", "CAP_SETPCAP"]
+        scratch = "0777"  # the tmpfs belongs to root
+        start = [_setpriv(), f"--reuid={SANDBOX_UID}", f"--regid={SANDBOX_UID}", "--clear-groups",
+                 "--inh-caps=-all", "--bounding-set=-all", "--"]
+    else:
+        user = ["--unshare-user", *_bwrap_extra(), "--cap-drop", "ALL",
+                "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID)]
+        scratch, start = "0700", []
     return [shutil.which("bwrap") or "bwrap",
-            "--unshare-user", "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts",
-            "--unshare-cgroup-try", *_bwrap_extra(), "--as-pid-1", "--die-with-parent", "--new-session",
-            "--cap-drop", "ALL",
-            "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID), "--hostname", "sandbox",
-            *_interpreter_view(),
-            # procfs read-only: as root the sandbox's uid is host uid 0 to the kernel's own checks, and some /proc
-            # files (sysctls, sysrq-trigger) check nothing else.
+            "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
+            "--as-pid-1", "--die-with-parent", "--new-session", *user, "--hostname", "sandbox",
+            *_interpreter_view(drop),
+            # procfs read-only: in a user namespace made as root, the sandbox's uid is host uid 0 to the kernel's
+            # own checks, and some /proc files (sysctls, sysrq-trigger) check nothing else.
             "--proc", "/proc", "--remount-ro", "/proc", "--dev", "/dev", "--remount-ro", "/dev",  # no /dev/shm
-            "--size", str(disk_mb << 20), "--perms", "0700", "--tmpfs", SCRATCH, "--chdir", SCRATCH,
+            "--size", str(disk_mb << 20), "--perms", scratch, "--tmpfs", SCRATCH, "--chdir", SCRATCH,
             "--remount-ro", "/", "--seccomp", str(seccomp_fd), "--info-fd", str(info_fd),
-            "--", os.path.realpath(sys.executable)]
+            "--", *start, os.path.realpath(sys.executable)]
 
 
 def _wait_exited(pid: int, deadline: float) -> bool:

@@ -15,6 +15,7 @@ import random
 import resource
 import socket
 import sys
+import threading
 import time
 
 import pytest
@@ -25,6 +26,7 @@ from data.envs.python_fn import PythonFn
 from data.envs.sandbox import (
     BLOCKED_EXIT,
     OUTPUT_LIMIT,
+    SANDBOX_UID,
     SandboxUnavailable,
     run_many,
     run_sandboxed,
@@ -118,6 +120,40 @@ def test_a_normal_program_runs_and_may_write_in_its_directory(root):
                   "print(open('d/b.txt').read(), os.getcwd() == os.environ['TMPDIR'], os.getuid())", root)
     assert result.ok and result.reason == "ok" and result.returncode == 0
     assert result.stdout.split() == ["hi", "True", "65534"]
+
+
+def test_the_program_is_an_unprivileged_uid_on_the_host(root):
+    """Seen from outside (the host's /proc), the sandboxed interpreter is uid and gid 65534 when we are root (CI),
+    whether or not that user can reach the interpreter on the host (issue 43), and never uid 0; it holds no
+    capability, its bounding set included."""
+    token = f"cedar-uid-{os.getpid()}-{time.monotonic_ns()}"
+    code = f"import os, time\nopen({token!r}, 'w').close()\ntime.sleep(1.5)\nprint(os.getuid(), os.geteuid())"
+    results = []
+    worker = threading.Thread(target=lambda: results.append(_run(code, root)))
+    worker.start()
+    seen, deadline = {}, time.monotonic() + 10.0
+    try:
+        while not seen and time.monotonic() < deadline:
+            time.sleep(0.05)
+            for pid in _in_other_pid_namespaces():
+                try:  # the marker in the sandbox's scratch tmpfs, through its root as the host sees it
+                    if os.path.exists(f"/proc/{pid}/root/work/{token}"):
+                        with open(f"/proc/{pid}/status") as f:
+                            seen = dict(line.split(":", 1) for line in f if ":" in line)
+                        break
+                except OSError:
+                    continue
+    finally:
+        worker.join()
+    assert results[0].ok and results[0].stdout.split() == ["65534", "65534"]
+    assert seen, "the sandboxed process was not found from the host"
+    uids, gids = seen["Uid"].split(), seen["Gid"].split()
+    expected = str(SANDBOX_UID) if os.geteuid() == 0 else str(os.geteuid())
+    assert uids == [expected] * 4 and "0" not in uids
+    if os.geteuid() == 0:
+        assert gids == [str(SANDBOX_UID)] * 4 and seen["Groups"].split() == []
+    assert int(seen["CapEff"], 16) == int(seen["CapPrm"], 16) == int(seen["CapBnd"], 16) == 0
+    assert int(seen["CapInh"], 16) == int(seen["CapAmb"], 16) == 0
 
 
 def test_the_standard_library_still_works(root):
