@@ -32,9 +32,12 @@ STAGES = (
     ("sft", ["stage=sft", "trainer.max_steps=400", "stage.envs=[arithmetic]", "stage.difficulty=[1]",
              "stage.num_samples=8000", "data.batch_size=32", "optim.lr=3e-3", "optim.warmup_steps=20",
              "checkpoint.interval=100", "stage.eval_every=50"]),
-    # rollouts are prompt (~10 tokens) + at most max_new_tokens (24): micro-batches padded to 64, not to 128
-    ("rl", ["stage=rl", "trainer.max_steps=20", "stage.prompts_per_step=16", "optim.lr=3e-5", "optim.warmup_steps=0",
-            "data.seq_len=64", "checkpoint.interval=10"]),
+    # rollouts are prompt (~10 tokens) + at most max_new_tokens (24): micro-batches padded to 64, not to 128.
+    # lr 1e-4 held constant (3e-5 cosine-decayed moved the policy too little to change the training reward against an
+    # lr-0 run on the same prompts) and router biases frozen (their balancing update follows loads that are mostly
+    # padding and moves the policy without regard to the reward): BENCHMARKS.md, issue 42, session 21
+    ("rl", ["stage=rl", "trainer.max_steps=20", "stage.prompts_per_step=16", "optim.lr=1e-4", "optim.schedule=constant",
+            "optim.warmup_steps=0", "model.moe.bias_update_rate=0", "data.seq_len=64", "checkpoint.interval=10"]),
     ("distill", ["stage=distill", "trainer.max_steps=30", "optim.lr=1e-3", "optim.warmup_steps=0", "data.seq_len=64",
                  "checkpoint.interval=10", "stage.envs=[arithmetic]", "stage.difficulty=[1]", "stage.num_eval=64"]),
     ("dspark", ["stage=dspark", "trainer.max_steps=200", "optim.lr=3e-3", "optim.warmup_steps=20",

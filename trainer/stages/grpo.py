@@ -12,9 +12,12 @@ Dr. GRPO: LMLoss's share machinery, trainer/loss.py). A_t is the sequence's grou
 token's teacher - student log-prob (distillation's stage.kl=sampled). With `full_kl` (distillation's stage.kl=full)
 loss_t is instead the exact KL(train || teacher) over the vocabulary at t, sum_v p_v (log p_v - log q_v).
 
-The train/rollout mismatch is measured on the same tokens: the mean of K3 for KL(rollout || train) and the largest
-ratio exp(old - rollout); with the clip fraction and the entropy of the training distribution it is kept per step
-(`step_metrics`, summed over data ranks by the stage's callback).
+The train/rollout mismatch is measured on the same tokens: the mean of K3 for KL(rollout || train), the mean and
+largest |exp(old - rollout) - 1| and the largest ratio exp(old - rollout); with the clip fraction, the entropy of the
+training distribution, the advantages' token-weighted mean, mean size and positive share (under token-level
+normalisation a long response weighs more: a negative token mean pushes the sampled tokens down on balance) and,
+with a reference, K3 of KL(train || reference), it is kept per step (`step_metrics`, summed over data ranks by the
+stage's callback; the `max_*` entries are maxima, reduced with MAX).
 """
 
 from __future__ import annotations
@@ -40,12 +43,13 @@ class PolicyLoss(LMLoss):
         """distillation's stage.kl=full: per token the exact KL(train || teacher) over the vocabulary instead of the
         policy gradient (batch["teacher_logprobs"]: the teacher's log-softmax, [B, T, V])"""
         self.sums: dict[str, float] = {}
-        self.max_ratio = 0.0
+        self.max_ratio = self.max_ratio_dev = 0.0
 
     def begin_step(self, tokens) -> None:
         super().begin_step(tokens)
-        self.sums = {"tokens": 0.0, "clipped": 0.0, "mismatch_k3": 0.0, "entropy": 0.0, "kl_ref": 0.0}
-        self.max_ratio = 0.0
+        self.sums = {"tokens": 0.0, "clipped": 0.0, "mismatch_k3": 0.0, "entropy": 0.0, "kl_ref": 0.0,
+                     "ratio_dev": 0.0, "adv": 0.0, "adv_abs": 0.0, "adv_pos": 0.0}
+        self.max_ratio = self.max_ratio_dev = 0.0
 
     def __call__(self, logits, labels, weights=None, aux=0.0, batch=None):
         batch = batch or {}
@@ -80,22 +84,28 @@ class PolicyLoss(LMLoss):
         term = torch.where(n > 0, mean * self.tokens.share(n), torch.zeros_like(mean))
         self.lm_terms.append(term.detach())
         with torch.no_grad():
-            self._measure(z, valid, ratio * adv > clipped_ratio * adv, old, rollout, behaviour)
+            self._measure(z, valid, ratio * adv > clipped_ratio * adv, old, rollout, behaviour, adv)
         return term + aux
 
-    def _measure(self, z, valid, clip_active, old, rollout, behaviour) -> None:
+    def _measure(self, z, valid, clip_active, old, rollout, behaviour, adv) -> None:
         s = self.sums
         v = valid.float()
         s["tokens"] += float(v.sum())
         s["clipped"] += float((clip_active.float() * v).sum())  # the min took the clipped term
         d = old - rollout  # log pi_train - log pi_rollout on the sampled tokens
         s["mismatch_k3"] += float(((torch.exp(-d) + d - 1) * v).sum())  # K3 of KL(rollout || train)
+        dev = (behaviour - 1).abs()
+        s["ratio_dev"] += float((dev * v).sum())
+        s["adv"] += float((adv * v).sum())
+        s["adv_abs"] += float((adv.abs() * v).sum())
+        s["adv_pos"] += float(((adv > 0).float() * v).sum())
         if bool(valid.any()):
             self.max_ratio = max(self.max_ratio, float(behaviour[valid].max()))
+            self.max_ratio_dev = max(self.max_ratio_dev, float(dev[valid].max()))
             zz = z.full_tensor() if hasattr(z, "full_tensor") else z
             lp = zz[valid].log_softmax(-1)
             s["entropy"] += float(-(lp.exp() * lp).sum())
 
     def step_metrics(self) -> dict[str, float]:
         """This rank's sums for the step (the callback reduces them over data ranks)."""
-        return {**self.sums, "max_ratio": self.max_ratio}
+        return {**self.sums, "max_ratio": self.max_ratio, "max_ratio_dev": self.max_ratio_dev}

@@ -11,9 +11,13 @@ Effort control: a correct response of L tokens at effort e earns reward x exp(-l
 L / max_new_tokens), so at low effort a short right answer beats a long one and at effort 100 length is free; the
 same weights then answer briefly or at length as the prompt's effort asks.
 
-Per step (metrics.jsonl, W&B): rl/reward, rl/success and rl/success/<env>, rl/response_len, rl/groups_kept,
-rl/clip_frac, rl/mismatch_kl and rl/max_ratio (training vs engine log-probs of the sampled tokens, before the
-update), rl/entropy, rl/rollout_tokens_per_s, rl/generate_share (of the step's time); every stage.eval_every steps
+Per step (metrics.jsonl, W&B): rl/reward (after the length discount) and rl/reward_raw (before), rl/success and
+rl/success/<env>, rl/response_len, rl/groups_kept, rl/groups_drawn, rl/zero_var_share (drawn groups whose rewards
+do not vary), rl/clip_frac, rl/mismatch_kl, rl/max_ratio, rl/ratio_dev and rl/max_ratio_dev (training vs engine
+log-probs of the sampled tokens, before the update: mean and largest |ratio - 1|), rl/adv_mean, rl/adv_abs and
+rl/adv_pos_share (the trained tokens' advantages), rl/entropy, rl/kl_ref (with a reference: stage.kl_coef > 0; a
+tiny kl_coef measures the drift from the start without steering it), rl/rollout_tokens_per_s, rl/generate_share
+(of the step's time); every stage.eval_every steps
 (and at the start and the end) greedy completions of stage.num_eval held-out prompts at efforts 20 and 80:
 eval/success, eval/success_e<e>, eval/len_e<e>.
 
@@ -120,8 +124,8 @@ class RolloutStage(Stage):
                                return_routing=s.replay_routing if routing is None else routing)
 
     def new_stats(self) -> dict[str, float]:
-        stats = {"reward_sum": 0.0, "samples": 0.0, "correct": 0.0, "len_sum": 0.0, "groups_kept": 0.0,
-                 "groups_drawn": 0.0}
+        stats = {"reward_sum": 0.0, "raw_reward_sum": 0.0, "samples": 0.0, "correct": 0.0, "len_sum": 0.0,
+                 "groups_kept": 0.0, "groups_drawn": 0.0, "groups_zero_var": 0.0}
         for env in self.stage.envs:
             stats[f"correct/{env}"] = stats[f"count/{env}"] = 0.0
         return stats
@@ -153,8 +157,10 @@ class RolloutStage(Stage):
             groups = self.generate(prompts, seed)
             self.score(groups)
             for group in groups:
+                stats["groups_zero_var"] += max(r.reward for r in group) - min(r.reward for r in group) < 1e-9
                 for r in group:
                     stats["reward_sum"] += r.reward
+                    stats["raw_reward_sum"] += r.raw_reward
                     stats["samples"] += 1
                     stats["correct"] += r.correct
                     stats["len_sum"] += len(r.token_ids)
@@ -210,10 +216,18 @@ class RL(RolloutStage):
             for r in group:
                 verdict = next(verdicts)
                 r.correct = bool(verdict.correct)
-                r.reward = shaped_reward(float(verdict.reward), r.correct, len(r.token_ids), r.effort,
+                r.raw_reward = float(verdict.reward)
+                r.reward = shaped_reward(r.raw_reward, r.correct, len(r.token_ids), r.effort,
                                          s.length_penalty, s.max_new_tokens)
             for r, a in zip(group, group_advantages([r.reward for r in group], s.adv_norm)):
                 r.advantages = a
+
+    def step_extra(self, tot: dict) -> dict:
+        n, tokens = max(tot["samples"], 1.0), max(tot["loss/tokens"], 1.0)
+        return {"rl/reward_raw": tot["raw_reward_sum"] / n,
+                "rl/zero_var_share": tot["groups_zero_var"] / max(tot["groups_drawn"], 1.0),
+                "rl/adv_mean": tot["loss/adv"] / tokens, "rl/adv_abs": tot["loss/adv_abs"] / tokens,
+                "rl/adv_pos_share": tot["loss/adv_pos"] / tokens, "rl/ratio_dev": tot["loss/ratio_dev"] / tokens}
 
     def finish_groups(self, groups):
         """Dynamic sampling: a group whose rewards do not vary has zero advantages, no signal."""
@@ -270,20 +284,21 @@ class RolloutMetrics(Callback):
     def on_step_end(self, job, step, stats):
         st, loss, p = self.stage.loader.stats, self.stage._loss.step_metrics(), self.stage.prefix
         names = sorted(k for k in st if k != "generate_s")
-        lnames = sorted(k for k in loss if k != "max_ratio")
+        lnames = sorted(k for k in loss if not k.startswith("max_"))
         values = sum_over_data(job.pm, [st[k] for k in names] + [loss[k] for k in lnames])
         tot = dict(zip(names + [f"loss/{k}" for k in lnames], values))
-        max_ratio, gen_s = loss["max_ratio"], st.get("generate_s", 0.0)
+        max_ratio, max_dev, gen_s = loss["max_ratio"], loss["max_ratio_dev"], st.get("generate_s", 0.0)
         if job.pm.meshes is not None:  # the largest over the job (generation: the slowest rank's time)
-            t = torch.tensor([max_ratio, gen_s], dtype=torch.float64, device=self.stage.device)
+            t = torch.tensor([max_ratio, max_dev, gen_s], dtype=torch.float64, device=self.stage.device)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            max_ratio, gen_s = t.tolist()
+            max_ratio, max_dev, gen_s = t.tolist()
         n, tokens = max(tot["samples"], 1.0), max(tot["loss/tokens"], 1.0)
         elapsed = max(time.perf_counter() - self.t0, 1e-9)
         extra = {f"{p}/reward": tot["reward_sum"] / n, f"{p}/success": tot["correct"] / n,
                  f"{p}/response_len": tot["len_sum"] / n, f"{p}/groups_kept": tot["groups_kept"],
                  f"{p}/groups_drawn": tot["groups_drawn"], f"{p}/clip_frac": tot["loss/clipped"] / tokens,
                  f"{p}/mismatch_kl": tot["loss/mismatch_k3"] / tokens, f"{p}/max_ratio": max_ratio,
+                 f"{p}/max_ratio_dev": max_dev,
                  f"{p}/entropy": tot["loss/entropy"] / tokens, f"{p}/train_tokens": tot["loss/tokens"],
                  f"{p}/rollout_tokens_per_s": tot["len_sum"] / max(gen_s, 1e-9),
                  f"{p}/generate_share": min(gen_s / elapsed, 1.0)}

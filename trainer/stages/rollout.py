@@ -62,6 +62,7 @@ class Rollout:
     logprobs: list[float]
     routing: object = None
     reward: float = 0.0
+    raw_reward: float = 0.0  # RL: the environment's reward before the effort's length discount
     correct: bool = False
     advantages: list[float] | float = 0.0  # per token, or one per sequence
     extra: dict = field(default_factory=dict)
