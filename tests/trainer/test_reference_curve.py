@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import platform
 import sys
 import tempfile
@@ -71,8 +72,8 @@ def _fingerprint(data_dir: Path) -> str:
 
 def _machine() -> str:
     """What the curve's rounding depends on besides the code: the CPU (model name, family/model/stepping and a hash of
-    its feature flags: virtual machines often share one model name), the instruction set torch dispatches to, torch
-    and Python versions."""
+    its feature flags: virtual machines often share one model name), the instruction set torch dispatches to (which
+    ATEN_CPU_CAPABILITY sets), MKL's code path where MKL_CBWR pins one, torch and Python versions."""
     info: dict[str, str] = {}
     cpuinfo = Path("/proc/cpuinfo")
     for line in cpuinfo.read_text().splitlines() if cpuinfo.exists() else []:
@@ -83,7 +84,9 @@ def _machine() -> str:
         flags = hashlib.sha256(" ".join(sorted(info["flags"].split())).encode()).hexdigest()[:8]
         cpu += f" (family {info.get('cpu family')} model {info.get('model')} stepping {info.get('stepping')}, " \
                f"flags {flags})"
-    return f"{cpu}, {torch.backends.cpu.get_cpu_capability()}, torch {torch.__version__}, Python {sys.version.split()[0]}"
+    mkl = f", MKL_CBWR={os.environ['MKL_CBWR']}" if os.environ.get("MKL_CBWR") else ""
+    return (f"{cpu}, {torch.backends.cpu.get_cpu_capability()}{mkl}, torch {torch.__version__}, "
+            f"Python {sys.version.split()[0]}")
 
 
 def _curve(run_dir: Path, data_dir: Path, steps: int) -> dict:
