@@ -35,8 +35,8 @@ sys.path.insert(0, str(ROOT))
 
 # kernel-name pattern -> family; first match wins (Triton kernels keep their Python function names)
 FAMILIES = [
-    (r"_sparse_attn_fwd", "triton: sparse attention fwd"),
-    (r"_bwd_probs|_bwd_dq|_bwd_dkv", "triton: sparse attention bwd"),
+    (r"sparse_attn_fwd", "triton: sparse attention fwd"),
+    (r"bwd_probs|bwd_dq|bwd_dkv", "triton: sparse attention bwd"),
     (r"_index|_score|_pool|_block_max", "triton: indexer"),
     (r"_topk", "triton: top-k"),
     (r"mhc|_coeff", "triton: mHC"),

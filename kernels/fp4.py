@@ -26,17 +26,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels.fp8 import (
-    FP8_MAX,
-    check_blocked,
-    check_impl,
-    check_scales,
-    dequantize_fp8,
-    fake_quant_fp8,
-    pow2_ceil,
-    quantize_fp8,
-    straight_through,
-)
+from kernels.fp8 import dequantize_fp8, fake_quant_fp8, pow2_ceil, quantize_fp8, straight_through
+from kernels.quant_common import FP8_MAX, check_blocked, check_impl, check_scales
 
 __all__ = [
     "quantize",
@@ -116,6 +107,13 @@ def _pair_table(device: torch.device) -> torch.Tensor:
     return _PAIR_TABLES[key]
 
 
+def _triton():
+    """kernels.fp4_triton, imported on the first impl="triton" call."""
+    from kernels import fp4_triton  # triton is an optional dependency (none off Linux): the reference runs without it
+
+    return fp4_triton
+
+
 def quantize(
     x: torch.Tensor, block: int = 16, scale_fmt: str = "e4m3", *, impl: str = "reference"
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -124,9 +122,7 @@ def quantize(
     if scale_fmt not in _SCALE_FMTS:
         raise ValueError(f"quantize: scale_fmt must be one of {list(_SCALE_FMTS)}, got {scale_fmt!r}")
     if impl == "triton":
-        from kernels import fp4_triton
-
-        return fp4_triton.quantize(x, block, scale_fmt)
+        return _triton().quantize(x, block, scale_fmt)
     num_blocks = check_blocked(x, block, "quantize", even=True)
     x_blk = x.detach().float().unflatten(-1, (num_blocks, block))  # [..., NB, block]
     amax = x_blk.abs().amax(dim=-1, keepdim=True)  # [..., NB, 1]
@@ -143,9 +139,7 @@ def dequantize(
     """codes uint8 [..., D // 2], scales e4m3fn/e8m0fnu [..., NB] -> float32 [..., D]."""
     check_impl(impl, "dequantize")
     if impl == "triton":
-        from kernels import fp4_triton
-
-        return fp4_triton.dequantize(codes, scales, block)
+        return _triton().dequantize(codes, scales, block)
     if not isinstance(codes, torch.Tensor) or codes.dtype != torch.uint8:
         got = codes.dtype if isinstance(codes, torch.Tensor) else type(codes).__name__
         raise TypeError(f"dequantize: codes must be torch.uint8 (two FP4 codes per byte), got {got}")
@@ -176,9 +170,7 @@ def fake_quant(
     """
     check_impl(impl, "fake_quant")
     if impl == "triton":
-        from kernels import fp4_triton
-
-        return straight_through(x, fp4_triton.fake_quant(x, block, scale_fmt))
+        return straight_through(x, _triton().fake_quant(x, block, scale_fmt))
     codes, scales = quantize(x, block, scale_fmt, impl=impl)
     return straight_through(x, dequantize(codes, scales, block, impl=impl).to(x.dtype))
 

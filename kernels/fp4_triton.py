@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fp8 import check_blocked, check_scales
+from kernels.quant_common import check_blocked, check_scales
 from kernels.triton_common import (  # noqa: F401 (VARIANTS: kernels.fp4_triton.VARIANTS, as the bench sweeps it)
     DEFAULT_VARIANT,
     E4M3_RATIO_AMAX_FLOOR,

@@ -20,50 +20,9 @@ from __future__ import annotations
 
 import torch
 
+from kernels.quant_common import FP8_AMAX_FLOOR, FP8_MAX, check_blocked, check_impl, check_scales
+
 __all__ = ["quantize_fp8", "dequantize_fp8", "fake_quant_fp8"]
-
-FP8_MAX = 448.0
-"""largest finite float8_e4m3fn magnitude"""
-FP8_AMAX_FLOOR = 1e-4
-"""REFERENCE A9: the block amax is floored here so an all-zero block still gets a finite scale"""
-
-_IMPLS = ("reference", "triton")
-
-
-def check_impl(impl: str, fn_name: str) -> None:
-    """Reject unknown implementations. `triton` routes to kernels.fp4_triton / kernels.fp8_triton (CUDA, or the CPU
-    interpreter)."""
-    if impl not in _IMPLS:
-        raise ValueError(f"{fn_name}: impl must be one of {list(_IMPLS)}, got {impl!r}")
-
-
-def check_blocked(x: torch.Tensor, block: int, fn_name: str, *, even: bool = False) -> int:
-    """Validate a float tensor quantised in blocks along its last dim; return the number of blocks."""
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{fn_name}: expected a torch.Tensor, got {type(x).__name__}")
-    if not x.is_floating_point():
-        raise TypeError(f"{fn_name}: expected a floating-point tensor, got dtype {x.dtype}")
-    if isinstance(block, bool) or not isinstance(block, int) or block < 1:
-        raise ValueError(f"{fn_name}: block must be a positive int, got {block!r}")
-    if x.dim() == 0:
-        raise ValueError(f"{fn_name}: expected at least one dim (channels last), got a 0-dim tensor")
-    dim = x.shape[-1]
-    if even and dim % 2 != 0:
-        raise ValueError(f"{fn_name}: last dim must be even to pack two FP4 codes per byte, got {dim}")
-    if dim % block != 0:
-        raise ValueError(f"{fn_name}: last dim {dim} is not divisible by block={block}")
-    return dim // block
-
-
-def check_scales(scales: torch.Tensor, lead: torch.Size, num_blocks: int, fn_name: str) -> None:
-    """Scales must be one per block, with the same leading dims as the values they scale."""
-    if not isinstance(scales, torch.Tensor):
-        raise TypeError(f"{fn_name}: scales must be a torch.Tensor, got {type(scales).__name__}")
-    if not scales.is_floating_point():
-        raise TypeError(f"{fn_name}: scales must be a float tensor (float8_e4m3fn/e8m0fnu), got {scales.dtype}")
-    want = (*lead, num_blocks)
-    if tuple(scales.shape) != want:
-        raise ValueError(f"{fn_name}: scales shape {tuple(scales.shape)} does not match expected {want}")
 
 
 def pow2_ceil(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -107,15 +66,20 @@ def straight_through(x: torch.Tensor, quantised: torch.Tensor) -> torch.Tensor:
     return _StraightThrough.apply(x, quantised.detach())
 
 
+def _triton():
+    """kernels.fp8_triton, imported on the first impl="triton" call."""
+    from kernels import fp8_triton  # triton is an optional dependency (none off Linux): the reference runs without it
+
+    return fp8_triton
+
+
 def quantize_fp8(
     x: torch.Tensor, block: int = 32, *, impl: str = "reference"
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Block FP8: x [..., D] any float dtype -> (values e4m3fn [..., D], scales e8m0fnu [..., NB])."""
     check_impl(impl, "quantize_fp8")
     if impl == "triton":
-        from kernels import fp8_triton
-
-        return fp8_triton.quantize_fp8(x, block)
+        return _triton().quantize_fp8(x, block)
     num_blocks = check_blocked(x, block, "quantize_fp8")
     x_blk = x.detach().float().unflatten(-1, (num_blocks, block))  # [..., NB, block]
     amax = x_blk.abs().amax(dim=-1, keepdim=True)  # [..., NB, 1]
@@ -133,9 +97,7 @@ def dequantize_fp8(
     """values e4m3fn [..., D], scales [..., NB] -> float32 [..., D]."""
     check_impl(impl, "dequantize_fp8")
     if impl == "triton":
-        from kernels import fp8_triton
-
-        return fp8_triton.dequantize_fp8(values, scales, block)
+        return _triton().dequantize_fp8(values, scales, block)
     if not isinstance(values, torch.Tensor) or values.dtype != torch.float8_e4m3fn:
         got = values.dtype if isinstance(values, torch.Tensor) else type(values).__name__
         raise TypeError(f"dequantize_fp8: values must be torch.float8_e4m3fn, got {got}")
@@ -153,8 +115,6 @@ def fake_quant_fp8(x: torch.Tensor, block: int = 32, *, impl: str = "reference")
     """
     check_impl(impl, "fake_quant_fp8")
     if impl == "triton":
-        from kernels import fp8_triton
-
-        return straight_through(x, fp8_triton.fake_quant_fp8(x, block))
+        return straight_through(x, _triton().fake_quant_fp8(x, block))
     values, scales = quantize_fp8(x, block, impl=impl)
     return straight_through(x, dequantize_fp8(values, scales, block, impl=impl).to(x.dtype))

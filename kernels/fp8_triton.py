@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fp8 import check_blocked, check_scales
+from kernels.quant_common import check_blocked, check_scales
 from kernels.triton_common import (
     DEFAULT_VARIANT,
     ELEMENT_KIND,

@@ -4,7 +4,7 @@ backward in kernels/sparse_attention_bwd.py), and the gather-based reference (ke
 
 Contract: each query attends to its window keys of kv_win and the kv_cmp entries its topk_idx selects, K = V, with
 the sink in the softmax max and denominator only (a row with no visible key gives out = 0), as
-`model.attention.attend` does. Quantised inference-cache inputs (FP8 kv_win, FP4 kv_cmp) are forward only: they are
+`model.csa2.attend` does. Quantised inference-cache inputs (FP8 kv_win, FP4 kv_cmp) are forward only: they are
 dequantised first, and a gradient through one raises. Caller contract: topk_idx holds distinct entries per query
 (duplicates would be counted twice, unlike the one-hot mask of `attend`); -1 marks an empty slot; any index outside
 [0, E) is treated as empty (the kernel never reads out of bounds), whereas the reference raises on it.
@@ -20,8 +20,8 @@ import torch
 import triton
 
 from kernels import fp4, fp8
-from kernels.sparse_attention_bwd import _bwd_dkv, _bwd_dq, _bwd_probs
-from kernels.sparse_attention_fwd import _sparse_attn_fwd
+from kernels.sparse_attention_bwd import bwd_dkv, bwd_dq, bwd_probs
+from kernels.sparse_attention_fwd import sparse_attn_fwd
 from kernels.sparse_attention_ref import sparse_attention_reference, topk_to_mask  # noqa: F401 (re-exported)
 from kernels.triton_common import dot_prec, interpreting
 
@@ -185,7 +185,7 @@ def _forward_triton(q, kv_win, kv_cmp, topk_idx, sink, window, topk_probs: bool 
     probs = torch.empty(B, T, K, device=q.device, dtype=torch.float32) if topk_probs else lse
     placeholder_idx = torch.empty(1, device=q.device, dtype=torch.int32)
     # with K = 0 the top-k loop never runs: kv_win and an empty index stand in for kv_cmp and topk_idx
-    _sparse_attn_fwd[(T, B)](
+    sparse_attn_fwd[(T, B)](
         q, kv_win, kv_cmp if has_cmp else kv_win, topk_idx if has_cmp else placeholder_idx, sink, out, lse, probs,
         T, E, K, window, D ** -0.5 * _LOG2E,
         H=H, D=D, BLOCK_H=BLOCK_H, BLOCK_D=BLOCK_D, BLOCK_N=cfg["BLOCK_N"], PREC=dot_prec(q.dtype),
@@ -215,10 +215,10 @@ def _backward_triton(q, kv_win, kv_cmp, topk_idx, sink, window, out, lse, dout):
     scale = D ** -0.5
     for t0 in range(0, T, chunk):
         grid = (min(chunk, T - t0), B)
-        _bwd_probs[grid](q, keys, idx, sink, out, dout, lse, p_buf, ds_buf, dsink_rows,
+        bwd_probs[grid](q, keys, idx, sink, out, dout, lse, p_buf, ds_buf, dsink_rows,
                          B, T, E, K, window, NW, t0, scale, scale * _LOG2E, **consts, **_launch(cfg, "probs"))
-        _bwd_dq[grid](keys, idx, ds_buf, dq, B, T, E, K, window, NW, t0, **consts, **_launch(cfg, "dq"))
-        _bwd_dkv[grid](q, dout, idx, p_buf, ds_buf, dkv, B, T, E, K, window, NW, t0, **consts, **_launch(cfg, "dkv"))
+        bwd_dq[grid](keys, idx, ds_buf, dq, B, T, E, K, window, NW, t0, **consts, **_launch(cfg, "dq"))
+        bwd_dkv[grid](q, dout, idx, p_buf, ds_buf, dkv, B, T, E, K, window, NW, t0, **consts, **_launch(cfg, "dkv"))
     dkv_win = dkv[: B * T].view(B, T, D).to(kv_win.dtype)
     if kv_cmp is None:
         return dq, dkv_win, None, dsink_rows.sum((0, 1))

@@ -2,11 +2,11 @@
 queries at a time; the dot and mask helpers it shares with the forward come from kernels/triton_common.py).
 
 Three launches per chunk of queries, none with a chained dot (so no duplicated tiles):
-- `_bwd_probs`: P = exp2(logits - lse) and dS * scale = P * (dO.V - rowsum(dO * O)) * scale for every (head, slot),
+- `bwd_probs`: P = exp2(logits - lse) and dS * scale = P * (dO.V - rowsum(dO * O)) * scale for every (head, slot),
   written to a scratch buffer in the input dtype (the dS the tensor cores see is rounded to it anyway, as in
   FlashAttention); also the sink's gradient per row;
-- `_bwd_dq`: dq = sum over slots of dS * key, a GEMM over the gathered keys;
-- `_bwd_dkv`: per block of slots, dS^T q + P^T dO (K = V: key and value gradient share the row) as one K = 2H dot per
+- `bwd_dq`: dq = sum over slots of dS * key, a GEMM over the gathered keys;
+- `bwd_dkv`: per block of slots, dS^T q + P^T dO (K = V: key and value gradient share the row) as one K = 2H dot per
   channel half ([dS | P]^T [q; dO]), scatter-added into fp32 key gradients with atomics. A per-query key set has no
   owner program without an inverse index (the choice public sparse-MLA backward kernels make too); the summation
   order, and so the last bits of dkv, vary run to run. Measured on the H200 this launch is bound by writing an fp32
@@ -59,7 +59,7 @@ def _probs_block(q, do, k, valid, lse, delta, scale, qk_scale, p_ptrs, ds_ptrs, 
 
 
 @triton.jit
-def _bwd_probs(
+def bwd_probs(
     q_ptr, kv_ptr, idx_ptr, sink_ptr, out_ptr, dout_ptr, lse_ptr, p_ptr, ds_ptr, dsink_ptr,
     B, T, E, K, window, NW, t0, scale, qk_scale,
     H: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -101,7 +101,7 @@ def _bwd_probs(
 
 
 @triton.jit
-def _bwd_dq(
+def bwd_dq(
     kv_ptr, idx_ptr, ds_ptr, dq_ptr,
     B, T, E, K, window, NW, t0,
     H: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -131,7 +131,7 @@ def _bwd_dq(
 
 
 @triton.jit
-def _bwd_dkv(
+def bwd_dkv(
     q_ptr, dout_ptr, idx_ptr, p_ptr, ds_ptr, dkv_ptr,
     B, T, E, K, window, NW, t0,
     H: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,

@@ -2,7 +2,7 @@
 tile helpers. The tile mask and the interpreter-safe dot it shares with the backward (kernels/sparse_attention_bwd.py)
 and the indexer live in kernels/triton_common.py.
 
-Forward (`_sparse_attn_fwd`): one program per query token holds all H heads as the M dimension of its tensor-core
+Forward (`sparse_attn_fwd`): one program per query token holds all H heads as the M dimension of its tensor-core
 tiles; online softmax in the log2 domain, the running max starting at the sink (finite, so no -inf - -inf NaN);
 saves lse for the backward. Triton puts all warps of a chained dot (QK^T feeding PV) on the M axis, and M = 64 heads
 is one warpgroup's worth, so with the 8 warps that the [64, 512] fp32 accumulator needs, QK^T is computed by both
@@ -58,7 +58,7 @@ def _online_softmax_step(q, k, valid, m, l, acc, qk_scale, PREC: tl.constexpr):
 
 
 @triton.jit
-def _sparse_attn_fwd(
+def sparse_attn_fwd(
     q_ptr, kvw_ptr, kvc_ptr, idx_ptr, sink_ptr, out_ptr, lse_ptr, probs_ptr,
     T, E, K, window, qk_scale,
     H: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,

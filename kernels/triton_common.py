@@ -21,8 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fp8 import FP8_AMAX_FLOOR as _FP8_AMAX_FLOOR_VALUE
-from kernels.fp8 import FP8_MAX as _FP8_MAX_VALUE
+from kernels.quant_common import FP8_AMAX_FLOOR as _FP8_AMAX_FLOOR_VALUE
+from kernels.quant_common import FP8_MAX as _FP8_MAX_VALUE
 
 # Element kinds a kernel reads or writes, by the word it uses for a channel pair.
 _BF16, _FP16, _FP32 = 0, 1, 2
@@ -34,7 +34,7 @@ E4M3_RATIO_AMAX_FLOOR = tl.constexpr(6.0 * 2.0**-9)  # amax floor of the e4m3-sc
 UE8M0_AMAX_FLOOR = tl.constexpr(6.0 * 2.0**-126)  # keeps amax / 6 a normal fp32
 INV_SIX = tl.constexpr(1.0 / 6.0)
 _TWO_POW_M127 = tl.constexpr(2.0**-127)
-# kernels.fp8's constants as the FP8 kernels read them
+# kernels.quant_common's FP8 constants as the FP8 kernels read them
 FP8_MAX = tl.constexpr(_FP8_MAX_VALUE)
 FP8_INV_MAX = tl.constexpr(1.0 / _FP8_MAX_VALUE)  # rounded to fp32 where used, like the reference's fp32 reciprocal
 FP8_AMAX_FLOOR = tl.constexpr(_FP8_AMAX_FLOOR_VALUE)

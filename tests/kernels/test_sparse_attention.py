@@ -1,6 +1,6 @@
 """Proves the Triton sparse shared-KV attention (`kernels.sparse_attention`) equals its PyTorch references:
 
-- forward: equal to the gather-based reference and to `model.attention.attend` given the equivalent masks (window
+- forward: equal to the gather-based reference and to `model.csa2.attend` given the equivalent masks (window
   mask from positions, cmp_mask = one-hot of topk_idx), with the per-head sink, at awkward sizes (T not a multiple
   of the key block, H / D / K / E / W not powers of two, W not a multiple of the block, W > T, early tokens whose
   window starts before token 0, rows whose top-k slots are all empty);
@@ -39,10 +39,10 @@ import kernels.sparse_attention as sa  # noqa: E402
 import kernels.sparse_attention_bwd as sa_bwd  # noqa: E402
 import kernels.sparse_attention_fwd as sa_fwd  # noqa: E402
 from kernels import fp4, fp8  # noqa: E402
-from model.attention import attend  # noqa: E402
+from model.csa2 import attend  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-if INTERPRET and not isinstance(sa_fwd._sparse_attn_fwd, interpreter.InterpretedFunction):
+if INTERPRET and not isinstance(sa_fwd.sparse_attn_fwd, interpreter.InterpretedFunction):
     # imported earlier without the interpreter: rebuild the kernels under it (the public module picks them up anew)
     sa_fwd = importlib.reload(sa_fwd)
     sa_bwd = importlib.reload(sa_bwd)
