@@ -271,7 +271,7 @@ _PIECES = (
     ("indexer scores (index_scores)", "model.serving", None, "index_scores"),
     ("top-k (select_topk)", "model.serving", None, "select_topk"),
     ("candidate pool (candidate_pool)", "model.serving", None, "candidate_pool"),
-    ("attention (attend)", "model.attention", None, "attend"),
+    ("attention (attend)", "model.serving", None, "attend"),
     ("MoE (MoE.forward)", "model.moe", "MoE", "forward"),
     ("mHC coefficients (HCSite.forward, Sinkhorn)", "model.mhc", "HCSite", "forward"),
     ("Engram (Engram.forward)", "model.engram", "Engram", "forward"),

@@ -20,7 +20,7 @@ def to_model_config(cfg) -> ModelConfig:
 
 
 def build(cfg):
-    from model.transformer import Transformer
+    from model.transformer import Transformer  # start-up: `import model.config` (the schemas) stays free of torch
 
     return Transformer(to_model_config(cfg))
 

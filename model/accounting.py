@@ -21,12 +21,19 @@ What each count includes:
 from __future__ import annotations
 
 from collections import defaultdict
+from typing import Callable
 
 import torch
 from torch import nn
 
 from kernels import fp4
-from trainer.parallel.tensor import block_shard_dims
+from model.csa2 import Compressor
+from model.dspark import DSpark
+from model.moe import Router
+from model.vision import VisionEncoder
+
+# a module -> {parameter name: the dim a tensor-parallel plan splits}: the plan's, passed in (trainer/parallel/)
+ShardDims = Callable[[nn.Module], dict[str, int]]
 
 
 def _numel(params) -> int:
@@ -168,8 +175,6 @@ def summary(model: nn.Module) -> dict:
 def dspark_parameters(cfg) -> dict[str, float]:
     """The drafter's parameters (model/dspark.py; built on the meta device): all of them, its routed experts, and
     those one drafted token reads (the routed experts times top-k / num_experts; the Markov tables one row each)."""
-    from model.dspark import DSpark
-
     with torch.device("meta"):
         d = DSpark(cfg)
     routed = sum(_numel(layer.ffn.experts.parameters()) for layer in d.layers)
@@ -180,24 +185,22 @@ def dspark_parameters(cfg) -> dict[str, float]:
             "params_dspark_active": total - routed + routed * k / e - markov + cfg.dspark.markov_rank}
 
 
-def vision_parameters(cfg, tp: int = 1) -> dict[str, int]:
+def vision_parameters(cfg, tp: int = 1, shard_dims: ShardDims | None = None) -> dict[str, int]:
     """The vision side's parameters (model/vision/; built on the meta device): all of them, the ViT's, the aligner's
-    (the START / NEWLINE / END vectors are the rest), and with tp > 1 those one tensor-parallel rank holds (the
-    tower's plan, trainer/parallel/tensor.py `vision_shard_dims`). {} for a text-only model (model.vision.num_layers 0).
-    Not part of params_total, which counts the backbone (`parameter_groups` leaves out Transformer.vision, which
-    model.build builds too)."""
+    (the START / NEWLINE / END vectors are the rest), and with tp > 1 those one tensor-parallel rank holds: those
+    `shard_dims(tower)` names are split (the tower's plan, trainer.parallel.tensor.vision_shard_dims; the model
+    knows no plan). {} for a text-only model (model.vision.num_layers 0). Not part of params_total, which counts the
+    backbone (`parameter_groups` leaves out Transformer.vision, which model.build builds too)."""
     if cfg.vision.num_layers == 0:
         return {}
-    from model.vision import VisionEncoder
-
+    if tp > 1 and shard_dims is None:
+        raise ValueError(f"vision_parameters(tp={tp}) needs shard_dims: the tensor-parallel plan's split parameters")
     with torch.device("meta"):
         v = VisionEncoder(cfg.vision, cfg.dim, cfg.init_std)
     out = {"params_vision": _numel(v.parameters()), "params_vision_vit": _numel(v.vit.parameters()),
            "params_vision_aligner": _numel(v.aligner.parameters())}
     if tp > 1:
-        from trainer.parallel.tensor import vision_shard_dims
-
-        split = vision_shard_dims(v)
+        split = shard_dims(v)
         out["params_vision_per_tp_rank"] = sum(p.numel() // tp if name in split else p.numel()
                                                for name, p in v.named_parameters())
     return out
@@ -271,9 +274,6 @@ def train_flops_per_token(model: nn.Module, seq_len: int) -> float:
 def _matmul_weights(layer) -> list[tuple[str, torch.Tensor]]:
     """The weights autocast casts to the compute dtype (and keeps a copy of per micro-batch): not mHC's `fn`, the
     router's, a ratio > 1 compressor's (all three run in fp32: model.common.full_precision) or Engram's table."""
-    from model.csa2 import Compressor
-    from model.moe import Router
-
     skip = {id(p) for m in layer.modules() if hasattr(m, "fn") for p in [m.fn]}
     for m in layer.modules():
         if isinstance(m, Router):
@@ -286,10 +286,13 @@ def _matmul_weights(layer) -> list[tuple[str, torch.Tensor]]:
 
 
 def layer_activation_bytes(layer, tokens: int, context: int, *, stream_bytes: int = 4, compute_bytes: int = 2,
-                           tp: int = 1, ep: int = 1) -> dict[str, float]:
-    """Bytes `layer` (a model.transformer.Block) keeps for backward on `tokens` tokens of a sequence of `context`
-    tokens (compressed entries E = context // ratio), itemised as in the table above, on a rank holding 1 / ep of
-    the routed experts and 1 / tp of the split weights."""
+                           tp: int = 1, ep: int = 1, shard_dims: ShardDims | None = None) -> dict[str, float]:
+    """Bytes `layer` (a model.block.Block) keeps for backward on `tokens` tokens of a sequence of `context` tokens
+    (compressed entries E = context // ratio), itemised as in the table above, on a rank holding 1 / ep of the
+    routed experts and 1 / tp of the weights `shard_dims(layer)` names (the tensor-parallel plan's,
+    trainer.parallel.tensor.block_shard_dims; needed with tp > 1)."""
+    if tp > 1 and shard_dims is None:
+        raise ValueError(f"layer_activation_bytes(tp={tp}) needs shard_dims: the tensor-parallel plan's split weights")
     cfg = layer.attn.cfg
     spec, attn, moe = layer.spec, layer.attn, layer.ffn
     s, c, n, dim = stream_bytes, compute_bytes, cfg.mhc.num_streams, cfg.dim
@@ -297,7 +300,7 @@ def layer_activation_bytes(layer, tokens: int, context: int, *, stream_bytes: in
     q_lora, o_groups, o_lora = attn.wq_a.out_features, cfg.attention.o_groups, cfg.attention.o_lora_rank
     iters = cfg.mhc.sinkhorn_iters
     casts = 0.0
-    tp_dims = block_shard_dims(layer)  # what apply_tp splits over tp (trainer/parallel/tensor.py)
+    tp_dims = shard_dims(layer) if tp > 1 else {}  # what the plan splits over tp
     for name, p in _matmul_weights(layer):
         split = (tp if name in tp_dims else 1) * (ep if name.startswith("ffn.experts.") else 1)
         casts += p.numel() / split

@@ -5,16 +5,16 @@ a per-head sink in the softmax denominator only. Full layers build the main KV a
 Reuse/Reindex layers read them from their KV source's entry in the `ForwardState`; index sources (Full, Reindex)
 return their top-k, Reuse layers read their source's. The indexer learns from a KL loss only (`indexer_kl`; its
 inputs and target are detached, so the loss never reaches the backbone). A layer reads what earlier layers made
-from the ForwardState and returns what it makes (`LayerOutputs`), writing nothing that outlives its call; the loop
-records the outputs (`ForwardState.record`). `SequenceShard` is the context-parallel seam (identity when one
-process holds the whole sequence). `attend` is the reference attention; the Triton path is model/kernels.py's.
+from the ForwardState and returns what it makes (`LayerOutputs`, model/forward.py), writing nothing that outlives
+its call. With a cache in the state it runs serving's path (model/serving.py `cached_attention`, over the public
+pieces `queries`, `index_queries`, `pick`). `attend` (model/csa2.py) is the reference attention; the Triton path
+is model/kernels.py's.
 
 Design and reasoning: docs/model.md#csa2-attention
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -23,149 +23,12 @@ from torch import nn
 from model import kernels as kern
 from model.common import RMSNorm, init_linear, linear, local
 from model.config import ModelConfig
-from model.csa2 import Compressor, Indexer, candidate_pool, index_scores, select_topk, visible_mask
+from model.csa2 import Compressor, Indexer, attend, candidate_pool, index_scores, select_topk, visible_mask
+from model.forward import WHOLE, ForwardState, LayerOutputs
 from model.layer_plan import LayerSpec
 from model.routing import forced_selection
-from model.rope import apply_rope, rope_tables
-
-
-def _same(t: torch.Tensor) -> torch.Tensor:
-    return t
-
-
-def _all_same(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    return tensors
-
-
-@dataclass(frozen=True)
-class SequenceShard:
-    """This process's contiguous chunk of every sequence, and the hooks that reach the rest of it.
-
-    The defaults describe one process holding whole sequences: every hook is the identity. Context parallelism
-    (trainer/parallel/context.py) installs implementations; they are plain callables, so the model never sees a
-    process group. With T local tokens the chunk covers positions [index * T, (index + 1) * T).
-    """
-
-    index: int = 0  # the chunk's place in the sequence
-    # (t [B, E_local, C], ...) -> (t [B, E, C], ...): every chunk's compressed entries in sequence order; an entry's
-    # gradient returns to the chunk that made it
-    gather_entries: Callable[..., tuple[torch.Tensor, ...]] = _all_same
-    # kv [B, T, D] -> [B, h + T, D]: the previous chunk's last h window rows first (h = 0 alone; the first chunk's h
-    # rows sit at negative positions and are masked); their gradient returns to the previous chunk
-    window_halo: Callable[[torch.Tensor], torch.Tensor] = _same
-    # t [B, T] -> [B, num_chunks * T]: a per-token tensor of the whole sequence (token ids, masks); no gradient
-    gather_tokens: Callable[[torch.Tensor], torch.Tensor] = _same
-    # t -> the mean of t over the chunks of the sequence; no gradient (statistics of whole sequences)
-    chunk_mean: Callable[[torch.Tensor], torch.Tensor] = _same
-
-
-_WHOLE = SequenceShard()  # one process holds whole sequences (no context parallelism)
-
-
-@dataclass
-class LayerOutputs:
-    """What one block adds to its forward, returned by the block and recorded by the loop that runs the blocks
-    (`ForwardState.record`); None where the layer makes no such thing."""
-
-    kv: tuple[torch.Tensor, torch.Tensor] | None = None  # Full: (main KV [B, E, D], indexer keys [B, E, Di])
-    # index source: its top-k, [B, T, E] bool (reference path) or [B, T, K] int32 entry ids, -1 = empty (Triton
-    # path, model/kernels.py)
-    selection: torch.Tensor | None = None
-    pool: torch.Tensor | None = None  # pool builder: [B, T, E] bool, or [B, T, P] int32 block ids (Triton)
-    indexer_kl: torch.Tensor | None = None  # index source: scalar KL (a loss term)
-    experts: torch.Tensor | None = None  # [B, T, K] int64 the MoE's chosen experts (kept with state.keep_routing)
-    expert_load: torch.Tensor | None = None  # [2, E] int64: tokens routed to each expert (text, image rows)
-    balance_loss: torch.Tensor | None = None  # the MoE sequence-wise balance loss (a loss term; None when off)
-
-
-@dataclass
-class ForwardState:
-    """What the layers of one forward share (per sequence batch). Layers only read it; the loop that runs them
-    (model.transformer.forward_blocks) writes each layer's `LayerOutputs` into it, so it is the forward's explicit
-    record: what later layers read (KV, top-k, pool, h_{L/2}) and what the loss and the trainer read (indexer KL,
-    balance loss, expert loads). Made fresh for every training forward (model.transformer.new_state); pipeline
-    stages carry what later stages read across each cut (trainer/parallel/pipeline_wire.py)."""
-
-    positions: torch.Tensor  # [T] absolute positions: offset, offset + 1, ...
-    phase: str  # indexer phase: "sparse" or "dense_warmup"
-    offset: int = 0  # absolute position of the first local token (context parallelism: index * T)
-    shard: SequenceShard = field(default_factory=SequenceShard)
-    h_mid: torch.Tensor | None = None  # [B, T, dim] the encoder's output (collapsed streams), CED
-    kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # source -> (main, index keys)
-    selection: dict[int, torch.Tensor] = field(default_factory=dict)  # index source -> its top-k
-    pool: torch.Tensor | None = None  # the candidate pool (one builder per model)
-    indexer_kl: dict[int, torch.Tensor] = field(default_factory=dict)  # index source -> scalar KL
-    balance_loss: dict[int, torch.Tensor] = field(default_factory=dict)  # MoE layer -> sequence-balance loss
-    expert_load: dict[int, torch.Tensor] = field(default_factory=dict)  # MoE layer -> [2, E] int64 loads
-    hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [B, T, dim] (forward_blocks' hidden_layers)
-    # -- serving and replay (model/cache.py, model/serving.py, model/routing.py) --
-    cache: object | None = None  # the inference cache (KVCache): positions are then [B, T], a position per row
-    call_start: torch.Tensor | None = None  # [B] the cache's length per row when the call began
-    routing: object | None = None  # RoutingRecords: recorded top-k and experts to use instead of choosing (R3)
-    keep_routing: bool = False  # record every index source's top-k and every MoE layer's experts
-    experts: dict[int, torch.Tensor] = field(default_factory=dict)  # MoE layer -> [B, T, K] (keep_routing)
-    # a static-shape call (model.serving.decode_step): every KV source presents its whole capacity of entries, masked
-    # by visibility, and entries are written without a data-dependent selection (a CUDA graph can capture the call)
-    static: bool = False
-    # bounded-replay simulation (model/replay.py): layer -> [B, T] the first key position each query's window may
-    # read (-1: all), and KV source -> (main, keys, [B] entries) the cached global KV the replayed rows keep
-    window_floor: dict[int, torch.Tensor] = field(default_factory=dict)
-    kv_fixed: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=dict)
-    _rope: dict = field(default_factory=dict)  # a cache of pure functions of the positions
-
-    def set_rows(self, positions: torch.Tensor) -> None:
-        """Continue with other query rows (a bounded-replay prefill trims the decoder's rows)."""
-        self.positions = positions
-        self._rope.clear()
-
-    def rope(self, cfg, kind: str, positions: torch.Tensor, dtype: torch.dtype, key=None):
-        if torch.compiler.is_compiling():
-            # A compiled block (trainer.compile) makes its own tables inside its graph, where they fuse: filling the
-            # shared cache would be a side effect on the state (an activation-checkpointed graph refuses one) and
-            # make each block's graph depend on which kinds earlier blocks had cached.
-            return rope_tables(cfg, kind, positions, dtype)
-        key = (kind, key, dtype)
-        if key not in self._rope:
-            self._rope[key] = rope_tables(cfg, kind, positions, dtype)
-        return self._rope[key]
-
-    def record(self, layer: int, out: LayerOutputs) -> None:
-        """Keep what layer `layer` made (its `LayerOutputs`) for the layers after it and for the loss."""
-        for name in ("kv", "selection", "indexer_kl", "balance_loss", "expert_load", "experts"):
-            value = getattr(out, name)
-            if value is not None:
-                getattr(self, name)[layer] = value
-        if out.pool is not None:
-            self.pool = out.pool
-
-
-def attend(q, kv_win, kv_cmp, win_mask, cmp_mask, sink):
-    """Reference sparse shared-KV attention (the Triton kernel must equal this).
-
-    q [B, T, H, D]; kv_win [B, S, D] window keys (S = T, or h + T with a context-parallel halo of h earlier rows
-    first, or the cache's ring then the new rows); kv_cmp [B, E, D] or None; win_mask [T, S] or [B, T, S] bool;
-    cmp_mask [B, T, E] bool; sink [H] fp32.
-    Returns out [B, T, H, D] (q's dtype) and the fp32 probabilities over compressed entries [B, H, T, E] (None
-    without compressed entries).
-    """
-    D = q.shape[-1]
-    scale = D ** -0.5
-    logits = torch.einsum("bthd,bsd->bhts", q, kv_win).float() * scale
-    logits = logits.masked_fill(~(win_mask[:, None] if win_mask.dim() == 3 else win_mask), float("-inf"))
-    if kv_cmp is not None:
-        lc = torch.einsum("bthd,bed->bhte", q, kv_cmp).float() * scale
-        lc = lc.masked_fill(~cmp_mask[:, None], float("-inf"))
-        logits = torch.cat((logits, lc), dim=-1)
-    # the sink joins the max and the denominator only (a learned "attend to nothing" column)
-    sink_col = sink.float()[None, :, None, None].expand(*logits.shape[:-1], 1)
-    probs = torch.cat((logits, sink_col), dim=-1).softmax(dim=-1)[..., :-1]
-    S = kv_win.shape[1]
-    out = torch.einsum("bhts,bsd->bthd", probs[..., :S].to(kv_win.dtype), kv_win)
-    p_cmp = None
-    if kv_cmp is not None:
-        p_cmp = probs[..., S:]
-        out = out + torch.einsum("bhte,bed->bthd", p_cmp.to(kv_cmp.dtype), kv_cmp)
-    return out.to(q.dtype), p_cmp
+from model.rope import apply_rope
+from model.serving import cached_attention
 
 
 class HeadSum(nn.Module):
@@ -178,7 +41,7 @@ class HeadSum(nn.Module):
 
 
 def indexer_kl(attn_mass: torch.Tensor, scores: torch.Tensor, domain: torch.Tensor,
-               chunk_mean: Callable[[torch.Tensor], torch.Tensor] = _same) -> torch.Tensor:
+               chunk_mean: Callable[[torch.Tensor], torch.Tensor] = WHOLE.chunk_mean) -> torch.Tensor:
     """KL(attention || indexer) over the indexer's search domain, mean over query rows that have a target.
 
     attn_mass [B, T, E] fp32 attention probabilities over compressed entries summed over heads (`HeadSum`);
@@ -248,7 +111,7 @@ class CSA2Attention(kern.KernelPath, nn.Module):
         if self.indexer is not None:
             self.indexer.init_weights(std)
 
-    # -- pieces ------------------------------------------------------------------------------------------------------
+    # -- pieces (queries, index_queries and pick are public: serving runs them on the cache, model/serving.py) ------
     def _compress(self, kv_in: torch.Tensor, state: ForwardState, path: str) -> tuple[torch.Tensor, torch.Tensor]:
         """Full layer: compress, rotate at each group's first token, fake-quantise; returns (main, index keys) of
         every chunk of the sequence."""
@@ -276,12 +139,12 @@ class CSA2Attention(kern.KernelPath, nn.Module):
             main, keys = torch.where(keep, fixed_main, main), torch.where(keep, fixed_keys, keys)
         return main, keys
 
-    def _queries(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    def queries(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """(q_res [B, T, q_lora] the low-rank query state, q [B, T, H, D] rotated; H/tp under tp)."""
         q_res = self.q_norm(self.wq_a(x))
         return q_res, apply_rope(self.wq_b(q_res).unflatten(-1, (-1, self.head_dim)), cos, sin)
 
-    def _index_queries(self, x, q_res, state: ForwardState, path: str):
+    def index_queries(self, x, q_res, state: ForwardState, path: str):
         """Index source: the indexer's queries (RoPE, fake-quant) [B, T, Hi, Di] and head weights [B, T, Hi], from
         detached inputs (the indexer learns from its KL alone)."""
         a, q = self.cfg.attention, self.cfg.quant
@@ -296,14 +159,14 @@ class CSA2Attention(kern.KernelPath, nn.Module):
         """Index source: score visible entries (in the pool, if restricted) and pick the top-k. Returns (scores,
         domain, top-k, pool or None: what a pool builder makes). path: the kernel switch (on "triton",
         `_select_triton` says what it returns). Top-k and pool carry no gradient."""
-        qi, w = self._index_queries(x, q_res, state, path)
+        qi, w = self.index_queries(x, q_res, state, path)
         if path == "triton":
             return self._select_triton(qi, w, keys, E, state)
         B, T = x.shape[:2]
-        return self._pick(qi, w, keys, visible_mask(T, E, self.spec.ratio, x.device, state.offset).expand(B, T, E),
+        return self.pick(qi, w, keys, visible_mask(T, E, self.spec.ratio, x.device, state.offset).expand(B, T, E),
                           state)
 
-    def _pick(self, qi, w, keys, visible: torch.Tensor, state: ForwardState):
+    def pick(self, qi, w, keys, visible: torch.Tensor, state: ForwardState):
         """The reference path's scoring and choice, shared with serving (model/serving.py): visible [B, T, E] the
         entries each query may see. Returns (scores [B, T, E], domain, top-k [B, T, E] bool, pool or None). A
         recorded top-k (state.routing, RL's index replay) replaces the chosen one for the rows it covers."""
@@ -348,8 +211,6 @@ class CSA2Attention(kern.KernelPath, nn.Module):
         the layer's norm of h_{L/2} in the decoder). Returns ([B, T, dim], what this layer made: its KV, top-k,
         pool and indexer KL, as its role has them)."""
         if state.cache is not None:  # serving: attention over the inference cache, filling it (model/serving.py)
-            from model.serving import cached_attention
-
             out, cos, sin, made = cached_attention(self, x, state, kv_in)
             return self._project_out(out, cos, sin), made
         a, qc = self.cfg.attention, self.cfg.quant
@@ -364,7 +225,7 @@ class CSA2Attention(kern.KernelPath, nn.Module):
         made = LayerOutputs()
         cos, sin = state.rope(a, kind, state.positions, x.dtype)
 
-        q_res, q = self._queries(x, cos, sin)
+        q_res, q = self.queries(x, cos, sin)
         kv = kern.norm_rope_quant(self.wkv(x), self.kv_norm, cos, sin, "fp8" if qc.swa_kv == "fp8" else None, path)
         # Window keys: under context parallelism the previous chunk's last rows come first (a halo of h rows).
         kv_keys = state.shard.window_halo(kv)  # [B, h + T, D]

@@ -1,7 +1,8 @@
-"""CSA2 pieces: compressor, indexer, top-k and the hierarchical candidate pool (SPEC 1.2-1.3, REFERENCE A3-A4).
+"""CSA2 pieces: compressor, indexer, top-k, the hierarchical candidate pool (SPEC 1.2-1.3, REFERENCE A3-A4) and
+`attend`, the reference sparse shared-KV attention (A2) that the layer and serving both run.
 
 Shape legend: B batch, T tokens, E compressed entries (T // ratio), D latent width (512 in the flagship),
-Hi indexer heads, Di indexer head dim, K top-k.
+Hi indexer heads, Di indexer head dim, K top-k, H query heads, S window keys.
 
 Visibility: entry t (tokens t*m .. t*m+m-1) is visible to the query at position p iff t < (p + 1) // m, i.e. only
 once its whole group has arrived. Every selection below scores only visible entries, so nothing depends on the future.
@@ -164,3 +165,32 @@ def candidate_pool(scores: torch.Tensor, ratio: int, block_size: int, topk_block
     block = block.scatter(-1, nb_idx, forced)
     keep = select_topk(block, topk_blocks)  # [B, T, nb]
     return keep.repeat_interleave(block_size, dim=-1)[..., :E]
+
+
+def attend(q, kv_win, kv_cmp, win_mask, cmp_mask, sink):
+    """Reference sparse shared-KV attention (the Triton kernel must equal this).
+
+    q [B, T, H, D]; kv_win [B, S, D] window keys (S = T, or h + T with a context-parallel halo of h earlier rows
+    first, or the cache's ring then the new rows); kv_cmp [B, E, D] or None; win_mask [T, S] or [B, T, S] bool;
+    cmp_mask [B, T, E] bool; sink [H] fp32.
+    Returns out [B, T, H, D] (q's dtype) and the fp32 probabilities over compressed entries [B, H, T, E] (None
+    without compressed entries).
+    """
+    D = q.shape[-1]
+    scale = D ** -0.5
+    logits = torch.einsum("bthd,bsd->bhts", q, kv_win).float() * scale
+    logits = logits.masked_fill(~(win_mask[:, None] if win_mask.dim() == 3 else win_mask), float("-inf"))
+    if kv_cmp is not None:
+        lc = torch.einsum("bthd,bed->bhte", q, kv_cmp).float() * scale
+        lc = lc.masked_fill(~cmp_mask[:, None], float("-inf"))
+        logits = torch.cat((logits, lc), dim=-1)
+    # the sink joins the max and the denominator only (a learned "attend to nothing" column)
+    sink_col = sink.float()[None, :, None, None].expand(*logits.shape[:-1], 1)
+    probs = torch.cat((logits, sink_col), dim=-1).softmax(dim=-1)[..., :-1]
+    S = kv_win.shape[1]
+    out = torch.einsum("bhts,bsd->bthd", probs[..., :S].to(kv_win.dtype), kv_win)
+    p_cmp = None
+    if kv_cmp is not None:
+        p_cmp = probs[..., S:]
+        out = out + torch.einsum("bhte,bed->bthd", p_cmp.to(kv_cmp.dtype), kv_cmp)
+    return out.to(q.dtype), p_cmp

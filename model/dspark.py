@@ -31,13 +31,13 @@ from torch import nn
 
 from model import kernels as kern
 from model import mhc
-from model.attention import attend
+from model.block import Block
 from model.common import RMSNorm, init_linear, init_normal, linear, local
 from model.config import ModelConfig
+from model.csa2 import attend
 from model.layer_plan import LayerSpec
 from model.moe import MoE
 from model.rope import rope_tables
-from model.transformer import Block
 
 __all__ = ["DSpark", "DraftOutput", "drafter_config", "stream_means", "acceptance_length"]
 
@@ -102,7 +102,7 @@ class DraftBlock(Block):
         ca = self.hc_attn(S)
         x = self.attn_norm(mhc.collapse(S, pre_prev))  # [N, K, dim]
         cos, sin = rope_tables(self.cfg.attention, "main", positions, x.dtype)
-        _, q = attn._queries(x, cos, sin)  # [N, K, H, D]
+        _, q = attn.queries(x, cos, sin)  # [N, K, H, D]
         quant = "fp8" if self.cfg.quant.swa_kv == "fp8" else None
         kv_block = kern.norm_rope_quant(attn.wkv(x), attn.kv_norm, cos, sin, quant, "reference")  # [N, K, D]
         keys = torch.cat((ctx_kv.to(kv_block.dtype), kv_block), dim=1)  # [N, W + K, D]
@@ -111,7 +111,7 @@ class DraftBlock(Block):
                              torch.ones(N, K, K, dtype=torch.bool, device=x.device)), dim=-1)  # [N, K, W + K]
         out, _ = attend(q, keys, None, visible, None, local(attn.attn_sink))
         y = attn._project_out(out, cos, sin)
-        S, x, cf = mhc.mhc_step(self.impl, y, S, ca, ca.pre, self.hc_ffn, self.kernel_path)
+        S, x, cf = kern.mhc_step(self.impl, y, S, ca, ca.pre, self.hc_ffn, self.kernel_path)
         y, load, _ = self.ffn(self.ffn_norm(x))
         return mhc.expand(y, S, cf.post, cf.comb), cf.pre, load
 

@@ -19,7 +19,11 @@ import os
 
 import torch
 from torch.distributed.tensor import DTensor
+
+from kernels import fp4, fp8
+from model import mhc
 from model.common import autocast_dtype, full_precision
+from model.rope import apply_rope
 
 __all__ = [
     "CHOICES",
@@ -37,6 +41,7 @@ __all__ = [
     "select_topk",
     "slot_entries",
     "pool_entries",
+    "mhc_step",
     "mhc_single_pass",
     "engram_forward",
 ]
@@ -109,16 +114,12 @@ def plain(*tensors: torch.Tensor | None) -> bool:
 # -- QAT fake quantisation ------------------------------------------------------------------------------------------
 def fake_quant_fp4(x: torch.Tensor, block: int, scale_fmt: str, path: str) -> torch.Tensor:
     """FP4 E2M1 fake-quant with a straight-through gradient (kernels.fp4.fake_quant), bit-identical both ways."""
-    from kernels import fp4
-
     impl = path if plain(x) else "reference"
     return fp4.fake_quant(x.contiguous() if impl == "triton" else x, block=block, scale_fmt=scale_fmt, impl=impl)
 
 
 def fake_quant_fp8(x: torch.Tensor, block: int, path: str) -> torch.Tensor:
     """FP8 E4M3 fake-quant with a straight-through gradient (kernels.fp8.fake_quant_fp8), bit-identical both ways."""
-    from kernels import fp8
-
     impl = path if plain(x) else "reference"
     return fp8.fake_quant_fp8(x.contiguous() if impl == "triton" else x, block=block, impl=impl)
 
@@ -154,11 +155,9 @@ def norm_rope_quant(x: torch.Tensor, norm, cos: torch.Tensor, sin: torch.Tensor,
     Triton path: one pass, kernels.norm_rope_fp4 (its backward is the quantiser's straight-through gradient, RoPE's
     transpose and the norm's backward), wherever x and the norm's weight are plain tensors and there is a norm or a
     quantiser to fuse. Otherwise the model's three steps: the norm module, `apply_rope`, the fake-quant."""
-    from model.rope import apply_rope
-
     weight = None if norm is None else norm.weight
     if path == "triton" and (norm is not None or quant is not None) and plain(x, weight, cos, sin):
-        from kernels import norm_rope_fp4
+        from kernels import norm_rope_fp4  # triton: an optional dependency (none off Linux), the Triton path's only
 
         return norm_rope_fp4.norm_rope_fake_quant(x.contiguous(), cos, sin, weight=weight,
                                                   eps=None if norm is None else norm.eps, quant=quant,
@@ -185,7 +184,7 @@ def sparse_attention(q: torch.Tensor, kv_win: torch.Tensor, kv_cmp: torch.Tensor
 
     Inside an autocast region the reference's einsums run in the autocast dtype (a compressor may hand over fp32
     entries next to bf16 queries), so the operands are cast to it, as autocast would; the kernel needs one dtype."""
-    from kernels import sparse_attention as sa
+    from kernels import sparse_attention as sa  # triton: an optional dependency, needed by the Triton path only
 
     dtype = _matmul_dtype(q)
     q, kv_win = q.to(dtype).contiguous(), kv_win.to(dtype).contiguous()
@@ -206,6 +205,13 @@ def sparse_attention(q: torch.Tensor, kv_win: torch.Tensor, kv_cmp: torch.Tensor
 
 
 # -- indexer ------------------------------------------------------------------------------------------------------
+def _indexer():
+    """kernels.indexer, imported on the first Triton indexer call."""
+    from kernels import indexer  # triton: an optional dependency (none off Linux), needed by the Triton path only
+
+    return indexer
+
+
 def _same_dtype(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The reference scores in fp32 (q.float(), k.float()); when q and k differ in dtype (fp32 keys next to bf16
     queries under autocast) the kernel gets both in fp32, an exact upcast. Same dtype: unchanged (the kernel
@@ -219,29 +225,23 @@ def index_scores(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor, ratio: int, 
                  ) -> torch.Tensor:
     """Indexer scores q [B, T, Hi, Di], w [B, T, Hi] fp32, k [B, E, Di] -> [B, T, E] fp32, -inf where an entry
     is not visible to the query at absolute position q_offset + t. Differentiable in q, w, k."""
-    from kernels import indexer
-
     q, k = _same_dtype(q, k)
-    return indexer.index_scores(q, w.contiguous(), k, ratio, q_offset=q_offset, impl="triton")
+    return _indexer().index_scores(q, w.contiguous(), k, ratio, q_offset=q_offset, impl="triton")
 
 
 def index_scores_pool(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor, pool: torch.Tensor, ratio: int,
                       block_size: int, q_offset: int = 0) -> torch.Tensor:
     """Reindex scores over the candidate pool [B, T, P] int32 block ids -> slot scores [B, T, S] fp32, slot
     i * BS + j scoring entry pool[..., i] * BS + j (-inf: empty, not visible or past E). Differentiable in q, w, k."""
-    from kernels import indexer
-
     q, k = _same_dtype(q, k)
-    return indexer.index_scores_pool(q, w.contiguous(), k, pool, ratio, block_size, q_offset=q_offset,
+    return _indexer().index_scores_pool(q, w.contiguous(), k, pool, ratio, block_size, q_offset=q_offset,
                                      impl="triton")
 
 
 def candidate_pool(scores: torch.Tensor, ratio: int, block_size: int, topk_blocks: int, q_offset: int = 0
                    ) -> torch.Tensor:
     """Masked scores [B, T, E] -> the hierarchical candidate pool, [B, T, P] int32 block ids (-1 = empty)."""
-    from kernels import indexer
-
-    return indexer.candidate_pool(scores.contiguous(), ratio, block_size, topk_blocks, q_offset=q_offset,
+    return _indexer().candidate_pool(scores.contiguous(), ratio, block_size, topk_blocks, q_offset=q_offset,
                                   impl="triton")
 
 
@@ -249,9 +249,7 @@ def select_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
     """Scores [B, T, X] (-inf = not allowed) -> positions [B, T, min(k, X)] int32 of the top picks along the last
     dim, -1 where a pick is -inf. Positions, not entry ids: the indexer's KL reads its differentiable scores
     through them (slot scores of a pool map to entries with `slot_entries`)."""
-    from kernels import indexer
-
-    return indexer.select_topk(scores, k, impl="triton")
+    return _indexer().select_topk(scores, k, impl="triton")
 
 
 def slot_entries(pos: torch.Tensor, pool: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -270,6 +268,14 @@ def pool_entries(pool: torch.Tensor, block_size: int) -> torch.Tensor:
 
 
 # -- mHC and Engram ------------------------------------------------------------------------------------------------
+def mhc_step(impl: str, y, S, coeffs, pre_lag, next_site, path: str):
+    """model.mhc.mhc_step on a kernel path: "triton" runs the single-pass step as the fused Triton kernels
+    (`mhc_single_pass`); the unfused step has no kernel (asking for it is asking for the literal three passes)."""
+    if path == "triton" and impl == "single_pass":
+        return mhc_single_pass(y, S, coeffs, pre_lag, next_site)
+    return mhc.mhc_step(impl, y, S, coeffs, pre_lag, next_site)
+
+
 def mhc_single_pass(y, S, coeffs, pre_lag, next_site, *, coeff_kernel: bool = True):
     """model.mhc.single_pass as the fused Triton step (kernels.mhc_triton.mhc_step) and the next site's coefficients
     in one launch each way (kernels.mhc_coeffs_triton.next_coeffs): (S' [B, T, n, D], x [B, T, D], next coeffs or
@@ -278,8 +284,7 @@ def mhc_single_pass(y, S, coeffs, pre_lag, next_site, *, coeff_kernel: bool = Tr
 
     coeff_kernel=False keeps the coefficients in PyTorch (site.coeffs_from_logits: some 100 small kernels, most of them
     the Sinkhorn iterations); tests and the bench compare the two."""
-    from kernels import mhc_coeffs_triton, mhc_triton
-    from model import mhc
+    from kernels import mhc_coeffs_triton, mhc_triton  # triton: an optional dependency, the Triton path's only
 
     fn = None if next_site is None else next_site.fn
     if not plain(y, S, fn, *coeffs, pre_lag):
@@ -308,7 +313,7 @@ def engram_forward(module, S, row_ids, dead, *, table_grad: str = "dense"):
     fused gate + update (kernels.engram_triton.gate_update): S [B, T, n, D], row_ids [B, T, C], dead [B, T] bool or
     None -> S' [B, T, n, D]. The caller checks `plain` first: the reference path is the module's own forward.
     table_grad: "dense" (the table's usual gradient) or "sparse" (touched rows only: kernels.engram_triton.lookup)."""
-    from kernels import engram_triton
+    from kernels import engram_triton  # triton: an optional dependency, needed by the Triton path only
 
     B, T, n, D = S.shape
     rows = engram_triton.lookup(module.table, row_ids.reshape(B * T, -1), table_grad=table_grad)  # [N, C, Dh]

@@ -221,17 +221,11 @@ _STEPS = {"single_pass": single_pass, "unfused": unfused_step}
 
 
 def mhc_step(impl: str, y: torch.Tensor, S: torch.Tensor, coeffs: Coeffs, pre_lag: torch.Tensor,
-             next_site: HCSite | None, kernels: str = "reference") -> tuple[torch.Tensor, torch.Tensor, Coeffs | None]:
-    """Dispatch on MHCConfig.impl ("single_pass" | "unfused"); both return (S_new, x, next_coeffs).
-
-    kernels: the resolved kernel switch (model/kernels.py); "triton" runs the single-pass step as the fused Triton
-    kernel. The unfused step has no kernel: asking for it is asking for the literal three passes."""
+             next_site: HCSite | None) -> tuple[torch.Tensor, torch.Tensor, Coeffs | None]:
+    """Dispatch on MHCConfig.impl ("single_pass" | "unfused"); both return (S_new, x, next_coeffs). The reference
+    path: model.kernels.mhc_step takes the kernel switch, and runs the fused Triton step on "triton"."""
     try:
         step = _STEPS[impl]
     except KeyError:
         raise ValueError(f"model.mhc.impl must be one of {sorted(_STEPS)}, got {impl!r}") from None
-    if kernels == "triton" and impl == "single_pass":
-        from model import kernels as kern
-
-        return kern.mhc_single_pass(y, S, coeffs, pre_lag, next_site)
     return step(y, S, coeffs, pre_lag, next_site)

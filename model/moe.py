@@ -368,7 +368,7 @@ class MoE(nn.Module):
     int64 tokens routed to each expert (text row, image row), the sequence-wise balance loss or None when
     seq_aux_loss_coef is 0).
 
-    A forward has no side effect: the loop that runs the blocks (model.transformer.forward_blocks) keeps the load
+    A forward has no side effect: the loop that runs the blocks (model.forward.forward_blocks) keeps the load
     and the loss in its ForwardState, and the caller that trains adds the loads to the balancing counters
     `load_text` / `load_image` (`add_load`, read by `update_bias`). A recomputation under activation checkpointing
     calls the forward again and drops its result, so nothing is counted twice.

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from model.csa2 import ids_to_selection
+
 __all__ = ["RoutingRecords", "forced_selection"]
 
 
@@ -68,8 +70,6 @@ class RoutingRecords:
 def forced_selection(state, layer: int, selection: torch.Tensor) -> torch.Tensor:
     """The recorded top-k of index source `layer` where state.routing has one for the row (a row of -1 has none),
     else `selection` ([B, T, E] bool)."""
-    from model.csa2 import ids_to_selection
-
     routing = state.routing
     ids = None if routing is None else routing.topk_rows(layer, state)
     if ids is None:

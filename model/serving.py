@@ -33,11 +33,14 @@ import weakref
 import torch
 from torch import nn
 
-from model import kernels as kern
 from kernels.norm_rope_ref import rms_norm
+from model import kernels as kern
+from model import mhc
 from model.common import full_precision, local
-from model.csa2 import selected_ids
+from model.csa2 import attend, selected_ids
+from model.forward import WHOLE, ForwardState, LayerOutputs, embed_streams, forward_blocks, head_logits
 from model.rope import apply_rope
+from model.routing import RoutingRecords
 
 __all__ = ["serve_forward", "decode_step", "cached_attention", "routing_records", "visible_rows", "StoredEntries"]
 
@@ -151,8 +154,6 @@ def cached_attention(layer, x: torch.Tensor, state, kv_in: torch.Tensor | None):
     """`CSA2Attention.forward` on the inference cache: x [B, T, dim] the new rows' attention input (positions
     state.positions [B, T]); kv_in the compressor input of a Full layer over the whole call. Returns (the attention
     output before the output projection [B, T, H, D], cos, sin, LayerOutputs)."""
-    from model.attention import LayerOutputs, attend
-
     a, qc = layer.cfg.attention, layer.cfg.quant
     spec = layer.spec
     lc = state.cache.layers[spec.index]
@@ -162,7 +163,7 @@ def cached_attention(layer, x: torch.Tensor, state, kv_in: torch.Tensor | None):
     made = LayerOutputs()
     cos, sin = state.rope(a, spec.rope, pos, x.dtype)
 
-    q_res, q = layer._queries(x, cos, sin)  # [B, T, H, D]
+    q_res, q = layer.queries(x, cos, sin)  # [B, T, H, D]
     swa_pre = apply_rope(layer.kv_norm(layer.wkv(x)), cos, sin)
     swa_parts, kv_new = _stored(lc.swa, swa_pre, "fp8" if qc.swa_kv == "fp8" else None)
 
@@ -211,9 +212,9 @@ def cached_attention(layer, x: torch.Tensor, state, kv_in: torch.Tensor | None):
 
 def _select(layer, x, q_res, keys, visible, state):
     """Index source on the cache: (top-k [B, T, E] bool, pool or None), by the training forward's reference
-    scoring and choice (`CSA2Attention._pick`) over the stored entries each row's queries see."""
-    qi, w = layer._index_queries(x, q_res, state, REF)
-    _, _, selection, pool = layer._pick(qi, w, keys, visible, state)
+    scoring and choice (`CSA2Attention.pick`) over the stored entries each row's queries see."""
+    qi, w = layer.index_queries(x, q_res, state, REF)
+    _, _, selection, pool = layer.pick(qi, w, keys, visible, state)
     return selection, pool
 
 
@@ -239,10 +240,6 @@ def serve_forward(model, input_ids: torch.Tensor, cache, *, image_mask=None, rou
     """`Transformer.forward(input_ids, cache=cache)`: the logits [B, T, V] fp32 of the new tokens, appended to the
     cache. A first call on a cache whose replay is on trims the decoder to the replay's span (`KVCache`); the rows
     it skips get NaN logits. Returns (logits, state)."""
-    from model import mhc
-    from model.attention import ForwardState
-    from model.transformer import embed_streams, forward_blocks, head_logits
-
     cfg = model.cfg
     cache.check(model, input_ids)
     bad = (input_ids < 0) | (input_ids >= cfg.vocab_size)
@@ -295,15 +292,12 @@ def decode_step(model, input_ids: torch.Tensor, cache) -> torch.Tensor:
     model.csa2.select_topk), entries are written where their group closes without selecting the rows, and the
     checks that read the device (token ids in range, room in the cache, a prefilled cache) are the caller's: the
     engine decodes only tokens it sampled, into rows it sized for the whole request (trainer/engine/engine.py)."""
-    from model.attention import _WHOLE, ForwardState
-    from model.transformer import embed_streams, forward_blocks, head_logits
-
     if input_ids.dim() != 2 or input_ids.shape != (cache.batch_size, 1):
         raise ValueError(f"decode_step: input_ids must be [{cache.batch_size}, 1], got {tuple(input_ids.shape)}")
     cfg = model.cfg
     start, positions, engram_in = _append_tokens(model, cache, input_ids, None)
     # (the shard passed, not defaulted: torch.compile cannot construct the frozen dataclass)
-    state = ForwardState(positions=positions, phase=cfg.indexer.phase, shard=_WHOLE, cache=cache, call_start=start,
+    state = ForwardState(positions=positions, phase=cfg.indexer.phase, shard=WHOLE, cache=cache, call_start=start,
                          static=True)
     S, pre = embed_streams(model.embed, input_ids, cfg.mhc.num_streams)
     S, pre = forward_blocks(model.layers, S, pre, state, cfg.num_encoder_layers, engram_in, None)
@@ -362,8 +356,6 @@ def _engram_rows(model, cache, input_ids, start, image_mask):
 def routing_records(model, state):
     """What a forward with keep_routing chose, as RoutingRecords over the call's rows: rows a trimmed prefill
     skipped in the decoder (they lead the call) hold -1."""
-    from model.routing import RoutingRecords
-
     rec = RoutingRecords()
     k = model.cfg.csa2.index_topk
     for spec in model.plan:

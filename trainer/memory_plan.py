@@ -82,7 +82,7 @@ import torch
 import model as model_pkg
 from model import accounting
 from model.attention import head_rows
-from trainer.parallel.tensor import tp_shard_dims
+from trainer.parallel.tensor import block_shard_dims, tp_shard_dims, vision_shard_dims
 from optim.hybrid import CHUNK
 from optim.rules import assign, rows_per_head
 from trainer.config import to_config
@@ -318,7 +318,8 @@ def _stage_memory(model, lay: Layout, bounds: list[int], stage: int) -> dict:
     layers = range(bounds[stage], bounds[stage + 1])
     per_layer = []
     for i in layers:
-        terms = accounting.layer_activation_bytes(model.layers[i], tokens, lay.seq_len, tp=lay.tp, ep=lay.ep)
+        terms = accounting.layer_activation_bytes(model.layers[i], tokens, lay.seq_len, tp=lay.tp, ep=lay.ep,
+                                                 shard_dims=block_shard_dims)
         per_layer.append(terms)
     full = sum(sum(t.values()) for t in per_layer)
     if lay.activation_checkpoint == "full":
@@ -578,7 +579,7 @@ def plan(node, world_size: int | None = None) -> dict:
     out = {"model": m.cfg.name}
     out.update(accounting.summary(m))
     # the image tower, beside the backbone (none: text only), and one tp rank's part of it
-    out.update(accounting.vision_parameters(m.cfg, tp=dims.tp))
+    out.update(accounting.vision_parameters(m.cfg, tp=dims.tp, shard_dims=vision_shard_dims))
     lay = layout_from_config(cfg, dims, cuts, device_memory_gb, world_size_given=world_size is not None)
     out["training"] = plan_training(m, lay)
     return out

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 import model.attention as attention_mod
 from model import csa2
 from model import kernels as kern
-from model.attention import SequenceShard
+from model.forward import SequenceShard
 from model.config import ModelConfig
 from model.layer_plan import build_layer_plan
 from tests.helpers import build_tiny, load_config

@@ -22,6 +22,7 @@ from model.rope import apply_rope
 from model.vision import (VisionEncoder, image_token_count, layout, patch_positions, pixel_unshuffle,
                           rope_2d_tables, varlen_attention)
 from tests.helpers import load_config
+from trainer.parallel.tensor import vision_shard_dims
 
 MIX = [(3, 3), (6, 9), (9, 3), (12, 6)]
 
@@ -209,7 +210,7 @@ def test_flagship_counted_on_meta():
     assert 0.3e9 < counts["params_vision"] < 0.7e9
     # one of 8 tensor-parallel ranks: everything split but the patch embedding, the norms and the three vectors
     replicated = 588 * C + (2 * vc.num_layers + 1) * C + 3 * D
-    per_rank = vision_parameters(cfg, tp=8)["params_vision_per_tp_rank"]
+    per_rank = vision_parameters(cfg, tp=8, shard_dims=vision_shard_dims)["params_vision_per_tp_rank"]
     assert per_rank == (counts["params_vision"] - replicated) // 8 + replicated == 76_967_936
 
 

@@ -13,7 +13,7 @@ too, which it recomputes).
 
 Not vacuous: the checkpointed run recomputes every block once per micro-batch (in the warm-up, every block with an
 indexer: the others save nothing), and a block's forward leaves the ForwardState and the MoE counters as it found
-them (it returns what it makes; model.transformer.forward_blocks records it), which is why the recomputation, whose
+them (it returns what it makes; model.forward.forward_blocks records it), which is why the recomputation, whose
 return value checkpoint drops, counts no expert load twice (the bias update's sign would hide that; the counts
 themselves, logged as expert imbalance and all-reduced across data ranks, must be exact).
 
@@ -41,6 +41,8 @@ import traceback
 import pytest
 import torch
 
+import model.block
+import model.forward
 import model.transformer
 import trainer.parallel.activation_checkpoint as ac
 from optim import LRScheduler, OptimConfig, build_optimizer
@@ -130,13 +132,13 @@ def _count_block_calls(monkeypatch) -> list[int]:
     """Count every call of Block.forward: the forwards and, under checkpointing, the recomputations (checkpoint
     calls the original function again)."""
     calls: list[int] = []
-    real = model.transformer.Block.forward
+    real = model.block.Block.forward
 
     def counted(self, *args, **kwargs):
         calls.append(self.spec.index)
         return real(self, *args, **kwargs)
 
-    monkeypatch.setattr(model.transformer.Block, "forward", counted)
+    monkeypatch.setattr(model.block.Block, "forward", counted)
     return calls
 
 
@@ -176,8 +178,8 @@ def test_a_block_forward_writes_nothing():
     counters = [(moe.load_text.clone(), moe.load_image.clone()) for moe in m.moe_layers()]
     snapshot = {k: dict(getattr(state, k)) for k in ("kv", "selection", "indexer_kl", "balance_loss", "expert_load")}
     pool = state.pool
-    S, pre = model.transformer.embed_streams(m.embed, ids, cfg.mhc.num_streams)
-    _, engram_in = model.transformer.new_state(cfg, ids, m.sequence_shard, m.hasher)
+    S, pre = model.forward.embed_streams(m.embed, ids, cfg.mhc.num_streams)
+    _, engram_in = model.forward.new_state(cfg, ids, m.sequence_shard, m.hasher)
     checked = 0
     for layer in m.layers:
         e_in = engram_in[layer.spec.index] if layer.engram is not None else None

@@ -54,7 +54,7 @@ from typing import Callable, Protocol
 
 import torch
 
-from model.attention import SequenceShard
+from model.forward import SequenceShard
 from model.routing import RoutingRecords
 from model.serving import compiled_decode_step
 from trainer.engine.sampling import SamplingParams, sample

@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from model.transformer import Block
+from model.block import Block
 
 __all__ = ["CUDAGRAPH_MODES", "compile_blocks", "is_compiled", "mark_step"]
 

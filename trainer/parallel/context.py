@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from model.attention import SequenceShard
+from model.forward import SequenceShard
 from model.config import ModelConfig
 
 __all__ = ["apply_cp", "check_sequence_length", "sequence_shard", "shard_sequence"]

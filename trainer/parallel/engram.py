@@ -25,10 +25,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from model.attention import SequenceShard
 from model.common import local
 from model.engram import Engram
-from model.transformer import new_state
+from model.forward import SequenceShard, new_state
 
 __all__ = [
     "EngramSharding", "ShardedRows", "RowFetch", "apply_engram_sharding", "engram_tables", "reduce_engram_gradients",
@@ -212,7 +211,7 @@ class EngramSharding:
 
     def prefetch_row_ids(self, row_ids: dict[int, torch.Tensor]) -> None:
         """Issue the exchange of every sharded Engram for {model layer: row ids [B, T, C]} (the ids its forward will
-        look up, e.g. from `model.transformer.new_state`)."""
+        look up, e.g. from `model.forward.new_state`)."""
         for layer, reader in self.readers.items():
             reader.prefetch(self._engram(layer).table, row_ids[layer])
 

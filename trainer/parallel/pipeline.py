@@ -28,11 +28,11 @@ from torch.distributed.pipelining import (
     ScheduleZBVZeroBubble,
 )
 
-from model.attention import ForwardState
 from model.config import ModelConfig
+from model.forward import ForwardState, add_expert_loads, embed_streams, forward_blocks, head_logits, new_state
 from model.layer_plan import LayerSpec
 from model.moe import MoE
-from model.transformer import Transformer, add_expert_loads, embed_streams, forward_blocks, head_logits, new_state
+from model.transformer import Transformer
 from trainer.loss import LMLoss, StepTokens, valid_tokens
 from trainer.parallel.pipeline_wire import (
     KV_SLOTS,
@@ -163,7 +163,7 @@ class PipelineStageModule(nn.Module):
         self.uses_image_mask = image_mask
         self.autocast_dtype: torch.dtype | None = None
         self.layers = nn.ModuleDict({str(i): model.layers[i] for i in range(start, end)})
-        # context parallelism's hooks (a plain object, see model.attention.SequenceShard); set it on the stage too
+        # context parallelism's hooks (a plain object, see model.forward.SequenceShard); set it on the stage too
         self.sequence_shard = model.sequence_shard
         self.hasher = model.hasher if self.is_first else None  # hashing runs once, on the first stage
         if self.is_first:

@@ -309,7 +309,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool, *, 
         parallelize_module(model.vision, tp_mesh, plan.pop(""))  # the tower's own parameters
         parallelize_module(model.vision, tp_mesh, plan)
         if sequence_parallel:
-            # Each rank places the features of its chunk's placeholders only (model.transformer.embed_streams reads
+            # Each rank places the features of its chunk's placeholders only (model.forward.embed_streams reads
             # which chunk from image_sequence_shard), so the tower's output gets a partial gradient on each rank:
             # summed over tp on the way back (Megatron's `f`), the tower's gradients are complete everywhere.
             model.image_sequence_shard = (tp_mesh.get_local_rank(), tp)
