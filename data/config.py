@@ -222,7 +222,7 @@ def build_dataloader(cfg: DataConfig, rank: int = 0, world_size: int = 1):
     # Imported here so that importing the config schemas (trainer.config imports this module) does not pay for torch.
     import torch
 
-    from data.loader import PackedLoader
+    from data.loader import PackedLoader  # start-up: data.loader imports torch (see above)
 
     tok_path = tokenizer_path(cfg)
     info: TokenizerInfo = tokenizer_info(load_tokenizer(tok_path), tok_path)

@@ -26,8 +26,10 @@ import torch
 from PIL import Image
 
 from config_checks import at_least, positive
+from data.config import build_dataloader, ensure_prepared
 from data.schema import DataConfig
 from data.shards import DataConfigError, DataNotFoundError
+from data.tokenizer import load_tokenizer
 from data.vision.processor import ProcessorConfig, plan_resize, process
 from data.vision.shards import ImageTextReader, Segment, read_image_meta, write_image_text_shards
 from data.vision.synthetic import MIN_SIDE, synthetic_sample
@@ -342,9 +344,6 @@ def build_multimodal_loader(cfg: MultimodalDataConfig, rank: int = 0, world_size
     """(MultimodalLoader, TokenizerInfo) for data rank `rank` of `world_size`: the text shards at cfg.path (prepared
     first if needed, `progress` shown) mixed with the image-text shards at cfg.multimodal.image_path (generated first
     if needed)."""
-    from data.config import build_dataloader, ensure_prepared
-    from data.tokenizer import load_tokenizer
-
     ensure_prepared(cfg, progress=progress)
     text, info = build_dataloader(cfg, rank, world_size)
     if info.pad_id is None:

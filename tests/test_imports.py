@@ -4,8 +4,10 @@ Built from the source with `ast` (nothing is imported): one node per file, an ed
 module (and of the packages above it, whose `__init__.py` runs first), whether at the top of the file or inside a
 function. Imports under `if TYPE_CHECKING:` are annotations only
 (a callback's `job: Job`, a job's `callbacks: Callbacks`): they never run, so they form no loop and are left out, as
-OLMo-core's callbacks import their Trainer. Proves, for trainer/ and optim/:
+OLMo-core's callbacks import their Trainer. Proves, for every package (trainer, model, data, optim, kernels):
 - no import loop between files;
+- the packages import downward only: kernels/ nothing of the project, model/ only kernels/, data/ and optim/
+  nothing, trainer/ any of them (so the model never depends on the trainer);
 - no library module imports an entry point (trainer/cli/, or the old command paths that forward to it);
 - the generation engine imports nothing of the trainer but itself and checkpoint loading;
 - no private name (a leading underscore) is imported from another module;
@@ -24,11 +26,14 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("trainer", "model", "data", "optim", "kernels")
 TOP_MODULES = ("config_checks",)
-CHECKED = ("trainer", "optim")  # the packages held to the rules below
+CHECKED = PACKAGES  # every package is held to the rules below
 # The old `python -m trainer.<app>` paths: each forwards to its trainer.cli module (entry points, not library).
 SHIMS = frozenset({"trainer.main", "trainer.generate", "trainer.export_hf", "trainer.import_hf", "trainer.plan",
                    "trainer.preflight", "trainer.pipeline"})
 MAX_IN_FUNCTION = 20
+# package -> the project packages it may import (besides itself and config_checks)
+LAYERS = {"kernels": set(), "model": {"kernels"}, "data": set(), "optim": set(),
+          "trainer": {"model", "data", "optim", "kernels"}}
 
 
 @dataclass
@@ -193,6 +198,14 @@ def test_no_import_loop():
     edges = GRAPH.edges()
     loops = [c for c in cycles(edges) if any(_checked(m) for m in c)]
     assert loops == [], f"import loops between files: {loops}"
+
+
+def test_packages_import_downward_only():
+    bad = [f"{i.source}:{i.line} imports {i.target}" for i in GRAPH.imports
+           if _checked(i.source) and not i.type_checking and i.target.split(".")[0] in PACKAGES
+           and i.target.split(".")[0] != i.source.split(".")[0]
+           and i.target.split(".")[0] not in LAYERS[i.source.split(".")[0]]]
+    assert bad == []
 
 
 def test_no_library_module_imports_an_entry_point():
