@@ -1,25 +1,13 @@
 """The chat template: conversations (system / user / assistant / tool turns) as token ids and a loss mask.
 
-A conversation is laid out as (docs/chat_template.md has the full description, with an example)
+Contract: `ChatTemplate.encode` lays a conversation out as <bos>, the effort line, then each turn as its role
+marker, its content and <|end|> (docs/chat_template.md has the layout and an example), and returns the ids and the
+loss mask: each assistant turn's content and its closing <|end|>, nothing else. Every piece is encoded on its own,
+so turn boundaries are exact and a content that spells a marker stays text. `prompt_ids` is the conversation so far
+followed by <|assistant|>. A tokenizer lacking a token the template needs gets it appended on a private copy
+(`ChatTemplate.vocab_size` then exceeds the original's). `check_sample` names what is wrong with a sample.
 
-    <bos><|effort|>{effort}\\n           effort: the reasoning effort, an integer 1..100 written in decimal
-    <|system|>{content}<|end|>          any number of turns, in any order, each one of these four
-    <|user|>{content}<|end|>
-    <|assistant|>{content}<|end|>
-    <|tool|>{content}<|end|>
-
-concatenated with nothing in between. The markers are special tokens (data/tokenizer.py `CHAT_TOKENS`): one id
-each, never produced by text. Every piece (the effort line, each turn's content) is encoded on its own and the ids
-are concatenated, so turn boundaries are exact whatever merges the BPE knows, and a content that spells a marker
-("<|end|>" typed by a user) is encoded as that text, not as the marker.
-
-Loss mask: each assistant turn's content tokens and its closing <|end|> (the model learns to stop); never <bos>,
-the effort line, a role marker, nor a system / user / tool turn. The generation prompt (`prompt_ids`) is the
-conversation so far followed by <|assistant|>; its continuation is the answer then <|end|>, the stop token.
-
-A tokenizer that lacks some of the tokens the template needs (<bos>, <pad> or a chat marker: a user's tokenizer, a
-corpus prepared before the markers existed) gets them appended as special tokens at the end of its vocabulary, on a
-private copy: `ChatTemplate.vocab_size` then exceeds the original's, and the model's vocab_size must cover it.
+Design and reasoning: docs/data.md#the-chat-template-in-the-code
 """
 
 from __future__ import annotations

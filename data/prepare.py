@@ -1,21 +1,13 @@
 """Turn a text corpus into token-id shards: `python -m data.prepare`, or `prepare(...)` from Python.
 
-Corpus sources (one document each):
-- "" (default): the Python standard library of the running interpreter (`sysconfig` "stdlib"), every file
-  matching the glob (default `*.py`), site-/dist-packages excluded. Real text on every machine, nothing
-  downloaded; the caps (max_files / max_bytes) keep `make train`'s preparation to a few seconds.
-- a directory: every file under it matching the glob (default: every file), recursively;
-- a `.jsonl` file: the "text" field of every line;
-- any other file: the whole file.
-Files and directories whose name starts with "." (.git, .venv, editor swap files) are never read.
-Files are taken in sorted (relative POSIX path) order and shards are deterministic, so the same corpus gives
-the same bytes. Files that are not UTF-8, and blank documents, are skipped and counted in meta.json.
+Contract: `prepare` reads a corpus (default: the running interpreter's standard library; or a directory, a `.jsonl`
+file or any file: one document each), trains the tokenizer or loads a given one, and writes the shards of
+data/shards.py, deterministically (files in sorted order; non-UTF-8 files and blank documents skipped and counted).
+It builds in a private directory and renames into place, meta.json last: a crash leaves the output as it was.
+`prepare_once` adds the lock (`PrepareLock`) that lets every rank of every node call it at once on a shared
+filesystem. `check_sources` refuses a corpus that cannot be read, naming it.
 
-Two passes over the corpus (train the tokenizer, then encode), so memory stays flat on large corpora.
-Everything is built in a private directory inside the output and then renamed into place, meta.json last: a
-crash leaves the output as it was, and two processes preparing at once publish the same bytes. `prepare_once`
-adds the lock that lets every rank of every node call it at once on a shared filesystem (see PrepareLock).
-See data/shards.py for the shard format and data/tokenizer.py for the special-token ids.
+Design and reasoning: docs/data.md#preparing-a-corpus
 """
 
 from __future__ import annotations

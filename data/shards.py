@@ -1,26 +1,13 @@
 """The on-disk format of prepared data: webdataset tar shards of token ids, plus `meta.json`.
 
-A prepared directory holds:
-- `shard-000000.tar`, `shard-000001.tar`, ...: plain (uncompressed, ustar) tar files in webdataset layout.
-  Each document is one sample: a single member `<key>.ids`, where key is the document's global index as
-  nine digits (`000000042`) and the payload is the document's token ids as raw little-endian unsigned integers
-  (uint16 when the vocabulary fits in 16 bits, else uint32; `meta.json` says which). No header, no <eos>:
-  the ids are exactly the tokenizer's output for that document. A document never spans two shards.
-  Members carry mtime 0 and empty owners, so preparing the same corpus twice gives byte-identical shards.
-  `webdataset.WebDataset("shard-{000000..000009}.tar")` reads them as samples {"__key__", "ids": bytes}.
-- `tokenizer.json`: the tokenizer that produced the ids.
-- `meta.json`: written last, so its presence marks a complete preparation. Keys: format, ids_dtype,
-  vocab_size, special_ids, num_documents, num_tokens, num_shards, tokenizer (file name), tokenizer_sha256,
-  tokenizer_source, special_tokens (those a trained tokenizer reserved, in id order; null with a given one),
-  source (absolute corpus path), glob (the pattern applied, null for a single-file corpus),
-  files_skipped, truncated_by_cap, `requested`: the data.* values the preparation was asked for (corpus,
-  corpus_glob, tokenizer, vocab_size (null with a given tokenizer), max_files, max_bytes, shard_size; absent in
-  shards of older builds), and `shards`: one entry per shard {name, num_docs, num_tokens, sha256}.
-  The reader trusts only shards listed there and checks each against its sha256, which catches a truncated
-  or overwritten shard before any tar parsing; data/config.py compares the provenance keys with the config.
+Contract: a prepared directory holds `shard-NNNNNN.tar` (one sample per document: `<key>.ids`, its token ids as raw
+little-endian uint16 or uint32, no header, no <eos>; a document never spans two shards), `tokenizer.json`, and
+`meta.json`, written last (its presence marks a complete preparation): the format, ids dtype, vocabulary and special
+ids, counts, provenance and one entry per shard with its sha256. `read_shard` / `read_verified` trust only the
+shards meta.json lists, each checked against its sha256 before any tar parsing (`ShardError`). Every file is written
+under a temporary name and renamed into place (`atomic_write`); the same corpus gives byte-identical shards.
 
-Every file is written under a temporary name and renamed into place, so a crash never leaves a partial
-file under a final name.
+Design and reasoning: docs/data.md#token-id-shards
 """
 
 from __future__ import annotations

@@ -1,21 +1,12 @@
 """Byte-level BPE tokenizer: training on a corpus, loading an existing `tokenizer.json`, and the special ids.
 
-Special-token ids. A tokenizer trained here reserves ids 0 .. 8, in this order:
-- 0, 1, 2: <bos>, <eos>, <pad>. <eos> = 1 and <pad> = 2 are the ids of the flagship's public tokenizer
-  (REFERENCE: "eos 1", Engram "pad_id 2"), so `model.engram.pad_id: 2` names our <pad> token with either tokenizer
-  and no config has to change between them; <bos> = 0 follows the same reference ordering (begin-of-sentence first).
-- 3 .. 8: the chat template's markers (`CHAT_TOKENS`, data/chat.py and docs/chat_template.md): the roles
-  <|system|>, <|user|>, <|assistant|>, <|tool|>, then <|end|> (closes a turn; the generation stop token) and
-  <|effort|> (introduces the reasoning effort). Reserved at training time, so each is one id and no merge is
-  spent on them. The chat template encodes content with special-token matching off (text that spells a marker
-  stays text); data/prepare.py keeps the library's default, as for the first three (the stdlib corpus spells none).
-The packer separates documents with <eos> only; <bos>, <pad> and the chat markers are used by the SFT data
-(data/sft.py) and never appear in pretraining windows.
+Contract: a tokenizer trained here (`train_tokenizer`) reserves ids 0 .. 8: <bos>, <eos>, <pad> (eos 1 and pad 2 as
+the flagship's public tokenizer has them), then the chat markers (`CHAT_TOKENS`: the four roles, <|end|>,
+<|effort|>). A loaded tokenizer (`load_tokenizer`) keeps its own ids: the special tokens are looked up by name
+(`tokenizer_info`, `first_id`), so any `tokenizer.json` with a recognisable end-of-text token works. `ids_dtype`
+says how the shards store its ids. The packer separates documents with <eos> only.
 
-A loaded tokenizer keeps its own ids: we look the special tokens up by name (`EOS_NAMES` etc.), so any
-`tokenizer.json` with a recognisable end-of-text token works. One that lacks the chat markers (a user's tokenizer,
-a corpus prepared before they existed) gets them appended to its vocabulary by data/chat.py when it is used for
-chat data.
+Design and reasoning: docs/data.md#tokenizer-and-special-ids
 """
 
 from __future__ import annotations

@@ -1,31 +1,16 @@
-"""Triton kernels for Engram (REFERENCE A8): the table gather and the fused gate + stream update.
+"""Triton kernels for Engram (REFERENCE A8): the table gather and the fused gate + stream update. The PyTorch
+reference is `model.engram.Engram` (`lookup`, `gate`, `forward`); model.kernels.engram_forward composes these.
 
-The PyTorch reference is `model.engram.Engram` (`lookup`, `gate`, `forward`). The kernels take tensors only
-(the table, row ids, streams, the wkv output, q_weight * k_weight, eps); model.kernels.engram_forward composes
-them into Engram.forward (`lookup`, the module's wkv as a cuBLAS GEMM, `gate_update`).
+Shape legend: N tokens (B * T flattened), C row ids per token, L = N * C lookups, Dh table row width, R table rows,
+n mHC streams, D model dim, kv the wkv output [N, (n + 1) * D] (n keys stream-major, then the value).
 
-Shape legend:
-    N    tokens (B * T flattened)
-    C    row ids per token (sub-tables: num_orders * num_heads); L = N * C lookups
-    Dh   table row width (head_dim); R table rows
-    n    mHC streams; D model dim
-    kv   the wkv output [N, (n + 1) * D]: n keys (stream-major) then the value
+Contract (tensors only): `lookup(table, row_ids [...], scales, table_grad=)` -> rows [..., Dh] (a bf16/fp32 table
+copied bit for bit, an FP8 table with its scales dequantised; an id outside [0, R) gives NaN rows; the table
+gradient dense, or with table_grad="sparse" a COO gradient of the touched rows);
+`gate_update(S [N, n, D], kv, qk, dead, eps)` -> S' = S + g * value with the reference's scalar gate, differentiable
+in S, kv and qk (deterministic: no atomics in the qk reduction).
 
-Kernels:
-- `_gather_kernel`: rows [L, Dh] = table[row_ids]. A bf16/fp32 table is copied bit for bit; an FP8 table
-  (float8_e4m3fn [R, Dh] + one e8m0 or fp32 scale per 32 channels, the checkpoint format) is dequantised on
-  load. Ids outside [0, R) read nothing and give NaN rows (a visible error without a host sync).
-- `_scatter_add_kernel`: the table gradient, atomically added into only the touched rows of a dense fp32
-  buffer. `table_grad="sparse"` instead returns the touched rows as an uncoalesced sparse COO gradient
-  (row ids + row grads) and never allocates a dense [R, Dh] tensor (the flagship table is 384M rows).
-- `_gate_fwd_kernel`: per (token, stream) row, pass 1 over D reduces dot(h, qk * key), |h|^2, |key|^2;
-  the scalar gate g = sigmoid(signed_sqrt(...)) (0 for dead tokens) is formed in registers; pass 2 writes
-  S'_k = S_k + g_k * value. Pass 2 re-reads the row the same program just read (an L2 hit), so DRAM traffic
-  is S + keys + value in, S' out. It also stores g and the three sums for the backward.
-- Backward: `_gate_dot_kernel` reduces dL/dg = <dL/dS'_k, value>; the scalar chain (sigmoid, signed sqrt,
-  rsqrt norms) is differentiated by PyTorch on [N, n] numbers with the reference's own formula; then
-  `_gate_bwd_kernel` (grid: D tiles x token splits) writes dL/dS, dL/dkey, dL/dvalue and reduces dL/dqk
-  over its tokens into a per-split partial (summed on the host: deterministic, no atomics).
+Design and reasoning: docs/kernels.md#engram-kernels
 """
 
 from __future__ import annotations

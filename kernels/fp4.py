@@ -1,25 +1,15 @@
-"""FP4 E2M1 block quantisation (main KV, indexer q/k) and KV-cache record sizes.
+"""FP4 E2M1 block quantisation (main KV, indexer q/k) and KV-cache record sizes: plain-PyTorch references for
+REFERENCE A9 (fake quantisation), B2 (cache records) and SPEC 1.4; the FP8 functions of `kernels.fp8` are
+re-exported here.
 
-Plain-PyTorch references for REFERENCE A9 (fake quantisation), B2 (cache records) and SPEC 1.4. Every
-quantising function takes `impl`: "reference" is the code below, "triton" the bit-identical kernels in
-kernels.fp4_triton.
-The FP8 (SWA KV) functions live in `kernels.fp8` and are re-exported here.
+Contract: `quantize(x [..., D], block, scale_fmt)` -> (codes uint8 [..., D // 2], two E2M1 codes a byte, element 2i
+in the low nibble; scales [..., D // block]: float8_e4m3fn for scale_fmt="e4m3" (main KV, block 16) or
+float8_e8m0fnu for "ue8m0" (indexer, block 32)); a value is grid(clamp(x / scale, +-6)), round to nearest, ties to
+the even code; no per-tensor scale. `dequantize` returns float32; `fake_quant` is their composition in x's dtype
+with a straight-through gradient. Every function takes impl: "reference" (here) or "triton" (kernels.fp4_triton,
+bit-identical). `record_bytes` gives the cache records' sizes.
 
-Shape legend:
-    ...  any leading dims (batch, tokens, heads); they pass through untouched
-    D    channels, the last dim; must be even (two codes per byte) and divisible by `block`
-    NB   D // block, the number of blocks (one scale per block)
-
-Formats (`quantize` returns `(codes, scales)`):
-    codes   uint8 [..., D // 2]   element 2i in the low nibble, 2i+1 in the high nibble.
-                                  Nibble = sign (bit 3) | magnitude code (bits 0-2), magnitude codes
-                                  0..7 = {0, .5, 1, 1.5, 2, 3, 4, 6}. Code 8 ("-0") is never written.
-    scales  scale_fmt="e4m3"  (main KV, block 16):   float8_e4m3fn [..., NB] = e4m3(max(amax, 6*2^-9) / 6)
-            scale_fmt="ue8m0" (indexer, block 32):   float8_e8m0fnu [..., NB] = 2^ceil(log2(max(amax, 6*2^-126) / 6))
-
-A value is quantised as grid(clamp(x / scale, +-6)). The e4m3 ratio is rounded to nearest, so it can
-round *down* and push the block's largest |x| / scale past 6; the clamp absorbs that (REFERENCE A9).
-There is no global (per-tensor) scale.
+Design and reasoning: docs/kernels.md#fp4-formats
 """
 
 from __future__ import annotations

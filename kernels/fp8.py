@@ -1,19 +1,13 @@
-"""FP8 E4M3 block quantisation (SWA window KV) and the helpers it shares with `kernels.fp4`.
+"""FP8 E4M3 block quantisation (SWA window KV), the plain-PyTorch reference for REFERENCE A9 ("FP8 window KV") and
+B2 (the 528 B SWA record), and the exact power-of-two scale and straight-through helpers `kernels.fp4` shares.
 
-Plain-PyTorch references for REFERENCE A9 ("FP8 window KV") and B2 (the 528 B SWA record). Every public
-function takes `impl`: "reference" is the code below, "triton" the bit-identical kernels in kernels.fp8_triton.
+Contract: `quantize_fp8(x [..., D], block)` -> (values float8_e4m3fn [..., D], round-to-nearest-even of clamp(x /
+scale, +-448); scales float8_e8m0fnu [..., D // block], 2^ceil(log2(max(amax, 1e-4) / 448))); `dequantize_fp8`
+returns float32; `fake_quant_fp8` is their composition in x's dtype with a straight-through gradient. Everything in
+fp32, the scale from the bit pattern (exact, no gradient). Every function takes impl: "reference" (here) or "triton"
+(kernels.fp8_triton, bit-identical).
 
-Shape legend:
-    ...  any leading dims (batch, tokens, heads); they pass through untouched
-    D    channels, the last dim; quantised in contiguous blocks along it
-    NB   D // block, the number of blocks (one scale per block)
-
-Formats:
-    values  torch.float8_e4m3fn  [..., D]    round-to-nearest-even cast of clamp(x / scale, +-448)
-    scales  torch.float8_e8m0fnu [..., NB]   power of two, 2^ceil(log2(max(amax, 1e-4) / 448))
-
-Numerics follow the reference: everything in fp32, the scale from the fp32 bit pattern (so it is exact and
-has no gradient), and `a * fp32(1/448)` as a multiply by the reciprocal, not a division.
+Design and reasoning: docs/kernels.md#fp8-formats
 """
 
 from __future__ import annotations

@@ -1,19 +1,13 @@
-"""Triton kernels for FP8 E4M3 block quantisation (SWA KV), bit-exact with `kernels.fp8`.
-
-The PyTorch reference (`impl="reference"`) in kernels/fp8.py defines the contract (e4m3 values, one e8m0 scale per
-block, 2^ceil(log2(max(amax, 1e-4) * fp32(1/448)))); the kernels here reproduce it bit for bit for finite inputs.
+"""Triton kernels for FP8 E4M3 block quantisation (SWA KV), bit-exact with `kernels.fp8`:
 `kernels.fp8.quantize_fp8(..., impl="triton")` and friends route here.
 
-Shape legend:
-    R    rows: all leading dims flattened; blocks never straddle rows since D % block == 0
-    D    channels, the last dim
-    NB   R * D // block, the total number of blocks (one scale each)
-    P    blocks handled by one program
+Contract: `quantize_fp8`, `dequantize_fp8` and `fake_quant_fp8` reproduce the reference of kernels/fp8.py bit for
+bit for finite inputs (e4m3 values, one e8m0 scale per block of the last dim). They share the rounding rules, the
+device helpers, the constants and the launch variants (VARIANTS, `variant=`) with kernels.fp4_triton through
+kernels.triton_common. Shape legend: R rows (the leading dims flattened), D channels, NB = R * D // block blocks, P
+blocks per program.
 
-FP8 has one byte per channel, so a program owns plain [P, block] tiles of elements (no pair words as in FP4). The
-scale is a power of two, so the quotient is a multiply by its exact reciprocal. The rounding rules, the shared
-device helpers (e4m3 / e8m0 codes from the bits, tile loads and byte stores), the constants and the launch variants
-(VARIANTS, `variant=`) are those of kernels.fp4_triton, shared through kernels.triton_common.
+Design and reasoning: docs/kernels.md#fp8-kernels
 """
 
 from __future__ import annotations

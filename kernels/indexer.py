@@ -1,27 +1,16 @@
-"""Lightning indexer: Triton scores (dense and pool-restricted), their backward, the hierarchical candidate pool, and
-plain-PyTorch references beside each kernel (SPEC 1.2-1.3, REFERENCE A4 and B4).
+"""Lightning indexer: Triton scores (dense and pool-restricted), their backward, the hierarchical candidate pool,
+and plain-PyTorch references beside each kernel (SPEC 1.2-1.3, REFERENCE A4 and B4).
 
-Shape legend: B batch, T query tokens, E compressed entries, Hi indexer heads, Di indexer head dim,
-BS entries per candidate block (8), NB = ceil(E / BS) blocks, P pool blocks per query, S = P * BS pool slots,
-K top-k.
+Shape legend: B batch, T query tokens, E compressed entries, Hi indexer heads, Di indexer head dim, BS entries per
+candidate block (8), NB = ceil(E / BS), P pool blocks per query, S = P * BS pool slots, K top-k.
 
-    score[p, e] = Di^-1/2 * sum_h w[p, h] * relu(q[p, h] . k[e])           (fp32)
-    visible     = e < (q_offset + p + 1) // ratio                            (invisible scores are -inf)
+Contract: `index_scores(q, w, k, ratio, q_offset=)` -> [B, T, E] fp32, score = Di^-1/2 sum_h w relu(q . k), -inf
+where entry e is not visible to the query at absolute position q_offset + t (e >= (q_offset + t + 1) // ratio);
+differentiable in q, w, k through visible scores only. `index_scores_pool` scores only the pool's slots [B, T, S];
+`candidate_pool` picks each query's P blocks (the newest visible block always in); `select_topk` is kernels.topk.
+Each takes impl="triton" or "reference" (the `*_reference` functions beside the kernels).
 
-`q_offset` is the absolute position of the first query, so a chunk of queries at the end of a long context (the
-inference prefill case) sees the right entries.
-
-Kernels:
-- `_scores_fwd`: one program per (block of entries, block of queries); the entry tile stays in shared memory
-  while the loop over heads streams [BT, Di] query tiles through the tensor cores, so the ReLU and the head
-  weights are an elementwise epilogue per head. Entry blocks no query of the block can see are skipped.
-- `_scores_bwd_qw` / `_scores_bwd_k`: dq, dw per (query block, head); dk per entry block, looping over the
-  query blocks that can see it. Gradients flow only through visible scores.
-- `_block_max`: block scores of the candidate pool (max over BS entries, the newest visible block forced to +inf).
-- `_pool_fwd` / `_pool_bwd`: Reindex scoring restricted to the pool: one program per query gathers the entries of
-  its pool blocks, so the cost per query is bounded by S whatever the context; dk is scattered with atomics.
-Top-k (`select_topk`, the pool's blocks) is `kernels.topk`: the radix-select kernel with impl="triton", torch.topk
-with impl="reference".
+Design and reasoning: docs/kernels.md#indexer-kernels
 """
 
 from __future__ import annotations

@@ -1,19 +1,13 @@
 """Triton kernels for the next mHC site's coefficients from the fused step's statistics (SPEC 1.6, REFERENCE A6
-steps 2-8), one launch each way; `next_coeffs` is the entry point (model.kernels.mhc_single_pass calls it after
-kernels.mhc_triton.mhc_step, passing the site's parameters and settings as tensors and numbers).
+steps 2-8), one launch each way; model.kernels.mhc_single_pass calls `next_coeffs` after
+kernels.mhc_triton.mhc_step.
 
-The PyTorch reference is `model.mhc.HCSite.coeffs_from_logits(raw * rsqrt(sum_sq / (n D) + norm_eps))`, some 100
-small kernels (most of them the Sinkhorn iterations); here they are one launch on [N, M] numbers each way.
+Contract: `next_coeffs(raw, sumsq, scale, base, dim=, norm_eps=, eps=, sinkhorn_iters=)` -> (pre [N, n], post
+[N, n], comb [N, n, n]) fp32, what `model.mhc.HCSite.coeffs_from_logits(raw * rsqrt(sumsq / (n D) + norm_eps))`
+computes (some 100 small PyTorch kernels, most of them the Sinkhorn iterations), differentiable in raw, sumsq, scale
+and base. Shape legend: N tokens, n streams, M = 2n + n^2 logits per token (pre, post, comb).
 
-Shape legend:
-    N    tokens, BLOCK_T per program
-    n    streams; NP = next power of two >= n (the tiles' padding, held at 0)
-    M    logits per token, 2n + n^2, laid out as three groups: pre [n], post [n], comb [n, n]
-
-Per token: m = raw / rms, pre = sigmoid(m_pre * s0 + b) + eps, post = 2 sigmoid(m_post * s1 + b), comb =
-Sinkhorn(m_comb * s2 + b), comb an [NP, NP] tile. The Sinkhorn backward recomputes its forward up to each step
-(K = 2 iters - 1 steps of 16 numbers per token: the O(K^2) recomputation is a few us of arithmetic and keeps no
-intermediate in memory).
+Design and reasoning: docs/kernels.md#mhc-coefficient-kernels
 """
 
 from __future__ import annotations

@@ -1,24 +1,13 @@
 """Triton backward kernels of the sparse shared-KV attention (`kernels.sparse_attention` launches them, one chunk of
 queries at a time; the dot and mask helpers it shares with the forward come from kernels/triton_common.py).
 
-Three launches per chunk of queries, none with a chained dot (so no duplicated tiles):
-- `bwd_probs`: P = exp2(logits - lse) and dS * scale = P * (dO.V - rowsum(dO * O)) * scale for every (head, slot),
-  written to a scratch buffer in the input dtype (the dS the tensor cores see is rounded to it anyway, as in
-  FlashAttention); also the sink's gradient per row;
-- `bwd_dq`: dq = sum over slots of dS * key, a GEMM over the gathered keys;
-- `bwd_dkv`: per block of slots, dS^T q + P^T dO (K = V: key and value gradient share the row) as one K = 2H dot per
-  channel half ([dS | P]^T [q; dO]), scatter-added into fp32 key gradients with atomics. A per-query key set has no
-  owner program without an inverse index (the choice public sparse-MLA backward kernels make too); the summation
-  order, and so the last bits of dkv, vary run to run. Measured on the H200 this launch is bound by writing an fp32
-  [BN, D] block per query and slot block (a reduction over only 64 heads stands behind each), not by the atomics:
-  plain stores are 6% faster.
-Two key-gradient variants were removed after the H200 sweep of 2026-11-30 (BENCHMARKS.md), both slower than this
-launch (38.2 ms for the whole backward): two chained dots per channel half, dS^T q then P^T dO into the same
-accumulator (the former default, 43.0 ms: the first dot got all warps on M and so was computed by both warpgroups
-at BN = 64), and a key-centric launch for the window keys (44.3 ms: key j summed over queries j .. j + W - 1 in
-registers, deterministic, leaving only the top-k slots to the atomics).
-Slots: [0, NW) are the window keys j = t - W + 1 + n and [NW, NW + K) the top-k entries, NW = W rounded up to the
-key block; the host stacks kv_win and kv_cmp into one [B*T + B*E, D] tensor so one loop walks both.
+Contract: three launches per chunk, none with a chained dot: `bwd_probs` writes P and dS * scale for every (head,
+slot) to a scratch buffer in the input dtype and the sink's gradient per row; `bwd_dq` reduces dq over the gathered
+keys; `bwd_dkv` scatter-adds the key (= value) gradient into fp32 with atomics, so the last bits of dkv vary run to
+run. Slots [0, NW) are the window keys, [NW, NW + K) the top-k entries; the host stacks kv_win and kv_cmp into one
+tensor so one loop walks both.
+
+Design and reasoning: docs/kernels.md#sparse-attention-backward-kernels
 """
 
 from __future__ import annotations

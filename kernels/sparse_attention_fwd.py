@@ -1,24 +1,12 @@
-"""Triton forward kernel of the sparse shared-KV attention (`kernels.sparse_attention`, which launches it) and its
-tile helpers. The tile mask and the interpreter-safe dot it shares with the backward (kernels/sparse_attention_bwd.py)
-and the indexer live in kernels/triton_common.py.
+"""Triton forward kernel of the sparse shared-KV attention (`kernels.sparse_attention` launches it); the tile mask
+and the interpreter-safe dot it shares with the backward and the indexer live in kernels/triton_common.py.
 
-Forward (`sparse_attn_fwd`): one program per query token holds all H heads as the M dimension of its tensor-core
-tiles; online softmax in the log2 domain, the running max starting at the sink (finite, so no -inf - -inf NaN);
-saves lse for the backward. Triton puts all warps of a chained dot (QK^T feeding PV) on the M axis, and M = 64 heads
-is one warpgroup's worth, so with the 8 warps that the [64, 512] fp32 accumulator needs, QK^T is computed by both
-warpgroups: a 2/3 ceiling on tensor-core efficiency that a hand-written warp-specialised kernel (FlashMLA) avoids.
-Two query tokens per program (M = 128) would give each warpgroup its own rows, but their [128, 512] fp32 accumulator
-is the whole register file, so it needs the output channels split over programs, which duplicates QK^T again
-across programs, and the top-k keys (80% of the work) differ per token; not pursued. In the sm_90 TTGIR the key
-tiles do not become async copies (only the top-k index loads are pipelined): each key load's latency is exposed
-once per block. Two variants were tried and removed after the H200 sweep of 2026-11-30 (BENCHMARKS.md) against the
-default loop's 11.5 ms: the output channels split over programs (SPLIT_D, the logits recomputed by each; 18.6 ms and
-up) and the logits computed one key block ahead (PIPE, which keeps QK^T off the chain so its key columns split
-across the warpgroups, for a second load of each key block; 15.8 ms).
+Contract: `sparse_attn_fwd` computes, per query token, all H heads over its window keys and its top-k entries with
+the sink in the softmax denominator (online softmax in the log2 domain), writes the output and saves the row's lse
+for the backward. The keys are in q's dtype: quantised cache KV is dequantised before it runs. Its launch parameters
+and checks are kernels/sparse_attention.py's.
 
-The keys are always in q's dtype: quantised inference-cache KV (FP8 kv_win, FP4 kv_cmp) is dequantised before this
-kernel runs. A decode of the key tiles inside the loop, as they are loaded, was tried and removed (2026-11-30, H200):
-it ran 7.5x slower than dequantising first (kernels/sparse_attention.py says why).
+Design and reasoning: docs/kernels.md#sparse-attention-forward-kernel
 """
 
 from __future__ import annotations

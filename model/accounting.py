@@ -1,21 +1,14 @@
 """Counts read off a built model (meta device is fine): parameters by kind, active parameters, KV-cache bytes and
-decode FLOPs, and what one layer keeps for its backward in training (`layer_activation_bytes`, for the planner
-trainer/plan.py). Nothing here is a formula typed separately from the modules: every figure walks the real
-parameters and the cache records that the layers declare, and the activation terms read the layers' widths (the
-table above `layer_activation_bytes` says which tensor each term is).
+decode FLOPs, training FLOPs per token, and what one layer keeps for its backward in training
+(`layer_activation_bytes`, for the planner trainer/memory_plan.py).
 
-What each count includes:
-- params_total: every parameter of the backbone (+ Engram tables); the vision tower counts apart (params_vision*).
-- params_engram: the Engram hash tables only (their projections, gates and norms count as backbone).
-- params_backbone: params_total - params_engram.
-- params_active_decode: parameters one decoded token touches: every dense parameter of every layer (attention,
-  compressor, indexer, router, shared expert, mHC, norms, Engram projections), the routed experts times
-  top-k / num_experts, the head, and the Engram table rows read (orders x heads per module). The embedding is a
-  lookup of one row: it counts with its full matrix only in `params_active_decode_with_embedding`.
-- params_active_prefill: what a prompt token touches in CED prefill, where only the encoder runs on every prompt token
-  and the decoder contributes its global-KV producers (the decoder Full layers' attn_norm, compressor and indexer
-  keys); the decoder's full layers run only on the last window of rows, which vanishes per token for long prompts.
-  The head is not run per prompt token. The embedding is reported separately as above.
+Contract: every figure walks the real parameters and the cache records that the layers declare; nothing is a formula
+typed separately from the modules. `summary(model)` returns the counts (params_total, params_engram,
+params_backbone, params_active_decode / _prefill, kv bytes, decode FLOPs, the drafter's), `vision_parameters` the
+tower's apart. What a tensor-parallel plan splits is passed in (`shard_dims`, trainer/parallel/tensor.py): the model
+knows no plan. docs/model.md says what each count includes.
+
+Design and reasoning: docs/model.md#counts-read-off-the-model
 """
 
 from __future__ import annotations

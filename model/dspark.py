@@ -1,23 +1,16 @@
 """DSpark, the speculative-decoding drafter (SPEC 1.6, REFERENCE B6): `model.dspark.num_layers` SWA blocks that
 draft a block of `block_size` tokens in one forward, fed from the frozen backbone's hidden states.
 
-Shape legend: B sequences, A anchors per sequence, K block_size, W the drafter's context window, n mHC streams,
-dim hidden width, V vocabulary, r the Markov head's rank, L the number of target layers.
+Shape legend: B sequences, A anchors per sequence, K block_size, W the drafter's context window, n mHC streams, dim
+hidden width, V vocabulary, r the Markov head's rank, L the number of target layers.
 
-- Context: main_x = RMSNorm(W_main [a_l1; a_l2; ...]) per position, where a_l is the residual entering backbone
-  layer l (`target_layers`), averaged over its mHC streams (`stream_means`). Each draft block projects its own
-  context KV from main_x (its wkv, kv_norm, RoPE, the SWA fake-quant).
-- Block: the anchor (the last accepted token, at position a) and K - 1 noise tokens, at positions a .. a + K - 1;
-  slot k predicts the token at a + k + 1 ("anchor as the first prediction"). The slots start as the backbone's
-  (shared, frozen) embedding and run through the blocks: mHC, attention, MoE, as a backbone layer ("main" RoPE, no
-  compressed KV). A slot attends to the context positions [a - W, a - 1] (the backbone has not seen the anchor yet)
-  and to every slot of its own block (non-causal inside the block), plus the sink.
-- Heads: U_k = head(norm(h_k)) through the backbone's (shared, frozen) head; the Markov head adds W2 W1[x_k], x_k
-  the token before slot k's target (the anchor for k = 0; the ground truth in training, the previous draft when
-  drafting); the confidence head c_k = sigmoid(w [norm(h_k); W1[x_k]] + b) predicts that draft k survives
-  verification.
+Contract: `DSpark(cfg)` (built from `drafter_config(cfg)`) reads the backbone's residuals at `target_layers`
+(`stream_means`), drafts a block per anchor (the anchor and K - 1 noise tokens, attending to the context
+[a - W, a - 1] and to its own block) and returns `DraftOutput`: per slot the logits through the backbone's shared,
+frozen head plus the Markov head, and the confidence that the draft survives verification. `draft_loss` /
+`DraftLoss` train it; `acceptance_length` measures it. Its state dict is the drafter's own weights only.
 
-The drafter owns neither the embedding nor the head: its state dict is the drafter's own weights.
+Design and reasoning: docs/model.md#the-dspark-drafter
 """
 
 from __future__ import annotations

@@ -1,21 +1,15 @@
 """Engram: a hashed n-gram memory read at the entry of its layer and gated into each mHC stream (REFERENCE A8).
 
-Shape legend: B batch, T tokens, n mHC streams, D hidden width (dim), C sub-tables per layer (= num_orders * num_heads),
-Dh table row width (head_dim), N table rows (sum of the layer's primes).
+Shape legend: B batch, T tokens, n mHC streams, D hidden width (dim), C sub-tables per layer (= num_orders *
+num_heads), Dh table row width (head_dim), N table rows (sum of the layer's primes).
 
-One module per Engram layer. Its input is the row ids the `EngramHasher` computed once for the whole forward (the
-addresses depend only on token ids, so they are known before layer 0 runs and the rows can be prefetched):
-  rows [B, T, C, Dh] -> flatten -> wkv -> n keys [B, T, n, D] (stream-major) and one value [B, T, D];
-  per stream k, a context-aware scalar gate g_k from the stream and its key; S_k += g_k * value.
-There is no short causal convolution (SPEC 1.6).
+Contract: `Engram(S [B, T, n, D], row_ids [B, T, C], dead [B, T])` -> S': the rows the `EngramHasher` addressed for
+the whole forward, projected to n keys and one value, gated per stream into S (no causal convolution). The table is
+read only through `lookup`, so a parallel plan can install a `row_reader` (trainer/parallel/engram.py shards the
+rows; the model sees no process group). `init_table_rows_` initialises any contiguous row range to the single
+process's values without materialising the whole table.
 
-The table is read only through `lookup`, so a sharded or host-resident table can replace it without touching the
-gate (REFERENCE B5: serving shards it by hash head or keeps it in pinned host memory). A parallel plan installs a
-`row_reader` (trainer/parallel/engram.py shards the rows over ranks); the model never sees a process group.
-
-Initialisation draws the table in fixed blocks of rows, each from its own generator seeded from one draw of the
-default generator: any process holding any contiguous row range gets the single process's values for those rows
-without materialising the whole table (98B values per module in the flagship).
+Design and reasoning: docs/model.md#engram-memory
 """
 
 from __future__ import annotations

@@ -1,19 +1,16 @@
-"""Mixture of experts (SPEC 1.6, REFERENCE A7): sqrt-softplus router with aux-loss-free bias balancing (one bias
-for text tokens, one for image tokens), stacked SwiGLU experts, and a shared expert.
+"""Mixture of experts (SPEC 1.6, REFERENCE A7): sqrt-softplus router with aux-loss-free bias balancing (one bias for
+text tokens, one for image tokens), stacked SwiGLU experts, and a shared expert.
 
-Shape legend: B batch, T tokens per sequence, N = B*T tokens, D model dim, E routed experts, K experts per
-token, F expert width, S = N*K token copies (sorted by expert), Fs = num_shared_experts * F.
+Shape legend: B batch, T tokens per sequence, N = B*T tokens, D model dim, E routed experts, K experts per token, F
+expert width, S = N*K token copies (sorted by expert), Fs = num_shared_experts * F.
 
-The forward is split into replaceable steps so expert parallelism can slot in without touching the maths:
-router -> dispatcher.dispatch -> experts (grouped) -> dispatcher.combine (+ shared expert). `LocalDispatcher`
-keeps every expert local; an all-to-all dispatcher with the same three-call interface replaces it under EP.
+Contract: `MoE(x, image_mask, experts=None)` -> (y, expert load [2, E], sequence-balance loss or None): router ->
+dispatcher.dispatch -> grouped experts -> dispatcher.combine (+ shared expert). `LocalDispatcher` keeps every expert
+local; an all-to-all dispatcher with the same three calls replaces it under EP. The balancing biases (`gate.bias`,
+`gate.bias_image`) are persistent fp32 buffers, never seen by the optimiser; `add_load` / `update_bias` move them
+from the counted loads.
 
-Balancing state (why buffers, not frozen parameters): `gate.bias` / `gate.bias_image` are persistent fp32
-buffers, so they are saved in the state dict (the HF checkpoint calls them `gate.bias` / `gate.bias_vl`), are
-never seen by the optimiser (`parameters()` does not list them), are not cast to bf16 by an FSDP
-mixed-precision policy (a 1e-3 sign step is below bf16 resolution for a bias near 1) and are not sharded by
-FSDP, so every rank applies the same update to a plain tensor. `load_text` / `load_image` are non-persistent
-int64 counters (int64 so a model-wide `.to(bf16)` leaves them exact).
+Design and reasoning: docs/model.md#mixture-of-experts
 """
 
 from __future__ import annotations
@@ -159,7 +156,7 @@ class Router(nn.Module):
         self.topk = experts_per_token
         self.routed_scale = routed_scale
         self.weight = nn.Parameter(torch.empty(num_experts, dim))  # [E, D]
-        # fp32 whatever the model dtype: see the module docstring for why these are buffers.
+        # fp32 whatever the model dtype: see docs/model.md#mixture-of-experts for why these are buffers.
         self.register_buffer("bias", torch.empty(num_experts, dtype=torch.float32))  # [E], text tokens
         self.register_buffer("bias_image", torch.empty(num_experts, dtype=torch.float32))  # [E], image tokens
 

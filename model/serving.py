@@ -1,28 +1,15 @@
-"""The serving path of one CSA2 layer: attention over the inference cache (model/cache.py), filling it as it goes.
+"""The serving path of one CSA2 layer and of the whole model on the inference cache (model/cache.py), filling it as
+it goes.
 
-Shape legend: B cache rows, T new rows of this layer (a prompt, a decode token, a chunk), Tk rows of the whole call
-(the compressor's input: more than T when a bounded-replay prefill trims the decoder), W window, R SWA ring rows
-(W + the cache's spec_tokens), C compressor ring rows, E entries stored so far (the longest row's), m compression
-ratio, D latent width, Di indexer key width, K top-k.
+Contract: `cached_attention` computes what `CSA2Attention.forward` computes for the same tokens of a whole sequence
+(the teacher-forced forward) from what the cache keeps of the earlier ones, over the layer's public pieces
+(`queries`, `index_queries`, `pick`); `serve_forward` is `Transformer.forward(ids, cache=...)` (logits of the new
+tokens, appended; a trimmed prefill's skipped rows get NaN logits); `decode_step` is one token per row with static
+shapes and no host synchronisation (a CUDA graph can capture it; `compiled_decode_step` hands it to torch.compile);
+`routing_records` returns what a keep_routing forward chose. Per-row positions [B, T] let requests of different
+lengths decode together. This path runs the reference operations on every device.
 
-It computes what `CSA2Attention.forward` computes for the same tokens of a whole sequence (the teacher-forced
-forward), from what the cache keeps of the earlier ones:
-- window keys: the ring's rows (positions before the call, from `swa_start` on) then the new rows, each query
-  seeing the last W positions; every key is what the cache stores, decoded (so a new row's own key is its stored
-  value too);
-- Full layers: the compressor's projections of the new rows join the open group's (read from the ring `pending`,
-  where the call then leaves its own last rows); every group that closes in this call becomes an entry (norm, RoPE
-  at its first token, the store's format) written at its id, unless a global entry is already stored there (a
-  prefix-cache hit replaying its last window keeps its cached global KV); the indexer key likewise;
-- index sources score every stored entry visible to each query (the pool builder publishing its pool), pick the
-  top-k with the same tie rule; Reuse layers read them; the attention runs the reference `attend`, over every
-  stored entry in a prefill and over the selected entries only (read from the store alone) in a decode step.
-Per-row positions ([B, T]) let requests of different lengths decode together. This path runs the reference
-operations on every device; `compiled_decode_step` hands the decode step to torch.compile, whose Inductor fuses them
-(experimental: on a GPU a third of the kernels, not yet equal to this path: docs/generation.md).
-
-A layer writes the cache while it runs: later layers of the same call read this layer's entries through the
-ForwardState (kv, selection, pool), as in the training forward.
+Design and reasoning: docs/generation.md#the-serving-path-of-a-layer
 """
 
 from __future__ import annotations

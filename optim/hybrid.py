@@ -1,23 +1,13 @@
 """One optimiser over groups of three kinds: AdamW, Muon (optim/muon.py) and Sinkhorn-balanced momentum
 (optim/sinkhorn.py), built from `optim.rules` (optim/rules.py).
 
-It is one torch.optim.Optimizer: one `state`, one `param_groups` (each group's `kind` says which update it takes),
-so torch.distributed.checkpoint saves, loads and reshards it as it does AdamW alone, and the LR schedule scales every
-group's `initial_lr` (optim.lr times the rule's lr_mult) alike. The AdamW groups run through torch's AdamW (fused
-by default: optim.impl), viewing the same groups and state.
+Contract: `Hybrid` is one torch.optim.Optimizer (one `state`, one `param_groups`, each group's `kind` naming its
+update), so DCP saves, loads and reshards it as AdamW alone and the LR schedule scales every group alike. AdamW
+groups run through torch's AdamW. On sharded parameters (DTensors) Muon orthogonalises a block where a rank holds it
+whole, else on an owner rank chosen by cost (one gather of the update shards, one scatter back); Sinkhorn tables
+balance over their shards with all-reduces; AdamW updates each shard. `local` is a DTensor's local shard.
 
-Sharded parameters (DTensors):
-- Muon needs whole blocks. A block that a rank holds whole (replicated parameters; stacked experts sharded on the
-  expert dim by expert parallelism; head-wise blocks whose heads align with a tensor-parallel row shard) is
-  orthogonalised where it lies, with no communication. Any other sharded matrix (FSDP2's row shards, a tensor-
-  parallel shard that splits blocks) has an owner rank, chosen by cost (the blocks' m * n * min(m, n), largest
-  first, each to the least loaded rank of its mesh): every rank sends its shard of the momentum update to the owner
-  (one gather), the owner orthogonalises the whole matrix and sends each rank its shard back (one scatter). Per step
-  and matrix that moves the matrix twice over the mesh, once in and once out; an all-gather on every rank would move
-  it world_size times and compute it world_size times (torchtitan's DistMuon and Megatron's home-rank Newton-Schulz
-  take the same route; Dion's all-to-all would batch the transfers: a later optimisation).
-- Sinkhorn tables balance rows and columns over their shards with all-reduces (optim/sinkhorn.py), no gather.
-- AdamW is element-wise: each rank updates its own shard.
+Design and reasoning: docs/optim.md#the-hybrid-optimiser
 """
 
 from __future__ import annotations

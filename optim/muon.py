@@ -1,25 +1,12 @@
 """Muon: momentum orthogonalised by a Newton-Schulz iteration, for weight matrices (SPEC 1.7).
 
-A matrix parameter's update is the orthogonal polar factor of its Nesterov momentum (U V^T of its SVD U S V^T),
-approximated without an SVD by an odd matrix polynomial applied to the normalised momentum:
+Contract: `orthogonalise(updates, head_rows, rms)` replaces each matrix update by an approximation of the orthogonal
+polar factor of its Nesterov momentum (`newton_schulz`: the report's hybrid schedule, 8 fast steps then 2 converging
+ones, in bf16 on a GPU (`ns_dtype`) and fp32 on the CPU), block by block (`blocks`: a plain matrix is one block,
+stacked experts one per expert, head-wise parameters one per head; blocks of one shape run as one batch), rescaled
+to RMS `rms` whatever the shape (0.2: AdamW's learning rate and weight decay carry over).
 
-    X <- a X + b (X X^T) X + c (X X^T)^2 X
-
-with the report's hybrid schedule: 8 steps with (a, b, c) = (3.4445, -4.7750, 2.0315), which pull every singular
-value into a band around 1 fast but do not converge inside it, then 2 steps with (2, -1.5, 0.5), the polynomial
-whose fixed point 1 is superattracting (p(1) = 1, p'(1) = 0), which narrow the band. Run in bf16 on a GPU (the
-iteration is self-correcting, so bf16's rounding does not accumulate), in fp32 on the CPU.
-
-Blocks. One parameter is orthogonalised as a batch of blocks [N, m, n], each on its own:
-- a plain matrix [m, n] is one block;
-- stacked experts [E, m, n] are E blocks (one per expert, as per-expert Muon);
-- head-wise Muon (the query and key projections of the attention and the indexer, `head_rows` r) splits the rows
-  [H * r, n] into H blocks [r, n], one per head.
-Blocks of one shape are stacked across parameters, so a step runs one batched iteration per block shape.
-
-Scale. An orthogonal [m, n] block has RMS 1 / sqrt(max(m, n)); the update is rescaled by rms * sqrt(max(m, n)) so
-its RMS is `rms` whatever the shape. rms = 0.2 matches AdamW's typical update RMS (0.2-0.4, Moonlight, arXiv
-2502.16982), so AdamW's learning rate and weight decay carry over.
+Design and reasoning: docs/optim.md#muon
 """
 
 from __future__ import annotations

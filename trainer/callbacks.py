@@ -1,25 +1,13 @@
 """The callback seam: what the training loop (trainer/train.py `train_loop`) does around each step, as objects.
 
-The loop itself only computes gradients, applies or skips the update, advances the step and honours a stop
-request; everything else runs in callbacks, at these points, in list order (`Callbacks`):
+Contract: a `Callback` may implement on_train_start, on_step_start, on_before_optimizer_step (finite steps only),
+on_after_optimizer_step, on_step_end, on_checkpoint and on_train_end; `Callbacks` calls them in list order.
+`ordered` puts `RouterBalance` (the MoE bias update) first, then the stage's callbacks and those of
+`trainer.callbacks` (`load_callbacks`: "package.module:Class", built without arguments), then `MetricsLog` and
+`PeriodicCheckpoint` last, so a step's record and checkpoint hold what every other callback did. Callbacks write
+numbers into `stats.extra`; they run on every rank, so a collective runs on every rank at the same point.
 
-| hook | when | built-in use |
-| --- | --- | --- |
-| on_train_start(job) | after `build`, before the first step of this launch | progress bar |
-| on_step_start(job, step) | before the step's batches are read | |
-| on_before_optimizer_step(job, step, stats) | gradients reduced and clipped; finite steps only | |
-| on_after_optimizer_step(job, step, stats) | after the update (or the skip) and zero_grad | router-bias update |
-| on_step_end(job, step, stats) | state.step == step | metrics, periodic checkpoint |
-| on_checkpoint(job, step, path) | after a checkpoint is written | progress line |
-| on_train_end(job) | the loop ended (finished, stopped or raised) | progress bar closed |
-
-The order (`ordered`): `RouterBalance` (aux-loss-free MoE balancing from the step's expert loads,
-trainer/parallel/gradients.py), then the stage's callbacks (trainer/stages/base.py) and those named in `trainer.callbacks`
-(import paths "package.module:Class" or "package.module.Class", built without arguments), then `MetricsLog`
-(progress, the metrics file and W&B) and `PeriodicCheckpoint` (checkpoint.interval) last, so that a step's record
-holds what every other callback put in `stats.extra` and a checkpoint holds what they changed.
-Callbacks read and write `stats.extra` (numbers for this step's metrics record) and the Job; they run on every
-rank, so a callback that issues a collective does so on every rank at the same point.
+Design and reasoning: docs/training.md#callbacks-around-the-step
 """
 
 from __future__ import annotations

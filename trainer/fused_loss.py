@@ -1,28 +1,14 @@
 """The output head and the cross-entropy fused, chunked over tokens: `trainer.fused_loss=true`.
 
-The plain path computes the head's [B, T, V] logits in fp32 (`Transformer.forward`: `self.head(hidden).float()`),
-keeps them (and the cross-entropy's log-softmax, as large) until the backward, and its backward makes a [B, T, V]
-gradient of them: at V = 129k and 16k tokens a micro-batch that is three 8 GiB tensors. `linear_cross_entropy`
-computes the same loss from the head's input instead: chunk by chunk over the N tokens it forms a chunk's fp32
-logits, reduces them to one logsumexp and one picked logit per token and drops them; it keeps for the backward only
-what it was given (hidden [N, D], the head's weight [V, D], labels, per-token weights) and the per-token logsumexp
-[N] fp32. The backward forms each chunk's logits again, turns them into the chunk's logit gradient
-(softmax - onehot) x weight x grad and adds its products into grad_hidden [N, D] and grad_W [V, D] (fp32). At most one
-chunk's logits exist at a time (`chunk_size` tokens; default `default_chunk_tokens`: CHUNK_BYTES of fp32 logits).
+Contract: `linear_cross_entropy(hidden [N, D], weight [V, D], labels, weights, chunk_size=)` returns the weighted
+sum of the cross-entropies the plain path computes from fp32 logits and the valid-token count, differentiable in
+hidden and weight, without forming the [N, V] logits: at most one chunk's logits exist at a time
+(`default_chunk_tokens`: CHUNK_BYTES of fp32 logits), and the backward keeps only its inputs and the per-token
+logsumexp. The head's matmul runs in the autocast dtype when autocast is on, else in the inputs' dtype (fp32: equal
+to the plain path to fp32 rounding). Not for a vocab-sharded head, the pipeline's last stage or losses that read the
+logits (`trainer.train.check_fused_loss` refuses them at start-up).
 
-The same numbers as the plain path: the head's matmul runs as the plain head's would at the call site, in the
-autocast dtype when autocast is on for the device (bf16 inputs, bf16 product, then fp32, what autocast's linear
-followed by .float() gives; its backward the same way: bf16 products, grad_W accumulated in fp32 over the chunks),
-in the inputs' dtype otherwise (fp32: equal to the plain path to fp32 rounding, tests/trainer/test_fused_loss.py).
-
-The trainer (trainer/train.py `forward_backward`) calls it when trainer.fused_loss=true through `LMLoss.lm_fused`
-(trainer/loss.py: the same mean over valid tokens times the step share as `LMLoss.lm`), with the model's forward
-run without its head (`Transformer.forward(..., logits=False)`) and under the forward's autocast. The head weight is
-read off the head module after the forward: under FSDP2 (dp_shard > 1) the root, which holds the head, is wrapped
-with reshard_after_forward=False, so it is then the all-gathered parameter, and its gradient reaches FSDP's
-reduce-scatter as the plain head's does. What it does not do: a vocab-sharded head (tensor parallelism's
-loss_parallel) or the pipeline's last stage, and losses that read the logits themselves (RL, distillation:
-`supports_fused = False`); `trainer.train.check_fused_loss` refuses those at start-up, naming trainer.fused_loss.
+Design and reasoning: docs/training.md#the-fused-head-and-loss
 """
 
 from __future__ import annotations

@@ -1,31 +1,14 @@
 """The loss seam: one language-model loss for the plain and the pipeline paths, normalised over the global batch.
 
-What a step minimises: the sum, over every valid token of the global batch (label != IGNORE_INDEX, on every data
-rank and micro-batch), of the token's cross-entropy times its weight (1 unless the batch carries per-token
-`loss_weights`, e.g. RL advantages), divided by the number of valid tokens, plus the model's auxiliary losses
-(indexer KL, MoE sequence balance: per micro-batch means, as they were). A mean of per-micro-batch means would give
-a micro-batch with few valid tokens (a masked SFT batch) the weight of a full one; this does not.
+Contract: a step minimises the sum over every valid token of the global batch (label != IGNORE_INDEX, on every data
+rank and micro-batch) of its cross-entropy times its weight (`loss_weights`, 1 by default), divided by the number of
+valid tokens (`StepTokens.count`, one all-reduce), plus the model's auxiliary losses. `LMLoss.lm` gives each
+micro-batch's part as its own mean times its share, so with equal valid counts (pretraining) the loss and gradients
+are bitwise the plain mean of means; a micro-batch without valid tokens contributes an exact zero and still runs its
+backward. `lm_fused` is the same from the head's input (trainer/fused_loss.py); a loss that reads the logits sets
+`supports_fused = False`. With `row_kind`, `kind_sums` gives each kind's token mean (`KindSums`).
 
-How the normalisation is spread over the step. The trainer counts the step's valid tokens before the forward
-(`StepTokens.count`: N over the ranks that read different data, one all-reduce of one number); every micro-batch's
-loss is its own mean over its n valid tokens times its share n * D * M / N (D the ranks the gradient mean runs over,
-dp x ep x cp; M the micro-batches per rank). Gradient accumulation divides by M and the reduction by D
-(trainer/parallel/gradients.py), so the step's gradient is the gradient of (sum of token losses) / N. With equal
-valid counts everywhere (pretraining) every share is exactly 1.0 (an exact integer quotient), so the loss and every
-gradient are bitwise those of the plain mean of means (tests/trainer/test_reference_curve.py). A micro-batch
-without valid tokens contributes an exact zero (its mean would be 0 / 0) and still runs its backward, so every rank
-issues the same collectives.
-
-trainer.fused_loss=true (`LMLoss(fused=True)`, set by trainer/train.py's `build`): the LM term from the head's input
-and weight instead of the logits (`lm_fused`, through trainer/fused_loss.py: the head and the cross-entropy chunked
-over tokens, the [B, T, V] logits never formed), with the same semantics as `lm`. A loss that reads the logits
-itself (trainer/stages/grpo.py) sets `supports_fused = False` and is refused with the key at start-up.
-
-Row kinds. A batch whose rows are of several kinds (data=multimodal: text rows and image-text rows, `row_kind` [B]
-in the batch, data/multimodal.py) gets the same loss; besides it, `LMLoss` sums each kind's token cross-entropies
-(unweighted, detached) and valid-token counts over the step's micro-batches (`kind_sums`), from the per-token
-losses the loss computes anyway: the trainer reduces them over the data ranks into the metrics `loss_<kind>`,
-each a global token mean like `loss`.
+Design and reasoning: docs/training.md#the-loss-and-its-normalisation
 """
 
 from __future__ import annotations
@@ -87,7 +70,7 @@ class LMLoss:
     fused: the trainer runs the model without its head and calls this with logits=None, hidden= and head= (the
     head's input [B, T, D] and the head module), computed by `lm_fused` (trainer.fused_loss=true); chunk_size: the
     fused loss's tokens per chunk (None: trainer/fused_loss.py's default); num_kinds: how many row kinds a batch's
-    `row_kind` can name (`kind_sums`, module docstring)."""
+    `row_kind` can name (`kind_sums`, docs/training.md#the-loss-and-its-normalisation)."""
 
     supports_fused = True  # False in a subclass whose loss needs the logits (trainer.fused_loss is then refused)
 

@@ -1,74 +1,16 @@
-"""The memory planner behind `python -m trainer.cli.plan [--world-size=N] model=<name> [parallel=<layout>]
-[data.seq_len=T] [data.batch_size=B] [trainer.grad_accum=M] [overrides...]`, which prints a table of, or with
-`--json` one JSON object of, `plan`'s result: counts
-read off the model built on the meta device (model/accounting.py), and under "training" what one rank of the layout
-holds and sends per optimiser step.
+"""The memory planner behind `python -m trainer.cli.plan`: what one rank of a layout holds and sends per optimiser
+step.
 
-Example: `python -m trainer.cli.plan model=v41_flash parallel=flagship_256xh200 data.seq_len=4096 data.batch_size=1
-trainer.grad_accum=16` -> params_total, params_backbone, params_engram, params_active_*, kv_bytes_per_token*,
-swa_kv_bytes_per_layer, decode_flops_per_token_*, params_dspark* and params_vision* (the drafter and the image tower,
-not in params_total) and "training": {layout, assumptions, per pipeline rank: memory by term and communication by
-dimension, the worst rank, whether it fits and what dominates}.
+Contract: `plan(node, world_size)` runs the trainer's own start-up checks first (`check_layout`: a layout the
+trainer refuses raises its ValueError), then returns the counts read off the model built on the meta device
+(model/accounting.py, with the drafter's and the image tower's) and, under "training", `plan_training`'s result: per
+pipeline rank the memory by term (parameters, gradients, optimiser state, activations, working set, reserve), the
+bytes sent per step by dimension (tp, ep, pp, cp, dp, optimizer, engram), the worst rank, whether its peak fits
+`parallel.device_memory_gb` (default 141: H200) and the dominant term. Every figure is read off the plans the
+trainer applies (tp_shard_dims, split_points, boundary_slots, layer_activation_bytes): an estimate, not a
+measurement.
 
-Only a layout the trainer would start is planned: first the trainer's own start-up checks run (`check_layout`: the
-typed config, the stage hooks, trainer.parallel.apply.validate_layout, ParallelConfig.resolve), and what they refuse
-is one `error: ...` line on stderr, the trainer's own, and exit status 2; so is a config group option that does not
-exist (`model=v41_tinny`: the group and its options) and any other composition error. `--world-size=N` plans N
-processes (the sizes must multiply to N; parallel.dp_replicate=-1 fills in the rest); without it, the world the
-sizes make, dp_replicate=-1 counted as 1. `+parallel.device_memory_gb=G` sets the device memory (default 141: H200).
-
-Per rank and pipeline rank r (a rank's figures depend only on its pipeline position; the other axes split evenly,
-except Engram rows, where the figure is the largest block):
-- parameters by kind (embed, head, dense, routed_experts, engram_tables): the meta model's parameters of the layers
-  the rank's stages hold (cuts: parallel.pp_cuts or trainer.parallel.pipeline.split_points), each divided the way the
-  plans divide it: TP (trainer.parallel.tensor.tp_shard_dims, read off apply_tp's plan), EP (routed experts / ep), FSDP2
-  (dim 0 of what is left / dp_shard, rounded up, as fully_shard pads), Engram rows, with parallel.engram_shard, over
-  the Engram group (dp x ep x cp: every rank of the stage and tp rank, trainer/parallel/engram.py; largest block =
-  ceil(rows / group)), else whole on every rank.
-- gradients: one per parameter, in the parameter's dtype.
-- optimiser state: AdamW, two fp32 moments, plus an fp32 master copy for a parameter not stored in fp32 (the
-  flagship's bf16 Engram tables; the trainer keeps every other parameter in fp32 and computes under bf16 autocast).
-  The step of torch's default (foreach) AdamW also allocates an fp32 denominator per parameter for its duration.
-  Under optim.rules (optim=muon) a Muon or Sinkhorn parameter has one fp32 momentum buffer instead; the step's
-  transient adds the largest of a Muon chunk (optim.hybrid.CHUNK values, 10 B each), an owner's gathered matrix
-  and a Sinkhorn table with every row touched (24 B a value).
-- activations: micro-batches in flight x what each layer keeps for backward (model.accounting.layer_activation_bytes,
-  itemised there, including the bf16 weight copies autocast keeps per micro-batch), plus per micro-batch the
-  compressed KV entries the stage's layers read and the last stage's fp32 logits and log-softmax (with
-  trainer.fused_loss only its per-token log-sum-exp, and one chunk's fp32 logits and gradient in the working set).
-  In flight on pipeline rank r under 1F1B: min(M, pp - r) (M = trainer.grad_accum); other schedules: the rank's
-  stages each hold min(M, pp) (an upper bound). Under parallel.activation_checkpoint=full (trainer/parallel/
-  activation_checkpoint.py) a layer keeps only its inputs and one layer at a time is recomputed.
-- working set: the largest transient of one layer (indexer scores [N, E], attention backward scratch, MoE dispatch
-  buffers) plus the gradient buffers of the layer being differentiated (about its saved activations; twice that
-  when it is recomputed first), on the last stage the logits' gradient, and under FSDP two blocks' gathered
-  parameters (the running one and the prefetched next).
-- reserve: 4 GB for the CUDA context, NCCL buffers and allocator fragmentation.
-Peak = parameters + gradients + optimiser state + max(activations + working set, the optimiser step's transient)
-+ reserve; it fits when the peak is within the device memory (parallel.device_memory_gb, default 141: H200).
-
-Communication, bytes each rank sends per optimiser step (received volumes are the same on balance), by dimension:
-- tp: per layer and micro-batch the all-reduces of trainer/parallel/tensor.py's table (attention and MoE outputs forward;
-  q_res, latent, the experts' and shared expert's inputs backward), ring cost 2 (tp - 1) / tp of the tensor; the
-  embedding's all-gather and, when pp > 1 (no loss_parallel), the logits' all-gather;
-- ep: per MoE layer and micro-batch, forward the token rows (fp32 streams + the packed routing weight) out and the
-  bf16 results back, the backward the same again (trainer/parallel/expert.py), (ep - 1) / ep of it off-rank;
-- pp: per micro-batch the forward state across the stage's output cut and the gradient across its input cut
-  (trainer/parallel/pipeline_wire.boundary_slots; top-k and pool as the Triton path's int32 ids unless model.kernels is
-  reference);
-- cp: per Full layer the entry all-gather and its reduce-scatter, per layer the SWA halo both ways, the token ids
-  once per forward (trainer/parallel/context.py's table);
-- dp: without FSDP, once per step the ring all-reduce of the fp32 gradients of replicated weights over dp x ep x cp
-  and of expert weights over dp x cp; with FSDP (dp_shard > 1), per micro-batch the fp32 parameter all-gathers
-  (forward, and again in backward for blocks, which reshard after forward) and gradient reduce-scatters over
-  dp_shard, HSDP's all-reduce over dp_replicate, and once per step the non-expert shards' all-reduce over ep x cp;
-- optimizer (optim.rules only): once per step, each Muon matrix whose blocks a layout splits (FSDP's row shards, a
-  tp split of the input dim, shards that cut an expert or a head) goes to its owner rank and back, 2 x its fp32
-  shard per rank (optim/hybrid.py); the Sinkhorn tables' per-iteration all-reduces of row / column sums are a few
-  KB and not counted;
-- engram: per Engram layer and micro-batch the row exchange (ids and rows forward, row gradients backward), bounded
-  by C distinct rows per token (repeats only lower it), (group - 1) / group of it off-rank.
-Under activation_checkpoint=full the recomputation repeats every forward collective of tp, ep, cp and engram.
+Design and reasoning: docs/memory_plan.md#the-memory-planner
 """
 
 from __future__ import annotations
@@ -428,7 +370,8 @@ def _ring(size: int) -> float:
 
 
 def rank_communication(model, lay: Layout, bounds: list[int], params: list[dict], stages: list[int]) -> dict:
-    """Bytes pipeline rank `stages`' ranks send per optimiser step, by dimension (see the module docstring)."""
+    """Bytes pipeline rank `stages`' ranks send per optimiser step, by dimension (see
+    docs/memory_plan.md#the-memory-planner)."""
     cfg = model.cfg
     M, B = lay.grad_accum, lay.batch_size
     N = B * lay.seq_len // lay.cp
@@ -540,7 +483,7 @@ def _assumptions(lay: Layout) -> list[str]:
 
 
 def plan_training(model, lay: Layout) -> dict:
-    """The "training" section of the plan (see the module docstring)."""
+    """The "training" section of the plan (docs/memory_plan.md says what each term counts)."""
     bounds = _stage_bounds(model, lay)
     params = stage_parameters(model, lay, bounds)
     ranks = []

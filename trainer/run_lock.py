@@ -1,21 +1,13 @@
 """One launch per run directory: a lock file `<run dir>/.cedar.lock` held by global rank 0 while the job runs.
 
-Two launches into one run directory would interleave their metrics, share one W&B run id and delete each other's
-in-progress checkpoints. The first launch's rank 0 creates the lock with O_CREAT | O_EXCL (atomic on local
-filesystems and on NFS v3+ / Lustre, unlike flock) and writes who holds it: host, pid, a launch id shared by every
-rank of one launch (torchrun's TORCHELASTIC_RUN_ID, else Slurm's job and step ids) and a heartbeat time. A thread
-refreshes the heartbeat while the job runs; the lock is removed at exit.
+Contract: `RunLock.acquire` creates the lock atomically (O_CREAT | O_EXCL) with its holder (host, pid, `launch_id`,
+a heartbeat a thread refreshes) and removes it at exit; a lock whose holder cannot be running (pid gone on this
+host, heartbeat older than `STALE_S`, or this launch's own earlier incarnation) is taken over with a warning; any
+other raises `RunDirLocked`, so a refused launch writes nothing into the directory. The other ranks of the holding
+launch pass. The Hydra callback `RunDirLock` takes it before Hydra writes `.hydra/`; `acquire` is idempotent within
+a process. `check_writable` refuses a run directory that cannot be written.
 
-A lock is stale, and is taken over with a warning, when its holder cannot be running: on this host its pid is gone,
-or, on any host, its heartbeat is older than `STALE_S` (a SIGKILLed job on another node, or a reused pid); or, for
-rank 0, it carries this launch's own id: an earlier incarnation of the same launch (a Slurm requeue keeps the job
-id, a torchrun restart its run id), whose rank 0 is gone since this process is rank 0 now. The
-other ranks of the launch that holds the lock pass; a rank of another launch is refused like its rank 0, so a
-refused launch writes nothing into the directory.
-
-The Hydra callback `RunDirLock` (conf/config.yaml, `hydra.callbacks`) takes the lock in `on_run_start`, before Hydra
-writes `.hydra/config.yaml`, so a refused second launch does not overwrite the record of the one that runs;
-`acquire` is idempotent within a process, so the trainer's own call (trainer/train.py) reuses it.
+Design and reasoning: docs/training.md#one-launch-per-run-directory
 """
 
 from __future__ import annotations

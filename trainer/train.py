@@ -1,20 +1,13 @@
 """The pretraining loop and the set-up around it.
 
-`build(cfg, run_dir)` turns the validated job config into a `Job` (runtime, model, optimiser, scheduler,
-data, checkpointer, metrics), resuming from a checkpoint when `checkpoint.resume` finds one; `fit(job)`
-runs `train_loop` and closes what `build` opened. Each builder receives only its own config section.
+Contract: `build(cfg, run_dir)` turns the validated job config into a `Job` (runtime, model, optimiser, scheduler,
+data, checkpointer, metrics), resuming from a checkpoint when `checkpoint.resume` finds one; `fit(job)` runs
+`train_loop` and closes what `build` opened. Each builder receives only its own config section. Layout checks run
+before any process group; the model is built on the meta device, parallelised (trainer/parallel/apply.py), then
+materialised with the single process's initial values. `compute_gradients` runs one step's micro-batches and returns
+its `StepStats`: every rank ends a step with the same loss and gradient norm; rank 0 logs.
 
-Order of set-up (STYLE.md): check the layout against the model and the batch (before any process group), build
-the model on the meta device, apply every parallel plan (trainer/parallel/apply.py: pipeline stages, TP, EP, CP),
-materialise this rank's part piece by piece with the single process's initial values, wrap it in FSDP2 when
-dp_shard > 1, then build the optimiser over the local parameters.
-
-One optimiser step (`compute_gradients`, then the update): each data rank (dp_replicate x dp_shard x ep) reads
-trainer.grad_accum micro-batches of its own; context-parallel ranks keep their chunk of every sequence; the
-micro-batches run one after the other (gradient accumulation) or through the pipeline schedule; gradients are
-reduced by the rules of trainer/parallel/gradients.py, the loss is averaged over the ranks that saw different
-tokens, the gradient norm is clipped over every axis that shards parameters, and after the update the MoE loads
-of all data ranks move the balancing biases. Every rank ends a step with the same loss and norm; rank 0 logs.
+Design and reasoning: docs/training.md#the-loop-and-its-set-up
 """
 
 from __future__ import annotations

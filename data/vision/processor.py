@@ -1,44 +1,16 @@
 """The image processor of DeepSeek-V4.1 (REFERENCE A12): an image in, its patches and placeholder layout out.
 
-Shape legend: P patches of one image (grid_h x grid_w), N images in a batch, S = sum of P over the batch,
-L placeholder tokens of one image, 588 = C x p x p values per patch (C = 3 channels, p = 14 pixels).
+Shape legend: P patches of one image (grid_h x grid_w), N images in a batch, S = sum of P over the batch, L
+placeholder tokens of one image, 588 = C x p x p values per patch (C = 3 channels, p = 14 pixels).
 
-Why a native-resolution processor. The V4.1 vision tower sees an image at (close to) its own size and aspect, as
-a grid of 14-pixel patches that the aligner merges 3 x 3 (pixel-unshuffle, 42 px) into one LLM token each. Images
-therefore cost a variable number of tokens: smaller ones are scaled up to about 544 x 544 in area (a square then
-takes 184 tokens), larger ones shrunk to at most `max_image_tokens` (1024). Batches pack variable grids back to back
-(`pack_images`) instead of padding every image to the largest.
+Contract: `plan_resize` (a pure function of the image size and `ProcessorConfig`) gives the canvas as the public
+processor computes it, to its truncations (ValueError for a plan that cannot fit `max_image_tokens`); `process` fits
+the RGB image into it (aspect kept, bicubic, centred on gray) and returns its [P, 588] float32 patches in [-1, 1]
+and its grid; `num_image_tokens` / `placeholder_layout` give the n_h (n_w + 1) + 2 placeholder tokens (START, per
+merged row n_w IMAGE and one NEWLINE, END), rebuilt from the grid alone; `pack_images` packs variable grids back to
+back.
 
-The resize plan (`plan_resize`, a pure function of the image size), following the public processor
-(deepseek-ai/DeepSeek-V4.1-Flash `inference/image_processor.py`, defaults from its `config.json` `vision_config`;
-known here from REFERENCE A12, ports of it and its recorded outputs, which tests/data/test_image_processor.py
-compares with):
-1. With `max_wh_ratio` set, cap the width at height * max_wh_ratio (the public default is null: no cap). Only the
-   width is capped, as there: a tall image never is.
-2. If width * height < min_pixels (544^2), scale both sides by sqrt(min_pixels / (width * height)), truncating.
-3. Round both sides up to multiples of p: the canvas (height, width).
-4. Merged grid n_h = ceil((H/p) / 3), n_w = ceil((W/p) / 3); tokens = n_h (n_w + 1) + 2 (`num_image_tokens`).
-5. If tokens > max_image_tokens: with rho = h / w (the sizes of steps 1-2), w* = sqrt((max - 2)/rho + 1/4) - 1/2
-   (the real root of rho w (w + 1) = max - 2) and h* = rho w*; beta = min(floor(w*) 42 / w, floor(h*) 42 / h);
-   each side becomes floor(side beta / p) p. floor(h*) rows of floor(w*) + 1 tokens fit by construction. When the
-   image is too thin for one merged cell along a side, it degenerates to a single column (h, w) = ((max-2)//2 * 42,
-   42) if w* < 1, or a single row (42, (max-3) * 42) if h* < 1. A plan that still does not fit raises ValueError.
-The float expressions are written in the public code's order (`** 0.5` in step 2, `math.sqrt` in step 5, the
-products before the divisions), so that every truncation falls where it does there: exact arithmetic would give
-another canvas (one patch more along a side) to about 4 % of the images that step 5 shrinks.
-
-Pixels (`process`): the image (converted to RGB) is fitted into the canvas, keeping its aspect, with PIL's
-`ImageOps.contain` rounding (the side that limits fills the canvas, the other is round(aspect * canvas side)),
-resized bicubic and centred (offset round((canvas - fitted) / 2)) on gray (127, 127, 127): `ImageOps.pad`, with
-its geometry computed here (`ResizePlan.content`) so that tests and callers can see where the image lies. An image
-at least max_wh_ratio times wider than tall is squeezed onto the whole canvas instead (bicubic, aspect not kept).
-Values are scaled by 1/255 and normalised with mean = std = 0.5, so they lie in [-1, 1] and the gray pad is
-(127/255 - 0.5)/0.5 ~ -0.0039. They stay float32 here: the public code casts them to bf16 for its tower, which
-is the model's business.
-
-Placeholders (`placeholder_layout`): one image stands for n_h (n_w + 1) + 2 copies of the image token
-(`<｜deepseek_image｜>`, id 129264 in the public tokenizer), laid out as START, then per merged row n_w IMAGE and
-one NEWLINE, then END. The layout is rebuilt from the grid alone, as the public code does from `image_grid_thw`.
+Design and reasoning: docs/data.md#the-image-processor
 """
 
 from __future__ import annotations
@@ -188,7 +160,8 @@ def _fit(width: int, height: int, box_w: int, box_h: int) -> tuple[int, int]:
 
 
 def plan_resize(width: int, height: int, cfg: ProcessorConfig = DEFAULT_CONFIG) -> ResizePlan:
-    """The canvas, grids and placeholder count of an image of width x height pixels (module docstring, steps 1-5).
+    """The canvas, grids and placeholder count of an image of width x height pixels (docs/data.md#the-image-processor,
+    steps 1-5).
 
     ValueError for a non-positive size, or (a float-rounding guard the public code also has) a plan that needs more
     than max_image_tokens."""
@@ -223,7 +196,8 @@ def plan_resize(width: int, height: int, cfg: ProcessorConfig = DEFAULT_CONFIG) 
 
 
 def process(image: Image.Image, cfg: ProcessorConfig = DEFAULT_CONFIG) -> ProcessedImage:
-    """An image's normalised patches [P, 588], its patch grid and its placeholder count (module docstring)."""
+    """An image's normalised patches [P, 588], its patch grid and its placeholder count
+    (docs/data.md#the-image-processor)."""
     image = image.convert("RGB")  # as the public processor: alpha is dropped, not composited
     plan = plan_resize(image.width, image.height, cfg)
     left, top, fit_w, fit_h = plan.content

@@ -1,32 +1,15 @@
 """The on-disk format of image-text data: webdataset tar shards of captioned images and interleaved documents, plus
 `meta.json`; a reader that resumes from a saved (shard, offset).
 
-A sample is a list of segments in reading order, each a text (str) or an image (PIL). Two kinds are stored:
-- a captioned image, segments [image, caption]: members `<key>.png` (the image) and `<key>.txt` (the caption,
-  UTF-8). webdataset reads it as {"__key__", "png", "txt"}.
-- an interleaved document, any other list: member `<key>.json`, a JSON list of segments `{"text": str}` or
-  `{"image": field}` in order, and one member `<key>.<field>` per image, where field is `<i>.png` (i = 0, 1, ... in
-  order of appearance). webdataset reads it as {"__key__", "json", "0.png", "1.png", ...}: a segment's field is
-  the key of its image in that sample.
-Images are written as PNG (lossless, so a pixel read back is the pixel drawn); read, a captioned image may also be
-`<key>.jpg`, `.jpeg` or `.webp`, and members a sample holds besides (a corpus's metadata json beside its image and
-txt) are ignored, so webdataset image-caption corpora read as they are once `index_webdataset` (`python -m
-data.vision.shards index DIR`) has written their meta.json. Written keys are the sample's global index as
-nine digits, as in the text shards (data/shards.py), whose conventions these follow: `shard-000000.tar`, ...; plain
-ustar tar, members with mtime 0, mode 0644 and empty owners, so writing the same samples twice gives byte-identical
-shards; every file written under a temporary name and renamed into place, `meta.json` last, so its presence marks
-a complete directory.
+Contract: a sample is a list of segments in reading order, each a text (str) or an image (PIL): a captioned image
+([image, caption]: `<key>.png` + `<key>.txt`) or an interleaved document (`<key>.json` plus one `<key>.<i>.png` per
+image). `write_image_text_shards` writes byte-identical shards for the same samples, `meta.json` last (its presence
+marks a complete directory); `index_webdataset` writes the meta.json of an existing webdataset image-caption corpus.
+`ImageTextReader` reads the shards meta.json lists, each checked against its sha256 (one that fails is skipped with
+a warning), in order, once; `state_dict` / `load_state_dict` resume exactly after the last sample handed out, never
+on other shards.
 
-`meta.json` keys: format ("cedar-image-text-v1"), num_samples, num_shards, `shards`: one entry per shard {name,
-num_samples, sha256}, plus whatever the writer adds (the synthetic generator records its seed and settings). The
-reader trusts only the shards listed there and checks each against its sha256 before parsing it.
-
-Position. `ImageTextReader` reads the shards in meta.json's order, the samples of each in key order, once. Its
-state is (shard index, samples of that shard already yielded), taken right after the last sample handed out, as
-the text loader keeps its position (data/loader.py): `state_dict()` after n samples and `load_state_dict` on a
-fresh reader, and the next sample is sample n + 1 of the uninterrupted pass. The state carries a fingerprint of the
-shard list, so a position is never applied to other shards. A shard that fails its checksum or does not parse is
-skipped with a warning naming it (`skipped`), as the text loader does.
+Design and reasoning: docs/data.md#image-text-shards
 """
 
 from __future__ import annotations
@@ -152,8 +135,9 @@ IMAGE_FIELDS = ("png", "jpg", "jpeg", "webp")
 
 
 def _decode(key: str, fields: dict[str, bytes]) -> list[Segment]:
-    """One sample's segments from its members (module docstring; a caption's image may be any of IMAGE_FIELDS, and
-    other members, e.g. a webdataset corpus's metadata json beside an image and its txt, are ignored)."""
+    """One sample's segments from its members (docs/data.md#image-text-shards; a caption's image may be any of
+    IMAGE_FIELDS, and other members, e.g. a webdataset corpus's metadata json beside an image and its txt, are
+    ignored)."""
     def image(field: str) -> Image.Image:
         if field not in fields:
             raise ShardError(f"sample {key} names image {field!r}, which it does not hold")
@@ -224,7 +208,7 @@ def read_image_shard(path: str, info: ImageShardInfo) -> list[tuple[str, list[Se
 
 
 class ImageTextReader:
-    """One pass over an image-text directory, yielding (key, segments); resumable (module docstring)."""
+    """One pass over an image-text directory, yielding (key, segments); resumable (docs/data.md#image-text-shards)."""
 
     def __init__(self, directory: str):
         self.directory = directory

@@ -1,31 +1,13 @@
 """A generated image-text source that needs no download: rendered text, shapes and bar charts, each captioned with
 exactly what is drawn, written as image-text shards (data/vision/shards.py).
 
-Why generated. The default job and the tests need real images and real captions on a machine without network
-access. Drawn with Pillow from a seed, they exist everywhere, cost nothing to store, and their captions are true
-by construction, which the tests check against the pixels. Sizes vary (each side drawn from `size_range`, never
-square) so that the processor's variable grids are exercised.
+Contract: `synthetic_sample(seed, i, ...)` draws sample i from generators seeded by (seed, i) alone (independent of
+the shard size and of the other samples): [image, caption], or with `interleaved=True` a document of two or three
+pictures each followed by a sentence naming it. Kinds: text, shapes, count, chart (`render`); every caption is true
+of the pixels (shapes and bars drawn without anti-aliasing). `write_synthetic_shards` writes them; the same seed,
+settings, numpy and Pillow give byte-identical shards.
 
-Kinds (one drawn per image, uniformly):
-- text: a word and a number ("HELLO 42") in PIL's built-in bitmap font (`ImageFont.load_default_imagefont`; no
-  font file, and no FreeType, whose rendering could differ between builds), scaled up by an integer factor with
-  nearest-neighbour so its pixels stay sharp, at a random place, black on a light background.
-  Caption: "the text 'HELLO 42'".
-- shapes: one to three shapes (circle, square, rectangle (wider than tall), triangle (apex up)) of distinct named
-  colours, in a row or a column, one per equal slot. Captions: "a red circle", "an orange circle left of a blue
-  square", "a red circle above a blue square", "a red circle, a blue square and a green triangle, from left to
-  right" (or "from top to bottom").
-- count: two to five equal shapes of one colour along the longer side, apart. Caption: "three blue circles".
-- chart: a bar chart of three or four labelled integer values 1..9 in one colour over a black axis, labels under
-  the bars, every bar `unit` pixels tall per count. Caption: "a bar chart: apples 3, pears 7, plums 5". A chart
-  narrower than 48 px per bar (room for a six-letter label) is widened to that.
-Shapes and bars are drawn without anti-aliasing on white, so every pixel of a named colour belongs to what the
-caption names.
-
-Samples. Sample i of seed s is drawn from generators seeded by (s, i) and a tag alone, so it does not depend on
-the shard size or on the other samples. A captioned sample is [image, caption]; an interleaved document
-(`interleaved=True`) is "Here are n pictures." followed, for n = 2 or 3 pictures j, by the picture and "Picture j
-shows <caption>.". The same seed, settings, numpy and Pillow give byte-identical shards.
+Design and reasoning: docs/data.md#synthetic-image-text-source
 """
 
 from __future__ import annotations
@@ -189,7 +171,8 @@ def render(rng: np.random.Generator, size_range: tuple[int, int] = DEFAULT_SIZE_
 
 def synthetic_sample(seed: int, index: int, *, interleaved: bool = False,
                      size_range: tuple[int, int] = DEFAULT_SIZE_RANGE) -> list[Segment]:
-    """Sample `index` of `seed`: [image, caption], or an interleaved document (module docstring)."""
+    """Sample `index` of `seed`: [image, caption], or an interleaved document
+    (docs/data.md#synthetic-image-text-source)."""
     # Seeds end in a non-zero tag: numpy's SeedSequence gives [s, i] and [s, i, 0] the same stream.
     if not interleaved:
         return list(render(np.random.default_rng([seed, index, _CAPTION]), size_range))

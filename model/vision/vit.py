@@ -1,40 +1,16 @@
 """DeepSeek-ViT and its aligner (SPEC 1.6, REFERENCE A12): images of any size, packed without padding, to the
 backbone-width embeddings that replace an image's placeholder tokens.
 
-Shape legend: I images, (h_i, w_i) image i's grid in patches, P_i = h_i w_i its patches, N = sum P_i patches of
-the batch, u the unshuffle factor, (r_i, c_i) = (ceil(h_i/u), ceil(w_i/u)) its image tokens' grid, M = sum r_i c_i
-image tokens, T = sum T_i placeholder tokens (T_i = r_i (c_i + 1) + 2), C the ViT width (model.vision.dim), H heads,
-Dh = C / H head dim, F the MLP width, D the backbone width (model.dim), K = 3 * patch^2 values per patch (588).
+Shape legend: I images, (h_i, w_i) image i's grid in patches, P_i = h_i w_i, N = sum P_i patches, u the unshuffle
+factor, M image tokens, T placeholder tokens, C the ViT width, H heads, Dh = C / H, D the backbone width, K = 588.
 
-Input (the processor's output, REFERENCE A12 step 8): pixel_values [N, K], each row one patch's (channel, row,
-column) block flattened in that order, the patches of each image row-major over its grid, the images one after the
-other; grids [(h_i, w_i)], host ints (the processor's image_grid_thw). No image is resized to a square or padded to
-the largest: every row is a real patch.
+Contract: `VisionEncoder(pixel_values [N, K], grids [(h_i, w_i)])` -> [T, D]: the patch embedding, `num_layers`
+pre-norm blocks attending within each image only (`varlen_attention`, 2-D RoPE on q and k: `rope_2d_tables`), a
+final norm, `pixel_unshuffle` by u, the `Aligner` MLP, and the `layout` with the learned START / NEWLINE / END
+vectors. `check_grids` / `VisionEncoder.check` refuse grids that do not match the pixels; `image_token_count` gives
+an image's placeholder count.
 
-Pipeline:
-- patch embedding: one bias-free linear K -> C (a stride-14 convolution without bias is the same map);
-- `num_layers` pre-norm blocks: x += attn(RMSNorm(x)); x += SwiGLU(RMSNorm(x)); then a final RMSNorm;
-- attention is bidirectional within an image and never crosses images (block-diagonal over the packed rows,
-  `varlen_attention`); there is no absolute position embedding, only 2-D RoPE on q and k;
-- pixel-unshuffle (`pixel_unshuffle`): each image's [h, w, C] grid -> [r, c, u^2 C] (zero-padded to whole blocks);
-- the aligner: Linear(u^2 C -> D), GELU, Linear(D -> D);
-- the layout (`layout`): START, then per row of image tokens the w/u tokens and NEWLINE, then END, with learned
-  START / NEWLINE / END vectors (the reference's checkpoint keys `image_start`, `image_newline`, `image_end`, A11).
-
-2-D RoPE (our convention; REFERENCE A12 says "2D-RoPE theta 1e4" and no more): the whole head dim rotates, in
-interleaved pairs (channels 2i, 2i+1) as the backbone's RoPE does (model.rope.apply_rope). Channels [0, Dh/2) rotate
-by the patch's row r in its image, channels [Dh/2, Dh) by its column c; each half is a 1-D RoPE of dimension Dh/2:
-pair i of a half turns by angle p * theta^(-2i / (Dh/2)), i = 0 .. Dh/4 - 1, p = r or c (the split of Qwen2-VL's
-vision RoPE, in our pair layout). q.k then depends on positions only through (r_q - r_k, c_q - c_k). Angles, cos
-and sin stay fp32 (the backbone rounds its tables to the activation dtype to match its reference; there is no
-reference here to match, and rounding would only add error at large row or column indices).
-
-Choices no public source fixes, each an assumption: the aligner's shape (two bias-free linears with GELU between,
-the `downsample_mlp_gelu` projector of DeepSeek-VL2, DeepSeek's previous vision-language model, at mlp_ratio 1 and
-without its biases: the architecture has none); the MLP width and the norm epsilon (model.vision.mlp_dim, norm_eps);
-the order of the u^2 neighbours in an image token (`pixel_unshuffle`: row-major over the u x u block, each
-neighbour's C channels together; torch.nn.functional.pixel_unshuffle and DeepSeek-VL2's unfold put channels first,
-a fixed permutation of the aligner's first weight's input columns that a checkpoint adapter would apply).
+Design and reasoning: docs/model.md#the-vision-tower
 """
 
 from __future__ import annotations
@@ -97,7 +73,7 @@ def patch_positions(grids: list[Grid], device=None) -> torch.Tensor:
 
 def rope_2d_tables(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
     """positions [N, 2] (row, column) -> cos, sin [N, Dh/2] fp32: pair columns [0, Dh/4) turn by the row, [Dh/4,
-    Dh/2) by the column, each axis a 1-D RoPE of dimension Dh/2 (the module docstring's convention)."""
+    Dh/2) by the column, each axis a 1-D RoPE of dimension Dh/2 (the convention of docs/model.md#the-vision-tower)."""
     axis_dim = head_dim // 2
     inv_freq = theta ** (-torch.arange(0, axis_dim, 2, dtype=torch.float64, device=positions.device) / axis_dim)
     angles = positions.to(torch.float32)[..., None] * inv_freq.float()  # [N, 2, Dh/4]

@@ -1,42 +1,15 @@
 """Checkpoints with torch.distributed.checkpoint (DCP): atomic, keep-last-k, resumable, and resharded on load.
 
-A checkpoint is the directory `<run dir>/checkpoints/step_<N>/` holding two Stateful entries:
-- `train`: model weights and buffers (MoE balancing biases included), optimiser, LR scheduler, step and tokens
-  seen. Keys are the whole model's fully-qualified names under every layout (a pipeline rank saves its stages'
-  parameters under their global names, TP / EP / FSDP parameters and row-sharded Engram tables are DTensors saved
-  as their shards of the global tensor, host-resident ones included), so DCP loads a checkpoint into any other
-  layout, the single process included: it reads, for each tensor this rank holds, the pieces of it that the saving
-  ranks wrote. The optimiser state goes through `get_optimizer_state_dict` / `set_optimizer_state_dict`, keyed by
-  the same names, and reshards the same way.
-- `rank_local`: the data-loader position under `data_rank<d>` (d: this rank's index among the ranks that read
-  different data, dp_replicate x dp_shard x ep; its tp / pp / cp peers hold the same position, and DCP keeps one
-  copy of equal keys) and the RNG states (torch CPU/CUDA, python, numpy) under `rng_rank<r>`. A run with another
-  layout but the same data ranks and data.num_workers resumes the data exactly; a rank whose RNG state was not
-  saved (more ranks than before) keeps its fresh seed. With another number of data ranks or data.num_workers, every
-  rank reads the positions of all saved data ranks (a second, rank-local read: no collective) and the loader deals
-  the work they had left over its new readers (elastic resume, data/loader.py: no document skipped or read twice
-  within an epoch).
+Contract: `Checkpointer` saves `<run dir>/checkpoints/step_<N>/` with two Stateful entries, `train` (`TrainState`:
+model, optimiser, LR scheduler, step and tokens seen, keyed by the whole model's names under every layout, so any
+other layout loads it) and `rank_local` (`RankLocalState`: data-loader positions and RNG states), plus a `COMPLETE`
+marker written last (format, step, model and parallel config, every file's size and sha256). Only a `step_<N>`
+directory with the marker is a checkpoint. A failed save raises `CheckpointSaveError` and leaves the previous one
+newest; `checkpoint.resume=auto` verifies the newest complete checkpoint and falls back past a corrupt one
+(`CorruptCheckpoint`); a model config that differs fails before anything is built (`check_model`), naming every key.
+Format 1 checkpoints stay loadable.
 
-The `COMPLETE` marker (JSON) records the format, the step, the model config and the parallel sizes. Resuming with
-a model config whose parameters differ fails before anything is built, naming every key to change
-(`Checkpointer.check_model`). Format 1 checkpoints (one `rank<r>` blob of data position and RNG) stay loadable.
-
-Atomicity: every rank writes into `.tmp_step_<N>/`; only after all ranks finished does rank 0 write the
-`COMPLETE` marker and rename the directory. A crash at any point before that leaves a `.tmp_*` directory,
-which resume ignores and the next save deletes. Only a directory named `step_<N>` that holds the marker
-counts as a checkpoint. A save that fails (no space left, an I/O error) removes its temporary directory and raises
-`CheckpointSaveError` naming the cause and the path; the previous checkpoint stays the newest complete one.
-
-Integrity: the marker lists every file of the checkpoint with its size and sha256, each rank hashing a share of the
-files (file i on rank i mod world size). `checkpoint.resume=auto` verifies the newest complete checkpoint the same
-way before loading it; a checkpoint with a missing, truncated or altered file is skipped with a warning naming it and
-the checkpoint resumed instead, the previous complete one (an explicit `checkpoint.resume=<path>` that fails the
-check is refused). Checkpoints written before checksums existed load unverified.
-
-The marker also records the optimiser config, trainer.max_steps and the count of skipped (non-finite) steps: a
-resume logs every optimiser hyperparameter that changed from the checkpoint's, and the config's values win
-(`TrainState.load_state_dict` keeps the live param groups' hyperparameters; only the optimiser state and the step
-counts come from the checkpoint).
+Design and reasoning: docs/checkpoints.md#dcp-checkpoints
 """
 
 from __future__ import annotations

@@ -1,24 +1,14 @@
 """The Hugging Face format of DeepSeek-V4.1-Flash, both ways: parameter names, shapes and dtypes as the public
 implementation (transformers' `deepseek_v41`, REFERENCE A11) keeps them, and its config keys (A1).
 
-Names. Cedar's module paths were chosen to match the reference's, so most keys differ only by the `model.` prefix.
-The exceptions:
+Contract: `hf_tensors(name, shape)` gives the tensors a Cedar tensor is stored as (`HFTensor`: name, shape, and for
+a stacked expert weight the expert); `cedar_name` maps a Hugging Face name back; `dropped_reason` says why a tensor
+Cedar does not model (DSpark / MTP layers, the vision tower) is dropped on import; `keeps_fp32` names what ships in
+fp32 (mHC parameters, attention sinks, router biases); `hf_config` / `model_config` convert the config both ways
+(ValueError naming a key Cedar does not model). Most names differ only by the `model.` prefix; docs/checkpoints.md
+has the table of the exceptions.
 
-| Cedar | Hugging Face |
-| --- | --- |
-| `embed.weight`, `norm.weight` | `model.embed.weight`, `model.norm.weight` |
-| `head.weight` | `lm_head.weight` |
-| `layers.{i}.hc_attn.fn` / `.base` / `.scale` (and `hc_ffn`) | `model.layers.{i}.hc_attn_fn` / `_base` / `_scale` |
-| `layers.{i}.ffn.gate.bias_image` | `model.layers.{i}.ffn.gate.bias_vl` |
-| `layers.{i}.ffn.experts.w1` [E, F, D] (w2, w3) | `model.layers.{i}.ffn.experts.{e}.w1.weight` [F, D], e < E |
-| `layers.{i}.engram.table` [N, d] | `model.layers.{i}.engram.embed.weight` [N, d] |
-
-Dtypes. The reference keeps the mHC parameters, the attention sinks and the router biases in fp32 (`FP32_KEPT`); the
-rest ships in bf16. An fp8 Engram table carries per-32-channel scales (`engram.embed.scale` [N, d / 32]); a bf16 or
-fp32 table is used as it is, with no scale (A8), so an export in those dtypes writes none.
-
-Not modelled here, dropped on import with a message: the DSpark / MTP layers (`mtp.*`), the vision tower and its
-aligner (`vision.*`, `aligner.*`, `image_start`, `image_end`, `image_newline`).
+Design and reasoning: docs/checkpoints.md#hugging-face-names-and-dtypes
 """
 
 from __future__ import annotations

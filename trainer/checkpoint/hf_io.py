@@ -1,28 +1,14 @@
 """Cedar checkpoints <-> Hugging Face safetensors shards, streaming: `python -m trainer.cli.export_hf` and
 `python -m trainer.cli.import_hf` (and `checkpoint.init_from=<HF dir>`) call `export` and `import_`.
 
-Nothing here holds a whole model, nor a whole large tensor: a tensor moves in pieces of at most `chunk_bytes`
-(default 256 MiB; row ranges, or expert ranges of a stacked expert weight), so host memory stays near two pieces
-whatever the model's size (the flagship's Engram tables are 196 GB each in bf16). Checkpoints store large tensors
-as pieces too (trainer/checkpoint/checkpointer.py `PieceSavePlanner`): DCP reads a stored item whole for every request.
-- Export reads each piece from the DCP checkpoint with a load plan of that piece alone (DCP reads the byte ranges
-  that hold it, in whatever layout the checkpoint was saved), casts it, and appends it to a safetensors file whose
-  header was written first (the format is a JSON header of names, dtypes, shapes and byte offsets, then the raw
-  little-endian bytes; `safetensors.safe_open` reads the result). Files hold whole tensors, about `max_shard_bytes`
-  each (a larger tensor gets a file of its own); `model.safetensors.index.json` maps every name to its file. The
-  files' sizes add up to the tensors' bytes plus the headers: nothing grows.
-- Import writes a DCP checkpoint whose save plan lists every tensor as pieces; each piece is read from the
-  safetensors files (`get_slice`, only its rows) when DCP's writer asks for it, cast, and written, a file per piece
-  (DCP's writer keeps every tensor of a file alive until the file is closed).
-Under several processes (torchrun), export gives rank r the files r, r + world, ...; import splits the tensors the
-same way, and DCP writes one checkpoint from all ranks.
+Contract: neither holds a whole model nor a whole large tensor: a tensor moves in pieces of at most `chunk_bytes`
+(default 256 MiB), so host memory stays near two pieces whatever the model's size. `export` writes safetensors files
+of about `max_shard_bytes` and `model.safetensors.index.json`, in `dtype` (bf16 by default) but what the reference
+keeps in fp32, or with quant="released" the released quantised kinds (trainer/checkpoint/hf_quant.py). `import_`
+writes a DCP checkpoint in the dtypes Cedar's model holds, dequantising what the files hold quantised. bf16 -> fp32
+-> bf16 is exact: released weights round-trip bit for bit. Under torchrun the ranks split the files.
 
-Dtypes: export writes `dtype` (bf16 by default, as released; float32 for an exact round trip), except what the
-reference keeps in fp32 (trainer/checkpoint/hf.py `keeps_fp32`). Import casts to the dtypes Cedar's model holds (its fp32 master
-weights; the Engram tables in `model.engram.table_dtype`). bf16 -> fp32 -> bf16 is exact, so the released weights
-come back out of a Cedar checkpoint bit for bit. Quantised formats (trainer/checkpoint/hf_quant.py): the import dequantises what
-the files hold quantised; export's quant="released" writes them, a weight's scales computed from each piece as it
-passes (FP8 block rows are read in whole blocks of rows) and written beside it in the file.
+Design and reasoning: docs/checkpoints.md#streaming-hugging-face-export-and-import
 """
 
 from __future__ import annotations

@@ -1,24 +1,15 @@
 """The quantised weight formats of DeepSeek's released checkpoints, both ways (trainer/checkpoint/hf_io.py reads and
-writes them). config.json's `quantization_config` says which ones a directory uses: `quant_method` "fp8", `fmt`
-"e4m3", `weight_block_size` (default [128, 128]), `scale_fmt` ("ue8m0": one-byte power-of-two scales, V4; "float":
-fp32, V3) and `expert_dtype` ("fp4": FP4-packed routed experts, V4; "fp8").
+writes them), as config.json's `quantization_config` names them.
 
-| kind | weight | its scales |
-| --- | --- | --- |
-| FP8 block-scaled matrix | `<m>.weight` float8_e4m3fn [R, C] | [ceil(R / bo), ceil(C / bi)]: one per block of the weight block size |
-| FP4 expert (`expert_dtype: fp4`) | `<m>.weight` int8 [R, C / 2]: two E2M1 codes a byte, element 2i in the low nibble | [R, C / 32]: one per 32 channels of a row |
-| FP8 Engram table | `engram.embed.weight` float8_e4m3fn [N, d] | `engram.embed.scale` [N, d / 32] |
+Contract: `released_kind(name)` says how the export stores a weight ("fp8_block" matrix, "fp4" routed expert,
+"fp8_rows" Engram table, or None: unquantised); `quantise` returns a piece's codes and scales (powers of two at
+least amax / max, so no value clips; E2M1 codes round to nearest, ties to even), `dequantise_rows` /
+`dequantise_block` / `dequantise_fp4` the values back, reading every scale dtype the files use (`scales_as_float`).
+`stored_shape` and `scale_shape` give the shapes in the files; `check_quantisable` refuses a row length a format has
+no scales for. The conventions are DeepSeek's V3 / V4 ones; the released V4.1 files have not been checked against
+them.
 
-A weight is its code times its block's scale. The scales are named `<m>.scale` (V4's files, as transformers' FP8
-loader reads DeepSeek-V4-Flash) or `<m>.weight_scale_inv` (V3's); their dtype is float8_e8m0fnu, float32, bfloat16,
-or uint8 exponent bytes (2^(b - 127)). These conventions are DeepSeek's V3 / V4 ones; the released V4.1 files have not
-been checked against them.
-
-The export (`python -m trainer.cli.export_hf quant=released`) writes the released kinds: the routed experts in FP4, the
-other matrices of the linear layers (`QUANTISED_MATRICES`) in FP8 blocks of 128 x 128, the Engram tables in FP8,
-every scale in ue8m0; the embedding, the head, the router, the compressor's gate, the indexer's head weights, the
-norms and what the reference keeps in fp32 stay unquantised. Scales are powers of two at least amax / max (E4M3's
-448, E2M1's 6), so no value clips; E2M1 codes round to nearest, ties to even (kernels/fp4.py).
+Design and reasoning: docs/checkpoints.md#quantised-weight-formats
 """
 
 from __future__ import annotations

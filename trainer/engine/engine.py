@@ -1,48 +1,16 @@
 """The built-in generation engine: batched prefill + decode on the model's inference cache (model/cache.py).
 
-A batch of requests (any prompt lengths) shares one cache: each request is prefilled into its own row (through the
-prefix cache when there is one), then every row decodes together, a position per row. A request stops at one of its
-stop tokens or after max_new_tokens; a row that has stopped keeps decoding its last token until the batch ends
-(its output is dropped; the cache is sized for it), which keeps the batch's shapes fixed.
+Contract: `Engine.generate(requests)` returns one `Completion` per `Request`, in order: the tokens, each with its
+log-prob under the sampling distribution and under the model's, the finish reason (a stop token, max_new_tokens, or
+"error" with `error` set for a bad request, which leaves the batch's other requests as they would be), and with
+`return_routing` the routing records a training forward replays (R3). Each request is prefilled into its own cache
+row (through the prefix cache when there is one), then all rows decode together with static shapes
+(`model.serving.decode_step`, so `cuda_graph=True` can capture it). With a drafter (`drafter=`, `spec_tokens=`)
+decoding is speculative (trainer/engine/spec_decode.py); under FSDP / EP / TP the ranks call the model in lockstep;
+pipeline, context and sequence parallelism are refused. `RolloutBackend` is the seam a stage generates through
+(`generate`, `sync_weights`).
 
-Decode steps run `model.serving.decode_step` (`model(ids, cache=..., static=True)`): static shapes, no host
-synchronisation, every KV source's whole capacity presented and masked, so `Engine(cuda_graph=True)` can capture the
-step once per batch and replay it per token (one process, a CUDA device; not yet run on a GPU: issue 21). The checks
-such a step cannot make (token ids in range, room in the cache) are made here, on the prompts, before the prefill.
-A batch that keeps routing records (R3) decodes through the dynamic serving forward, which returns them.
-Requests of the same prompt length next to each other (a GRPO group) are prefilled in one call when there is no
-prefix cache and no routing record is kept.
-
-Speculative decoding (`Engine(drafter=<model.dspark.DSpark>, spec_tokens=k, spec_schedule="fixed" | "auto")`,
-trainer/engine/spec_decode.py): the drafter drafts up to k tokens a row, the backbone verifies them in one forward of
-k + 1 tokens and the cache rolls back past the rejected ones; the tokens are exactly the backbone's greedy tokens
-(temperature 0: to the rounding a forward of several tokens may change, as batching does) or distributed exactly as
-its samples (for a seed, other tokens than plain decoding's). The completions carry the same fields; `stats` counts
-the backbone's decode forwards, the drafted and accepted tokens and the tokens per row and forward. Not with
-cuda_graph, return_routing, or several processes (refused).
-
-Per generated token the completion has its log-prob under the sampling distribution and under the model's
-(trainer/engine/sampling.py) and, with `return_routing`, the routing records of every token the model read
-(prompt and completion but the last: model/routing.py): the training forward given them replays the rollout's
-top-k and expert choices (RL's R3 / index replay).
-
-Bad requests (an empty prompt, ids outside the vocabulary, a prompt + max_new_tokens longer than max_len, an effort
-outside 1..100) get a completion with `error` set and finish_reason "error"; the other requests of the batch run as
-if it were not there.
-
-Distributed (rollouts colocated with training, each data rank with its own requests): every model call is a
-collective under FSDP (the weights' all-gather), expert parallelism (the all-to-all) and tensor parallelism, so the
-ranks call the model in lockstep: before each call every rank says whether it has one (one all-reduce), and a rank
-that has none while another has makes a one-token call on a scratch cache. Pipeline and context parallelism are
-refused (a rank holds only some layers / a chunk of each sequence); so is sequence parallelism, whose activations
-are split along the tokens (one token a decode step).
-
-`RolloutBackend` is the seam a stage generates through: `generate(requests, on_token=None) -> completions` and
-`sync_weights(module)` after an optimiser step. The built-in `Engine` reads the training model's own parameters
-(nothing to sync). An external server (vLLM or SGLang, which load Hugging Face-format weights) plugs in as a backend
-whose sync_weights writes the weights in HF format (issue 18's exporter) and asks the server to reload them, and
-whose generate sends the requests (token ids, sampling settings, the seed) and maps the server's answer (tokens,
-log-probs; vLLM can return routed experts for R3) into Completions. docs/generation.md says more.
+Design and reasoning: docs/generation.md#the-engine-in-detail
 """
 
 from __future__ import annotations
@@ -133,7 +101,8 @@ class RolloutBackend(Protocol):
 
 
 class _Lockstep:
-    """Keeps the ranks' model calls paired one to one (see the module docstring). One process: no-op."""
+    """Keeps the ranks' model calls paired one to one (see docs/generation.md#the-engine-in-detail). One process:
+    no-op."""
 
     def __init__(self, device: torch.device):
         import torch.distributed as dist
@@ -156,11 +125,12 @@ class Engine:
                  prefix_cache=None, tokenizer=None, prompt_format: PromptFormat | None = None,
                  cuda_graph: bool = False, compile_decode: str | None = None, drafter=None,
                  spec_tokens: int | None = None, spec_schedule: str = "fixed"):
-        """compile_decode (experimental: not yet equal to the reference on a GPU, docs/generation.md): a
-        torch.compile backend for the decode step (model.serving.compiled_decode_step; with cuda_graph, the compiled
-        step is what the graph captures), None: the reference operations one by one. drafter: a model.dspark.DSpark of this model for speculative decoding
-        (module docstring); spec_tokens: the most drafts a step verifies (None: the drafter's block_size); spec_schedule: "fixed" (always
-        spec_tokens) or "auto" (from the confidences and the measured cost: trainer/engine/speculative.py)."""
+        """compile_decode (experimental: not yet equal to the reference on a GPU, docs/generation.md): a torch.compile
+        backend for the decode step (model.serving.compiled_decode_step; with cuda_graph, the compiled step is what the
+        graph captures), None: the reference operations one by one. drafter: a model.dspark.DSpark of this model for
+        speculative decoding (docs/generation.md#the-engine-in-detail); spec_tokens: the most drafts a step verifies
+        (None: the drafter's block_size); spec_schedule: "fixed" (always spec_tokens) or "auto" (from the confidences
+        and the measured cost: trainer/engine/speculative.py)."""
         model = serving_module(model)
         self.model, self.max_batch, self.max_len, self.replay = model, max_batch, max_len, replay
         self.cuda_graph = cuda_graph

@@ -1,21 +1,14 @@
 """Prefix cache: a request whose prompt starts with blocks seen before reuses their global KV (SPEC 1.5, REFERENCE
 B1 1a and B2).
 
-Keys are token-block hashes: block i of a prompt (tokens [i*bs, (i+1)*bs)) is keyed by a hash of its tokens and of
-block i-1's key, so a key names the whole prefix up to its block's end. Two stores, as DeepSeek's serving design
-has them (REFERENCE B2: global KV persisted for days, SWA KV in a DRAM pool with a time-to-live of minutes):
-- `blocks`: per block, every KV source's stored entries of that block (bs / m rows of main KV and indexer keys,
-  in the cache's storage format): the persistent part, LRU-evicted past `max_blocks`;
-- `swa`: at a block boundary (the last one before a prompt's end), every layer's SWA ring and the request's
-  `swa_start`, kept for `swa_ttl_s` seconds.
+Contract: `PrefixCache` keys token blocks by a hash of the whole prefix up to each block's end; it keeps every KV
+source's stored entries per block (LRU past `max_blocks`) and at a prompt's last block boundary the SWA rings (for
+`swa_ttl_s` seconds). A lookup takes the longest run of cached blocks, leaving at least the prompt's last token to
+compute; with the SWA state expired the last `window` hit tokens are replayed (encoder bounded replay) with the
+cached global KV kept. Blocks are multiples of every compression ratio. `stats` counts lookups, hits, misses, SWA
+hits, replays and evictions.
 
-A lookup takes the longest run of cached blocks (leaving at least the prompt's last token to compute). If the
-boundary's SWA state is alive it is restored and the request continues from the boundary; if it expired, the last
-`window` hit tokens are replayed through every layer (encoder bounded replay: their windows truncated to the
-replayed span, the cached global KV kept: model/serving.py writes no entry a row already has), then the rest.
-Blocks are multiples of every compression ratio, so no compression group is open at a boundary.
-
-Counters (`stats`): lookups, block hits and misses, SWA hits, replays, evictions.
+Design and reasoning: docs/generation.md#prefix-cache
 """
 
 from __future__ import annotations

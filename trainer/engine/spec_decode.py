@@ -2,36 +2,13 @@
 the block in one forward, the standard rule keeps a prefix of the drafts (trainer/engine/speculative.py), and the
 cache rolls back past the rest (`KVCache.rollback`). `Engine(model, drafter=..., spec_tokens=k)` decodes this way.
 
-Shape legend: B cache rows, K spec_tokens (the most drafts a step verifies, <= the drafter's block_size Kb), k the
-drafts this step verifies (0..K), W the drafter's window, dim hidden width, V vocabulary.
+Contract: `SpecDecoder` runs the steps for a batch of cache rows: the tokens emitted are exactly the backbone's
+greedy tokens (temperature 0) or distributed exactly as its samples, each with its log-probs from the backbone's
+distribution of its slot, never past a stop token or max_new_tokens. The cache is made with spec_tokens = K + 1
+(`cache_tokens`). `ContextRing` keeps each row's last W positions of the drafter's context (the stream means of its
+target layers). Not here: CUDA graphs, R3 routing records, several processes (the engine refuses them).
 
-One step, per row (all rows together, the same k):
-- The backbone has read positions 0..a-1 (cache length a); x_a, the last token emitted, is the anchor. The drafter
-  runs its blocks once on the anchor and its context at positions a-W..a-1 (`DSpark.draft_hidden`), then its heads
-  slot by slot (`DSpark.heads`): draft d_{j+1} is the argmax (greedy requests) or a sample of q_j, the drafter's
-  distribution after the request's temperature / top-k / top-p (what the engine samples the backbone with: so the
-  rule compares like with like), and is the previous token of slot j + 1 (the Markov and confidence heads).
-- The scheduler picks k from the slots' confidences and the measured cost curve (`SpecScheduler`, `ThroughputCurve`).
-- Verify: one backbone forward of [x_a, d_1..d_k] on the cache gives p_t[0..k]; `accept_greedy` (temperature 0) or
-  `accept_sampled` (with the request's own generator) gives n accepted drafts and the next token, so the tokens are
-  exactly the backbone's greedy tokens, or distributed exactly as its samples. Emitted: d_1..d_n then the next
-  token, each with its log-probs from p_t of its slot, stopping at a stop token or max_new_tokens (a row never emits
-  past them, whatever it accepted).
-- The cache goes back to a + 1 + n (x_a and the accepted drafts stay; the next token is the new anchor). A row that
-  has stopped keeps verifying with the batch (fixed shapes, as the plain engine decodes a stopped row's last token)
-  and goes back to its length every step, so it does not grow: the cache takes back up to K + 1 tokens, so it is made
-  with spec_tokens = K + 1 (`cache_tokens`), and is K tokens longer than the requests need (the drafts past their
-  max_new_tokens).
-
-The drafter's context: main_x at position p is `DSpark.context` of the residual entering its target layers at p (the
-stream means, captured by forward pre-hooks around every backbone forward: `stream_means`). The drafter reads only
-[a-W, a-1], so each row keeps a ring of W positions (`ContextRing`): a prefill call gives its last W computed rows
-(with bounded replay the decoder runs on a prompt's last rows only, the target layers included: rows map to the
-call's last positions), a verify forward its kept positions a..a+n. A position never computed (before a prefix-cache
-hit) is masked.
-
-Not here: CUDA graphs (a verify forward's length changes), R3 routing records, several processes; the engine refuses
-them with a drafter.
+Design and reasoning: docs/generation.md#speculative-decoding-step-by-step
 """
 
 from __future__ import annotations
@@ -85,10 +62,11 @@ def _now(device: torch.device) -> float:
 
 
 class SpecDecoder:
-    """The engine's speculative decode loop for one model and drafter (the module docstring). spec_tokens: K, None =
-    the drafter's block_size; schedule "fixed" (always K) or "auto". The scheduler (its calibration of the
-    confidences, its back-off) and `curve`, the measured costs ("auto" measures t(k) on a scratch cache the first time
-    it meets a batch size, then every step), live as long as the engine: what one batch learnt serves the next."""
+    """The engine's speculative decode loop for one model and drafter
+    (docs/generation.md#speculative-decoding-step-by-step). spec_tokens: K, None = the drafter's block_size; schedule
+    "fixed" (always K) or "auto". The scheduler (its calibration of the confidences, its back-off) and `curve`, the
+    measured costs ("auto" measures t(k) on a scratch cache the first time it meets a batch size, then every step), live
+    as long as the engine: what one batch learnt serves the next."""
 
     def __init__(self, model, drafter, spec_tokens: int | None = None, schedule: str = "fixed"):
         cfg, dcfg = model.cfg, getattr(drafter, "cfg", None)

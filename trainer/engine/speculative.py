@@ -2,23 +2,13 @@
 follows them, so that the tokens emitted are distributed exactly as the backbone's own samples (greedy: exactly the
 backbone's greedy tokens).
 
-Shape legend: B rows, K drafts per row, V vocabulary. The backbone's verification forward over [last token, d_1 ..
-d_K] gives K + 1 distributions: p_t[k] is the backbone's distribution of the token after the prefix ending in d_k
-(p_t[0] after the last accepted token), the draft's q[k] the distribution d_{k+1} was sampled from.
+Contract: `accept_greedy` / `accept_sampled` take the backbone's K + 1 distributions over [last token, d_1 .. d_K]
+(and for sampling the drafts' distributions and a generator) and return per row the number of drafts accepted and
+the next token. `SpecScheduler` picks how many drafts a step verifies (k in 0..spec_tokens): "fixed" always
+spec_tokens, "auto" the k of the most tokens a second by the drafter's confidences and the costs the engine measures
+(`ThroughputCurve`).
 
-Sampling (speculative sampling): d_{k+1} is accepted with probability min(1, p_t[k](d) / q[k](d)), in order; at the
-first rejection the next token is drawn from norm(max(p_t[k] - q[k], 0)), and when all K are accepted a bonus token
-is drawn from p_t[K]. Greedy: d_{k+1} is accepted while it is the argmax of p_t[k]; the next token is the argmax at
-the first mismatch (or of p_t[K]).
-
-How many drafts a step verifies (`SpecScheduler`, k in 0..spec_tokens; k = 0 is a plain decode step): "fixed" always
-spec_tokens; "auto" the k of the most tokens a second, sum_b min(E_b(k), left_b) / (t(k) + drafting), where
-E_b(k) = 1 + c sum_{j <= k} prod_{i <= j} s_{b,i} is row b's expected tokens from the drafter's survival probabilities
-s = sigmoid(confidence) (REFERENCE B6's tau), c the running ratio of the drafts accepted to the drafts the
-confidences predicted accepted (1 for a calibrated head; an untrained one's 0.5 everywhere is brought down to what
-verification shows), left_b the tokens the row may still emit, and t(k) the seconds of a verify forward of k + 1
-tokens a row at the batch size, drafting the seconds of drafting a block (`ThroughputCurve`: what the engine
-measures).
+Design and reasoning: docs/generation.md#verification-and-the-draft-scheduler
 """
 
 from __future__ import annotations
@@ -98,9 +88,9 @@ class ThroughputCurve:
 
 
 class SpecScheduler:
-    """The verification length of each decode step (module docstring). "auto" skips drafting after it chose
-    k = 0 (plain decode steps, which cost no drafting) for 1, then 2, 4, ... up to `max_skip` steps while it keeps
-    choosing 0, then drafts again to read the confidences."""
+    """The verification length of each decode step (docs/generation.md#verification-and-the-draft-scheduler). "auto"
+    skips drafting after it chose k = 0 (plain decode steps, which cost no drafting) for 1, then 2, 4, ... up to
+    `max_skip` steps while it keeps choosing 0, then drafts again to read the confidences."""
 
     def __init__(self, spec_tokens: int, mode: str = "fixed", max_skip: int = 32, decay: float = 0.9):
         if mode not in SCHEDULES:

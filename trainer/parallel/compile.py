@@ -1,28 +1,13 @@
 """Regional compilation (`trainer.compile=true`): torch.compile on each transformer block, as torchtitan does.
 
-Why blocks and not the whole model: a block is the unit that repeats (40 in the flagship), so compiling it keeps the
-compile time to a few graphs while the Python overhead and the small elementwise launches between the block's
-GEMMs and kernels (what dominates a step: BENCHMARKS.md, "Where one GPU's step goes") are fused away. The
-embedding, the head, the loss and the loop over blocks stay eager; the loop is cheap and it is where the
-ForwardState is recorded.
+Contract: `compile_blocks(model, mode=)` compiles each block's `forward` (with activation checkpointing, the
+checkpointed forward), not its `__call__`, with `fullgraph=True` (a graph break is an error), so module hooks
+(FSDP2, tensor-parallel layouts) stay eager outside the graph; the embedding, the head, the loss and the loop over
+blocks stay eager. The compiled callable is an instance attribute, so parameter names, state dicts and checkpoints
+are unchanged; `is_compiled` tells. Under `trainer.compile_mode=reduce-overhead` each block runs as CUDA graphs, and
+`mark_step` begins a new generation of the graph trees per micro-batch forward.
 
-What is compiled: the block's `forward` (with activation checkpointing, the checkpointed forward: the recomputation
-is traced with it), not its `__call__`, so module hooks stay outside the graph and run eagerly: FSDP2's unshard and
-reshard, the tensor-parallel input / output layouts. Parameters are graph inputs (FSDP swaps them each step).
-`fullgraph=True`: a graph break is an error, not a silent fall-back to Python. The blocks are compile-clean on the
-reference path (static shapes everywhere: the MoE counts with a fixed-size scatter-add, the expert GEMMs grouped
-on the device, the indexer KL masked instead of selected; tests/trainer/test_compile.py checks every layer role).
-
-Graphs per block: each block has its own guards (its spec: layer role, which KV it reads), so a model gets one graph
-per block and mode (training, evaluation, no-grad scoring); the recompile limit is raised to cover that.
-
-CUDA graphs (`trainer.compile_mode=reduce-overhead`): Inductor records each block's forward and backward graph as a
-CUDA graph (cudagraph trees) and replays it, one launch where the graph had hundreds; the step's eager parts between
-the blocks still launch their kernels one by one. Each micro-batch's forward begins a new generation of the trees
-(`mark_step`, trainer/train.py's forward_backward), so the previous step's graph outputs may be overwritten.
-
-Names and checkpoints are unchanged: the compiled callable is an instance attribute, not a wrapper module (no
-`_orig_mod.` prefix), so state dicts, DCP checkpoints and the pipeline's stage modules see the same blocks.
+Design and reasoning: docs/parallelism.md#regional-compilation
 """
 
 from __future__ import annotations

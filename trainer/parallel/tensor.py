@@ -1,8 +1,7 @@
 """Tensor and sequence parallelism for the V4.1 backbone, applied from outside the model (`apply_tp`).
 
-Order (torchtitan): TP -> activation checkpointing -> compile -> FSDP, on a model built on the meta device; then
-`to_empty()` and `init_weights()`. Every function here only reads the model's structure and installs DTensor
-parameters and forward hooks; the model code never sees a process group.
+Applied first (torchtitan's order: TP -> activation checkpointing -> compile -> FSDP) on a model built on the meta
+device; it installs DTensor parameters and forward hooks, so the model never sees a process group.
 
 Contract: after `apply_tp` every parameter is a DTensor on the tp mesh (Shard where split, Replicate elsewhere);
 which parameters are split, and on which dim, is `tp_shard_dims` (read off the same plan objects). Under

@@ -1,26 +1,14 @@
 """The zero-bubble split backward of a pipeline stage, made exact for the stages of trainer/parallel/pipeline.py.
 
-ZBVZeroBubble and InterleavedZeroBubble split each stage's backward in two: an input pass (autograd from the stage
-outputs to its received inputs only, which the previous stage waits for) and a later weight pass (the parameters'
-gradients). The input pass saves the gradient entering each "joint", a node of the input-to-output graph that a
-parameter's own subgraph feeds; the weight pass re-runs autograd from the joints, fed those gradients, to the
-parameters. Three things make that exact here (tests/parallel/test_zero_bubble.py: the gradients equal the single
-process's, through the trainer, on cuts that the source layer's KV and indexer keys cross):
-- `Tie`: every stage output that carries a gradient is tied to a received tensor. Otherwise a parameter path that
-  reaches an output without touching the input-to-output graph has no joint and its gradient is lost: a KV source
-  layer computes its indexer keys from its detached latent (wk -> k_norm -> RoPE -> kv_keys), so wk and k_norm
-  got only their own stage's indexer-KL gradient, not the later stages' (1.6e-3 relative error through the
-  trainer, where the keys cross a cut).
-- `ContiguousGrad`: every received tensor hands back a contiguous input gradient (received KV read through a
-  transpose got a strided one, which gloo's send refuses).
-- `ZeroBubbleStage`: our own two passes replace torch's stage_backward_input / stage_backward_weight (pipelining/
-  _backward.py; the full backward and the schedules stay torch's). torch groups the parameters by the joints they
-  feed, but its merge is not transitive: a parameter that feeds two joints first seen under different groups (wk
-  feeds the tie and the aux sum) lands in two groups, whose weight passes then count it twice or, here, walk its
-  freed subgraph a second time ("Trying to backward through the graph a second time"). Ours runs the weight pass
-  as one autograd call from every joint, each clamped to its saved gradient, so no node runs twice.
-The first stage has no input gradient: torch runs its whole backward at its weight pass. Activation checkpointing
-does not combine with these schedules yet (trainer/parallel/apply.py `_check_microbatches` says why).
+Contract: under ZBVZeroBubble and InterleavedZeroBubble each stage's backward splits into an input pass (to its
+received inputs, which the previous stage waits for) and a later weight pass (the parameters' gradients), and the
+gradients equal the single process's (tests/parallel/test_zero_bubble.py). `Tie` ties every stage output that
+carries a gradient to a received tensor, `ContiguousGrad` hands back contiguous input gradients, `ZeroGrad` gives
+the float carriers of integer inputs an exact zero gradient, and `ZeroBubbleStage` runs our own input and weight
+passes (the weight pass as one autograd call from every joint, so no node runs twice). Activation checkpointing does
+not combine with these schedules yet.
+
+Design and reasoning: docs/parallelism.md#zero-bubble-split-backward
 """
 
 from __future__ import annotations
@@ -115,11 +103,11 @@ class ContiguousGrad(torch.autograd.Function):
 
 
 class Tie(torch.autograd.Function):
-    """Identity on a stage output t that also takes a received tensor `anchor` (which gets no gradient from it),
-    so that autograd sees t depend on the stage inputs and the zero-bubble input pass saves the gradient t
-    receives, the joint for every parameter path that reaches t without touching the stage inputs (a source
-    layer's indexer keys: see the module docstring). Returns an alias of t that is not a view (the zero-bubble
-    backward detaches outputs in place; t itself stays in the graph)."""
+    """Identity on a stage output t that also takes a received tensor `anchor` (which gets no gradient from it), so that
+    autograd sees t depend on the stage inputs and the zero-bubble input pass saves the gradient t receives, the joint
+    for every parameter path that reaches t without touching the stage inputs (a source layer's indexer keys: see
+    docs/parallelism.md#zero-bubble-split-backward). Returns an alias of t that is not a view (the zero-bubble backward
+    detaches outputs in place; t itself stays in the graph)."""
 
     @staticmethod
     def forward(ctx, t: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
@@ -147,10 +135,10 @@ class ZeroGrad(torch.autograd.Function):
 
 
 class ZeroBubbleStage(PipelineStage):
-    """torch's PipelineStage with our own zero-bubble split backward (the module docstring): the input pass
-    (`_backward_input`) and the weight pass (`_backward_weight`) replace pipelining/_backward.py's
-    stage_backward_input / stage_backward_weight; the full backward (1F1B, Interleaved1F1B, and the first stage's
-    weight pass under a zero-bubble schedule) is torch's.
+    """torch's PipelineStage with our own zero-bubble split backward (docs/parallelism.md#zero-bubble-split-backward):
+    the input pass (`_backward_input`) and the weight pass (`_backward_weight`) replace pipelining/_backward.py's
+    stage_backward_input / stage_backward_weight; the full backward (1F1B, Interleaved1F1B, and the first stage's weight
+    pass under a zero-bubble schedule) is torch's.
 
     fill_input_grads (set by pipeline.build_pipeline under its float wire, i.e. on torch 2.11): a received tensor
     whose input gradient is None gets zeros instead, as torch 2.11's PipelineStage sends a gradient back for every
@@ -235,7 +223,8 @@ def _backward_input(outputs, output_grads, input_values, weights):
 def _backward_weight(weights, state) -> tuple:
     """The weight pass: one autograd call from every joint, fed the gradient the input pass saved there, to every
     parameter; each joint's own gradient is clamped to the saved one (a joint downstream of another would otherwise
-    count the other's share twice). One call, not torch's parameter groups: see the module docstring."""
+    count the other's share twice). One call, not torch's parameter groups: see
+    docs/parallelism.md#zero-bubble-split-backward."""
     (state,) = state
     saved = state.pop("saved")
     outputs = state.pop("outputs")

@@ -1,27 +1,15 @@
 """The stage seam: what changes between pretraining, SFT, RL, distillation and drafter training, behind one loop.
 
-`Stage` declares every hook trainer/train.py's one loop calls, each with its default; a stage (chosen by
-`stage.name`, `STAGES`) overrides what it changes. Required: `batches(cfg, data_rank, data_ranks, progress=)`, the
-loader of its batches (dicts of [B, T] tensors: input_ids, labels, -100 where a token takes no part in the loss, and
-optionally image_mask and loss_weights; a multimodal batch also pixel_values, grids and row_kind,
-data/multimodal.py) and the tokenizer. With defaults:
-- `model_config(cfg)`: its transforms of the model config (the post-training hooks, e.g. FP4 main-KV QAT);
-- `check_layout(parallel)`, `check(cfg)`: its rules on the layout and on the rest of the job, before any process
-  group;
-- `build_module(cfg)`: what is built, trained and saved (the Transformer; dspark's drafter);
-- `loss()`: its loss (trainer/loss.py; `LMLoss` normalises over the global batch's valid tokens and takes per-token
-  weights), used by the plain and the pipeline paths alike;
-- `trainable_parameters(module, model_cfg)`: what the optimiser owns;
-- `callbacks()`: its trainer/callbacks.py callbacks, run at every point of the loop after the router-bias update
-  and before the metrics record and the periodic checkpoint;
-- `bind(job)`: called once the job is built, for a stage whose batches need the model (RL's rollouts);
-- `flops_per_token(cfg)`: what a trained token costs, for MFU;
-- `forward_backward`: None (the loop's own), or the stage's step forward with the loop's signature;
-- `reads_init_from`: checkpoint.init_from is the stage's own frozen model (dspark's backbone), not the starting
-  weights.
+Contract: `Stage` declares every hook trainer/train.py's one loop calls, each with its default; a stage (chosen by
+`stage.name`, registered once in `STAGES`) overrides what it changes. Required:
+`batches(cfg, data_rank, data_ranks, progress=)`, the loader of its batches (dicts of [B, T] tensors: input_ids,
+labels with -100 where a token takes no part in the loss, optionally image_mask, loss_weights and the multimodal
+tensors) and the tokenizer. With defaults: `model_config`, `check_layout`, `check`, `build_module`, `loss`,
+`trainable_parameters`, `callbacks`, `bind`, `flops_per_token`, `forward_backward`, `reads_init_from`
+(docs/stages.md says what each means). Pretraining is the first implementation (`Pretrain`); `build_stage` makes the
+configured one.
 
-Pretraining is the first implementation (`Pretrain`); SFT, RL, distillation and DSpark drafter training live beside
-this module in trainer/stages/. A new stage registers in `STAGES` (docs/data_flow.md has a 20-line example).
+Design and reasoning: docs/stages.md#the-stage-seam
 """
 
 from __future__ import annotations
@@ -103,7 +91,8 @@ def with_replay_cuts(loader, stage: StageConfig, cfg: Config):
 
 
 class Stage:
-    """Every hook the training loop calls, with its default (the module docstring lists them); `batches` has none."""
+    """Every hook the training loop calls, with its default (docs/stages.md#the-stage-seam lists them); `batches` has
+    none."""
 
     name: str = ""
     reads_init_from: bool = False

@@ -1,21 +1,14 @@
 """On-policy distillation (`stage=distill`): the student samples with the engine, a teacher scores the student's
 tokens, the loss is the per-token reverse KL.
 
-The policy-gradient loss of trainer/stages/grpo.py with, per completion token, advantage = teacher log-prob - student
-log-prob (the engine's, of the sampled token; no discount, no group baseline): its expected gradient is the
-gradient of the reverse KL KL(student || teacher) along the student's own samples (stage.kl=sampled; with
-stage.kl_baseline each position's exact reverse KL is added, centring the advantages without biasing the gradient:
-`Distill.score`). stage.kl=full (default) differentiates that exact per-position KL itself, over the vocabulary, at
-the student's sampled prefixes: the same objective without the sampling noise of the token's log-ratio, which on the
-tiny model left the KL where it was (BENCHMARKS.md, post-training). Teachers (frozen whole models on
-every rank, trainer/stages/common.py `load_frozen`) may be larger or of another config; stage.teachers routes each
-prompt's task family (data/envs/: math, string, code) to its own teacher, stage.teacher takes the rest. A teacher
-trained with another tokenizer is refused.
+Contract: `Distill` trains with trainer/stages/grpo.py's loss; stage.kl=full (default) differentiates the exact
+per-position KL(student || teacher) over the vocabulary at the student's sampled prefixes, stage.kl=sampled the
+advantage teacher - student log-prob of the sampled token. Teachers are frozen whole models on every rank
+(stage.teacher, and stage.teachers per task family); one trained with another tokenizer is refused. eval/kl (the
+exact KL on held-out prompts, fixed seeds) is the headline figure; distill/reverse_kl and the rollout figures are
+logged per step.
 
-Evaluation (start, every stage.eval_every steps, end): on stage.num_eval held-out prompts at efforts spread evenly
-over stage.effort, one student sample each (fixed seeds), the exact per-position KL(student || teacher) over the
-vocabulary, averaged over completion tokens: eval/kl, the headline figure. Per step: distill/reverse_kl (the sampled estimate on the step's rollouts) and the
-rollout figures RL logs.
+Design and reasoning: docs/stages.md#on-policy-distillation
 """
 
 from __future__ import annotations

@@ -1,33 +1,15 @@
 """DSpark drafter training (`stage=dspark`; SPEC 1.6 and 4, REFERENCE B6): the drafter (model/dspark.py) learns the
 frozen backbone's own next-token distributions on the training data.
 
-`python -m trainer.cli.main stage=dspark checkpoint.init_from=<backbone checkpoint or run dir>`:
-- The backbone is loaded from checkpoint.init_from whole on every rank (trainer/checkpoint/loading.py), in eval mode, every
-  parameter with requires_grad off; it is not a submodule of what the trainer builds, trains and saves: the job's
-  model is the drafter alone (`build_module`), so the optimiser, the gradient reduction, the router balancing (the
-  drafter's own MoE) and every checkpoint see only the drafter. Checkpoints record the backbone's checkpoint in
-  their marker (`backbone`); `load_drafter` reads both back for the engine. tests/trainer/test_dspark_stage.py
-  proves that no gradient reaches the backbone and that its weights stay bit for bit what was loaded.
-- One micro-batch (`forward_backward`): the backbone's forward under no_grad gives the stream means entering the
-  target layers (the drafter's context) and the logits (the targets); per training row `stage.anchors` anchors are
-  drawn without replacement among positions whose next token counts (a generator seeded by the run seed, the step
-  and the micro-batch's index in the global batch: a resumed run, or another layout dealt the same micro-batches,
-  draws the same anchors); slot k of an anchor at a is scored against the backbone's distribution at a + k (the
-  token at a + k + 1), valid while that token exists and counts (a contiguous prefix). The loss is DeepSpec's
-  (model/dspark.py `draft_loss`), each term summed over the slots with weight exp(-k / gamma) and divided by the
-  weights' sum over the global batch (one all-reduce: REFERENCE B6 "denominators are all-reduced globally").
-- With `stage.generated_rows`, that many training rows of each micro-batch keep their first
-  `stage.generation_prefix` tokens and continue with the backbone's own sampled text (the engine on the frozen
-  backbone, replay "none", a seed per step and row): the targets then also cover the model's own generations, as
-  served (`generated_batch`).
-- The last `stage.heldout_rows` rows of each micro-batch are not trained on: their anchors, drawn among positions
-  whose whole block exists, give `acceptance_len` (tau = 1 + sum_k prod_{j<=k} alpha_j with alpha_k = 1 - TV of the
-  drafter's and the backbone's distributions: the expected tokens a verification yields under speculative sampling,
-  on held-out text) and `predicted_acceptance_len` (the same from the confidence head), averaged over the anchors of
-  every data rank, in every metrics record.
+Contract: `DSparkStage` builds the drafter alone as the job's module (the optimiser, gradient reduction, balancing
+and checkpoints see only it); the backbone is loaded whole on every rank from checkpoint.init_from, frozen, and
+recorded in each checkpoint's marker (`load_drafter` reads both back for the engine). Per micro-batch it draws
+`stage.anchors` anchors per row (`sample_anchors`, seeded by run seed, step and micro-batch: layout- and
+resume-independent) and scores every slot against the backbone's distribution (`block_targets`, DeepSpec's
+`draft_loss` normalised over the global batch). Held-out rows give `acceptance_len` and `predicted_acceptance_len`.
+Layouts: data parallelism only (tp, pp, cp, ep refused).
 
-Layouts: data parallelism, replicated (dp_replicate) or sharded (dp_shard: the draft blocks and the rest are FSDP2
-units); tp, pp, cp and ep are refused (the backbone is whole on every rank, as a distillation teacher is).
+Design and reasoning: docs/stages.md#dspark-drafter-training
 """
 
 from __future__ import annotations
@@ -184,7 +166,7 @@ def load_drafter_weights(ckpt, model_cfg, device: torch.device):
 
 
 class DSparkStage(Stage):
-    """`stage=dspark` (see the module docstring)."""
+    """`stage=dspark` (see docs/stages.md#dspark-drafter-training)."""
 
     name = "dspark"
     reads_init_from = True  # checkpoint.init_from is the frozen backbone, not the trained module's starting weights
@@ -302,8 +284,8 @@ class DSparkStage(Stage):
 
     def forward_backward(self, pm, batches: list[dict], autocast_dtype, loss: DraftObjective):
         """The trainer's forward and backward over this data rank's micro-batches (trainer/train.py
-        `compute_gradients`), for the drafter: see the module docstring. Returns MicroBatches whose aux carries the
-        step's figures (averaged over data ranks by the trainer)."""
+        `compute_gradients`), for the drafter: see docs/stages.md#dspark-drafter-training. Returns MicroBatches whose
+        aux carries the step's figures (averaged over data ranks by the trainer)."""
         s, cfg, drafter = self.stage, pm.cfg, pm.module
         K, device = cfg.dspark.block_size, compute_device(pm)
         step = self.job.state.step + 1

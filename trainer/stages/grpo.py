@@ -1,23 +1,13 @@
 """The policy-gradient loss of RL and on-policy distillation: clipped, importance-corrected, token-normalised.
 
-Per completion token t of a rollout (labels != -100), with logp the training forward's log-prob of the sampled token
-under the tempered distribution, old the policy's log-prob when the rollout was made (the same forward before any
-update on it: `old_logprobs`, else logp itself detached, as with one update per rollout), rollout the engine's:
-  ratio_t = exp(logp - old)
-  pg_t    = -min(ratio_t A_t, clip(ratio_t, 1 - eps_low, 1 + eps_high) A_t)       (clip-higher, DAPO)
-  w_t     = min(exp(old - rollout), tis_cap), detached                             (truncated importance sampling)
-  loss_t  = w_t pg_t + kl_coef (exp(ref - logp) - (ref - logp) - 1)                (K3, when a reference is kept)
-summed over the global batch's completion tokens and divided by their number (token-level normalisation, DAPO /
-Dr. GRPO: LMLoss's share machinery, trainer/loss.py). A_t is the sequence's group-normalised advantage (RL) or the
-token's teacher - student log-prob (distillation's stage.kl=sampled). With `full_kl` (distillation's stage.kl=full)
-loss_t is instead the exact KL(train || teacher) over the vocabulary at t, sum_v p_v (log p_v - log q_v).
+Contract: `PolicyLoss` is an `LMLoss` (trainer/loss.py) whose per-token term is the clip-higher policy gradient of
+the advantage (DAPO), weighted by the truncated importance ratio of the training and rollout policies, plus a K3 KL
+to a reference when one is kept; with `full_kl`, the exact KL(train || teacher) over the vocabulary instead. It is
+summed over the global batch's completion tokens and divided by their number (token-level normalisation). Its
+`step_metrics` (clip fraction, entropy, advantages, the train/rollout mismatch; `max_*` entries reduced with MAX)
+are summed over data ranks by the stage's callback. docs/stages.md has the formulas.
 
-The train/rollout mismatch is measured on the same tokens: the mean of K3 for KL(rollout || train), the mean and
-largest |exp(old - rollout) - 1| and the largest ratio exp(old - rollout); with the clip fraction, the entropy of the
-training distribution, the advantages' token-weighted mean, mean size and positive share (under token-level
-normalisation a long response weighs more: a negative token mean pushes the sampled tokens down on balance) and,
-with a reference, K3 of KL(train || reference), it is kept per step (`step_metrics`, summed over data ranks by the
-stage's callback; the `max_*` entries are maxima, reduced with MAX).
+Design and reasoning: docs/stages.md#the-policy-gradient-loss
 """
 
 from __future__ import annotations
