@@ -1,29 +1,14 @@
-"""Proves the model's kernel switch (`ModelConfig.kernels`, model/kernels.py):
+"""Proves the model's kernel switch (`ModelConfig.kernels`, model/kernels.py).
 
-- the whole tiny model (v41_tiny shrunk to 6 layers that keep every layer role: SWA, encoder Full m=2, Reuse with
-  Engram, decoder Full m=1 fed from h_{L/2} that builds the candidate pool, pool-restricted Reindex, Reuse; 5
-  Sinkhorn iterations, not 20) with kernels="triton" equals kernels="reference" in fp32: logits, the indexer KL loss
-  and the gradient of every parameter within tight fp32 tolerance, in both indexer phases, with QAT (FP4 main KV and
-  indexer q/k, FP8 SWA KV) on, and in the sparse phase with FP4 main KV alone (the SWA KV and the indexer keys then
-  fuse norm + RoPE only, the indexer queries take plain RoPE). The triton run goes through every Triton entry point
-  (fused norm + RoPE + fake-quant, sparse attention, indexer scores, candidate pool, pool scores, top-k, single-pass
-  mHC, Engram) the expected number of times and, the fused kernel covering every QAT site, never through the
-  stand-alone FP4/FP8 fake-quant; the reference run through none of them;
-- under bf16 autocast the Triton run is as close to the fp32 reference as the bf16 reference run is (logits,
-  indexer KL, all gradients together); bf16 noise flips top-k, FP4 codes and expert routing, so per-tensor
-  agreement is not expected there, only equal accuracy;
-- context parallelism keeps every kernel on (the attention and indexer kernels on the chunk, with its halo and
-  offset), and the result still equals the reference;
-- "auto" resolves to the reference on CPU (and a forward on CPU launches no kernel), to triton on CUDA; an unknown
-  value is rejected by the config and by `resolve`; "triton" on CPU without the interpreter fails by name.
+Contract: the tiny model shrunk to 6 layers that keep every role with kernels="triton" equals kernels="reference" in
+fp32 (logits, indexer KL, every parameter's gradient), in both indexer phases, with QAT and with FP4 main KV alone;
+it goes through every Triton entry point the expected number of times and the reference through none; the fixed ids
+are checked to sit on no discrete edge first (`Edges`), and under QAT a few codes may differ (`MAX_FLIPS`). Under
+bf16 autocast the Triton run is as accurate as the bf16 reference. Context parallelism keeps every kernel on and
+still equals the reference. "auto" is the reference on CPU and triton on CUDA; an unknown value is refused by the
+config and by `resolve`; "triton" on CPU without the interpreter fails by name.
 
-The model is not continuous everywhere: top-k and the pool are discrete, QAT rounds, and the Engram gate's signed
-square root is steep at 0. Two correct paths differ by fp32 rounding (sums in another order), which moves a result
-by far more than rounding where an input sits on such an edge. The fp32 test therefore checks, on its fixed ids,
-that no input sits on one (`Edges`) before it compares, so a failure of those checks names the edge, not a bug; QAT's
-rounding edges are too many to avoid, so there the triton run takes the reference's codes and may differ in a few
-(`MAX_FLIPS`).
-On CPU the kernels run in the Triton interpreter (tests/conftest.py sets TRITON_INTERPRET=1); on a GPU, on CUDA.
+Design and reasoning: docs/testing.md#the-kernel-switch
 """
 
 from __future__ import annotations

@@ -1,36 +1,15 @@
 """Proves activation checkpointing (parallel.activation_checkpoint=full, trainer/parallel/activation_checkpoint.py)
 changes what a step keeps in memory and nothing it computes.
 
-Single process, through the trainer's code path (build_model -> parallelize -> materialize, compute_gradients,
-update_router_biases; tests/parallel/test_layouts.py's batches, optimiser, clipping and biasing rate), fp32, the tiny
-model with Engram (layers 1 and 4), the indexer KL and the MoE sequence-balance loss on, over two optimiser steps of
-4 micro-batches: the loss, every aux term, the clipped gradient norm, every gradient, the MoE expert load counts that
-drive the bias update, the balancing biases and the parameters after the steps with full checkpointing are BITWISE
-equal to the run without it. Three models: as configured; with QAT fake-quant (main KV FP4, indexer FP4, SWA KV
-FP8); in the indexer's dense warm-up phase (only the indexers train, so the blocks' inputs carry no gradient).
-Bitwise because the recomputation replays the same fp32 CPU operations on the same inputs (the top-k and pool
-too, which it recomputes).
+Contract: one process, the trainer's code path, fp32, two steps of 4 micro-batches: with full checkpointing the
+loss, every aux term, the clipped norm, every gradient, the expert loads, the biases and the parameters are BITWISE
+those without it, as configured, under QAT fake-quant and in the indexer's dense warm-up; every block is recomputed
+(not vacuous) and a block's forward writes nothing into the ForwardState or the MoE counters. On 2 ranks pp 2, ep 2,
+tp 2 and dp_shard 2 with checkpointing equal the single process without it by test_layouts' comparison. Module
+names, state-dict and optimiser keys are the same with and without, and a DCP checkpoint moves between the two
+exactly.
 
-Not vacuous: the checkpointed run recomputes every block once per micro-batch (in the warm-up, every block with an
-indexer: the others save nothing), and a block's forward leaves the ForwardState and the MoE counters as it found
-them (it returns what it makes; model.forward.forward_blocks records it), which is why the recomputation, whose
-return value checkpoint drops, counts no expert load twice (the bias update's sign would hide that; the counts
-themselves, logged as expert imbalance and all-reduced across data ranks, must be exact).
-
-Distributed (gloo, one spawn of 2 ranks): pp 2 with 1F1B (compressed KV, top-k, pool and Engram rows cross the cut,
-the stages' backward recomputes), ep 2 (all-to-alls in the recomputation), tp 2 (DTensor collectives in the
-recomputation) and dp_shard 2 (FSDP2 over checkpointed blocks: its pre-backward hook unshards before a block is
-recomputed), each with full checkpointing, equal the single process WITHOUT it by test_layouts' comparison (1e-5
-relative, the rounding floor of a changed summation order; biases exactly), on test_layouts' model (the every-role
-config on 24 tokens: every layer role, Engram, the pool). Not on v41_tiny's 64 tokens: there, since the top-k's
-ties go to the lowest ids (issue 14), the second step meets a batch where the single process alone, fed its
-micro-batches in reverse order, moves the layer-0/1 Engram and shared-expert gradients by up to 2.3e-5 of their
-norm, above the comparison's 1e-5. (cp 2, whose entry gather, window halo
-and chunk means also run in the recomputation, passes the same comparison; it is left out to keep this file near a
-minute on two cores.)
-
-Checkpoints: module names, state-dict keys and optimiser-state keys are the same with and without checkpointing,
-and a checkpoint (trainer.checkpoint, DCP) saved by a checkpointed model loads into one without, and back, exactly.
+Design and reasoning: docs/testing.md#activation-checkpointing
 """
 
 from __future__ import annotations

@@ -1,31 +1,15 @@
 """Proves context parallelism (trainer/parallel/context.py) computes what the single process computes.
 
-- The exchanges alone, at cp 3 (so one rank has neighbours on both sides), on awkward sizes: the entry gather, the
-  window halo, the token gather and the chunk mean give each rank exactly what it would slice out of the whole
-  tensors, and the gradients through the entry gather and the halo are exactly the whole-tensor gradients of the sum
-  of all ranks' losses (integer-valued data, so every sum is exact).
-- The tiny model at cp 2 (2 ranks, each holding half of every 128-token sequence). With window 32, compression ratios
-  2 (encoder) and 1 (decoder), top-16 and a candidate pool of 8 blocks x 4 entries, the windows, compressor groups,
-  indexer top-k, the pool and the Engram n-grams of the second chunk all reach into the first. Over two SGD steps
-  (momentum, weight decay) with gradient clipping and router-bias updates, and with the indexer KL and the MoE
-  sequence-balance loss on, the mean over ranks of the LM loss and of each aux loss, the gradient norm, the whole
-  gradient vector (averaged over cp as the trainer does) and every parameter equal the single process on the whole
-  batch within 1e-5 relative, the balancing biases exactly, and both ranks hold identical replicas.
-  Every gradient tensor is within 1e-5 of its own norm (tests.helpers.assert_rel: in L2, at least the whole
-  gradient's RMS per element: the mHC base/scale gradients are sums that cancel to ~1e-5 of their terms); every
-  parameter within 1e-5 of its norm, at least of how far that floor's rounding moves it over the steps. At the second step, where the weights
-  already differ by rounding, a tensor may instead stay within the distance the single process's own gradient moves
-  when its weights move by one ulp, where that is larger: the Engram gate's slope 1/(2 sqrt|dot|) reaches 500 near
-  its 1e-6 floor, so the single process itself moves the gate's q_weight/k_weight/table gradients by ~1e-3 relative
-  under such a nudge (CP's differ by ~2e-4). The allowance is twice the twin's distance: the twin is one random
-  nudge, and on the trajectory of issue 14's top-k tie rule CP's table gradient stepped past one draw's distance on
-  10 of its 398K elements (1.7e-8 against 1.26e-8), while on that trajectory a single process alone, fed its
-  micro-batches in another order (test_layouts.py's v41_tiny harness),
-  moves the Engram gradients by up to 2.3e-5 relative.
-  Disabling the halo, the entry gather or the position offset in turn moves the loss more than ten times the
-  tolerance, so the comparison would catch each of them missing.
-- The chunk-length validation refuses lengths that do not split into cp chunks aligned with every compressor group and
-  holding a whole window halo, naming the values.
+Contract: at cp 3 on awkward sizes the entry gather, window halo, token gather and chunk mean give each rank exactly
+its slice of the whole tensors, with exact gradients (integer data). The tiny model at cp 2 (windows, compressor
+groups, top-k, pool and Engram n-grams of the second chunk reach into the first) over two SGD steps with clipping,
+bias updates, the indexer KL and the balance loss: the losses, gradient norm, every gradient and parameter equal the
+single process within 1e-5 relative (a tensor at the second step may instead stay within twice its rounding twin's
+distance: docs/testing.md says why), the biases exactly, both ranks identical replicas; dropping the halo, the entry
+gather or the offset moves the loss over ten times the tolerance. The same on the Triton attention path. The
+chunk-length validation refuses lengths that cannot split, naming the values.
+
+Design and reasoning: docs/testing.md#context-parallelism
 """
 
 from __future__ import annotations

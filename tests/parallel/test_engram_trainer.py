@@ -1,39 +1,15 @@
-"""Proves parallel.engram_shard in the trainer: Engram tables row-sharded over Meshes.dp_ep_cp train exactly like the
-single process, hold only their block, and checkpoint across layouts.
+"""Proves parallel.engram_shard in the trainer: Engram tables row-sharded over Meshes.dp_ep_cp train exactly like
+the single process, hold only their block, and checkpoint across layouts.
 
-- Layouts, through the trainer's own code path (tests/parallel/test_layouts.py's `_train_small`: build_model ->
-  compute_gradients -> SGD, fixed random global batches split over the data ranks, test_layouts' small model in
-  fp32 with Engram at layers 0 and 4, see below), compared with the single process by test_layouts' `_check`
-  (initial values exactly; losses, auxiliary losses, clipped norms, every gradient and the parameters after two
-  steps within 1e-5; the MoE biases exactly; see its docstring for the tolerance and the Engram gate's signed square
-  root): dp_replicate 2, ep 2, dp_shard 2 (FSDP2, the tables kept out of fully_shard), pp 2 cut at layer 2 (layer
-  0's table on stage 0, layer 4's on stage 1, each sharded over its stage's ranks: a group of one here), tp 2 (Engram
-  in DTensor form, its prefetched ids checked against the DTensor lookup's; a group of one per tp rank) and
-  dp_replicate 2 with activation checkpointing (the recomputed lookups exchange rows again), all with engram_shard,
-  in one 2-rank spawn; on 4 ranks, pp 2 x dp_replicate 2 cut at layer 2 (a group of 2 per stage, exchanges under the
-  1F1B schedule) and dp_shard 2 x ep 2 with engram_host_memory too (FSDP over expert-parallel experts, a group of 4
-  ranks, each block moved to host memory before fully_shard: plain CPU memory on this machine, so only the code
-  path, not a second device, is exercised).
-- Each rank holds only its block: every table is a DTensor Shard(0) over the group, the global shape the whole
-  table's, the local rows ceil(rows / group) (the last rank the remainder), the group's blocks adding up to the table.
-- Prefetch: without a pipeline every micro-batch's exchange is issued by EngramSharding.prefetch before its forward
-  and consumed by the lookup (one exchange per micro-batch and table, none issued by the lookup itself); under the
-  pipeline schedule the lookups issue their own.
-- Checkpoints (the trainer's AdamW, LR scheduler, TrainState and Checkpointer, DCP): the single process saves after
-  step 1 and dp_replicate 2 + engram_shard resumes from it; dp_replicate 2 + engram_shard saves after step 1 (each
-  rank its block), resumes in a fresh 2-rank model (the same losses at steps 2 and 3, bit for bit) and in one process
-  (resharded: the same losses within 1e-5). Step 3 follows the step-2 update, so AdamW's moments came back too. The
-  sharded layout's optimiser runs the per-tensor step (DTensor blocks beside plain weights; optim/builder.py).
-- parallel.engram_host_memory without parallel.engram_shard is refused, naming both keys.
+Contract: through the trainer's code path and test_layouts' comparison (`_train_small`, `_check`), dp_replicate 2,
+ep 2, dp_shard 2, pp 2, tp 2 and dp_replicate 2 with activation checkpointing on 2 ranks, and pp 2 x dp_replicate 2
+and dp_shard 2 x ep 2 (with engram_host_memory) on 4, each with engram_shard, equal the single process; every table
+is a DTensor Shard(0) whose blocks add up to it; without a pipeline each micro-batch's row exchange is prefetched
+before its forward; DCP checkpoints move between sharded layouts and one process (bit for bit on the same layout,
+within 1e-5 resharded, AdamW's moments included); engram_host_memory without engram_shard is refused, naming both
+keys.
 
-The model, for the layouts and the checkpoint runs alike, is test_layouts' `_small_config()` on EVERY_ROLE_SEQ_LEN
-(24) tokens: tests/helpers.py's every-role config (v41_tiny shrunk to 6 layers that keep every layer role, its
-window, top-k and pool scaled to the 24 tokens) with Engram at layers 0 and 4 (an SWA and a compressed layer, as
-v41_tiny's 1 and 4; test_layouts' docstring says why there: the gate's signed square root). The per-layer DTensor,
-FSDP and pipeline work shrinks with the layers, the rest with the tokens: the 2-rank spawn takes half the time it did
-on v41_tiny at 64 tokens (the 4-rank one is mostly its processes' start-up).
-
-Cost: one 2-rank spawn (every 2-rank layout and the checkpoint runs), one 4-rank spawn, one thread per rank.
+Design and reasoning: docs/testing.md#sharded-engram-in-the-trainer
 """
 
 from __future__ import annotations

@@ -1,64 +1,15 @@
 """Proves the trainer's parallel wiring: every layout trains exactly like the single process.
 
-Each layout runs the trainer's own code path (trainer.train.build_model: validate_layout -> parallelize ->
-materialize; compute_gradients: micro-batches or the pipeline schedule, gradient reduction, the job-wide mean loss,
-the clipped norm over every sharding axis; update_router_biases) on gloo, fp32, a small model (below), and is compared
-with the same code path in one process on the same global batch: 4 micro-batches of 1 row x 24 tokens per step, split
-over the data ranks (dp_replicate x dp_shard x ep), each data rank accumulating its share (trainer.grad_accum =
-4 / data ranks), the pipeline running that share through its schedule, cp ranks each holding half of every sequence.
+Each layout (dp_replicate, dp_shard (FSDP2), tp with and without sequence parallelism, pp 1F1B and interleaved, ep,
+cp, and their combinations up to tp 2 x pp 2 x ep 2 on 8 ranks; under optim=muon `MUON_LAYOUTS`) runs the trainer's
+own code path on gloo, fp32, tests/helpers.py's every-role model with Engram, and is compared with one process on
+the same global batch: initial weights exactly; at both optimiser steps the loss, every auxiliary loss, the clipped
+norm and every gradient within 1e-5 relative (per-tensor floor: test_tolerance_is_the_rounding_floor); after the
+steps every parameter within that bound and the balancing biases exactly; every rank the same loss and norm. Not
+vacuous: clipping is active, the biases move, the sequence-balance loss is on. Muon layouts are held to their own
+rounding floor (MUON_TOL, test_muon_tolerance_is_the_rounding_floor). One spawn per world size.
 
-Layouts: dp_replicate 2; dp_shard 2 (FSDP2); tp 2 with and without sequence parallelism; pp 2 with 1F1B; pp 2 x
-pp_virtual 2 with Interleaved1F1B; ep 2; cp 2; tp 2 x pp 2; dp_shard 2 x ep 2 (FSDP2 over expert-parallel experts);
-tp 2 x pp 2 x ep 2 (8 ranks; experts split over ep and their width over tp); and dp_replicate 2 x dp_shard 2 (HSDP),
-dp_shard 2 x cp 2, tp 2 + sp x pp 2 (sequence shards of the streams cross the cut) and tp 2 x ep 2.
-
-What is compared, per layout:
-- initial weights: every parameter this layout holds (DTensors gathered, pipeline ranks merged) equals the single
-  process's exactly, so each rank holds the single process's values for its part;
-- at both optimiser steps: the logged loss (the mean over the global batch), each auxiliary loss and the clipped
-  gradient norm within 1e-5 relative; every gradient tensor within ||g - g_ref|| / max(||g_ref||, floor) < 1e-5, and
-  the whole gradient vector within 1e-5 of its norm; every rank has the same loss and norm, and all ranks of one
-  pipeline stage hold the same parameters;
-- after the two steps: every parameter within the same bound and the MoE balancing biases exactly.
-The comparison is not vacuous: clipping is active at both steps, the biases move, and the sequence-balance loss is on.
-
-The floor of a tensor is its share of the whole gradient's norm, sqrt(numel) x the RMS of the whole gradient: the
-mHC `base` / `scale` gradients (3 to 24 entries a site) are sums that cancel to ~1% of the gradient's RMS, and the
-single process alone, fed its 4 micro-batches in reverse order, moves them by up to 2.5e-5 of their own norm (3e-5
-on v41_tiny; test_tolerance_is_the_rounding_floor), more than any layout's error on any other tensor.
-
-SGD with momentum and weight decay, not AdamW: AdamW's first update is about lr * sign(g), so gradient entries at
-rounding level move their weight by a whole lr whatever the layout, and the second step's comparison would test the
-optimiser's sensitivity instead of the layout (see test_ep.py, test_cp.py). The trainer's own AdamW path is
-exercised end to end in tests/parallel/test_reshard.py.
-
-optim=muon (conf/optim/muon.yaml: Muon, head-wise Muon, Sinkhorn momentum and AdamW by rules, one Hybrid optimiser)
-runs the same comparison under dp_shard 2, tp 2, ep 2 and pp 2 (MUON_LAYOUTS): the sharded Muon matrices' owners,
-the head blocks and experts held whole, the Sinkhorn tables' row shards, in the trainer's code path. Newton-Schulz
-raises a gradient's near-null directions towards singular value 1, rounding included: the single process fed its
-micro-batches in reverse order moves parameters by 2e-5 of their norm after the two steps, so these layouts are
-held to MUON_TOL = 1e-4 (test_muon_tolerance_is_the_rounding_floor), while every parameter's own update is above
-2e-3 of its norm (a wrong update of any tensor shows); the second step's gradients, taken after one such update, to
-MUON_STEP2_GRAD_TOL = 5e-4.
-
-The model is tests/helpers.py's every-role config: v41_tiny shrunk to 6 layers that keep every layer role (SWA,
-encoder Full + Reuse, the decoder Full that builds the candidate pool, Reuse, the pool-restricted Reindex), its
-window, top-k and pool scaled down to the 24 tokens; the per-layer DTensor, FSDP and pipeline work, not the tokens,
-is what a layout costs here. The pipeline's default cuts (3; and 1, 3, 5 for four stages) ship what v41_tiny's (6;
-and 2, 6, 10) did: the streams, Engram's row ids, and at 5 a Full layer's KV and keys and the candidate pool.
-The harness itself (`_train`, `single`, `_global_batch`) defaults to v41_tiny on 64 tokens: test_zero_bubble.py and
-test_activation_checkpoint.py train that through it (test_engram_trainer.py the small model, `_train_small`).
-
-Engram is on (layers 0 and 4: an SWA and a compressed layer, as v41_tiny's 1 and 4). Its gate takes a signed square
-root of a score, steep where the score nears 0: test_ep.py, test_tp.py and test_cp.py met batches where that
-amplifies the rounding of a changed summation order to 1e-3 in the gate's gradients. On these batches no score comes
-that close and every layout stays within 2e-6 on the Engram tensors. (With Engram at layers 1 and 4, or 1 and 5, of
-the small model, some do: under tp 2 and cp 2, which sum the forward in another order, gradients at and below layer
-1 then reach 1.1e-5 to 4.5e-5 of their scale, while dp, ep and pp still pass; at 2 and 5 even the single process's
-reversed-order run moves past 2e-6.) A model change that makes only Engram gate tensors fail here should be judged
-with test_cp.py's rounding twin before blaming a layout.
-
-Cost: one spawn per world size (2, 4, 8 processes), every layout of that size in it, one thread per rank.
+Design and reasoning: docs/testing.md#parallel-layouts
 """
 
 from __future__ import annotations

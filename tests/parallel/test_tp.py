@@ -1,33 +1,15 @@
 """Proves tensor parallelism (trainer/parallel/tensor.py `apply_tp`) computes what the single process computes.
 
-tp 2 on the tiny V4.1 (fp32, CPU, gloo), without sequence parallelism (logits all-gathered) and with it (logits
-vocab-sharded, the loss under `loss_parallel`). Every tp rank sees the whole global batch, as tp ranks do.
+Contract: tp 2 on the tiny V4.1 (fp32, CPU, gloo), without sequence parallelism and with it (vocab-sharded logits,
+the loss under `loss_parallel`). Built on meta -> apply_tp -> to_empty -> init_weights, every parameter and buffer
+equals the single process's exactly, and no random number is drawn on a DTensor. With Engram off, three passes with
+SGD steps and bias updates: every loss within 1e-5 relative, every gradient within 1e-5 of its norm (at least the
+whole gradient's RMS per element), the router biases identical. With Engram on, the plan's Engram is bit-exact
+(output, streams' and parameters' gradients, the table's gradient complete under SP) and the model's loss within
+1e-5. The layout is the plan's: every parameter a DTensor, the split tensors halved. The Triton attention path under
+tp equals the single process too.
 
-- Initialisation: built on meta -> apply_tp -> to_empty -> init_weights with the single process's seed, every
-  parameter (gathered) and buffer equals the single-process model's exactly: shards are slices of the single
-  process's tensors, never per-rank draws (which would give every rank the same shard: duplicated heads).
-- Training, Engram off: three forward/backward passes with an SGD step and a router-bias update between them (the
-  tp runs complete their Partial gradients with `reduce_partial_grads` first). Every pass's loss (CE + indexer KL)
-  equals the single process's within 1e-5 relative; every gradient (DTensor gradients gathered to full tensors)
-  equals it within 1e-5 of its norm (tests.helpers.assert_rel: in L2 over the tensor), the norm taken at least as the
-  RMS of all gradients per element (as in test_ep.py: the 3-entry mHC `scale` gradients are sums that cancel to 1e-2
-  of that RMS, where plain fp32 rounding of a split sum looks like 5e-5 of their own size); router biases are identical.
-  Engram is off here for the reason test_ep.py gives: its gate takes a signed square root of a score that passes
-  near 0 for some token, so fp32 rounding noise of any change in summation order (a 1e-7 relative nudge of the
-  weights, in the single process alone) moves layer 1's Engram gradients, and everything below them, by up to 1e-3.
-- Engram on: the plan's Engram (replicated; under SP it gathers the streams, runs on the whole sequence, slices the
-  output back) is bit-exact: fed the inputs the single process's layer-1 Engram sees in the model (with some image
-  tokens, so the dead-token mask and the MoE's image bias are live), its output, the streams' gradient and every
-  parameter gradient equal the single process's; under SP the table's gradient is complete (Replicate) on each
-  rank. The loss of the whole Engram-on model equals the single process's within 1e-5.
-- Initialisation draws no random numbers on a DTensor: every random fill of a parallel parameter goes through
-  `model.common.init_normal` (the full tensor drawn from the default generator, this rank's part kept). On CUDA a
-  random op on a DTensor takes DTensor's own RNG tracker instead, and the tp model started from other values than
-  the single GPU (seen on 2 H200s: 1.7e-3 relative on the first loss); on CPU DTensor falls back to the default
-  generator, so only this check, not the equality above, sees such a draw here.
-- The layout is the plan's: every parameter is a DTensor, and heads, output groups, expert width, the shared expert,
-  the embedding's channels and the head's vocabulary are split in half, so the equality is not that of a replicated
-  model.
+Design and reasoning: docs/testing.md#tensor-parallelism
 """
 
 from __future__ import annotations

@@ -1,32 +1,14 @@
 """Proves the zero-bubble pipeline schedules train exactly like the single process, through the trainer.
 
-torch's zero-bubble schedules (ZBVZeroBubble, InterleavedZeroBubble) split each stage's backward into an input pass
-(autograd from the stage outputs to the received inputs, saving the gradients that enter the input-to-output graph
-where the parameters' own subgraphs join it) and a deferred weight pass (from those saved gradients to the
-parameters). Before the fixes of trainer/parallel/zero_bubble.py, three things went wrong where a KV source
-layer's main KV and indexer keys cross a cut (the tiny model cut at [2, 6, 9] or [2, 6, 10]):
-- the source layer computes its indexer keys from its detached latent (wk -> k_norm -> RoPE -> kv_keys), a path to
-  a stage output that never joins the input-to-output graph, so the weight pass lost the gradient the keys receive
-  from later stages and gave wk and k_norm only their own stage's indexer-KL term (1.6e-3 relative through the
-  trainer); fixed by tying every differentiable output to a received tensor (`Tie`, trainer/parallel/zero_bubble.py);
-- received KV read through a transpose got strided input gradients, which gloo's send refuses
-  (`ContiguousGrad`);
-- with the tie, torch's own split (_backward.py stage_backward_input / stage_backward_weight) groups parameters
-  wrongly: a parameter whose subgraph joins at two nodes can land in two groups, counted twice or, here,
-  "Trying to backward through the graph a second time"; the stage's own passes (`ZeroBubbleStage`) run the weight pass as
-  one autograd call from all the joints instead.
+Contract: per stage, in one process, trainer/parallel/zero_bubble.py's split backward equals the full backward bit
+for bit (inputs and every parameter) on cuts where a KV source's main KV and indexer keys cross, its input pass
+computes no parameter gradient and hands back contiguous input gradients; without its hooks the indexer keys' wk and
+k_norm lose their gradient (the test sees the bug). Through the trainer on 2 gloo ranks (test_layouts' _train and
+_check, 1e-5 rules), ZBVZeroBubble on [2, 6, 10] and [2, 6, 9] and InterleavedZeroBubble equal the single process,
+with the backward split on every stage. validate_layout lets both schedules through, with activation checkpointing
+too; a pipeline on a torch too old is refused, naming the version.
 
-What the tests show:
-- per stage, in one process: our split backward equals the full backward bit for bit (inputs and every parameter)
-  on cuts [2, 6, 9], the input pass computes no parameter gradient, and the input gradients are contiguous; without
-  the hooks wk and k_norm of layer 6 lose their gradient and the last stage's KV gradients are strided (the test
-  sees the bug);
-- through the trainer on 2 gloo ranks (one spawn, test_layouts.py's _train and _check, the same 1e-5 rules; the
-  errors are in fact 0): pp 2 x pp_virtual 2 with ZBVZeroBubble on the balanced cuts [2, 6, 10] and on [2, 6, 9]
-  (layer 6's main KV and indexer keys cross the last cut; at [2, 6, 9] its top-k and candidate pool too), and
-  InterleavedZeroBubble on the balanced cuts; the backward did run split on every stage with received inputs;
-- validate_layout lets both schedules through, with activation checkpointing too (then each block is recomputed for
-  the input pass and again for the weight pass, the layout pp2_v2_zbv_ac below).
+Design and reasoning: docs/testing.md#zero-bubble-schedules
 """
 
 from __future__ import annotations

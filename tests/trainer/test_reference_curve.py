@@ -1,34 +1,15 @@
 """Numerics do not drift: the default job (`make train`'s config: v41_tiny on the embedded standard-library corpus,
 8 x 128 tokens, AdamW with warmup + cosine) reproduces, bit for bit, the loss and gradient-norm curve of its first
-`STEPS` (30) steps stored in tests/assets/default_job_curve.json (the test runs and compares the first `CHECKED`). Recorded on the code before issue 13 (commit
-446a7c5; the 60-step curve of issue 12's code was the same, byte for byte), re-recorded in issue 14 for one
-deliberate change: the model's top-k gives ties at the k-th score to the lowest entry ids (the Triton kernel's rule;
-torch.topk's was unspecified), which the inference cache needs to pick what the full forward picks. With torch.topk
-restored, issue 14's code reproduced the old curve bit for bit, so nothing else moved. Re-recorded in issue 15 for a
-change of data, not of code: the trained tokenizer reserves six chat markers after <bos>, <eos>, <pad>
-(data/tokenizer.py), so it learns six fewer merges and the prepared corpus' ids (and fingerprint) change.
-Issue 16's compile-ready step (the indexer KL masked instead of selected, fixed-size expert counts) left it bit for
-bit as it was: eager CPU runs keep the per-expert GEMM loop (model/moe.py GroupedExperts). Re-recorded in issue 16 for
-one deliberate change: AdamW's update runs as torch's fused kernel (optim.impl=auto), which rounds differently from
-the per-parameter loop (loss first apart at step 3 by 1e-5 relative, at most 1.3e-3 over the 30 steps); with
-optim.impl=for_loop the same code reproduced the old curve bit for bit (the gradient norm's multi-tensor form and
-mHC's reshaped contractions moved nothing).
+`STEPS` (30) steps stored in tests/assets/default_job_curve.json (the test compares the first `CHECKED`).
 
-The curve depends on the corpus, which is the running interpreter's standard library: the asset records the
-prepared data's fingerprint (tokenizer and shard hashes), and a different one fails naming both, since the curve then
-says nothing about the code. Threads are pinned (2, the CI machine's cores), W&B and checkpoints are off: neither
-changes a number.
+Contract: the asset holds one curve per machine it was recorded on and the prepared data's fingerprint; the run must
+equal one of the curves bit for bit, or on a machine none was recorded on stay within `LOSS_RTOL` of the loss (and
+say so); another corpus fingerprint fails naming both. Threads are pinned (2), W&B and checkpoints are off.
+Regenerate only for a change meant to alter numerics, and say so in the commit (--write drops the other machines'
+curves, --add keeps them): `.venv/bin/python -m tests.trainer.test_reference_curve --write`. The curve's history
+(which issue re-recorded it, and why) is in docs/testing.md.
 
-It also depends on the CPU: two x86 machines with the same torch (both AVX-512) first differ at step 2, by 1e-6 of
-the loss (the BLAS and oneDNN kernels they pick sum in other orders), 1.7e-4 by step 15; the gradient norm, which
-sums the squares of spiky gradients, by up to 6e-2. So the asset holds one curve per machine it was recorded on, and
-the run must equal one of them bit for bit. On a machine none was recorded on, the test instead bounds the loss's
-drift (`LOSS_RTOL`, 6x the drift measured between CPUs) and says so in its output; record that machine's curve with
---add to make the check bitwise there too.
-
-Regenerate (only when a change is meant to alter numerics, and say so in the commit; --write drops the other
-machines' curves, which the change invalidates, --add keeps them and adds or replaces this machine's):
-    .venv/bin/python -m tests.trainer.test_reference_curve --write
+Design and reasoning: docs/testing.md#the-reference-curve
 """
 
 from __future__ import annotations
