@@ -63,6 +63,7 @@ from trainer.compose import CONF_DIR, check_config_groups, compose_node, hydra_o
 from trainer.config import register_configs as register_train_configs
 from trainer.engine import Completion, Engine, PromptFormat, Request, SamplingParams
 from trainer.stages.dspark import load_drafter_weights
+from trainer.threads import ThreadChoice, set_cpu_threads
 
 _VERBATIM = ("prompt", "prompt_template")  # free text: quoted for Hydra by `_hydra_arguments`
 
@@ -113,7 +114,7 @@ class GenerateConfig:
     device: str = choice_field("auto", ("auto", "cpu", "cuda"))
     """auto: cuda when available, else cpu"""
     num_threads: int = 0
-    """CPU threads; 0 = torch's default"""
+    """CPU threads; 0 = the cores this process may use (affinity, cgroup quota: trainer/threads.py)"""
     drafter: str = ""
     """a DSpark run (stage=dspark) trained on this model: speculative decoding with its drafter ("" = plain)"""
     spec_tokens: int = 0
@@ -371,15 +372,14 @@ def generate(cfg: GenerateConfig, model_overrides: Sequence[str] = ()) -> int:
     """Everything `python -m trainer.cli.generate` does once its config is composed; returns the exit status.
     model_overrides: `model.<key>=<value>` for the checkpoint's config (given without `model=<option>`)."""
     threads = torch.get_num_threads()
-    if cfg.num_threads:
-        torch.set_num_threads(cfg.num_threads)
+    choice = set_cpu_threads(cfg.num_threads) if _device(cfg.device).type == "cpu" else None
     try:
-        return _generate(cfg, list(model_overrides))
+        return _generate(cfg, list(model_overrides), choice)
     finally:
         torch.set_num_threads(threads)  # a caller in the same process (a test) keeps its own
 
 
-def _generate(cfg: GenerateConfig, model_overrides: list[str]) -> int:
+def _generate(cfg: GenerateConfig, model_overrides: list[str], threads: ThreadChoice | None) -> int:
     prompts = read_prompts(cfg)
     path = find_checkpoint(cfg.ckpt)
     marker = read_marker(path)
@@ -425,7 +425,8 @@ def _generate(cfg: GenerateConfig, model_overrides: list[str]) -> int:
     failed = [c for c in completions if c.error is not None]
     for c in failed:
         print(f"error: {c.error}", file=sys.stderr)
-    print(_throughput(engine.stats, [c for c in completions if c.error is None], seconds), flush=True)
+    print(_throughput(engine.stats, [c for c in completions if c.error is None], seconds)
+          + (f"; CPU {threads.describe()}" if threads else ""), flush=True)
     return 1 if failed else 0
 
 
