@@ -7,7 +7,13 @@ they compute (issue 44: 27-36 tokens/s against 641-734 with one thread). `cpu_th
 this process may use: its affinity mask (`os.sched_getaffinity`: taskset, Slurm's cpusets), capped by the CFS quota
 of its cgroup and every ancestor (v2 `cpu.max`; v1 `cpu.cfs_quota_us` / `cpu.cfs_period_us`), divided by the
 processes of this job on the node (`LOCAL_WORLD_SIZE`, torchrun's), at least 1. A number the user gives is used as
-it is. `ThreadChoice.describe()` is the start-up line's words for the choice.
+it is. `ThreadChoice.describe()` is the start-up line's words for the choice; `contention_hint` the warning for a
+machine busier than its cores.
+
+Cores that are ours to use can still be busy with other processes. Then OpenMP's threads, which spin while they wait
+for each other, collapse: on the 2-core development machine under a load average of 5, a v41_tiny training step ran
+at 157 tokens/s with 2 threads against 502 with 1, and 475 with 2 threads under OMP_WAIT_POLICY=PASSIVE (waiting
+threads sleep); an evaluation forward took 93-184 s against 10 s (README, "CPU threads").
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["ThreadChoice", "affinity_cores", "cgroup_quota", "cpu_threads", "set_cpu_threads"]
+__all__ = ["ThreadChoice", "affinity_cores", "cgroup_quota", "contention_hint", "cpu_threads", "set_cpu_threads"]
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 PROC_CGROUP = Path("/proc/self/cgroup")
@@ -127,3 +133,21 @@ def set_cpu_threads(requested: int = 0) -> ThreadChoice:
     choice = cpu_threads(requested)
     torch.set_num_threads(choice.threads)
     return choice
+
+
+def contention_hint(choice: ThreadChoice, key: str) -> str | None:
+    """A warning when `choice` runs several threads on a machine whose load average over the last minute exceeds its
+    cores (other processes compete for them) and OpenMP's waiting threads spin (OMP_WAIT_POLICY not passive); `key`
+    is the setting to name (trainer.num_threads). None otherwise."""
+    if choice.threads < 2 or os.environ.get("OMP_WAIT_POLICY", "").lower() == "passive":
+        return None
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
+    cores = os.cpu_count() or 1
+    if load <= cores:
+        return None
+    return (f"the machine's load average {load:.1f} exceeds its {cores} cores: {choice.threads} threads that wait for "
+            f"each other may run many times slower than 1; if tokens/s is low, set {key}=1 or OMP_WAIT_POLICY=PASSIVE "
+            "(README, 'CPU threads')")

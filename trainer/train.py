@@ -57,7 +57,7 @@ from trainer.parallel.mesh import build_mesh
 from trainer.preemption import StopRequest
 from trainer.run_lock import RunLock
 from trainer.stages.base import Stage, build_stage, check_starting_weights, indexer_or_all_parameters
-from trainer.threads import ThreadChoice, set_cpu_threads
+from trainer.threads import ThreadChoice, contention_hint, set_cpu_threads
 
 if TYPE_CHECKING:
     from trainer.parallel.mesh import Meshes
@@ -348,6 +348,8 @@ def build(cfg: Config, run_dir: Path) -> Job:
                      compile_backend=cfg.trainer.compile_backend if cfg.trainer.compile else None,
                      compile_mode=cfg.trainer.compile_mode, module_fn=stage.build_module)
     log.info("parallel layout: %s%s", describe(pm), f"; CPU {rt.threads.describe()}" if rt.threads else "")
+    if rt.threads and (hint := contention_hint(rt.threads, "trainer.num_threads")):
+        log.warning(hint)
     install_canonical_vocab(pm.module, model_cfg, tokenizer.path)
     trainable = stage.trainable_parameters(pm.module, model_cfg)
     freeze_all_but(pm.module, trainable)

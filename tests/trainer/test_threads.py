@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.trainer.harness import micro_overrides, run_cli
-from trainer.threads import cgroup_quota, cpu_threads, set_cpu_threads
+from trainer.threads import ThreadChoice, cgroup_quota, contention_hint, cpu_threads, set_cpu_threads
 
 
 @pytest.fixture
@@ -109,6 +109,22 @@ def test_set_cpu_threads_applies_the_choice(cores, monkeypatch):
         assert torch.get_num_threads() == choice.threads >= 1
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_machine_busier_than_its_cores_gets_a_hint(monkeypatch):
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    two, one = ThreadChoice(2, False, 2, None, 1), ThreadChoice(1, False, 2, None, 1)
+    monkeypatch.setattr(os, "getloadavg", lambda: (5.4, 4.0, 3.0))
+    hint = contention_hint(two, "trainer.num_threads")
+    assert hint.startswith("the machine's load average 5.4 exceeds its 2 cores: 2 threads") and \
+        "set trainer.num_threads=1 or OMP_WAIT_POLICY=PASSIVE" in hint
+    assert contention_hint(one, "trainer.num_threads") is None  # one thread waits for no other
+    monkeypatch.setenv("OMP_WAIT_POLICY", "passive")
+    assert contention_hint(two, "num_threads") is None  # waiting threads sleep: nothing collapses
+    monkeypatch.delenv("OMP_WAIT_POLICY")
+    monkeypatch.setattr(os, "getloadavg", lambda: (1.9, 4.0, 3.0))
+    assert contention_hint(two, "num_threads") is None  # the cores keep up
 
 
 def test_training_start_up_says_the_threads(tmp_path, small_data):

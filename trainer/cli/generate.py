@@ -63,7 +63,7 @@ from trainer.compose import CONF_DIR, check_config_groups, compose_node, hydra_o
 from trainer.config import register_configs as register_train_configs
 from trainer.engine import Completion, Engine, PromptFormat, Request, SamplingParams
 from trainer.stages.dspark import load_drafter_weights
-from trainer.threads import ThreadChoice, set_cpu_threads
+from trainer.threads import ThreadChoice, contention_hint, set_cpu_threads
 
 _VERBATIM = ("prompt", "prompt_template")  # free text: quoted for Hydra by `_hydra_arguments`
 
@@ -373,6 +373,8 @@ def generate(cfg: GenerateConfig, model_overrides: Sequence[str] = ()) -> int:
     model_overrides: `model.<key>=<value>` for the checkpoint's config (given without `model=<option>`)."""
     threads = torch.get_num_threads()
     choice = set_cpu_threads(cfg.num_threads) if _device(cfg.device).type == "cpu" else None
+    if choice and (hint := contention_hint(choice, "num_threads")):
+        print(f"warning: {hint}", file=sys.stderr, flush=True)
     try:
         return _generate(cfg, list(model_overrides), choice)
     finally:
