@@ -148,8 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     trainer_cfg = configs[0].trainer
     if trainer_cfg.device == "cpu" or (trainer_cfg.device == "auto" and not torch.cuda.is_available()):
         # each stage's launch picks the same way (trainer/threads.py); said once here, before the first one starts
-        print(f"== every stage on the CPU: {cpu_threads(trainer_cfg.num_threads).describe()} "
-              "(set with -- trainer.num_threads=<n>)", flush=True)
+        print(f"== every stage on the CPU, {cpu_threads(trainer_cfg.num_threads).describe()}; "
+              "`-- trainer.num_threads=<n>` sets them", flush=True)
     rows = []
     for name, overrides, steps, extra in launches:
         run = runs[name]
