@@ -1,19 +1,16 @@
 """CPU threads: how many a process uses when the user leaves the number at 0 (`trainer.num_threads`, generate's and
 evaluate's `num_threads`).
 
-torch's default is one thread per core of the machine. On a shared machine, in a container with a CPU quota, or
-with several processes per node, that oversubscribes the cores: OpenMP's spinning threads then cost far more than
-they compute (issue 44: 27-36 tokens/s against 641-734 with one thread). `cpu_threads(0)` counts instead the cores
-this process may use: its affinity mask (`os.sched_getaffinity`: taskset, Slurm's cpusets), capped by the CFS quota
+torch's default is one thread per core of the affinity mask: in a container with a CPU quota, or with several
+processes per node, that oversubscribes the cores. `cpu_threads(0)` counts the cores this process may use: its
+affinity mask (`os.sched_getaffinity`: taskset, Slurm's cpusets), capped by the CFS quota
 of its cgroup and every ancestor (v2 `cpu.max`; v1 `cpu.cfs_quota_us` / `cpu.cfs_period_us`), divided by the
 processes of this job on the node (`LOCAL_WORLD_SIZE`, torchrun's), at least 1. A number the user gives is used as
 it is. `ThreadChoice.describe()` is the start-up line's words for the choice; `contention_hint` the warning for a
 machine busier than its cores.
 
-Cores that are ours to use can still be busy with other processes. Then OpenMP's threads, which spin while they wait
-for each other, collapse: on the 2-core development machine under a load average of 5, a v41_tiny training step ran
-at 157 tokens/s with 2 threads against 502 with 1, and 475 with 2 threads under OMP_WAIT_POLICY=PASSIVE (waiting
-threads sleep); an evaluation forward took 93-184 s against 10 s (README, "CPU threads").
+Cores that are ours can still be busy with other processes; OpenMP's threads then spin while they wait for each other
+and collapse (the figures: README, "CPU threads").
 """
 
 from __future__ import annotations
