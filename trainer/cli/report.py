@@ -4,7 +4,8 @@ A run is a run directory (its `metrics.jsonl`) or the file itself. The command p
 steps, the records, the wall time; per headline metric and run: first, last, min, max and the best value with its
 step) and writes one self-contained HTML page: the same table, then a plot of every numeric metric, the runs
 overlaid in one colour each: the headline ones first (loss, the held-out figures, lr, tokens/s, MFU), then each family
-(`eval/`, `rl/`, `aux/`, ...) under its heading. The plots are inline SVG drawn here (no plotting library). A missing
+(`eval/`, `rl/`, `aux/`, ...) under its heading. The plots are inline SVG drawn here (no plotting library); a line of
+more than 2,000 points is drawn through each stretch's lowest and highest (`thinned`). A missing
 run, an empty `metrics.jsonl` or a line that is not a JSON object with a "step" is one `error: ...` line, exit 2.
 
 The wall time is the span of the run's `main.log` time stamps (Hydra's log: start-up to the last line, relaunches and
@@ -32,6 +33,7 @@ HIGHER_IS_BETTER = ("success", "reward", "acceptance", "tokens_per_s", "mfu")
 LOWER_IS_BETTER = ("loss", "kl")
 COLOURS = ("#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#7f7f7f",
            "#bcbd22")
+MAX_POINTS = 2000  # drawn per line: a long run's page stays small (`thinned`)
 _STAMP = re.compile(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3})\]")
 
 
@@ -196,6 +198,21 @@ def _ticks(lo: float, hi: float, n: int = 5) -> list[float]:
     return [first + i * step for i in range(int((hi - first) / step + 1e-9) + 1)]
 
 
+def thinned(points: list[tuple[int, float]], most: int = MAX_POINTS) -> list[tuple[int, float]]:
+    """At most about `most` of `points` for drawing: in each of most / 2 runs of consecutive points its lowest and its
+    highest (in step order), so a spike stays visible; the first and last points are kept."""
+    if len(points) <= most:
+        return points
+    size = math.ceil(len(points) / (most // 2))
+    out = [points[0]]
+    for i in range(0, len(points), size):
+        run = points[i:i + size]
+        lo, hi = min(run, key=lambda p: p[1]), max(run, key=lambda p: p[1])
+        out += sorted({lo, hi})
+    out.append(points[-1])
+    return sorted(set(out))
+
+
 def svg_plot(title: str, lines: list[tuple[str, list[tuple[int, float]]]], width: int = 440,
              height: int = 250) -> str:
     """One plot as an inline SVG: each (colour, points) a polyline (a lone point a dot), axes with round ticks."""
@@ -232,6 +249,7 @@ def svg_plot(title: str, lines: list[tuple[str, list[tuple[int, float]]]], width
         parts.append(f'<text x="{sx(t):.1f}" y="{top + ph + 14}" text-anchor="middle" font-size="10">{t:g}</text>')
     parts.append(f'<text x="{left + pw / 2}" y="{height - 4}" text-anchor="middle" font-size="10">step</text>')
     for colour, pts in lines:
+        pts = thinned(pts)
         if len(pts) == 1:
             parts.append(f'<circle cx="{sx(pts[0][0]):.1f}" cy="{sy(pts[0][1]):.1f}" r="3" fill="{colour}"/>')
         elif pts:

@@ -132,3 +132,11 @@ def test_a_bad_option_is_one_line_exit_2(runs):
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and r.stderr.startswith("error: unrecognized arguments")
     r = _cli()
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "runs" in r.stderr
+
+
+def test_a_long_series_is_thinned_keeping_its_spike():
+    points = [(i, 1.0) for i in range(1, 100_001)]
+    points[54_321] = (54_322, 50.0)  # one spike
+    drawn = report.thinned(points)
+    assert len(drawn) <= 2002 and drawn[0] == points[0] and drawn[-1] == points[-1]
+    assert (54_322, 50.0) in drawn and [p[0] for p in drawn] == sorted(p[0] for p in drawn)
