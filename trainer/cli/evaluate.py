@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import sys
 import time
 from collections.abc import Iterator
@@ -43,7 +44,7 @@ from data.sft import SFTLoader
 from data.shards import META_NAME, ShardError, file_sha256, read_meta, read_shard
 from data.tokenizer import load_tokenizer, tokenizer_info
 from trainer.checkpoint.loading import find_checkpoint, load_model, model_config, read_marker, run_tokenizer
-from trainer.cli.app import run_app
+from trainer.cli.app import device_named, run_app
 from trainer.compose import compose
 from trainer.config import Config, register_configs, to_config
 from trainer.stages.sft import SFT
@@ -136,7 +137,7 @@ def documents(path: Path, tokenizer, tokenizer_path: str) -> Iterator[np.ndarray
         for text in texts:
             yield np.asarray(tokenizer.encode(text, add_special_tokens=False).ids, dtype=np.int64)
     except ValueError as e:  # DataConfigError names data.corpus: here the path is the corpus
-        raise ValueError(f"corpus {path}: {str(e).replace(f'data.corpus={str(path.resolve())!r}', 'it')}") from None
+        raise ValueError(f"corpus {path}: {str(e).replace(f'data.corpus={os.path.abspath(path)!r}', 'it')}") from None
 
 
 def windows(docs: Iterator[np.ndarray], eos_id: int, seq_len: int, max_tokens: int) -> torch.Tensor:
@@ -239,7 +240,7 @@ def evaluate(cfg: EvaluateConfig) -> list[Row]:
             raise ValueError(f"sft_eval: the chat template's {vocab} ids exceed the checkpoint's model.vocab_size="
                              f"{model_cfg.vocab_size}")
         sets.append((name, batches))
-    device = _device(cfg.device)
+    device = device_named(cfg.device)
     threads = set_cpu_threads(cfg.num_threads) if device.type == "cpu" else None
     if threads and (hint := contention_hint(threads, "num_threads")):
         print(f"warning: {hint}", file=sys.stderr, flush=True)
@@ -251,14 +252,6 @@ def evaluate(cfg: EvaluateConfig) -> list[Row]:
         rows.append(Row(name, count, total / max(count, 1)))
     print(report(path, marker, rows, threads, time.perf_counter() - start), flush=True)
     return rows
-
-
-def _device(name: str) -> torch.device:
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device=cuda but no CUDA device is available")
-    return torch.device(name)
 
 
 def report(path: Path, marker: dict, rows: list[Row], threads: ThreadChoice | None, seconds: float) -> str:
