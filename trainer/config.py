@@ -42,7 +42,8 @@ class TrainerConfig:
     precision: str = choice_field("auto", ("auto", "bf16", "fp32"))
     """auto: bf16 autocast on GPU, fp32 on CPU. Parameters and optimiser state stay fp32 either way"""
     num_threads: int = 0
-    """CPU threads per process; 0 = the cores divided by the processes on this node"""
+    """CPU threads per process; 0 = the cores this process may use (affinity mask, cgroup CPU quota) divided by the
+    processes on this node (LOCAL_WORLD_SIZE): trainer/threads.py"""
     peak_flops: float = 0.0
     """peak FLOP/s of one device for MFU; 0 = a table for known GPUs, else measured by a matmul at start"""
     max_bad_steps: int = 3

@@ -50,6 +50,7 @@ from trainer.parallel.mesh import build_mesh
 from trainer.preemption import StopRequest
 from trainer.run_lock import RunLock
 from trainer.stages.base import Stage, build_stage, check_starting_weights, indexer_or_all_parameters
+from trainer.threads import ThreadChoice, contention_hint, set_cpu_threads
 
 if TYPE_CHECKING:
     from trainer.parallel.mesh import Meshes
@@ -72,6 +73,7 @@ class Runtime:
     autocast_dtype: torch.dtype | None  # None: plain fp32
     dims: ParallelDims
     meshes: Meshes | None = None  # None for a single process
+    threads: ThreadChoice | None = None  # CPU threads and what they were picked from (trainer/threads.py); None on GPU
 
     @property
     def distributed(self) -> bool:
@@ -84,7 +86,7 @@ def setup_runtime(cfg: TrainerConfig, parallel: ParallelConfig, dims: ParallelDi
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
     dims = dims or parallel.resolve(world_size)
-    kind = cfg.device
+    kind, threads = cfg.device, None
     if kind == "auto":
         kind = "cuda" if torch.cuda.is_available() else "cpu"
     if kind == "cuda":
@@ -94,8 +96,7 @@ def setup_runtime(cfg: TrainerConfig, parallel: ParallelConfig, dims: ParallelDi
         device = torch.device("cuda", local_rank)
     else:
         device = torch.device("cpu")
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        torch.set_num_threads(cfg.num_threads or max(1, (os.cpu_count() or 1) // local_world))
+        threads = set_cpu_threads(cfg.num_threads)  # 0: the cores this process may use / processes on the node
     if rank != 0:  # one voice per job: the other ranks log warnings and errors only
         logging.getLogger().setLevel(logging.WARNING)
     precision = cfg.precision if cfg.precision != "auto" else ("bf16" if device.type == "cuda" else "fp32")
@@ -107,7 +108,7 @@ def setup_runtime(cfg: TrainerConfig, parallel: ParallelConfig, dims: ParallelDi
             dist.init_process_group(backend=backend, timeout=timedelta(seconds=parallel.timeout_s))
 
         meshes = build_mesh(dims, device.type)
-    return Runtime(rank, world_size, device, torch.bfloat16 if precision == "bf16" else None, dims, meshes)
+    return Runtime(rank, world_size, device, torch.bfloat16 if precision == "bf16" else None, dims, meshes, threads)
 
 
 def apply_stage_hooks(model_cfg: ModelConfig, stage: StageConfig) -> ModelConfig:
@@ -339,7 +340,9 @@ def build(cfg: Config, run_dir: Path) -> Job:
                      seq_len=cfg.data.seq_len, grad_accum=cfg.trainer.grad_accum,
                      compile_backend=cfg.trainer.compile_backend if cfg.trainer.compile else None,
                      compile_mode=cfg.trainer.compile_mode, module_fn=stage.build_module)
-    log.info("parallel layout: %s", describe(pm))
+    log.info("parallel layout: %s%s", describe(pm), f"; CPU {rt.threads.describe()}" if rt.threads else "")
+    if rt.threads and (hint := contention_hint(rt.threads, "trainer.num_threads")):
+        log.warning(hint)
     install_canonical_vocab(pm.module, model_cfg, tokenizer.path)
     trainable = stage.trainable_parameters(pm.module, model_cfg)
     freeze_all_but(pm.module, trainable)

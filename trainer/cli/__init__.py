@@ -8,6 +8,8 @@ package imports it (tests/test_imports.py checks).
 - `plan`: the memory and communication plan of a layout (trainer/memory_plan.py);
 - `preflight`: the trainer's start-up checks against a world size, before a launcher starts any process;
 - `stage_chain`: pretrain -> SFT -> RL -> distill -> DSpark, one run each (`make pipeline`);
+- `evaluate`: the loss and perplexity of a checkpoint on a corpus or the SFT stage's held-out set;
+- `report`: a summary table and an HTML page of plots of runs' metrics.jsonl, runs overlaid;
 - `app`: what they share (a small app's main, one-line I/O errors, the process group of a torchrun launch).
 
 The old paths (`python -m trainer.main`, `trainer.plan`, `trainer.pipeline`, ...) forward here.

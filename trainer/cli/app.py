@@ -1,6 +1,6 @@
 """What the entry points share: a small app's main (`run_app`: help, its config composed, one line and exit 2 for
-what it refuses), one line for a file an app could not read or write (`io_message`), and the process group a
-torchrun launch of an app needs (`join_world`)."""
+what it refuses), one line for a file an app could not read or write (`io_message`), the process group a
+torchrun launch of an app needs (`join_world`) and the device a `device=auto|cpu|cuda` key names (`device_named`)."""
 
 from __future__ import annotations
 
@@ -8,18 +8,28 @@ import os
 import sys
 from collections.abc import Sequence
 
+import torch
 import torch.distributed as dist
 
 from trainer.checkpoint import rank_and_world
 from trainer.compose import CONF_DIR, compose_app
 
-__all__ = ["run_app", "io_message", "join_world"]
+__all__ = ["run_app", "io_message", "join_world", "device_named"]
 
 
 def io_message(e: OSError) -> str:
     """One line for a file the set-up could not read or write (the data, a tokenizer, the run directory)."""
     where = f" {e.filename}" if e.filename else ""
     return f"{e.strerror or e}:{where}" if e.strerror else str(e)
+
+
+def device_named(name: str) -> torch.device:
+    """The device of a `device` key: auto is cuda when one is available, else cpu; ValueError for cuda without one."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device=cuda but no CUDA device is available")
+    return torch.device(name)
 
 
 def join_world() -> tuple[int, int]:

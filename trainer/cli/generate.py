@@ -58,11 +58,12 @@ from data.chat import ChatTemplate
 from data.tokenizer import load_tokenizer, tokenizer_info
 from model.config import ModelConfig
 from trainer.checkpoint.loading import find_checkpoint, load_model, model_config, read_marker, run_tokenizer
-from trainer.cli.app import io_message
+from trainer.cli.app import device_named, io_message
 from trainer.compose import CONF_DIR, check_config_groups, compose_node, hydra_overrides
 from trainer.config import register_configs as register_train_configs
 from trainer.engine import Completion, Engine, PromptFormat, Request, SamplingParams
 from trainer.stages.dspark import load_drafter_weights
+from trainer.threads import ThreadChoice, contention_hint, set_cpu_threads
 
 _VERBATIM = ("prompt", "prompt_template")  # free text: quoted for Hydra by `_hydra_arguments`
 
@@ -113,7 +114,7 @@ class GenerateConfig:
     device: str = choice_field("auto", ("auto", "cpu", "cuda"))
     """auto: cuda when available, else cpu"""
     num_threads: int = 0
-    """CPU threads; 0 = torch's default"""
+    """CPU threads; 0 = the cores this process may use (affinity, cgroup quota: trainer/threads.py)"""
     drafter: str = ""
     """a DSpark run (stage=dspark) trained on this model: speculative decoding with its drafter ("" = plain)"""
     spec_tokens: int = 0
@@ -335,14 +336,6 @@ def cut_at_stop_strings(c: Completion, stop: list[str], tokenizer) -> None:
     c.text, c.finish_reason = text[:first(text)], "stop"
 
 
-def _device(name: str) -> torch.device:
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device=cuda but no CUDA device is available")
-    return torch.device(name)
-
-
 # -- the run -----------------------------------------------------------------------------------------------------------
 def _record(c: Completion, p: Prompt) -> dict:
     """One line of `output`."""
@@ -371,15 +364,16 @@ def generate(cfg: GenerateConfig, model_overrides: Sequence[str] = ()) -> int:
     """Everything `python -m trainer.cli.generate` does once its config is composed; returns the exit status.
     model_overrides: `model.<key>=<value>` for the checkpoint's config (given without `model=<option>`)."""
     threads = torch.get_num_threads()
-    if cfg.num_threads:
-        torch.set_num_threads(cfg.num_threads)
+    choice = set_cpu_threads(cfg.num_threads) if device_named(cfg.device).type == "cpu" else None
+    if choice and (hint := contention_hint(choice, "num_threads")):
+        print(f"warning: {hint}", file=sys.stderr, flush=True)
     try:
-        return _generate(cfg, list(model_overrides))
+        return _generate(cfg, list(model_overrides), choice)
     finally:
         torch.set_num_threads(threads)  # a caller in the same process (a test) keeps its own
 
 
-def _generate(cfg: GenerateConfig, model_overrides: list[str]) -> int:
+def _generate(cfg: GenerateConfig, model_overrides: list[str], threads: ThreadChoice | None) -> int:
     prompts = read_prompts(cfg)
     path = find_checkpoint(cfg.ckpt)
     marker = read_marker(path)
@@ -398,11 +392,11 @@ def _generate(cfg: GenerateConfig, model_overrides: list[str]) -> int:
         tokenizer = template.tokenizer
     if cfg.output and not Path(cfg.output).resolve().parent.is_dir():
         raise ValueError(f"output={cfg.output!r}: directory {Path(cfg.output).resolve().parent} does not exist")
-    model = load_model(path, model_cfg, _device(cfg.device), tokenizer_path)
+    model = load_model(path, model_cfg, device_named(cfg.device), tokenizer_path)
     spec = {}
     if cfg.drafter:
         try:
-            drafter = load_drafter_weights(cfg.drafter, model_cfg, _device(cfg.device))
+            drafter = load_drafter_weights(cfg.drafter, model_cfg, device_named(cfg.device))
         except ValueError as e:
             raise ValueError(f"drafter={cfg.drafter}: {e}") from None
         spec = dict(drafter=drafter, spec_tokens=cfg.spec_tokens or None, spec_schedule=cfg.spec_schedule)
@@ -425,7 +419,8 @@ def _generate(cfg: GenerateConfig, model_overrides: list[str]) -> int:
     failed = [c for c in completions if c.error is not None]
     for c in failed:
         print(f"error: {c.error}", file=sys.stderr)
-    print(_throughput(engine.stats, [c for c in completions if c.error is None], seconds), flush=True)
+    print(_throughput(engine.stats, [c for c in completions if c.error is None], seconds)
+          + (f"; CPU {threads.describe()}" if threads else ""), flush=True)
     return 1 if failed else 0
 
 

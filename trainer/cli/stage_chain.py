@@ -24,8 +24,11 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
 from trainer.checkpoint import is_complete, step_dir_name
 from trainer.compose import compose
+from trainer.threads import cpu_threads
 
 STAGES = (
     ("pretrain", ["trainer.max_steps=400"]),
@@ -138,11 +141,15 @@ def main(argv: list[str] | None = None) -> int:
     runs = {name: root / name for name, _ in STAGES}
     launches = [(name, *_steps(overrides, args.scale), _chain(name, runs)) for name, overrides in STAGES]
     try:  # every stage's config before the first one trains: a bad override is one line, not a failed stage later
-        for _, overrides, _, extra in launches:
-            compose([*overrides, *extra, *args.overrides])
+        configs = [compose([*overrides, *extra, *args.overrides]) for _, overrides, _, extra in launches]
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
+    trainer_cfg = configs[0].trainer
+    if trainer_cfg.device == "cpu" or (trainer_cfg.device == "auto" and not torch.cuda.is_available()):
+        # each stage's launch picks the same way (trainer/threads.py); said once here, before the first one starts
+        print(f"== every stage on the CPU, {cpu_threads(trainer_cfg.num_threads).describe()}; "
+              "`-- trainer.num_threads=<n>` sets them", flush=True)
     rows = []
     for name, overrides, steps, extra in launches:
         run = runs[name]

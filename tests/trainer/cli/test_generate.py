@@ -110,6 +110,7 @@ def test_greedy_tokens_from_a_run_dir_are_the_trained_models_argmax(run_dir, sma
                        cwd=REPO, env=env(), capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "tokens/s" in r.stdout and r.stderr == ""
+    assert r.stdout.rstrip().endswith("; CPU threads 1 (set)")  # the throughput line says the threads
     records = [json.loads(line) for line in out.read_text().split("\n") if line]
     assert [rec["id"] for rec in records] == [0, 1]
 

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from trainer.cli import export_hf, generate, import_hf, main, plan, preflight, stage_chain
+from trainer.cli import evaluate, export_hf, generate, import_hf, main, plan, preflight, stage_chain
 from trainer.compose import hydra_overrides
 
 
@@ -28,6 +28,7 @@ APPS = {
     "generate": (generate.main, ["ckpt=/nonexistent"], ""),
     "export_hf": (export_hf.main, ["ckpt=/nonexistent", "out=/nonexistent"], ""),
     "import_hf": (import_hf.main, ["src=/nonexistent", "out=/nonexistent"], ""),
+    "evaluate": (evaluate.main, ["ckpt=/nonexistent"], ""),
 }
 TYPO = {"trainer.": ("trainer.max_stpes=5", "unknown key trainer.max_stpes (did you mean trainer.max_steps?)"),
         "": ("chunk_mbb=5", "unknown key chunk_mbb (did you mean chunk_mb?)")}
@@ -54,6 +55,10 @@ def test_a_bad_override_is_one_line_and_exit_2(app, mistakes, monkeypatch, capsy
         override, line = "max_new_tokenz=3", "unknown key max_new_tokenz (did you mean max_new_tokens?)"
     elif app == "generate":
         override, line = "max_new_tokens=abc", "max_new_tokens: Value 'abc' of type 'str' could not be converted to Integer"
+    elif app == "evaluate" and mistakes is TYPO:  # nor has evaluate
+        override, line = "max_tokenz=3", "unknown key max_tokenz (did you mean max_tokens?)"
+    elif app == "evaluate":
+        override, line = "max_tokens=abc", "max_tokens: Value 'abc' of type 'str' could not be converted to Integer"
     else:
         override, line = mistakes[APPS[app][2]]
     assert _error(app, [override], monkeypatch, capsys) == f"error: {line}"

@@ -1,6 +1,7 @@
 """trainer/cli/stage_chain.py's final table (`make pipeline`): each stage's headline figure from its first to its last
 value, RL's held-out success per evaluation effort (20 and 80, each start and end), the wall time the chain's launches
-of the stage took (summed over relaunches), and its checkpoint."""
+of the stage took (summed over relaunches), and its checkpoint; before the first stage it says the CPU threads the
+stages pick (trainer/threads.py)."""
 
 import json
 
@@ -35,3 +36,14 @@ def test_the_table_shows_both_efforts_and_the_wall_time(tmp_path):
     assert lines[0].split() == ["stage", "figure", "start", "->", "end", "wall", "time", "checkpoint"]
     assert "effort 20: 0.2500 -> 0.5000; effort 80: 0.1250 -> 0.3750" in lines[2] and "2m 10s" in lines[2]
     assert lines[1].startswith("sft ") and lines[1].endswith("ckpt/sft") and "42s" in lines[1]
+
+
+def test_the_chain_says_the_cpu_threads_before_the_first_stage(tmp_path, monkeypatch, capsys):
+    """Each stage's launch picks its threads with trainer/threads.py; the chain says the choice once, first."""
+    launched = []
+    monkeypatch.setattr(stage_chain.subprocess, "call", lambda cmd: launched.append(cmd) or 1)  # pretrain fails
+    code = stage_chain.main(["--root", str(tmp_path), "--", "trainer.device=cpu", "trainer.num_threads=1"])
+    out = capsys.readouterr().out.splitlines()
+    assert code == 1 and len(launched) == 1
+    assert out[0] == "== every stage on the CPU, threads 1 (set); `-- trainer.num_threads=<n>` sets them"
+    assert out[1].startswith("== pretrain: -m trainer.cli.main")
