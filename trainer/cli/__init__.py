@@ -8,6 +8,8 @@ package imports it (tests/test_imports.py checks).
 - `plan`: the memory and communication plan of a layout (trainer/memory_plan.py);
 - `preflight`: the trainer's start-up checks against a world size, before a launcher starts any process;
 - `stage_chain`: pretrain -> SFT -> RL -> distill -> DSpark, one run each (`make pipeline`);
+- `torchrun`: torchrun as the launchers run it: the failed rank's exit status, stop signals passed on to the
+  ranks and kept pending until their handler is installed;
 - `app`: what they share (a small app's main, one-line I/O errors, the process group of a torchrun launch).
 
 The old paths (`python -m trainer.main`, `trainer.plan`, `trainer.pipeline`, ...) forward here.
