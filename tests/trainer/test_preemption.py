@@ -115,3 +115,24 @@ def test_a_signal_blocked_before_the_handler_is_handled_at_install():
                        timeout=60)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "SIGTERM False"  # handled, and unblocked
+
+
+@pytest.mark.slow
+def test_a_stop_sent_before_the_trainer_starts_ends_it_after_one_step_with_a_checkpoint(tmp_path, small_data):
+    # As trainer/cli/torchrun.py starts its ranks: the stop signals blocked. The SIGTERM comes before the trainer has
+    # run a line (a launcher's stop while the rank imports); it stays pending until the trainer installs its handler
+    # (and unblocks it), and the run stops after its first step.
+    args = micro_overrides(tmp_path, small_data, "trainer.max_steps=500", *CONSTANT)
+    program = (
+        "import os, signal, subprocess, sys\n"
+        "signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGUSR1})\n"
+        f"p = subprocess.Popen([sys.executable, '-m', 'trainer.cli.main', *{args!r}])\n"
+        "os.kill(p.pid, signal.SIGTERM)\n"
+        "sys.exit(p.wait())\n"
+    )
+    r = subprocess.run([sys.executable, "-c", program], cwd=REPO, env=env(), capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert re.search(r"^stopped by SIGTERM at step 1/500", r.stdout, re.M), r.stdout[-3000:]
+    (ckpt,) = complete_checkpoints(tmp_path / "checkpoints")
+    assert ckpt.name == "step_00000001"
