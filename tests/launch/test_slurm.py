@@ -323,3 +323,51 @@ def test_a_stop_before_the_step_starts_starts_none(fake_slurm, sig):
     assert r.returncode == 1, (r.stdout, r.stderr)
     assert f"cedar: SIG{sig.name[3:]} before the training step started: not starting it" in r.stderr
     assert not list(log.glob("srun.*.argv")) and _requeues(events) == []
+
+
+def _call(function: str, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run one of the batch script's functions alone (its definition cut out of the script, nothing else run)."""
+    lines = SCRIPT.read_text().splitlines()
+    start = lines.index(f"{function}() {{")
+    body = "\n".join(lines[start:lines.index("}", start) + 1])
+    return subprocess.run(["bash", "-c", f'set -euo pipefail\n{body}\n{function} "$@"', function, *args],
+                          env=env, capture_output=True, text=True, timeout=30)
+
+
+@pytest.mark.parametrize("text, seconds", [("4:05", 245), ("1:00:00", 3600), ("2-03:04:05", 183845),
+                                           ("0:09", 9), ("08:09", 489)])
+def test_squeue_times_in_seconds(text, seconds):
+    r = _call("to_seconds", text)
+    assert r.returncode == 0 and r.stdout.strip() == str(seconds), r
+
+
+@pytest.mark.parametrize("text", ["UNLIMITED", "NOT_SET", "", "1:2:3:4"])
+def test_squeue_times_that_are_no_duration_fail(text):
+    assert _call("to_seconds", text).returncode != 0
+
+
+@pytest.mark.parametrize("elapsed, limit, left, wait", [
+    (3, 300, 297, "147"),  # Slurm's signal at the start: held until half the limit is left
+    (30, 120, 90, "30"),
+    (40, 86400, 600, ""),  # on time
+    (100, 300, 200, ""),  # after the first 90 s: a lead the user chose (or a user's signal)
+    (5, 300, 140, ""),  # less than half left already
+])
+def test_lead_clamp(elapsed, limit, left, wait):
+    r = _call("lead_clamp_wait", str(elapsed), str(limit), str(left))
+    assert r.returncode == 0 and r.stdout.strip() == wait, r
+
+
+def test_saved_since_counts_complete_checkpoints_newer_than_the_start(tmp_path):
+    start = int(time.time()) - 100
+    ckpts = tmp_path / "checkpoints"
+    (ckpts / ".tmp_step_9").mkdir(parents=True)  # a save in progress: no marker
+    assert _call("saved_since", str(tmp_path), str(start)).returncode != 0
+    (ckpts / "step_3").mkdir()
+    (ckpts / "step_3" / "COMPLETE").touch()
+    os.utime(ckpts / "step_3" / "COMPLETE", (start - 50, start - 50))  # an earlier start's
+    assert _call("saved_since", str(tmp_path), str(start)).returncode != 0
+    (ckpts / "step_8").mkdir()
+    (ckpts / "step_8" / "COMPLETE").touch()
+    assert _call("saved_since", str(tmp_path), str(start)).returncode == 0
+    assert _call("saved_since", str(tmp_path / "missing"), str(start)).returncode != 0
