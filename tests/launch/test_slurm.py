@@ -102,7 +102,7 @@ stop() {
 }
 trap stop TERM
 echo "worker start" >> "$CEDAR_LOG/events"
-for ((i = 0; i < 300; i++)); do sleep 0.1; done
+for ((i = 0; i < ${CEDAR_FAKE_WORKER_S:-30} * 10; i++)); do sleep 0.1; done
 echo "worker unsignalled" >> "$CEDAR_LOG/events"
 exit 1
 """,
@@ -313,6 +313,34 @@ def test_a_signal_lead_longer_than_the_time_limit_is_clamped_to_half_the_limit(f
                           "(half the limit)"), r.stdout
     _assert_graceful_stop(log, events)
     assert _requeues(events) == [f"scontrol requeue {JOB_ID}"], events
+
+
+def test_a_held_back_signal_leaves_nothing_running_when_the_step_ends_first(fake_slurm):
+    env, log = fake_slurm
+    # held back 30 s; the worker ends by itself (unsignalled, exit status 1) after 1 s
+    out_path, err_path = log / "stdout", log / "stderr"
+    with open(out_path, "w") as out, open(err_path, "w") as err:
+        proc = subprocess.Popen(["bash", str(SCRIPT)], env={**env, "CEDAR_FAKE_TIMES": "1:00 1:00",
+                                                            "CEDAR_FAKE_WORKER_S": "1"},
+                                stdout=out, stderr=err, start_new_session=True)
+    try:
+        while "worker start" not in _events(log):
+            assert proc.poll() is None, err_path.read_text()
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGUSR1)
+        assert proc.wait(timeout=20) == 1
+        assert "clamped to 30 s" in out_path.read_text()
+        time.sleep(0.2)
+        # the timer and its sleep are gone with the script (zombies waiting for init to reap them aside)
+        left = subprocess.run(["ps", "-o", "stat=,pid=,args=", "--sid", str(proc.pid)], capture_output=True,
+                              text=True).stdout.splitlines()
+        assert [line for line in left if not line.startswith("Z")] == [], left
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert _requeues(_events(log)) == [] and "worker TERM" not in _events(log)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGUSR1, signal.SIGTERM])
