@@ -55,12 +55,16 @@ def children(pid: int) -> list[int]:
 
 def _pass_on() -> None:
     """Waits for the stop signals (blocked in every thread, so they come here) and sends each to the workers."""
+    passed_on = False
     while True:
         sig = signal.sigwait(STOP_SIGNALS)
         workers = children(os.getpid())
+        if not workers and passed_on:  # a late copy of the stop: the workers' exit statuses decide
+            continue
         if not workers:  # still in the rendezvous: nothing to save
             os.write(2, f"error: {signal.Signals(sig).name} before any rank started: exiting\n".encode())
             os._exit(128 + sig)
+        passed_on = True
         for pid in workers:
             try:
                 os.kill(pid, sig)

@@ -6,6 +6,7 @@ proctrack/linuxproc on scancel), so that each rank sees it twice."""
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -101,3 +102,30 @@ def test_sigterm_to_torchrun_and_its_worker_at_once_still_saves(tmp_path, small_
     assert match, out[-3000:]
     (ckpt,) = complete_checkpoints(tmp_path / "checkpoints")
     assert ckpt.name == f"step_{int(match.group(1)):08d}"
+
+
+def test_a_stop_in_the_rendezvous_exits_143_in_one_line(tmp_path):
+    # a 2-node rendezvous whose second node never comes: torchrun waits in it with no worker
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "trainer.cli.torchrun", "--nnodes=2", "--nproc_per_node=1",
+                             "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=cedar-test",
+                             "-m", "trainer.cli.main"], cwd=REPO, env=env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not _listening(port):  # the rendezvous store is up: torchrun is waiting in it
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 143, err
+    assert err.strip().splitlines()[-1] == "error: SIGTERM before any rank started: exiting", err
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
