@@ -23,5 +23,5 @@ cd "$REPO"
 # The trainer's start-up checks against NPROC processes first: a layout that does not fit is one line, before
 # torchrun starts (instead of every rank's error and torchrun's failure report).
 "$PY" -m trainer.cli.preflight "$NPROC" "$@" || exit $?
-exec "$PY" -m torch.distributed.run --standalone --nnodes=1 --nproc_per_node="$NPROC" \
+exec "$PY" -m trainer.cli.torchrun --standalone --nnodes=1 --nproc_per_node="$NPROC" \
   -m trainer.cli.main "hydra.run.dir=$RUN_DIR" "$@"

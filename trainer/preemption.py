@@ -6,7 +6,15 @@ torchrun the signal can reach one rank before the others (or only one rank, when
 the ranks take the maximum of their flags (one tiny all-reduce over the world, on the CPU group) and all stop at the
 same step. A deadline bounds the whole thing: if the process has not exited `deadline_s` after the first signal (a
 step or a save that hangs), it exits with status 143 and one line; checkpoints are atomic, so the newest complete
-one is still the one a resume starts from. A second signal of the same kind exits at once.
+one is still the one a resume starts from.
+
+A second signal of the same kind more than `duplicate_window_s` after the first exits at once: the user means it.
+One within that window is the same stop delivered twice, not a second request: under Slurm's `proctrack/linuxproc`,
+`scancel` and `scontrol requeue` signal every process of the step, so a rank gets Slurm's SIGTERM and, a moment
+later, the one its launcher passes on (launch/README.md, "Time limits, preemption and requeue").
+
+Launchers start the ranks with the stop signals blocked (trainer/cli/torchrun.py): a stop that comes while a rank
+imports and sets up stays pending until `install` unblocks it, and is then handled, instead of killing the rank.
 """
 
 from __future__ import annotations
@@ -21,11 +29,15 @@ import torch
 import torch.distributed as dist
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+# seconds within which a second signal of the same kind is the first one delivered again (by the process tracker
+# and by a launcher), not a user asking twice
+DUPLICATE_WINDOW_S = 5.0
 
 
 class StopRequest:
-    def __init__(self, deadline_s: float) -> None:
+    def __init__(self, deadline_s: float, duplicate_window_s: float = DUPLICATE_WINDOW_S) -> None:
         self.deadline_s = deadline_s
+        self.duplicate_window_s = duplicate_window_s
         self.signal: int | None = None
         self.received_at: float | None = None
         self._previous: dict[int, object] = {}
@@ -36,11 +48,13 @@ class StopRequest:
         return signal.Signals(self.signal).name if self.signal is not None else "a peer rank's signal"
 
     def install(self) -> StopRequest:
-        """Handle the stop signals (main thread only; elsewhere, e.g. under a test runner thread, a no-op)."""
+        """Handle the stop signals, then unblock them: one a launcher kept pending is handled now (main thread only;
+        elsewhere, e.g. under a test runner thread, a no-op)."""
         if threading.current_thread() is not threading.main_thread():
             return self
         for sig in STOP_SIGNALS:
             self._previous[sig] = signal.signal(sig, self._handle)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
         return self
 
     def uninstall(self) -> None:
@@ -53,6 +67,8 @@ class StopRequest:
     def _handle(self, signum, frame) -> None:
         if self.signal is not None:
             if signum != self.signal:  # the other stop signal (e.g. Slurm's and a launcher's): the same request
+                return
+            if time.monotonic() - self.received_at < self.duplicate_window_s:  # the tracker's and the launcher's copy
                 return
             # asked twice: the user (or the scheduler) means it
             os.write(2, f"error: second {signal.Signals(signum).name}: exiting without a checkpoint\n".encode())

@@ -623,10 +623,11 @@ def _diverged_message(streak: list[tuple[int, StepStats]], limit: int, last_chec
             f"trainer.max_bad_steps={limit}), none of them applied or saved{where}")
 
 
-def fit(job: Job) -> str:
-    """Train until trainer.max_steps or a stop signal; returns `job.outcome`. The stop signals are handled only while
-    this runs (set-up, before, keeps their default action)."""
-    job.stop = StopRequest(job.trainer.stop_deadline_s).install()
+def fit(job: Job, stop: StopRequest | None = None) -> str:
+    """Train until trainer.max_steps or a stop signal; returns `job.outcome`. `stop`: a request installed before the
+    set-up (an entry point's, so that a signal during `build` is honoured too); without it the stop signals are handled
+    only while this runs. Either way they are uninstalled when it returns."""
+    job.stop = stop or StopRequest(job.trainer.stop_deadline_s).install()
     try:
         train_loop(job)
     finally:

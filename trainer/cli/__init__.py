@@ -10,6 +10,8 @@ package imports it (tests/test_imports.py checks).
 - `stage_chain`: pretrain -> SFT -> RL -> distill -> DSpark, one run each (`make pipeline`);
 - `evaluate`: the loss and perplexity of a checkpoint on a corpus or the SFT stage's held-out set;
 - `report`: a summary table and an HTML page of plots of runs' metrics.jsonl, runs overlaid;
+- `torchrun`: torchrun as the launchers run it: the failed rank's exit status, stop signals passed on to the
+  ranks and kept pending until their handler is installed;
 - `app`: what they share (a small app's main, one-line I/O errors, the process group of a torchrun launch).
 
 The old paths (`python -m trainer.main`, `trainer.plan`, `trainer.pipeline`, ...) forward here.

@@ -26,6 +26,7 @@ from trainer.checkpoint import CheckpointSaveError
 from trainer.cli.app import io_message
 from trainer.compose import CONF_DIR, check_config_groups, compose, hydra_overrides
 from trainer.config import register_configs, to_config
+from trainer.preemption import StopRequest
 from trainer.run_lock import RunLock
 
 register_configs()
@@ -57,14 +58,20 @@ def _fail(message: str, code: int) -> None:
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base=None)
 def _run(dcfg: DictConfig) -> None:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
+    stop = None
     try:
         cfg = to_config(dcfg)
+        # Before the set-up, which can take minutes: a stop signal that comes meanwhile ends the run after its first
+        # step, with a checkpoint, instead of killing it (launchers keep the signals pending until here).
+        stop = StopRequest(cfg.trainer.stop_deadline_s).install()
         job = train.build(cfg, run_dir)
     except (ValueError, OSError) as e:  # a bad value; a missing or unreadable file the set-up needs
+        if stop is not None:
+            stop.uninstall()
         RunLock.discard_dir(run_dir)  # a failed start-up leaves no run directory of its own behind
         _fail(str(e) if isinstance(e, ValueError) else io_message(e), 2)
     try:
-        outcome = train.fit(job)
+        outcome = train.fit(job, stop)
     except train.TrainingDiverged as e:
         _fail(f"training diverged: {e}", 3)
     except CheckpointSaveError as e:
