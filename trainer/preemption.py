@@ -1,20 +1,15 @@
 """Stopping on a signal: a Slurm preemption or time limit (SIGTERM, or SIGUSR1 with `--signal=USR1@...`) ends the run
 after the step in flight, with a checkpoint, on every rank alike.
 
-The handler only records the signal. The loop asks `StopRequest.agreed()` after every optimiser step: under
-torchrun the signal can reach one rank before the others (or only one rank, when a user signals one process), so
-the ranks take the maximum of their flags (one tiny all-reduce over the world, on the CPU group) and all stop at the
-same step. A deadline bounds the whole thing: if the process has not exited `deadline_s` after the first signal (a
-step or a save that hangs), it exits with status 143 and one line; checkpoints are atomic, so the newest complete
-one is still the one a resume starts from.
+Contract: `StopRequest(deadline_s).install()` handles `STOP_SIGNALS` (main thread only; elsewhere a no-op) and then
+unblocks them, so a stop a launcher kept pending is handled now; the handler only records the signal.
+`agreed(distributed)`, asked by the loop after every optimiser step, is True on every rank once any rank has one
+(a MAX all-reduce over the world when `distributed`). A second signal of the same kind more than
+`duplicate_window_s` after the first exits at once (128 + signal, one line); one within it, or the other stop
+signal, is the same stop and is ignored. If the process still runs `deadline_s` (> 0) after the first signal, it
+exits with status 143 and one line. `uninstall` puts the previous handlers back.
 
-A second signal of the same kind more than `duplicate_window_s` after the first exits at once: the user means it.
-One within that window is the same stop delivered twice, not a second request: under Slurm's `proctrack/linuxproc`,
-`scancel` and `scontrol requeue` signal every process of the step, so a rank gets Slurm's SIGTERM and, a moment
-later, the one its launcher passes on (launch/README.md, "Time limits, preemption and requeue").
-
-Launchers start the ranks with the stop signals blocked (trainer/cli/torchrun.py): a stop that comes while a rank
-imports and sets up stays pending until `install` unblocks it, and is then handled, instead of killing the rank.
+Design and reasoning: docs/training.md#stopping-on-a-signal
 """
 
 from __future__ import annotations

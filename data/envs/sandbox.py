@@ -1,20 +1,15 @@
 """Run untrusted Python (a model's answer to a code problem) where it can harm neither the trainer nor the machine.
 
-`run_sandboxed(code)` runs `code` in a fresh interpreter (`-I -S -B`) inside a bubblewrap sandbox: new user, PID,
-mount, network, IPC, UTS and cgroup namespaces, no capabilities, uid 65534 on the host too (as root, where that uid
-cannot reach the interpreter, bwrap makes no user namespace and `setpriv` drops to it: _drops_to_nobody), a
-read-only view of only the interpreter (its binary, the standard library, the shared objects they load), a
-size-limited scratch tmpfs as its working directory, its own /proc and a minimal /dev, no terminal (a session of its
-own), and the seccomp filter of data/envs/seccomp.py. The whole tree dies with the run (the PID namespace's init,
-the interpreter, is killed). The child sets rlimits (address space, CPU, file size, open files, threads) and
-installs an audit hook (PEP 578) that stops it, exit status BLOCKED_EXIT, at the first act no program here needs;
-that hook is the inner layer only.
+Contract: `run_sandboxed(code)` runs `code` in a fresh interpreter inside a bubblewrap sandbox (namespaces of its
+own, no capabilities, uid 65534 on the host too, a read-only view of only the interpreter, a size-limited scratch
+tmpfs as its working directory, the seccomp filter of data/envs/seccomp.py, rlimits, and an audit hook as the inner
+layer) and returns a `SandboxResult`; nothing the run started outlives it. `ok` only for exit 0; the child's report
+of why it stopped is believed only with exit status `BLOCKED_EXIT`. `run_many(codes)` runs a batch in parallel on
+the CPU budget, results in order. Where bwrap is missing or cannot make its namespaces, `run_sandboxed` raises
+`SandboxUnavailable` (one line naming why), unless CEDAR_SANDBOX=inprocess opts in to the audit hook and rlimits
+alone (not a security boundary; a warning at each process's first run).
 
-The code reaches the child through an inherited descriptor; the child reports why it stopped on a pipe that the
-code may write too, so that report is believed only with BLOCKED_EXIT, and "ok" only for exit 0. Where bwrap is
-missing or cannot make its namespaces, `run_sandboxed` raises `SandboxUnavailable`, unless CEDAR_SANDBOX=inprocess
-opts in to the audit hook and rlimits alone (not a security boundary; a warning at each process's first run).
-`run_many` runs a batch in parallel on the CPU budget. Design, layers and measurements: docs/environments.md.
+Design, layers and measurements: docs/environments.md#the-sandbox-dataenvssandboxpy-dataenvsseccomppy
 """
 
 from __future__ import annotations

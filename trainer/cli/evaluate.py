@@ -1,23 +1,16 @@
 """`python -m trainer.cli.evaluate ckpt=<checkpoint or run dir> [corpus=[<path>,...]] [sft_eval=true]`: the loss and
 perplexity of a checkpoint's model on text it is given, as one table (conf/evaluate.yaml lists the keys).
 
-- The checkpoint and its tokenizer are found as `generate` finds them (trainer/checkpoint/loading.py): a checkpoint
-  directory or a run directory's newest complete one, its own model config, the training run's tokenizer (or
-  `tokenizer=`). Only the model is read.
-- What is scored, one row each:
-  - `corpus`: each path is prepared shards (a directory with meta.json, made with this tokenizer), or text as
-    `data.prepare --corpus` takes it (data/prepare.py `Corpus`: a text file, one document; a .jsonl file, a document
-    per line's "text"; a directory, each file a document in sorted order, dot-files and empty files left out).
-    Documents are tokenized (shards already are), each ended with <eos>, and cut into windows of `seq_len` + 1
-    tokens every `seq_len` tokens, as the pretraining loader packs them (data/loader.py); at most `max_tokens`
-    predicted tokens per path. With neither `corpus` nor `sft_eval`, the run's own `data.path` is
-    scored; the table marks it as the training data (not held out).
-  - `sft_eval=true`: the SFT stage's held-out samples (trainer/stages/sft.py: the run's stage settings when it was an
-    SFT run, conf/stage/sft.yaml's otherwise) in the stage's batches, the mean cross-entropy of the assistant tokens:
-    the figure the stage logs as `eval/loss`.
-- Loss: mean cross-entropy in nats per predicted token; perplexity exp(loss). fp32 on a CPU, bf16 autocast on a GPU.
+Contract: the checkpoint, its model config and tokenizer are found as `generate` finds them
+(trainer/checkpoint/loading.py); only the model is read. One row per `corpus` path (prepared shards, or text as
+`data.prepare --corpus` takes it, cut into windows as the pretraining loader packs them, at most `max_tokens`
+predicted tokens each), one for `sft_eval=true` (the SFT stage's held-out samples: the stage's `eval/loss`); with
+neither, the run's own `data.path`, marked as the training data. Loss: mean cross-entropy in nats per predicted
+token; perplexity exp(loss).
 
 Exit status 0, or 2 with one `error: ...` line for a bad key, a missing or corrupt checkpoint, corpus or tokenizer.
+
+Design and reasoning: docs/training.md#evaluating-a-checkpoint
 """
 
 from __future__ import annotations

@@ -1,42 +1,16 @@
 """`python -m trainer.cli.generate ckpt=<checkpoint or run dir> prompt='<text>' max_new_tokens=<n>`: completions from a
 checkpoint saved under any parallel layout, in one process, through the built-in engine (trainer/engine/).
 
-- The checkpoint. `ckpt` is a checkpoint directory (`<run dir>/checkpoints/step_<N>`), or a run directory (or its
-  `checkpoints/`): its newest complete checkpoint. It must be complete (its COMPLETE marker) and intact (the sizes and
-  sha256 its marker records: trainer/checkpoint/checkpointer.py `verify`). Only the model part is read, `train.model`: weights and
-  MoE balancing biases under the whole model's names, which every layout saves (FSDP, TP and EP shards, pipeline
-  stages), so DCP assembles the single process's tensors from whatever the saving ranks wrote. Not the optimiser.
-- The model config is the one the checkpoint records (the marker's `model`: what was trained, stage hooks applied).
-  `model.<key>=<value>` applies on top of it and `model=<option>` replaces it, but neither may change a parameter's
-  name, shape or dtype: only switches such as the cache's quantisation (`model.quant.cache_main_kv=none`) or the
-  kernels, the keys a resume may change too (trainer/checkpoint/checkpointer.py `RESUMABLE_MODEL_KEYS`). A checkpoint that records
-  no config (format 1) needs `model=<option>`.
-- The tokenizer: `tokenizer=<tokenizer.json>`, else the training run's, read from its `.hydra/config.yaml`:
-  data.tokenizer, or the tokenizer.json next to data.path's shards (checked against the sha256 their meta.json
-  records). Engram's canonical vocabulary is derived from it as in training; its end-of-text token stops a completion
-  (`stop_at_eos`).
-- The chat template: with the default `prompt_template` a prompt is one user turn of the chat template
-  (docs/chat_template.md), encoded as the SFT and RL stages encode it, and <|end|>, which closes the assistant's
-  turn, stops the completion (`stop_at_end`). Another template (`'{prompt}'`: the raw text) is tokenized whole.
-- Prompts: `prompt=<text>`, taken verbatim (no Hydra quoting; `prompt_template` too), or `prompts_file=<jsonl>`, one
-  JSON object a line with the keys of `PROMPT_KEYS`: "prompt" (required) and optionally "id", "effort",
-  "max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop" (a string or a list), "stop_token_ids", which
-  default to the command line's values (the seed to `seed` + the prompt's index in the file). Blank lines are
-  skipped. Every prompt is rendered with `prompt_template`, tokenized and checked against `max_len` before the model
-  is built.
-- Stop strings: a completion ends at the token that completes one; its text ends before it. A stop string that is
-  one token also ends the decoding there; others are found in the decoded text afterwards (the engine stops on ids).
-- Speculative decoding: `drafter=<a DSpark run (stage=dspark) trained on this model>` drafts with its drafter and
-  verifies with the model (trainer/engine/spec_decode.py: greedy tokens exactly the plain engine's, sampled ones
-  exactly the model's distribution), `spec_tokens` drafts at most a step, `spec_schedule` auto or fixed; the
-  throughput line adds the tokens per model forward.
-- Output: each completion on stdout (a header line: id, tokens, finish reason; then `[prompt]`, the prompt's text,
-  `[completion]`, the completion's, each label on a line of its own: `shown`), or with
-  `output=<path.jsonl>` one JSON object a line (`_record`), in the prompts' order; then one line of throughput.
-
+Contract: `ckpt` (a checkpoint, or a run directory: its newest complete one) is verified and only its model part
+read, under the config it records (`model.<key>=` changes only what a resume may); the tokenizer is `tokenizer=` or
+the training run's. Prompts (`prompt=<text>` verbatim, or `prompts_file=<jsonl>` with the keys of `PROMPT_KEYS`)
+are rendered with `prompt_template` and checked against `max_len` before the model is built; `stop` strings end a
+completion before them; `drafter=<DSpark run>` decodes speculatively. Output: each completion on stdout (`shown`)
+or one JSON object a line in `output=<path.jsonl>` (`_record`), in the prompts' order, then a throughput line.
 Exit status: 0 done; 1 a request the engine refused (one line each, the others still reported); 2 a bad value,
-file, checkpoint or prompt, in one line naming it. Hydra's own refusals (a mistyped key, a value of the wrong type)
-are one line too: the overrides are composed once with the compose API before Hydra's runner (`main`).
+file, checkpoint or prompt, or a Hydra refusal, in one line naming it.
+
+Design and reasoning: docs/generation.md#command-line
 """
 
 from __future__ import annotations
