@@ -130,7 +130,7 @@ def match_config(name: str):
 
 def match_flops(cfg, seq_len: int) -> float:
     """The training FLOPs per token of the Cedar model `cfg` at `seq_len` (model/accounting.py, built on meta)."""
-    import model as model_pkg
+    import model as model_pkg  # the CLI's start-up: the model package loads here
 
     with torch.device("meta"):
         matched = model_pkg.build(cfg)
