@@ -7,7 +7,9 @@
 #
 # engine-tests: the compiled and CUDA-graph engine tests alone; decode-4k: the decode benchmark at 4K context alone.
 # The step runs with full activation checkpointing on a GPU under 100 GB (the planner puts v41_proxy's step at 93 GB
-# without, 69 GB with); AC=none|full overrides; PEER=0 skips the dense peer.
+# without, 69 GB with); AC=none|full overrides; PEER=0 skips the dense peer. PEER=moe runs instead v41_small's step
+# (4 x 2048 tokens, compiled + fused loss) and its MoE peer at the same batch (bench/moe_peer_step.py), and prints
+# Cedar / MoE peer in MFU against the matmul rate measured in each process (issue 41's ratio).
 # Writes OUT_DIR/PHASE.txt (and PHASE.jsonl where the benchmark emits rows).
 set -uo pipefail
 out=${1:?usage: bench/gpu_engine_step.sh OUT_DIR PHASE [SECONDS]}
@@ -40,6 +42,25 @@ case "$phase" in
       echo "generation exit $?"
     } > "$out/decode.txt" 2>&1 ;;
   step)
+    if [ "${PEER:-1}" = moe ]; then
+      {
+        timeout "$limit" python3 bench/profile_step.py --model v41_small --batch-size 4 --seq-len 2048 \
+          --modes compiled+fused --json "$out/step.jsonl"
+        echo "profile_step exit $?"
+        timeout "$limit" python3 bench/moe_peer_step.py --match v41_small --batch-size 4 --seq-len 2048 \
+          --steps 10 --warmup 3 --json "$out/step.jsonl"
+        echo "moe_peer_step exit $?"
+        python3 - "$out/step.jsonl" <<'PY'
+import json, sys
+rows = [json.loads(line) for line in open(sys.argv[1])]
+cedar = [r["mfu_measured"] for r in rows if r["model"] == "v41_small" and "mfu_measured" in r]
+peer = [r["mfu_measured"] for r in rows if r["model"] == "MoE peer of v41_small"]
+if cedar and peer:
+    print(f"Cedar / MoE peer (MFU against each process's measured bf16 matmul rate): {cedar[-1] / peer[-1]:.2f}")
+PY
+      } > "$out/step.txt" 2>&1
+      exit 0
+    fi
     mem=$(python3 -c "import torch; print(torch.cuda.get_device_properties(0).total_memory // 2**30)")
     ac=${AC:-$( (( mem < 100 )) && echo full || echo none )}
     {

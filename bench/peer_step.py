@@ -34,31 +34,50 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
+class Attention(nn.Module):
+    """Fused q/k/v projection, rotary embedding, causal `scaled_dot_product_attention` (flash attention on a GPU),
+    output projection: x [B, T, D] -> [B, T, D], heads of D / heads."""
+
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        self.heads, self.head_dim = heads, dim // heads
+        self.qkv = nn.Linear(dim, 3 * dim, bias=False)
+        self.o = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        B, T, D = x.shape
+        q, k, v = self.qkv(x).view(B, T, 3, self.heads, self.head_dim).unbind(2)
+        q, k = (rope(t, cos, sin).transpose(1, 2) for t in (q, k))  # [B, H, T, Dh]
+        a = F.scaled_dot_product_attention(q, k, v.transpose(1, 2), is_causal=True)
+        return self.o(a.transpose(1, 2).reshape(B, T, D))
+
+
 class Block(nn.Module):
     def __init__(self, dim: int, heads: int, ffn: int):
         super().__init__()
-        self.heads, self.head_dim = heads, dim // heads
         self.attn_norm, self.mlp_norm = nn.RMSNorm(dim), nn.RMSNorm(dim)
-        self.qkv = nn.Linear(dim, 3 * dim, bias=False)
-        self.o = nn.Linear(dim, dim, bias=False)
+        self.attn = Attention(dim, heads)
         self.w13 = nn.Linear(dim, 2 * ffn, bias=False)
         self.w2 = nn.Linear(ffn, dim, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        B, T, D = x.shape
-        q, k, v = self.qkv(self.attn_norm(x)).view(B, T, 3, self.heads, self.head_dim).unbind(2)
-        q, k = (_rope(t, cos, sin).transpose(1, 2) for t in (q, k))  # [B, H, T, Dh]
-        a = F.scaled_dot_product_attention(q, k, v.transpose(1, 2), is_causal=True)
-        x = x + self.o(a.transpose(1, 2).reshape(B, T, D))
+        x = x + self.attn(self.attn_norm(x), cos, sin)
         gate, up = self.w13(self.mlp_norm(x)).chunk(2, dim=-1)
         return x + self.w2(F.silu(gate) * up)
 
 
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotary embedding on halves: x [B, T, H, Dh], cos / sin [T, Dh/2]."""
     a, b = x.float().chunk(2, dim=-1)
     c, s = cos[None, :, None], sin[None, :, None]
     return torch.cat((a * c - b * s, a * s + b * c), dim=-1).to(x.dtype)
+
+
+def rope_tables(head_dim: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [seq_len, head_dim / 2] fp32 of the rotary angles (base 10000)."""
+    half = head_dim // 2
+    angles = torch.arange(seq_len)[:, None] * 10000.0 ** (-torch.arange(half) / half)
+    return angles.cos(), angles.sin()
 
 
 class DenseLM(nn.Module):
@@ -68,10 +87,9 @@ class DenseLM(nn.Module):
         self.blocks = nn.ModuleList(Block(dim, heads, ffn) for _ in range(layers))
         self.norm = nn.RMSNorm(dim)
         self.head = nn.Linear(dim, vocab, bias=False)
-        half = dim // heads // 2
-        angles = torch.arange(seq_len)[:, None] * 10000.0 ** (-torch.arange(half) / half)
-        self.register_buffer("cos", angles.cos(), persistent=False)
-        self.register_buffer("sin", angles.sin(), persistent=False)
+        cos, sin = rope_tables(dim // heads, seq_len)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
         for p in self.parameters():
             nn.init.normal_(p, std=0.02) if p.dim() > 1 else None
 
@@ -100,12 +118,34 @@ def matmul_rate(device: torch.device) -> float:
     return measure_matmul_flops(device, torch.bfloat16, size=8192, repeats=10)
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def match_config(name: str):
+    """conf/model/<name>.yaml as the trainer reads it (model.config.ModelConfig); an unknown name exits with one
+    line (code 2)."""
+    from tests.helpers import ROOT, load_config  # the CLI's start-up: OmegaConf and the model package load here
+
+    if not (ROOT / "conf" / "model" / f"{name}.yaml").is_file():
+        fail(f"--match: no model config conf/model/{name}.yaml")
+    return load_config(name)
+
+
+def match_flops(cfg, seq_len: int) -> float:
+    """The training FLOPs per token of the Cedar model `cfg` at `seq_len` (model/accounting.py, built on meta)."""
+    import model as model_pkg  # the CLI's start-up: the model package loads here
+
+    with torch.device("meta"):
+        matched = model_pkg.build(cfg)
+    return matched.flops_per_token(seq_len)  # outside the meta context: the count's own tensors are real
+
+
+def fail(message: str) -> None:
+    """Bad input: one line on stderr, exit code 2."""
+    print(f"{Path(sys.argv[0]).name}: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def add_step_args(p: argparse.ArgumentParser) -> None:
+    """The arguments every peer takes: the matched model, the batch, the timing, the device and the JSON file."""
     p.add_argument("--match", default="v41_small")
-    p.add_argument("--dim", type=int, default=1536)
-    p.add_argument("--heads", type=int, default=12)
-    p.add_argument("--ffn", type=int, default=4096)
     p.add_argument("--layers", type=int, default=0, help="0: the depth closest to --match's FLOPs per token")
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=2048)
@@ -114,38 +154,21 @@ def main() -> None:
     p.add_argument("--no-compile", action="store_true")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--json", type=Path)
-    args = p.parse_args()
 
-    import model as model_pkg
-    from tests.helpers import load_config
-    from trainer.metrics import device_peak_flops
 
-    cfg = load_config(args.match)
-    with torch.device("meta"):
-        matched = model_pkg.build(cfg)
-    target = matched.flops_per_token(args.seq_len)
-    layers = args.layers or min(range(1, 200), key=lambda n: abs(
-        peer_flops(cfg.vocab_size, args.dim, n, args.ffn, args.seq_len) - target))
-    device = torch.device(args.device)
-    torch.manual_seed(0)
-    model = DenseLM(cfg.vocab_size, args.dim, layers, args.heads, args.ffn, args.seq_len).to(device)
-    if not args.no_compile:
-        for block in model.blocks:
-            block.compile()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
-    cuda = device.type == "cuda"
-    gen = torch.Generator().manual_seed(1)
+def check_step_args(args: argparse.Namespace) -> None:
+    for name in ("batch_size", "seq_len", "steps"):
+        if getattr(args, name) < 1:
+            fail(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if args.layers < 0 or args.warmup < 0:
+        fail(f"--layers and --warmup must be at least 0, got {args.layers} and {args.warmup}")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        fail(f"--device {args.device}: no CUDA device here")
 
-    def step() -> float:
-        ids = torch.randint(0, cfg.vocab_size, (args.batch_size, args.seq_len + 1), generator=gen).to(device)
-        with torch.autocast(device.type, dtype=torch.bfloat16):
-            logits = model(ids[:, :-1])
-        loss = F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return float(loss)
 
+def time_steps(step, args: argparse.Namespace, cuda: bool) -> tuple[float, float, float]:
+    """`args.warmup` calls of step() (compilation included), then `args.steps` timed ones -> (seconds per step,
+    warm-up seconds, the last step's loss). On CUDA the peak-memory counter restarts after the warm-up."""
     t0 = time.perf_counter()
     for _ in range(args.warmup):
         step()
@@ -156,30 +179,82 @@ def main() -> None:
     t0 = time.perf_counter()
     for _ in range(args.steps):
         loss = step()  # float(): a host sync per step, as the trainer's logged loss
-    wall = (time.perf_counter() - t0) / args.steps
+    return (time.perf_counter() - t0) / args.steps, warmup_s, loss
+
+
+def report(description: str, label: str, fields: dict, model: nn.Module, flops: float, target: float,
+           timing: tuple[float, float, float], args: argparse.Namespace, device: torch.device) -> dict:
+    """Prints `description` and the step line (time, tokens/s, MFU against the bf16 matmul rate measured now and
+    against the datasheet, peak memory); returns the row (`label`, the device, `fields`, the timing), appended to
+    `args.json` as one line when given."""
+    from trainer.metrics import device_peak_flops
+
+    wall, warmup_s, loss = timing
+    cuda = device.type == "cuda"
     tokens = args.batch_size * args.seq_len
-    flops = model.flops_per_token(args.seq_len)
     measured = matmul_rate(device) if cuda else device_peak_flops(device)
     datasheet = device_peak_flops(device)
-    row = {"model": f"dense peer of {args.match}", "device": torch.cuda.get_device_name() if cuda else "cpu",
-           "torch": torch.__version__, "dim": args.dim, "layers": layers, "heads": args.heads, "ffn": args.ffn,
-           "vocab": cfg.vocab_size, "params": sum(p.numel() for p in model.parameters()),
+    row = {"model": label, "device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
+           **fields, "params": sum(p.numel() for p in model.parameters()),
            "batch": args.batch_size, "seq_len": args.seq_len, "compiled": not args.no_compile,
            "flops_per_token": flops, "match_flops_per_token": target, "step_ms": wall * 1e3,
-           "tokens_s": tokens / wall, "matmul_tflops_measured": measured / 1e12,
+           "tokens_s": tokens / wall, "tflops_s": flops * tokens / wall / 1e12,
+           "matmul_tflops_measured": measured / 1e12,
            "mfu_measured": flops * tokens / wall / measured, "mfu_datasheet": flops * tokens / wall / datasheet,
            "peak_gib": torch.cuda.max_memory_allocated() / 2 ** 30 if cuda else float("nan"),
            "warmup_s": warmup_s, "loss": loss}
-    print(f"dense peer of {args.match}: dim {args.dim}, {layers} layers, {args.heads} heads, SwiGLU {args.ffn}, "
-          f"vocab {cfg.vocab_size} ({row['params'] / 1e6:.0f}M parameters); {flops / 1e9:.3f} GFLOP/token "
-          f"({args.match}: {target / 1e9:.3f}); {args.batch_size} x {args.seq_len} tokens, "
-          f"{'compiled' if row['compiled'] else 'eager'}")
-    print(f"step {wall * 1e3:.1f} ms, {tokens / wall:,.0f} tokens/s, MFU {row['mfu_measured']:.1%} of the measured "
-          f"bf16 matmul rate ({measured / 1e12:.0f} TFLOP/s), {row['mfu_datasheet']:.1%} of the datasheet's "
-          f"({datasheet / 1e12:.0f}); peak {row['peak_gib']:.2f} GiB; warm-up {warmup_s:.1f} s; loss {loss:.4f}")
+    print(f"{description}; {flops / 1e9:.3f} GFLOP/token ({args.match}: {target / 1e9:.3f}); {args.batch_size} x "
+          f"{args.seq_len} tokens, {'compiled' if row['compiled'] else 'eager'}")
+    print(f"step {wall * 1e3:.1f} ms, {tokens / wall:,.0f} tokens/s, {row['tflops_s']:.1f} TFLOP/s, "
+          f"MFU {row['mfu_measured']:.1%} of the measured bf16 matmul rate ({measured / 1e12:.0f} TFLOP/s), "
+          f"{row['mfu_datasheet']:.1%} of the datasheet's ({datasheet / 1e12:.0f}); peak {row['peak_gib']:.2f} GiB; "
+          f"warm-up {warmup_s:.1f} s; loss {loss:.4f}")
     if args.json:
         with open(args.json, "a") as f:
             f.write(json.dumps(row) + "\n")
+    return row
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_step_args(p)
+    p.add_argument("--dim", type=int, default=1536)
+    p.add_argument("--heads", type=int, default=12)
+    p.add_argument("--ffn", type=int, default=4096)
+    args = p.parse_args()
+    check_step_args(args)
+    if args.dim < 1 or args.heads < 1 or args.ffn < 1 or args.dim % args.heads:
+        fail(f"--dim {args.dim}, --heads {args.heads}, --ffn {args.ffn}: positive, dim a multiple of heads")
+
+    cfg = match_config(args.match)
+    target = match_flops(cfg, args.seq_len)
+    layers = args.layers or min(range(1, 200), key=lambda n: abs(
+        peer_flops(cfg.vocab_size, args.dim, n, args.ffn, args.seq_len) - target))
+    device = torch.device(args.device)
+    torch.manual_seed(0)
+    model = DenseLM(cfg.vocab_size, args.dim, layers, args.heads, args.ffn, args.seq_len).to(device)
+    if not args.no_compile:
+        for block in model.blocks:
+            block.compile()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+    gen = torch.Generator().manual_seed(1)
+
+    def step() -> float:
+        ids = torch.randint(0, cfg.vocab_size, (args.batch_size, args.seq_len + 1), generator=gen).to(device)
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            logits = model(ids[:, :-1])
+        loss = F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return float(loss.detach())
+
+    timing = time_steps(step, args, device.type == "cuda")
+    params = sum(p.numel() for p in model.parameters())
+    report(f"dense peer of {args.match}: dim {args.dim}, {layers} layers, {args.heads} heads, SwiGLU {args.ffn}, "
+           f"vocab {cfg.vocab_size} ({params / 1e6:.0f}M parameters)", f"dense peer of {args.match}",
+           {"dim": args.dim, "layers": layers, "heads": args.heads, "ffn": args.ffn, "vocab": cfg.vocab_size},
+           model, model.flops_per_token(args.seq_len), target, timing, args, device)
 
 
 if __name__ == "__main__":
