@@ -17,6 +17,11 @@ from trainer.compose import CONF_DIR, compose_app
 __all__ = ["run_app", "io_message", "join_world", "device_named"]
 
 
+def old_path(old: str, new: str) -> None:
+    """An old command path (`python -m trainer.<old>`) says, in one line on stderr, the command it runs now."""
+    print(f"note: `python -m {old}` is now `python -m {new}`; the old path will go", file=sys.stderr)
+
+
 def io_message(e: OSError) -> str:
     """One line for a file the set-up could not read or write (the data, a tokenizer, the run directory)."""
     where = f" {e.filename}" if e.filename else ""

@@ -449,6 +449,9 @@ def main(argv: list[str] | None = None) -> None:
     import hydra
 
     argv = sys.argv[1:] if argv is None else list(argv)
+    if any(a in ("-h", "--help") for a in argv):
+        print(__doc__.strip() + "\n\nKeys (conf/generate.yaml):\n" + (CONF_DIR / "generate.yaml").read_text())
+        return
     try:
         args, model_overrides = _hydra_arguments(argv)
         check_config_groups(args)

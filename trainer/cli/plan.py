@@ -90,6 +90,9 @@ def table(result: dict) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
+    if any(a in ("-h", "--help") for a in argv):
+        print(__doc__.strip())
+        return
     try:
         world_size, as_json, overrides = _split_flags(argv)
         result = plan(compose(overrides), world_size)

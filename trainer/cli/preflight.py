@@ -25,6 +25,9 @@ def check(world_size: int, overrides: list[str]) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
+    if any(a in ("-h", "--help") for a in args):
+        print(__doc__.strip())
+        return
     if not args or not args[0].isdigit() or int(args[0]) < 1:
         print("usage: python -m trainer.cli.preflight WORLD_SIZE [hydra overrides...]", file=sys.stderr)
         sys.exit(2)

@@ -77,3 +77,13 @@ def test_a_key_with_no_close_match_lists_its_section(monkeypatch, capsys):
 ])
 def test_hydra_flags_are_not_overrides(argv, overrides):
     assert hydra_overrides(argv) == overrides
+
+
+@pytest.mark.parametrize("name", ["plan", "preflight", "generate", "export_hf", "import_hf", "evaluate"])
+def test_help_prints_the_usage_and_exits_0(name, monkeypatch, capsys):
+    """`--help` is not taken for an override: each app prints its usage (the command line it documents) and ends."""
+    apps = {"plan": plan.main, "preflight": preflight.main, "generate": generate.main, "export_hf": export_hf.main,
+            "import_hf": import_hf.main, "evaluate": evaluate.main}
+    apps[name](["--help"])
+    out = capsys.readouterr()
+    assert f"python -m trainer.cli.{name}" in out.out and out.err == ""
