@@ -1,5 +1,6 @@
 """trainer/cli/stage_chain.py's final table (`make pipeline`): each stage's headline figure from its first to its last
-value, RL's held-out success per evaluation effort (20 and 80, each start and end), the wall time the chain's launches
+value, RL's held-out success per evaluation effort (20 and 80, each start and end) and its training reward's trend
+(the mean of the first 5 steps -> the last 5), the wall time the chain's launches
 of the stage took (summed over relaunches), and its checkpoint."""
 
 import json
@@ -35,3 +36,15 @@ def test_the_table_shows_both_efforts_and_the_wall_time(tmp_path):
     assert lines[0].split() == ["stage", "figure", "start", "->", "end", "wall", "time", "checkpoint"]
     assert "effort 20: 0.2500 -> 0.5000; effort 80: 0.1250 -> 0.3750" in lines[2] and "2m 10s" in lines[2]
     assert lines[1].startswith("sft ") and lines[1].endswith("ckpt/sft") and "42s" in lines[1]
+
+
+def test_rl_gets_a_row_for_the_training_reward_trend(tmp_path):
+    rl, short = tmp_path / "rl", tmp_path / "short"
+    rewards = [0.1, 0.2, 0.3, 0.2, 0.2, 0.5, 0.5, 0.4, 0.3, 0.3, 0.3, 0.4]
+    _metrics(rl, [{"step": 0, "eval/success_e20": 0.25}]
+             + [{"step": i + 1, "rl/reward": r} for i, r in enumerate(rewards)])
+    assert stage_chain.trend("rl", rl) == ("training reward, mean of the first 5 -> last 5 steps", "0.2000 -> 0.3400")
+    _metrics(short, [{"step": i + 1, "rl/reward": r} for i, r in enumerate([0.1, 0.3, 0.5])])
+    assert stage_chain.trend("rl", short) == ("training reward, mean of the first 1 -> last 1 steps", "0.1000 -> 0.5000")
+    assert stage_chain.trend("rl", tmp_path / "none")[1] == "-"
+    assert stage_chain.trend("sft", rl) is None
