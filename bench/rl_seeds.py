@@ -1,6 +1,6 @@
 """Issue 42's criterion for the pipeline's RL stage, over seeds: for each SFT checkpoint and each trainer.seed, one run
 of the RL stage exactly as `make pipeline` configures it (trainer/cli/stage_chain.py's overrides), then per run the
-training reward's mean over the first 5 steps -> the last 5, the held-out greedy success (mean of efforts 20 and 80)
+training reward's mean over the first 5 steps -> the last 5 (and over each 5 steps), the held-out greedy success (mean of efforts 20 and 80)
 at the start -> the end, and the held-out mean response length at effort 20 and 80 (start -> end); per SFT
 checkpoint, in how many runs each rose (the issue asks for at least 4 of 5).
 
@@ -26,6 +26,7 @@ sys.path.insert(0, str(REPO))
 from trainer.cli.stage_chain import STAGES, TREND_STEPS, _records, _steps, final_checkpoint  # noqa: E402
 
 EFFORTS = (20, 80)
+WALL = "rl_seeds_wall.json"  # in a run's directory: the seconds its launch took (reprinted by --report)
 
 
 def rl_overrides() -> tuple[list[str], int]:
@@ -43,7 +44,9 @@ def figures(run: Path) -> dict:
         raise ValueError(f"{run}: no finished RL run there (metrics.jsonl has {len(rewards)} steps, "
                          f"{len(evals)} evaluations)")
     first, last = evals[0], evals[-1]
+    windows = [rewards[i:i + TREND_STEPS] for i in range(0, len(rewards), TREND_STEPS)]
     out = {"reward_first": sum(rewards[:k]) / k, "reward_last": sum(rewards[-k:]) / k,
+           "reward_windows": [sum(w) / len(w) for w in windows],
            "success_start": first["eval/success"], "success_end": last["eval/success"], "steps": len(rewards)}
     for e in EFFORTS:
         out[f"success_e{e}"] = (first[f"eval/success_e{e}"], last[f"eval/success_e{e}"])
@@ -67,14 +70,15 @@ def run_one(sft: Path, seed: int, run: Path, overrides: list[str], steps: int, e
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| SFT | seed | reward first 5 -> last 5 | held-out success (mean of e20, e80) start -> end | "
-             "e20 | e80 | length e20 | length e80 | wall |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| SFT | seed | reward first 5 -> last 5 | reward by 5 steps | held-out success (mean of e20, e80) start -> end | "
+             "e20 | e80 | length e20 | length e80 | wall |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         f = r["figures"]
         up = "up" if f["reward_last"] > f["reward_first"] else "not up"
         held = "up" if f["success_end"] > f["success_start"] else "not up"
         lines.append(
             f"| {r['sft']} | {r['seed']} | {f['reward_first']:.3f} -> {f['reward_last']:.3f} ({up}) | "
+            + ", ".join(f"{w:.3f}" for w in f["reward_windows"]) + " | "
             f"{f['success_start']:.3f} -> {f['success_end']:.3f} ({held}) | "
             + " | ".join(f"{a:.3f} -> {b:.3f}" for a, b in (f["success_e20"], f["success_e80"])) + " | "
             + " | ".join(f"{a:.1f} -> {b:.1f}" for a, b in (f["len_e20"], f["len_e80"])) + " | "
@@ -108,6 +112,11 @@ def main(argv: list[str] | None = None) -> int:
             wall = None if args.report else run_one(sft.resolve(), seed, run, overrides, steps, args.overrides)
             if args.report and final_checkpoint(run, steps) is None:
                 continue
+            wall_file = run / WALL
+            if wall is not None:
+                wall_file.write_text(json.dumps({"wall_s": wall}))
+            elif wall_file.is_file():
+                wall = json.loads(wall_file.read_text())["wall_s"]
             rows.append({"sft": sft.name, "seed": seed, "run": str(run), "wall_s": wall, "figures": figures(run)})
     root.mkdir(parents=True, exist_ok=True)
     (root / "rl_seeds.json").write_text(json.dumps(rows, indent=1))
