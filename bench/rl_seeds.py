@@ -1,8 +1,8 @@
 """Issue 42's criterion for the pipeline's RL stage, over seeds: for each SFT checkpoint and each trainer.seed, one run
 of the RL stage exactly as `make pipeline` configures it (trainer/cli/stage_chain.py's overrides), then per run the
-training reward's mean over the first 5 steps -> the last 5 (and over each 5 steps), the held-out greedy success (mean of efforts 20 and 80)
-at the start -> the end, and the held-out mean response length at effort 20 and 80 (start -> end); per SFT
-checkpoint, in how many runs each rose (the issue asks for at least 4 of 5).
+training reward's mean over the first 5 steps -> the last 5 (and over each 5 steps), the held-out greedy success
+(mean of efforts 20 and 80) at the start -> the end, and the held-out mean response length at effort 20 and 80
+(start -> end); per SFT checkpoint, in how many runs each rose (the issue asks for at least 4 of 5).
 
     python bench/rl_seeds.py --sft runs42/sft0 --sft runs42/sft1 --seeds 0 1 2 3 4 --root runs42/rl [-- overrides]
 
@@ -70,8 +70,8 @@ def run_one(sft: Path, seed: int, run: Path, overrides: list[str], steps: int, e
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| SFT | seed | reward first 5 -> last 5 | reward by 5 steps | held-out success (mean of e20, e80) start -> end | "
-             "e20 | e80 | length e20 | length e80 | wall |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| SFT | seed | reward first 5 -> last 5 | reward by 5 steps | held-out success (mean of e20, e80) "
+             "start -> end | e20 | e80 | length e20 | length e80 | wall |", "|" + " --- |" * 10]
     for r in rows:
         f = r["figures"]
         up = "up" if f["reward_last"] > f["reward_first"] else "not up"

@@ -5,9 +5,9 @@ distilled model (`make pipeline`).
 stage as its own `python -m trainer.cli.main` launch (a run directory per stage under --root), each starting from the
 previous stage's checkpoint (checkpoint.init_from), and ends with a table of each stage's headline figure (start ->
 end; RL's held-out success per evaluation effort, and in a second row its training reward, the mean of the first 5
-steps -> the last 5), its wall time and where its checkpoint is (`make pipeline
-PIPELINE_ARGS="--scale 0.5 --root runs/x" ARGS="<overrides>"`). Distillation puts the post-trained model into a fresh student: the student starts from the
-pretrained weights and learns, on its own samples, the RL model's distributions (the SFT model itself as the
+steps -> the last 5), its wall time and where its checkpoint is (`make pipeline PIPELINE_ARGS="--scale 0.5 --root
+runs/x" ARGS="<overrides>"`). Distillation puts the post-trained model into a fresh student: the student starts from
+the pretrained weights and learns, on its own samples, the RL model's distributions (the SFT model itself as the
 student would start within 0.03 nats of its teachers, below the noise of the updates: BENCHMARKS.md). The drafter
 learns the distilled model's distributions on the pretraining data, the model frozen (trainer/stages/dspark.py).
 A stage whose run directory already holds its final checkpoint is not run again (relaunching resumes an interrupted
@@ -50,7 +50,8 @@ STAGES = (
 HEADLINE = {"pretrain": ("loss", "train loss"), "sft": ("eval/loss", "held-out assistant loss"),
             "rl": ("eval/success", "held-out success"), "distill": ("eval/kl", "held-out KL to teacher"),
             "dspark": ("acceptance_len", "held-out acceptance length tau")}
-TREND = {"rl": ("rl/reward", "training reward")}  # a second row: the per-step figure's mean over the first and last steps
+# a second row for a stage with a per-step training figure: its mean over the first and the last TREND_STEPS steps
+TREND = {"rl": ("rl/reward", "training reward")}
 TREND_STEPS = 5
 WALL = "stage_chain.json"  # in a stage's run directory: the seconds its launches took, summed over relaunches
 

@@ -45,6 +45,7 @@ def test_rl_gets_a_row_for_the_training_reward_trend(tmp_path):
              + [{"step": i + 1, "rl/reward": r} for i, r in enumerate(rewards)])
     assert stage_chain.trend("rl", rl) == ("training reward, mean of the first 5 -> last 5 steps", "0.2000 -> 0.3400")
     _metrics(short, [{"step": i + 1, "rl/reward": r} for i, r in enumerate([0.1, 0.3, 0.5])])
-    assert stage_chain.trend("rl", short) == ("training reward, mean of the first 1 -> last 1 steps", "0.1000 -> 0.5000")
+    assert stage_chain.trend("rl", short) == ("training reward, mean of the first 1 -> last 1 steps",
+                                              "0.1000 -> 0.5000")
     assert stage_chain.trend("rl", tmp_path / "none")[1] == "-"
     assert stage_chain.trend("sft", rl) is None
