@@ -165,11 +165,13 @@ def get_env(name: str) -> Environment:
 
 
 def sample_problems(
-    names: list[str], n: int, seed: int, difficulty: int | list[int] | None = None
+    names: list[str], n: int, seed: int, difficulty: int | list[int] | None = None, *, stratify: bool = False
 ) -> list[Problem]:
     """`n` problems cycling through the environments `names` in order (problem i from names[i % len(names)]), a
     function of `seed` alone. `difficulty`: one level for all, a list to draw each problem's level from uniformly,
-    or None for uniform over each environment's own levels. A level an environment lacks is a ValueError."""
+    or None for uniform over each environment's own levels. A level an environment lacks is a ValueError.
+    `stratify`: each environment's levels are dealt evenly over its problems (counts differing by at most one, in
+    a shuffled order) instead of drawn independently, so every batch holds the same mix of difficulties."""
     if isinstance(names, str) or not names:
         raise ValueError(f"names must be a non-empty list of environment names, got {names!r}")
     if isinstance(n, bool) or not isinstance(n, int) or n < 0:
@@ -183,9 +185,24 @@ def sample_problems(
             for level in choices:
                 _check_difficulty(level, env.levels, f"env {env.name!r}")
     rng = random.Random(seed)
+    dealt = [_dealt_levels(rng, env, choices if difficulty is not None else None, len(range(j, n, len(envs))))
+             for j, env in enumerate(envs)] if stratify else None
     problems = []
     for i in range(n):
         env = envs[i % len(envs)]
-        level = rng.randint(1, env.levels) if difficulty is None else rng.choice(choices)
+        if dealt is not None:
+            level = dealt[i % len(envs)][i // len(envs)]
+        else:
+            level = rng.randint(1, env.levels) if difficulty is None else rng.choice(choices)
         problems.append(env.sample(rng, level))
     return problems
+
+
+def _dealt_levels(rng: random.Random, env: Environment, choices: list[int] | None, count: int) -> list[int]:
+    """`count` levels of `choices` (None: every level of `env`) in equal shares, the remainder from a random start,
+    shuffled."""
+    levels = list(choices) if choices is not None else list(range(1, env.levels + 1))
+    start = rng.randrange(len(levels))
+    out = [levels[(start + i) % len(levels)] for i in range(count)]
+    rng.shuffle(out)
+    return out

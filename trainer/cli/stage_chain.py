@@ -4,9 +4,10 @@ distilled model (`make pipeline`).
 `python -m trainer.cli.stage_chain [--root runs/pipeline] [--scale 1.0] [-- <overrides for every stage>]` runs each
 stage as its own `python -m trainer.cli.main` launch (a run directory per stage under --root), each starting from the
 previous stage's checkpoint (checkpoint.init_from), and ends with a table of each stage's headline figure (start ->
-end; RL's held-out success per evaluation effort), its wall time and where its checkpoint is (`make pipeline
-PIPELINE_ARGS="--scale 0.5 --root runs/x" ARGS="<overrides>"`). Distillation puts the post-trained model into a fresh student: the student starts from the
-pretrained weights and learns, on its own samples, the RL model's distributions (the SFT model itself as the
+end; RL's held-out success per evaluation effort, and in a second row its training reward, the mean of the first 5
+steps -> the last 5), its wall time and where its checkpoint is (`make pipeline PIPELINE_ARGS="--scale 0.5 --root
+runs/x" ARGS="<overrides>"`). Distillation puts the post-trained model into a fresh student: the student starts from
+the pretrained weights and learns, on its own samples, the RL model's distributions (the SFT model itself as the
 student would start within 0.03 nats of its teachers, below the noise of the updates: BENCHMARKS.md). The drafter
 learns the distilled model's distributions on the pretraining data, the model frozen (trainer/stages/dspark.py).
 A stage whose run directory already holds its final checkpoint is not run again (relaunching resumes an interrupted
@@ -38,9 +39,12 @@ STAGES = (
     # rollouts are prompt (~10 tokens) + at most max_new_tokens (24): micro-batches padded to 64, not to 128.
     # lr 1e-4 held constant (3e-5 cosine-decayed moved the policy too little to change the training reward against an
     # lr-0 run on the same prompts) and router biases frozen (their balancing update follows loads that are mostly
-    # padding and moves the policy without regard to the reward): BENCHMARKS.md, issue 42, session 21
-    ("rl", ["stage=rl", "trainer.max_steps=20", "stage.prompts_per_step=16", "optim.lr=1e-4", "optim.schedule=constant",
-            "optim.warmup_steps=0", "model.moe.bias_update_rate=0", "data.seq_len=64", "checkpoint.interval=10"]),
+    # padding and moves the policy without regard to the reward): BENCHMARKS.md, issue 42, session 21. A training set
+    # of 80 prompts visited in 4 epochs of 5 steps: each epoch's training reward is over the same prompts (fresh
+    # draws made the reward's trend the draws' difficulty): session 22
+    ("rl", ["stage=rl", "trainer.max_steps=20", "stage.prompts_per_step=16", "stage.train_prompts=80", "optim.lr=1e-4",
+            "optim.schedule=constant", "optim.warmup_steps=0", "model.moe.bias_update_rate=0", "data.seq_len=64",
+            "checkpoint.interval=10"]),
     ("distill", ["stage=distill", "trainer.max_steps=30", "optim.lr=1e-3", "optim.warmup_steps=0", "data.seq_len=64",
                  "checkpoint.interval=10", "stage.envs=[arithmetic]", "stage.difficulty=[1]", "stage.num_eval=64"]),
     ("dspark", ["stage=dspark", "trainer.max_steps=200", "optim.lr=3e-3", "optim.warmup_steps=20",
@@ -49,6 +53,9 @@ STAGES = (
 HEADLINE = {"pretrain": ("loss", "train loss"), "sft": ("eval/loss", "held-out assistant loss"),
             "rl": ("eval/success", "held-out success"), "distill": ("eval/kl", "held-out KL to teacher"),
             "dspark": ("acceptance_len", "held-out acceptance length tau")}
+# a second row for a stage with a per-step training figure: its mean over the first and the last TREND_STEPS steps
+TREND = {"rl": ("rl/reward", "training reward")}
+TREND_STEPS = 5
 WALL = "stage_chain.json"  # in a stage's run directory: the seconds its launches took, summed over relaunches
 
 
@@ -77,6 +84,21 @@ def headline(stage: str, run: Path) -> tuple[str, str]:
                    for e in per_effort]
         return what, "; ".join(figures)
     return what, _start_end([r[key] for r in records if r.get(key) is not None])
+
+
+def trend(stage: str, run: Path) -> tuple[str, str] | None:
+    """(what, the mean of the first TREND_STEPS steps' values -> the last TREND_STEPS') for a stage with a per-step
+    training figure (RL's reward); the windows shrink to half the steps when there are fewer than twice as many.
+    None for the other stages."""
+    if stage not in TREND:
+        return None
+    key, what = TREND[stage]
+    values = [r[key] for r in _records(run) if r.get(key) is not None]
+    k = min(TREND_STEPS, len(values) // 2)
+    if k == 0:
+        return f"{what}, mean of the first and last steps", "-"
+    return (f"{what}, mean of the first {k} -> last {k} steps",
+            f"{sum(values[:k]) / k:.4f} -> {sum(values[-k:]) / k:.4f}")
 
 
 def wall_time(run: Path) -> str:
@@ -167,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"== {name}: already finished in {run}", flush=True)
         what, figure = headline(name, run)
         rows.append((name, what, figure, wall_time(run), str(final_checkpoint(run, steps) or "-")))
+        if (extra_row := trend(name, run)) is not None:
+            rows.append((name, *extra_row, "", ""))
     print("\n" + table(rows))
     return 0
 

@@ -111,6 +111,9 @@ class RolloutConfig(PostTrainingConfig):
 
     prompts_per_step: int = 8
     """prompts of one optimiser step over the whole job (divided among the data ranks)"""
+    train_prompts: int = 0
+    """a fixed training set of this many prompts, drawn once from trainer.seed and visited in epochs (each a fresh
+    shuffle), the rollouts' prompts and dynamic sampling's refills taken from it; 0 = fresh prompts every step"""
     group_size: int = 8
     """G: samples per prompt"""
     max_new_tokens: int = 24
@@ -133,6 +136,7 @@ class RolloutConfig(PostTrainingConfig):
     def _check_rollout(self) -> None:
         for key in ("prompts_per_step", "group_size", "max_new_tokens", "max_batch"):
             at_least(f"stage.{key}", getattr(self, key), 1)
+        at_least("stage.train_prompts", self.train_prompts, 0)
         positive("stage.temperature", self.temperature)
         for key in ("eps_low", "eps_high", "tis_cap"):
             at_least(f"stage.{key}", getattr(self, key), 0.0)

@@ -1,25 +1,29 @@
 """RL on verifiable environments (`stage=rl`): GRPO with the choices practitioners converged on, and effort control.
 
-Each optimiser step draws stage.prompts_per_step prompts (problems of data/envs/ at a reasoning effort drawn from
-stage.effort), samples stage.group_size completions of each with the engine (trainer/stages/rollout.py), scores them
-with the environment (correctness weighted by difficulty), shapes the reward by the effort's length penalty, and
-normalises it within the group (the advantage). Groups whose rewards do not vary carry no signal and are dropped
-(dynamic sampling), more prompts being drawn for up to stage.max_rounds rounds, every rank the same number of
-rounds (the engine's calls are collective). The loss is trainer/stages/grpo.py's.
+Each optimiser step takes stage.prompts_per_step prompts (problems of data/envs/ at a reasoning effort of
+stage.effort's range): with stage.train_prompts > 0 the next ones of a fixed training set of that many, visited in
+epochs (trainer/stages/rollout.py's PromptSet), else a fresh draw; either way the levels and efforts are stratified
+(the same mix in every step or set). It samples stage.group_size completions of each with the engine
+(trainer/stages/rollout.py), scores them with the environment (correctness weighted by difficulty), shapes the reward
+by the effort's length penalty, and normalises it within the group (the advantage). Groups whose rewards do not vary
+carry no signal and are dropped (dynamic sampling), more prompts being drawn (from the training set, if any) for up
+to stage.max_rounds rounds, every rank the same number of rounds (the engine's calls are collective). The loss is
+trainer/stages/grpo.py's.
 
 Effort control: a correct response of L tokens at effort e earns reward x exp(-length_penalty x (100 - e)/100 x
 L / max_new_tokens), so at low effort a short right answer beats a long one and at effort 100 length is free; the
 same weights then answer briefly or at length as the prompt's effort asks.
 
-Per step (metrics.jsonl, W&B): rl/reward (after the length discount) and rl/reward_raw (before), rl/success and
-rl/success/<env>, rl/response_len, rl/groups_kept, rl/groups_drawn, rl/zero_var_share (drawn groups whose rewards
-do not vary), rl/clip_frac, rl/mismatch_kl, rl/max_ratio, rl/ratio_dev and rl/max_ratio_dev (training vs engine
-log-probs of the sampled tokens, before the update: mean and largest |ratio - 1|), rl/adv_mean, rl/adv_abs and
-rl/adv_pos_share (the trained tokens' advantages), rl/entropy, rl/kl_ref (with a reference: stage.kl_coef > 0; a
-tiny kl_coef measures the drift from the start without steering it), rl/rollout_tokens_per_s, rl/generate_share
-(of the step's time); every stage.eval_every steps
-(and at the start and the end) greedy completions of stage.num_eval held-out prompts at efforts 20 and 80:
-eval/success, eval/success_e<e>, eval/len_e<e>.
+Per step (metrics.jsonl, W&B), over the step's own prompts (not dynamic sampling's refills): rl/reward (after the
+length discount) and rl/reward_raw (before), rl/success and rl/success/<env>, rl/response_len; over every drawn
+group: rl/groups_kept, rl/groups_drawn, rl/zero_var_share (drawn groups whose rewards do not vary); rl/epoch (with a
+training set: epochs completed at the step's start), rl/clip_frac, rl/mismatch_kl, rl/max_ratio, rl/ratio_dev and
+rl/max_ratio_dev (training vs engine log-probs of the sampled tokens, before the update: mean and largest
+|ratio - 1|), rl/adv_mean, rl/adv_abs and rl/adv_pos_share (the trained tokens' advantages), rl/entropy, rl/kl_ref
+(with a reference: stage.kl_coef > 0; a tiny kl_coef measures the drift from the start without steering it),
+rl/rollout_tokens_per_s, rl/generate_share (of the step's time); every stage.eval_every steps (and at the start and
+the end) greedy completions of stage.num_eval held-out prompts at efforts 20 and 80: eval/success, eval/success_e<e>,
+eval/len_e<e>.
 
 Layouts: dp, FSDP, tp and ep (rollouts colocated: each data rank generates for its own prompts). Pipeline and
 context parallelism are refused: the engine needs the whole model and whole sequences on every rank.
@@ -41,7 +45,8 @@ from trainer.parallel.gradients import sum_over_data
 from trainer.stages.base import Stage
 from trainer.stages.common import completion_logprobs, load_frozen, stage_tokenizer
 from trainer.stages.grpo import PolicyLoss
-from trainer.stages.rollout import Rollout, RolloutBatches, draw_prompts, engine_replay, generate_groups, prompt_seed
+from trainer.stages.rollout import (PromptSet, Rollout, RolloutBatches, draw_prompts, engine_replay, generate_groups,
+                                    prompt_seed)
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +54,7 @@ __all__ = ["RolloutStage", "RL", "shaped_reward", "group_advantages"]
 
 EVAL_EFFORTS = (20, 80)
 EVAL_SEED_OFFSET = 7_919_000  # held-out prompts: a seed stream the training prompts never use
+TRAIN_SET_ROUND = 1_000  # stage.train_prompts' set: prompt_seed's round 1000, one no step's refills reach
 
 
 def shaped_reward(reward: float, correct: bool, length: int, effort: int, penalty: float, max_new_tokens: int) -> float:
@@ -86,6 +92,9 @@ class RolloutStage(Stage):
         self.template, info = stage_tokenizer(cfg, progress=progress)
         self.tokenizer_path = info.path  # what a frozen model (RL's reference, a teacher) must have been trained with
         self.local_prompts = s.prompts_per_step // data_ranks
+        # the job's training set: every rank holds it whole (it is small) and takes its slice of each step's
+        self.prompt_set = (PromptSet(s, s.train_prompts, prompt_seed(cfg.trainer.seed, 0, 0, TRAIN_SET_ROUND),
+                                     s.prompts_per_step) if s.train_prompts else None)
         self.replay = engine_replay(s)
         self.loader = RolloutBatches(self.make_step, grad_accum=cfg.trainer.grad_accum, pad_id=self.template.pad_id,
                                      seq_len=cfg.data.seq_len,
@@ -125,7 +134,7 @@ class RolloutStage(Stage):
 
     def new_stats(self) -> dict[str, float]:
         stats = {"reward_sum": 0.0, "raw_reward_sum": 0.0, "samples": 0.0, "correct": 0.0, "len_sum": 0.0,
-                 "groups_kept": 0.0, "groups_drawn": 0.0, "groups_zero_var": 0.0}
+                 "groups_kept": 0.0, "groups_drawn": 0.0, "groups_zero_var": 0.0, "tokens_generated": 0.0}
         for env in self.stage.envs:
             stats[f"correct/{env}"] = stats[f"count/{env}"] = 0.0
         return stats
@@ -139,34 +148,42 @@ class RolloutStage(Stage):
         """The groups kept for training."""
         return groups
 
+    def step_prompts(self, step: int, seed: int) -> list[tuple[object, int]]:
+        """The job's prompts of `step` (all data ranks'): the training set's next ones, or a fresh stratified draw."""
+        if self.prompt_set is not None:
+            return self.prompt_set.step_prompts(step)
+        return draw_prompts(self.stage, self.stage.prompts_per_step, seed)
+
+    def refill_prompts(self, n: int, seed: int) -> list[tuple[object, int]]:
+        if n <= 0:
+            return []
+        return self.prompt_set.sample(n, seed) if self.prompt_set is not None else draw_prompts(self.stage, n, seed)
+
     def make_step(self, step: int):
         s, cfg = self.stage, self.cfg
         stats, kept = self.new_stats(), []
+        if self.prompt_set is not None:
+            stats["epoch"] = self.prompt_set.epoch(step) / self.data_ranks  # summed over the data ranks
         for round_ in range(getattr(s, "max_rounds", 1)):
             if round_ == 0:
                 # the step's prompts and sample seeds are the job's, each data rank taking its slice: every layout
                 # generates the same rollouts (tests/trainer/test_stage_layouts.py)
                 seed = prompt_seed(cfg.trainer.seed, 0, step)
                 first = self.data_rank * self.local_prompts
-                prompts = draw_prompts(s, s.prompts_per_step, seed)[first:first + self.local_prompts]
+                prompts = self.step_prompts(step, seed)[first:first + self.local_prompts]
                 seed += first * 1009
             else:  # dynamic sampling's refills: each rank draws what it lacks, from its own stream
                 seed = prompt_seed(cfg.trainer.seed, self.data_rank + 1, step, round_)
-                need = self.local_prompts - len(kept)
-                prompts = draw_prompts(s, need, seed) if need > 0 else []
+                prompts = self.refill_prompts(self.local_prompts - len(kept), seed)
             groups = self.generate(prompts, seed)
             self.score(groups)
-            for group in groups:
-                stats["groups_zero_var"] += max(r.reward for r in group) - min(r.reward for r in group) < 1e-9
-                for r in group:
-                    stats["reward_sum"] += r.reward
-                    stats["raw_reward_sum"] += r.raw_reward
-                    stats["samples"] += 1
-                    stats["correct"] += r.correct
-                    stats["len_sum"] += len(r.token_ids)
-                    stats[f"correct/{r.problem.env}"] += r.correct
-                    stats[f"count/{r.problem.env}"] += 1
             stats["groups_drawn"] += len(groups)
+            stats["tokens_generated"] += sum(len(r.token_ids) for g in groups for r in g)
+            stats["groups_zero_var"] += sum(max(r.reward for r in g) - min(r.reward for r in g) < 1e-9 for g in groups)
+            if round_ == 0:
+                # the step's figures are over its own prompts: the refills' number depends on how many groups were
+                # dropped (more as the policy gets them all right or all wrong), which would bias them
+                self.add_figures(stats, groups)
             kept += self.finish_groups(groups)
             # every rank runs the same rounds (the engine's calls are collective): the engine's own vote
             if not self.engine.lockstep.any_calls(len(kept) < self.local_prompts):
@@ -176,6 +193,17 @@ class RolloutStage(Stage):
         rollouts = [r for g in kept for r in g]
         self.prepare(rollouts)
         return rollouts, stats
+
+    @staticmethod
+    def add_figures(stats: dict[str, float], groups: list[list[Rollout]]) -> None:
+        for r in (r for group in groups for r in group):
+            stats["reward_sum"] += r.reward
+            stats["raw_reward_sum"] += r.raw_reward
+            stats["samples"] += 1
+            stats["correct"] += r.correct
+            stats["len_sum"] += len(r.token_ids)
+            stats[f"correct/{r.problem.env}"] += r.correct
+            stats[f"count/{r.problem.env}"] += 1
 
     def prepare(self, rollouts: list[Rollout]) -> None:
         """Per-token inputs the loss needs beyond the advantages (distillation: none left to add here)."""
@@ -227,7 +255,8 @@ class RL(RolloutStage):
         return {"rl/reward_raw": tot["raw_reward_sum"] / n,
                 "rl/zero_var_share": tot["groups_zero_var"] / max(tot["groups_drawn"], 1.0),
                 "rl/adv_mean": tot["loss/adv"] / tokens, "rl/adv_abs": tot["loss/adv_abs"] / tokens,
-                "rl/adv_pos_share": tot["loss/adv_pos"] / tokens, "rl/ratio_dev": tot["loss/ratio_dev"] / tokens}
+                "rl/adv_pos_share": tot["loss/adv_pos"] / tokens, "rl/ratio_dev": tot["loss/ratio_dev"] / tokens,
+                **({"rl/epoch": tot["epoch"]} if "epoch" in tot else {})}
 
     def finish_groups(self, groups):
         """Dynamic sampling: a group whose rewards do not vary has zero advantages, no signal."""
@@ -300,7 +329,7 @@ class RolloutMetrics(Callback):
                  f"{p}/mismatch_kl": tot["loss/mismatch_k3"] / tokens, f"{p}/max_ratio": max_ratio,
                  f"{p}/max_ratio_dev": max_dev,
                  f"{p}/entropy": tot["loss/entropy"] / tokens, f"{p}/train_tokens": tot["loss/tokens"],
-                 f"{p}/rollout_tokens_per_s": tot["len_sum"] / max(gen_s, 1e-9),
+                 f"{p}/rollout_tokens_per_s": tot["tokens_generated"] / max(gen_s, 1e-9),
                  f"{p}/generate_share": min(gen_s / elapsed, 1.0)}
         if getattr(self.stage.stage, "kl_coef", 0.0) > 0:
             extra[f"{p}/kl_ref"] = tot["loss/kl_ref"] / tokens

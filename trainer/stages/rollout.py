@@ -36,7 +36,8 @@ from trainer.engine.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Rollout", "RolloutBatches", "engine_replay", "prompt_seed"]
+__all__ = ["Rollout", "RolloutBatches", "PromptSet", "draw_prompts", "engine_replay", "prompt_seed",
+           "stratified_efforts"]
 
 
 def prompt_seed(seed: int, data_rank: int, step: int, round_: int = 0) -> int:
@@ -197,7 +198,52 @@ def generate_groups(engine, template, problems_efforts: list[tuple[object, int]]
 
 
 def draw_prompts(stage, n: int, seed: int) -> list[tuple[object, int]]:
-    """n (problem, effort) pairs from the stage's environments, levels and effort range."""
+    """n (problem, effort) pairs from the stage's environments, levels and effort range, stratified: the levels
+    dealt evenly and the efforts one uniform draw from each of n equal slices of the range (shuffled), so any n
+    prompts drawn hold the same mix of difficulties and efforts and the per-step reward does not swing with it."""
     rng = random.Random(seed)
-    problems = sample_problems(list(stage.envs), n, seed, list(stage.difficulty) or None)
-    return [(p, rng.randint(stage.effort[0], stage.effort[1])) for p in problems]
+    problems = sample_problems(list(stage.envs), n, seed, list(stage.difficulty) or None, stratify=True)
+    return list(zip(problems, stratified_efforts(rng, stage.effort[0], stage.effort[1], n)))
+
+
+def stratified_efforts(rng: random.Random, low: int, high: int, n: int) -> list[int]:
+    """n integers of [low, high]: one uniform draw from each of n equal slices of the range, in a shuffled order."""
+    width = (high - low + 1) / max(n, 1)
+    out = [min(high, low + int((i + rng.random()) * width)) for i in range(n)]
+    rng.shuffle(out)
+    return out
+
+
+class PromptSet:
+    """A fixed training set of prompts (stage.train_prompts of them, drawn once with `draw_prompts` from `seed`),
+    visited in epochs: each epoch a fresh shuffle, a step taking the next `per_step` prompts of the epochs laid end
+    to end. RL on a training set, as RL setups on a dataset do: the training reward of an epoch is measured over the
+    same prompts as the one before, so its trend is the policy's and not the draw's; held-out prompts (a seed these
+    never use) measure what carries over."""
+
+    def __init__(self, stage, size: int, seed: int, per_step: int):
+        self.prompts, self.seed, self.per_step = draw_prompts(stage, size, seed), seed, per_step
+
+    def epoch_order(self, epoch: int) -> list[int]:
+        order = list(range(len(self.prompts)))
+        random.Random(self.seed * 31 + epoch).shuffle(order)
+        return order
+
+    def step_prompts(self, step: int) -> list[tuple[object, int]]:
+        """The step's prompts (a step may straddle two epochs)."""
+        n, out, pos = len(self.prompts), [], step * self.per_step
+        while len(out) < self.per_step:
+            epoch, i = divmod(pos, n)
+            take = min(self.per_step - len(out), n - i)
+            out += [self.prompts[k] for k in self.epoch_order(epoch)[i:i + take]]
+            pos += take
+        return out
+
+    def epoch(self, step: int) -> float:
+        """Epochs completed at the start of `step` (fractional)."""
+        return step * self.per_step / len(self.prompts)
+
+    def sample(self, n: int, seed: int) -> list[tuple[object, int]]:
+        """n prompts of the set drawn at random (dynamic sampling's refills)."""
+        rng = random.Random(seed)
+        return [self.prompts[rng.randrange(len(self.prompts))] for _ in range(n)]

@@ -1,7 +1,8 @@
 """trainer/cli/stage_chain.py's final table (`make pipeline`): each stage's headline figure from its first to its last
-value, RL's held-out success per evaluation effort (20 and 80, each start and end), the wall time the chain's launches
-of the stage took (summed over relaunches), and its checkpoint; before the first stage it says the CPU threads the
-stages pick (trainer/threads.py)."""
+value, RL's held-out success per evaluation effort (20 and 80, each start and end) and its training reward's trend
+(the mean of the first 5 steps -> the last 5), the wall time the chain's launches of the stage took (summed over
+relaunches), and its checkpoint; before the first stage it says the CPU threads the stages pick
+(trainer/threads.py)."""
 
 import json
 
@@ -47,3 +48,16 @@ def test_the_chain_says_the_cpu_threads_before_the_first_stage(tmp_path, monkeyp
     assert code == 1 and len(launched) == 1
     assert out[0] == "== every stage on the CPU, threads 1 (set); `-- trainer.num_threads=<n>` sets them"
     assert out[1].startswith("== pretrain: -m trainer.cli.main")
+
+
+def test_rl_gets_a_row_for_the_training_reward_trend(tmp_path):
+    rl, short = tmp_path / "rl", tmp_path / "short"
+    rewards = [0.1, 0.2, 0.3, 0.2, 0.2, 0.5, 0.5, 0.4, 0.3, 0.3, 0.3, 0.4]
+    _metrics(rl, [{"step": 0, "eval/success_e20": 0.25}]
+             + [{"step": i + 1, "rl/reward": r} for i, r in enumerate(rewards)])
+    assert stage_chain.trend("rl", rl) == ("training reward, mean of the first 5 -> last 5 steps", "0.2000 -> 0.3400")
+    _metrics(short, [{"step": i + 1, "rl/reward": r} for i, r in enumerate([0.1, 0.3, 0.5])])
+    assert stage_chain.trend("rl", short) == ("training reward, mean of the first 1 -> last 1 steps",
+                                              "0.1000 -> 0.5000")
+    assert stage_chain.trend("rl", tmp_path / "none")[1] == "-"
+    assert stage_chain.trend("sft", rl) is None
