@@ -2,18 +2,12 @@
 distilled model (`make pipeline`).
 
 `python -m trainer.cli.stage_chain [--root runs/pipeline] [--scale 1.0] [-- <overrides for every stage>]` runs each
-stage as its own `python -m trainer.cli.main` launch (a run directory per stage under --root), each starting from the
-previous stage's checkpoint (checkpoint.init_from), and ends with a table of each stage's headline figure (start ->
-end; RL's held-out success per evaluation effort, and in a second row its training reward, the mean of the first 5
-steps -> the last 5), its wall time and where its checkpoint is (`make pipeline PIPELINE_ARGS="--scale 0.5 --root
-runs/x" ARGS="<overrides>"`). Distillation puts the post-trained model into a fresh student: the student starts from
-the pretrained weights and learns, on its own samples, the RL model's distributions (the SFT model itself as the
-student would start within 0.03 nats of its teachers, below the noise of the updates: BENCHMARKS.md). The drafter
-learns the distilled model's distributions on the pretraining data, the model frozen (trainer/stages/dspark.py).
-A stage whose run directory already holds its final checkpoint is not run again (relaunching resumes an interrupted
-stage: checkpoint.resume=auto), so an interrupted pipeline picks up where it stopped.
+stage as its own `python -m trainer.cli.main` launch under --root, each from the previous stage's checkpoint, and
+ends with a table of each stage's headline figure (start -> end; RL's held-out success per effort and its training
+reward's trend), its wall time and its checkpoint. A stage whose run directory holds its final checkpoint is not run
+again, so an interrupted pipeline picks up where it stopped.
 
-On v41_tiny on a 2-core CPU each stage takes a few minutes (BENCHMARKS.md has the figures of a run).
+Design and reasoning: docs/stages.md#the-stage-chain-make-pipeline
 """
 
 from __future__ import annotations

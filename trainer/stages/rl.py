@@ -1,32 +1,14 @@
 """RL on verifiable environments (`stage=rl`): GRPO with the choices practitioners converged on, and effort control.
 
-Each optimiser step takes stage.prompts_per_step prompts (problems of data/envs/ at a reasoning effort of
-stage.effort's range): with stage.train_prompts > 0 the next ones of a fixed training set of that many, visited in
-epochs (trainer/stages/rollout.py's PromptSet), else a fresh draw; either way the levels and efforts are stratified
-(the same mix in every step or set). It samples stage.group_size completions of each with the engine
-(trainer/stages/rollout.py), scores them with the environment (correctness weighted by difficulty), shapes the reward
-by the effort's length penalty, and normalises it within the group (the advantage). Groups whose rewards do not vary
-carry no signal and are dropped (dynamic sampling), more prompts being drawn (from the training set, if any) for up
-to stage.max_rounds rounds, every rank the same number of rounds (the engine's calls are collective). The loss is
-trainer/stages/grpo.py's.
+Contract: `RL` draws stage.prompts_per_step prompts a step (a fixed training set of stage.train_prompts visited in
+epochs, or fresh draws; levels and efforts stratified), samples stage.group_size completions of each with the engine
+(trainer/stages/rollout.py), scores them with the environment, discounts a correct response's reward by its length
+at low effort, normalises it within the group, drops groups whose rewards do not vary (dynamic sampling, up to
+stage.max_rounds rounds) and trains with trainer/stages/grpo.py's loss. Logs rl/* per step (reward, success,
+ratios, advantages, entropy, rollout tokens/s) and eval/success_e20 / _e80 on held-out prompts every
+stage.eval_every steps. Layouts: dp, FSDP, tp, ep; pipeline and context parallelism are refused.
 
-Effort control: a correct response of L tokens at effort e earns reward x exp(-length_penalty x (100 - e)/100 x
-L / max_new_tokens), so at low effort a short right answer beats a long one and at effort 100 length is free; the
-same weights then answer briefly or at length as the prompt's effort asks.
-
-Per step (metrics.jsonl, W&B), over the step's own prompts (not dynamic sampling's refills): rl/reward (after the
-length discount) and rl/reward_raw (before), rl/success and rl/success/<env>, rl/response_len; over every drawn
-group: rl/groups_kept, rl/groups_drawn, rl/zero_var_share (drawn groups whose rewards do not vary); rl/epoch (with a
-training set: epochs completed at the step's start), rl/clip_frac, rl/mismatch_kl, rl/max_ratio, rl/ratio_dev and
-rl/max_ratio_dev (training vs engine log-probs of the sampled tokens, before the update: mean and largest
-|ratio - 1|), rl/adv_mean, rl/adv_abs and rl/adv_pos_share (the trained tokens' advantages), rl/entropy, rl/kl_ref
-(with a reference: stage.kl_coef > 0; a tiny kl_coef measures the drift from the start without steering it),
-rl/rollout_tokens_per_s, rl/generate_share (of the step's time); every stage.eval_every steps (and at the start and
-the end) greedy completions of stage.num_eval held-out prompts at efforts 20 and 80: eval/success, eval/success_e<e>,
-eval/len_e<e>.
-
-Layouts: dp, FSDP, tp and ep (rollouts colocated: each data rank generates for its own prompts). Pipeline and
-context parallelism are refused: the engine needs the whole model and whole sequences on every rank.
+Design and reasoning: docs/stages.md#rl-on-verifiable-environments
 """
 
 from __future__ import annotations

@@ -2,21 +2,12 @@
 micro-batches. Shared by RL (trainer/stages/rl.py: rewards, group advantages) and on-policy distillation
 (trainer/stages/distill.py: a teacher's per-token log-probs).
 
-Colocated: each data rank generates for its own prompts (stage.prompts_per_step / data ranks of them) with the
-training model itself (trainer/engine/, in lockstep across ranks), in eval mode (no balancing counts). Everything a
-step draws comes from seeds derived from (trainer.seed, data rank, step, round): prompts, efforts, every sample's
-generator. A resumed run therefore regenerates the same rollouts from the same weights; the loader's state is the
-step count (and the micro-batches not yet consumed, when a checkpoint falls between a step's micro-batches).
+Contract: each data rank generates for its own prompts with the training model itself, in eval mode, from seeds
+derived from (trainer.seed, data rank, step, round), so a resumed run regenerates the same rollouts. Micro-batches
+are padded to data.seq_len; labels are the completion's tokens (-100 elsewhere) and carry the advantage, the
+engine's log-prob and, with stage.replay_routing, its routing records.
 
-Micro-batches are padded to data.seq_len (the engine's max_len): one shape every step, and the same padding in
-every layout (padding runs through the MoE and its balancing like any token).
-
-A sequence is prompt + completion; the training input is all but its last token, the labels are the completion's
-tokens (-100 on the prompt and padding). The batch carries per label: the advantage, the engine's log-prob
-(`rollout_logprobs`) and, with stage.replay_routing, the engine's routing records (model/routing.py: the training
-forward replays the rollout's top-k and expert choices); with stage.bounded_replay_sim and a bounded-replay rollout
-(`rollout_replay=window`), decoder replay cuts at each prompt's end (model/replay.py: the training forward computes
-what the engine's prefill did).
+Design and reasoning: docs/stages.md#rollout-batches
 """
 
 from __future__ import annotations
