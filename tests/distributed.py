@@ -5,14 +5,7 @@ what rank r returns comes back as `results[r]`. The rendezvous goes through a fi
 so no TCP port is chosen and nothing depends on port retries. Each rank's stdout/stderr lines are prefixed with
 `[rank r]`; an exception on any rank fails the test with that rank's traceback.
 
-How the ranks start: forked from a fork server (multiprocessing's "forkserver" start method), not from the test
-process. The fork server is a clean process, started at the session's first call, that imports torch,
-torch.distributed (DTensor, FSDP, the pipelining schedules, DCP) and the project's packages (_PRELOAD), touches no
-device and runs nothing else. A rank is then as fresh as a spawned one: none of the test process's state, patches,
-threads or file descriptors; `fn` and its arguments arrive pickled, so `fn` must be importable; its random
-generators are seeded from the OS as a new process's are; and it runs with the test process's current environment,
-working directory, sys.path, stdout and stderr. What it does not pay is the ~4 s of imports a spawned rank took on
-two cores, at every one of the suite's ~70 rank start-ups.
+Design and reasoning: docs/testing.md#the-distributed-test-harness
 """
 
 from __future__ import annotations

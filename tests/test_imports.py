@@ -10,9 +10,8 @@ OLMo-core's callbacks import their Trainer. Proves, for every package (trainer, 
   nothing, trainer/ any of them (so the model never depends on the trainer);
 - no library module imports an entry point (trainer/cli/, or the old command paths that forward to it);
 - the generation engine imports nothing of the trainer but itself and checkpoint loading;
-- no private name (a leading underscore) is imported from another module;
-- at most a few imports of the project's own modules sit inside functions, each with a reason on its line.
-`python tests/test_imports.py` prints the numbers for the whole project.
+
+Design and reasoning: docs/testing.md#the-import-graph
 """
 
 from __future__ import annotations

@@ -9,17 +9,8 @@ every packed document is recorded with the epoch it belongs to:
   is its initial carry followed by exactly the recorded documents, each + <eos>: nothing lost at the switch, and
   the old readers' carries are the new readers' initial carries (old reader r's to new reader r mod G');
   the leftover documents are dealt evenly (loads differ by at most one shard).
-- A chain 4 -> 3 (stopped in the middle of the drain) -> 2, with a same-layout save / resume in the middle of the
-  drain that replays exactly (batches and positions), and everything still read once per epoch.
-- An unreadable shard: skipped by old and new readers alike, every readable document still once per epoch.
-- The same G split otherwise (2 ranks x 2 workers -> 4 ranks in process): every reader continues exactly.
-- Through DataLoader workers: an elastic resume into 1 rank x 2 workers gives the same batches and positions as 2
-  ranks in process, and a save / resume with workers in the middle of the drain is exact.
-- Refused: a missing data rank, another seed; without `elastic`, another reader count (as before).
-- trainer/checkpoint/checkpointer.py: a checkpoint with 2 data ranks loads into 1 and into 3 data ranks through
-  Checkpointer.load (every rank reads all saved positions), equal to the loader's own elastic load; the same
-  layout takes the exact path and reads only its own position. Through the CLI (slow): a run with 2 data ranks
-  (torchrun, gloo) resumes in one process and that one's checkpoint again with 2 data ranks, logging the change.
+
+Design and reasoning: docs/testing.md#elastic-resume-of-the-reader
 """
 
 import json

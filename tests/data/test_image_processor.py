@@ -11,10 +11,7 @@ Where the expected numbers come from:
   vision-official-sweep.json. The public file itself is not on PyPI (transformers 5.25 has no DeepSeek-V4 image
   processor) and could not be downloaded here, so these recorded outputs are the comparison.
 
-Also proven: pixel_values are [patches, 588] at odd resolutions and equal, value for value, the public recipe
-(`ImageOps.pad` bicubic into gray 127, /255, mean = std = 0.5) applied with Pillow; values lie in [-1, 1]; the pad is
-(127/255 - 0.5)/0.5; the fitted image keeps its aspect within a pixel; an image beyond max_wh_ratio is squeezed;
-the placeholder layout; packing without padding and its offsets.
+Design and reasoning: docs/testing.md#the-image-processor
 """
 
 import numpy as np

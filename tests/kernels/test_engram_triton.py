@@ -10,9 +10,8 @@
   unchanged, and the gate equals the reference formula;
 - gradients w.r.t. S, the table, wkv and q/k weights match the reference's autograd, with awkward sizes
   (N = 14 tokens, D = 40, C = 6 sub-tables, Dh = 96) and n = 4 or 3 streams;
-- every output and gradient element is written (allocations are NaN-poisoned);
-- bad shapes / dtypes raise errors naming the argument.
-Runs in the Triton CPU interpreter when there is no GPU, on the GPU otherwise.
+
+Design and reasoning: docs/testing.md#triton-engram-kernels
 """
 
 from __future__ import annotations

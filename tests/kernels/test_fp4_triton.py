@@ -8,18 +8,8 @@ bit-identical to the PyTorch references in kernels/fp4.py and kernels/fp8.py:
   every code threshold and its fp32 neighbours, for every e4m3 scale;
 - FP4 dequantize equals the reference on every code byte and every finite scale byte; fake_quant equals
   dequant(quant(x)) of the reference in x's dtype, in one pass;
-- FP8 quantize: values and scales equal the reference, including every e4m3 value, every midpoint between
-  neighbours (ties to even), the values just beside each midpoint, and the subnormal range; FP8 dequantize and
-  fake_quant_fp8 likewise;
-- kernels.fp4 / kernels.fp8 route impl="triton" here and keep the straight-through gradient;
-- every kernel variant (fp4_triton.VARIANTS: encoding, persistent grid) gives the same bits as the reference for FP4
-  e4m3/16, FP4 ue8m0/32 and FP8/32, quantize and fake_quant, at awkward sizes with partial last tiles, grids smaller
-  than the tile count, and edge values;
-- the e4m3 scale (amax / 6 as a reciprocal and fma correction) rounds like the reference's division next to every
-  e4m3 rounding boundary;
-- every output element is written: allocations are poisoned (NaN / never-produced bytes) before the kernels run;
-- bad inputs (non-contiguous, bad block, bad dtype) raise errors naming the problem.
-Runs in the Triton CPU interpreter when there is no GPU, on the GPU otherwise.
+
+Design and reasoning: docs/testing.md#triton-fp4-and-fp8-kernels
 """
 
 from __future__ import annotations

@@ -8,12 +8,8 @@ references and the model's own indexer functions (`model.csa2`):
   are ignored;
 - candidate pool: the block ids, as an entry mask, equal `model.csa2.candidate_pool` (block max, newest block
   forced, top blocks with a finite score), also when there are fewer blocks than requested;
-- pool-restricted scoring: equal to the gather reference and to the dense scores at the pool's entries, with -inf
-  for empty blocks, invisible entries and entries past E; its backward equals autograd through the reference; and
-  top-k over the pool scores selects exactly what `model.csa2.select_topk` selects from the dense scores masked to
-  visible & pool (the Reindex layer's domain);
-- select_topk equals `model.csa2.select_topk` and marks picks of -inf as -1;
-- every output is written (NaN-poisoned allocations), and bad inputs raise errors that name the problem.
+
+Design and reasoning: docs/testing.md#triton-indexer-kernels
 """
 
 from __future__ import annotations

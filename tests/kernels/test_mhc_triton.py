@@ -10,15 +10,8 @@ and backward:
 - gradients w.r.t. y, S, post, comb, the lagged pre and the next site's fn / base / scale match the reference's
   autograd (fp32: ~1e-5 relative; bf16: a few bf16 roundings), also when only some outputs carry gradient;
 - every output and gradient element is written (allocations are NaN-poisoned), explicit out= buffers are honoured;
-- the backward with the channels split over programs gives the same gradients (the mix's to fp32 rounding);
-- every forward tile configuration (`FWD_CONFIGS`: D split across programs with partial statistics, L2 hints,
-  per-element sum of squares, other tiles) writes the same S', x and statistics as the default one, and the kept
-  configurations reach each of those switches;
-- the one-launch coefficient kernel (kernels/mhc_coeffs_triton.py `next_coeffs`: rms factor, sigmoids, Sinkhorn,
-  and its backward through the Sinkhorn iterations) equals `HCSite.coeffs_from_logits` and its autograd, for
-  n = 4 and n = 3 (padded tile);
-- shape / dtype mismatches raise errors naming the argument.
-Runs in the Triton CPU interpreter when there is no GPU, on the GPU otherwise.
+
+Design and reasoning: docs/testing.md#triton-mhc-step
 """
 
 from __future__ import annotations

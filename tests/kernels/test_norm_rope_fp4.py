@@ -10,12 +10,8 @@ passes (model.common.RMSNorm, model.rope.apply_rope, kernels.fp4 / kernels.fp8 f
   blocks built for the quantisers' corner cases (zeros, -0, exact grid ties, 40 binades, e4m3 scale round-down);
 - the inference record (FP4 codes + e4m3/ue8m0 scales, FP8 values + scales) equals kernels.fp4.quantize /
   kernels.fp8.quantize_fp8 of the reference's rotated rows;
-- backward: dx and d(norm weight) equal the reference's autograd (straight-through quantiser, RoPE, RMSNorm) within
-  fp32 rounding (fp32) or one bf16 rounding (bf16), with and without the norm, with a grid-stride loop over row tiles;
-- every output element is written (allocations are NaN / junk poisoned), at row counts that are not a multiple of
-  the row tile, D with a padded block axis (96), RoPE over all or two channels, and the default tile sizes;
-- bad arguments raise errors naming the problem.
-Runs in the Triton CPU interpreter when there is no GPU, on the GPU otherwise.
+
+Design and reasoning: docs/testing.md#fused-rmsnorm-rope-and-quantisation-kernels
 """
 
 from __future__ import annotations

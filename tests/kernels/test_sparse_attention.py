@@ -10,14 +10,8 @@
 - the optional head-summed top-k probabilities (the indexer's KL target) equal `attend`'s p_cmp summed over heads
   at the selected entries;
 - every output element is written: outputs and scratch come from NaN-poisoned allocations;
-- bad inputs raise errors that name the problem;
-- the inference-cache inputs (FP8 kv_win as `kernels.fp8.quantize_fp8(x, 32)` writes it, FP4 kv_cmp as
-  `kernels.fp4.quantize(x, 16, "e4m3")` writes it; each alone and both together) give the output of the reference on
-  `dequantize_fp8(...)` / `dequantize(...)` in q's dtype, and exactly the plain Triton call on those tensors (the
-  Triton path dequantises first), at awkward sizes with rows of very different magnitudes (so subnormal e4m3 scales
-  appear), also in bf16, window-only and with the top-k probabilities; a gradient through a quantised input raises,
-  naming the way out.
-Runs in the Triton CPU interpreter when there is no GPU, on the GPU otherwise.
+
+Design and reasoning: docs/testing.md#triton-sparse-attention
 """
 
 from __future__ import annotations

@@ -10,9 +10,8 @@ interpreter) select what torch.topk selects:
   -0.0 and +0.0 (equal, so tied);
 - every output is written (NaN / sentinel-poisoned allocations) and empty cases (k = 0, no rows) work;
 - variant="auto" takes the resident kernel when the row fits and torch.topk otherwise;
-- the indexer's callers: `select_topk(impl="triton")` (dense and pool slots) and `candidate_pool(impl="triton")`
-  equal their torch.topk paths and the model's functions on tie-free scores;
-- bad inputs raise errors that name the problem.
+
+Design and reasoning: docs/testing.md#triton-top-k-kernels
 """
 
 from __future__ import annotations

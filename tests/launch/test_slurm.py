@@ -7,17 +7,8 @@ sets up a real single-node Slurm to try the same by hand.) It proves:
 - the one srun step runs torchrun with the rendezvous at the head node's Slurm name and $RDZV_PORT, passes
   `--cpus-per-task` on (srun no longer inherits it), and fixes `hydra.run.dir=runs/slurm-<job id>`, the same for
   every start of the job (no clock in it);
-- SIGUSR1 to the batch shell (the time limit) reaches the step as SIGUSR1 (never SIGTERM, which srun turns into a
-  SIGKILL of its tasks), the node's task sends one SIGTERM to torchrun (trainer/cli/torchrun.py, which passes it on
-  to its worker), torchrun runs with SIGUSR1 ignored, and after the worker has saved and the step has ended, the job
-  is requeued (`scontrol requeue <job id>`);
-- SIGTERM to the batch shell (preemption, scancel) stops the ranks the same way but requeues only with
-  REQUEUE_ON_SIGTERM=1;
-- a job requeues only when a checkpoint was completed since it started; otherwise it ends with the step's exit
-  status and one line saying why;
-- a time-limit signal that comes at the start (a `--signal` lead longer than `--time`) is held back to half the
-  time limit, in one line; a stop that comes before the step starts (during the preflight) starts no step;
-- a node without GPUs (no SLURM_GPUS_ON_NODE, nvidia-smi failing) runs one process; NPROC_PER_NODE overrides.
+
+Design and reasoning: docs/testing.md#the-slurm-launcher
 """
 
 import os

@@ -10,13 +10,8 @@ first token a draft; row 0's first round reopens a group whose first token is th
 group of accepted drafts), and a second verify overwriting the rejected drafts' slots. It is compared with a cache
 that only ever got the accepted tokens (a call of them per row instead of the verify forwards) and with the
 teacher-forced forward:
-- every draft rejected: the same calls as the fresh cache's but the verify forwards, so the decode logits and the
-  global KV are equal bit for bit;
-- otherwise to the cache tests' tolerance (fp32 rounding): the kept tokens' rows were computed in calls of another
-  composition, and the MoE groups a call's rows by expert, so its grouped GEMMs' shapes (and the CPU's blocking of
-  their reductions) depend on the other tokens of the call; the verify logits of a row that rejected nothing already
-  differ from a call without the other rows' drafts in the last bits. The counts, the token history and the entries
-  are equal exactly, and every rolled-back entry's slot holds a new cache's bytes again.
+
+Design and reasoning: docs/testing.md#cache-rollback
 """
 
 from __future__ import annotations

@@ -10,9 +10,8 @@ Proves:
 - a dead (image or padding) token breaks exactly the n-grams that cross it, and its gate is 0;
 - the canonical vocabulary merges case/accent/whitespace variants, keys U+FFFD tokens by their raw string, numbers ids
   by first appearance, with a fake decoder and with a trained byte-level BPE from `tokenizers`;
-- Engram.forward equals an independent re-derivation of A8's gate; gradients reach exactly the table rows read by
-  live tokens, wkv and q/k weights;
-- the flagship-size module (384M x 256 table) builds on the meta device.
+
+Design and reasoning: docs/testing.md#engram-addressing-and-module
 """
 
 from __future__ import annotations

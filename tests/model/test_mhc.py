@@ -9,13 +9,8 @@
   comb), returns fp32 coefficients with pre > 0 and 0 < post < 2 for fp32 and bf16 streams, keeps fp32
   parameters, builds on the meta device and initialises as A6 "Init" says.
 - `collapse` / `expand` match hand-computed values; `init_streams` + `first_pre` give back the embedding.
-- `single_pass` equals `unfused_step` (new streams, x and the next site's coefficients) within 1e-6 in fp32 and
-  bf16 tolerance for bf16 streams, at awkward sizes; their gradients agree for y, S, the incoming coefficients,
-  pre_lag and the next site's parameters.
-- The lag is honoured: x is collapsed with pre_lag, not the next site's pre (hand-computed example).
-- A pre_lag without batch dims (`first_pre`) broadcasts, and a bf16 autocast region leaves the coefficients fp32.
-- The layer loop documented at the top of model/mhc.py, run with either impl, equals a literal transcription of
-  A6 "The lag" over three layers with an engram at layer 1.
+
+Design and reasoning: docs/testing.md#mhc
 """
 
 from __future__ import annotations

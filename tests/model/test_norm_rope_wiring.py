@@ -10,9 +10,8 @@ through `model.kernels.norm_rope_quant` (the whole model on both paths: tests/mo
   whose sum of squares is exact in any order (the kernel's one unreproduced rounding, see its docstring); the
   normed rows it returns are detached, and the gradients of x and the norm's weight agree within fp32 rounding;
 - RoPE alone (no norm, no quantiser) stays `apply_rope`: nothing to fuse;
-- a norm whose weight is a DTensor (a tensor-parallel plan's replicated module) is not fused: `fuses_norm` is False
-  and `norm_rope_quant` composes the module call, whose hooks the plan needs (one gloo rank; the model under tp 2
-  with kernels="triton" is tests/parallel/test_tp.py::test_tp_triton_attention_equals_single_process).
+
+Design and reasoning: docs/testing.md#norm-rope-and-quantisation-wiring
 """
 
 from __future__ import annotations

@@ -1,24 +1,13 @@
 """Proves Engram row sharding (trainer/parallel/engram.py) computes what the unsharded table computes.
 
-- The lookup alone, on 2 and 4 gloo ranks, over a table whose rows do not split evenly (an odd number of rows): a
-  meta-built, sharded, initialised Engram holds exactly the single process's table (gathered) and the same
-  projection weights; under random ids with repeats inside and across ranks (and a third of the rows requested by
-  nobody) and under one-sided ids (every id on rank 0's block: other owners serve nothing, rank 0 serves all), each
-  rank's looked-up rows equal the unsharded module's bit for bit, and the gathered table gradient equals bit for bit
-  the rank-ordered sum of the unsharded module's gradients on each rank's ids (what a replicated table's
-  all-reduce sums), equals the whole-batch unsharded gradient to fp32 rounding, and is exactly zero on every row
-  nobody read. The prefetch path (exchange issued ahead, consumed by the lookup) equals the direct path in rows
-  and gradients; a prefetch made stale by an in-place update of the table is re-issued and returns the new rows;
-  a lookup of other ids than the prefetched ones raises; the host-memory option gives the same rows and gradients.
-  bf16 tables too (2 ranks).
-- The whole tiny model (Engram at layers 1 and 4), 2 data-parallel ranks with the tables sharded over them, each
-  rank on half the batch with the exchange prefetched: loss and gradients equal the single process on the whole
-  batch within 1e-5 relative (the gradient's norm; tables gathered), and equal bit for bit plain data parallelism
-  with replicated tables on the same split; a DCP checkpoint of the sharded model loads into the unsharded model
-  with identical tables.
-- Composed with tensor parallelism (tp 2 x dp 2, trainer.parallel.apply.parallelize, where Engram runs in DTensor
-  form): the LM loss equals the single process's within 1e-5, and both tables' gradients equal bit for bit the same
-  layout's with replicated tables, on every tp rank.
+- The lookup alone (2 and 4 gloo ranks, rows that do not split evenly, random, repeated and one-sided ids): rows
+  and table gradients equal the unsharded module's bit for bit, zero on rows nobody read; also the prefetch path,
+  a stale prefetch, a lookup of other ids, host memory and bf16 tables.
+- The whole tiny model on 2 data-parallel ranks: loss and gradients equal the single process within 1e-5 and plain
+  data parallelism bit for bit; a DCP checkpoint loads into the unsharded model.
+- tp 2 x dp 2: the loss within 1e-5 of the single process, table gradients bit for bit the replicated layout's.
+
+Design and reasoning: docs/testing.md#engram-row-sharding
 """
 
 from __future__ import annotations

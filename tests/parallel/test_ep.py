@@ -8,13 +8,8 @@
   MoE followed by to_empty + init_weights gives each rank the single process's expert rows (and the same
   shared-expert weights drawn after them); applied to a materialised MoE it keeps the rows it had. The routing
   weights travel bit-exactly in fp32, bf16 and fp64 messages.
-- ep 2 (2 ranks, half the global batch each) and dp_shard 2 x ep 2 (4 ranks, a quarter each; plain gradient
-  averaging over dp stands in for FSDP), on the tiny model without Engram (see _config): over two SGD steps
-  (momentum, weight decay; see _optimizer for why not AdamW) with gradient clipping and router-bias updates, the
-  loss, the clipped gradient norm, every gradient at both steps (expert gradients gathered to full tensors),
-  every parameter and the balancing biases equal the single process on the whole batch within 1e-5 relative
-  (gradients on the scale of max(the tensor, the whole gradient's RMS); biases exactly), and all ranks hold
-  identical replicas. The ep 2 run saves a DCP checkpoint that loads into the single-process model.
+
+Design and reasoning: docs/testing.md#expert-parallelism
 """
 
 from __future__ import annotations

@@ -8,14 +8,8 @@ runs on CPU in fp32), through MoE.forward (router, dispatch, experts, combine, s
   tokens bitwise; router and shared-expert gradients, summed over the two ranks, within 1e-6); `dropped` is 0.
   Also with the experts' per-expert loop (which returns only the valid rows) and in bf16 (the fp32 weight packed
   into two bf16 columns; sync-free against dropless, bitwise).
-- Drops (factor 0.5 and 1.0: C = ceil(factor * 14 / 2)): the expected drop set is computed here from the routing
-  (each rank's copies in (global expert, token) order, the first C per destination kept); the output and the
-  gradients equal a single-process MoE whose combine zeroes exactly those copies, and `dropped` (and
-  dropped_copies) counts them.
-- No graph break: MoE.forward + loss under torch.compile(fullgraph=True, backend="aot_eager") with the sync-free
-  dispatcher (AOTAutograd traces the backward too, collectives included) gives the eager results; the dropless
-  dispatcher breaks (its .tolist()), which shows the check bites.
-- A negative parallel.ep_capacity_factor fails at config validation, naming the key.
+
+Design and reasoning: docs/testing.md#sync-free-expert-dispatch
 """
 
 from __future__ import annotations

@@ -11,9 +11,7 @@ image-text row second and rank 1 first, so the tower's parameters get a gradient
 micro-batch has no image (FSDP2's reduce-scatter of unused parameters, the replicated path's vote). The metrics
 loss_text and loss_multimodal (each a global token mean over its kind of row) equal the single process's too.
 
-Layouts: dp_replicate 2, dp_shard 2 (the tower in the FSDP root), tp 2 (the tower's own plan: heads and SwiGLU width
-split, the aligner's pair), tp 2 with sequence parallelism (each rank places its chunk's placeholders, the tower's
-output gradient summed over tp) and ep 2.
+Design and reasoning: docs/testing.md#multimodal-layouts
 """
 
 from __future__ import annotations

@@ -9,18 +9,8 @@
   a source's main KV + indexer keys, an index source's top-k, the candidate pool, Engram row ids only when a
   later layer needs them; the flagship byte counts quoted in the module docstring. Bit-packing of the masks is
   exact at awkward widths.
-- Stage modules chained in one process (several splits, down to one layer per stage; with and without an image
-  mask; fp32, and bf16 autocast where KV of both dtypes crosses) give bit-identical logits and the same auxiliary
-  losses as the whole model, and their state dicts partition the model's under the model's own names.
-- pp 2 with 1F1B (cut in front of layer 7: every kind of state crosses), pp 2 x pp_virtual 2 with interleaved
-  1F1B and with the ZBV zero-bubble schedule (the recommended 4-stage split: Engram rows, then h_{L/2} cross),
-  4 micro-batches of 1 row x 32 tokens, 2 SGD steps with gradient clipping and router-bias updates: the loss,
-  the clipped gradient norm, every gradient, every parameter and the balancing biases equal the single process
-  within 1e-5 relative. The single process runs the same global batch as the trainer does with grad_accum = 4
-  (the same 4 micro-batches, loss = their mean = the mean over all tokens, equal-length rows); its loss also
-  equals one forward of the whole 4-row batch within 1e-5. (Gradients of one whole-batch forward differ from the
-  micro-batched ones by up to 6e-4 relative on layer 8's Engram gate weights, whose signed-sqrt gate amplifies
-  the rounding of any change in batch shape: a property of micro-batching, equally present without pipelining.)
+
+Design and reasoning: docs/testing.md#pipeline-parallelism
 """
 
 from __future__ import annotations

@@ -8,11 +8,8 @@ whichever torch runs the tests.
   denormals as floats, after a byte copy as the transports make; the carrier shapes are the metadata's.
 - The stage metadata (PipelineStage's input / output examples) declares each integer slot of a cut as a float32
   carrier that requires grad under the float wire, and as boundary_slots says without it.
-- pp 2 on 2 gloo ranks with the float wire forced on (set inside each spawned worker): 1F1B on the cut in front of
-  layer 7 (Engram rows, dead mask, a top-k and the pool cross as carriers) and ZBVZeroBubble on [2, 6, 9] train
-  like the single process, to test_pp.py's rules (loss, clipped gradient norm, every gradient and parameter within
-  1e-5 relative, MoE biases equal). Every received carrier got a zero gradient back (the stage's input gradients
-  were all tensors).
+
+Design and reasoning: docs/testing.md#the-float-wire
 """
 
 from __future__ import annotations

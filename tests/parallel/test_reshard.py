@@ -3,22 +3,12 @@ and the reverse, through the real CLI (trainer.cli.main) with optim=muon (conf/o
 momentum, Sinkhorn momentum for the embedding, head and Engram table, AdamW's moments for the rest, every state a
 DTensor like its parameter under tp), the micro model with Engram on.
 
-- A: one process trains steps 1-4, saving at 2 and 4.
-- B: tp 2 x pp 2 resumes from A's step-2 checkpoint and trains steps 3-6, saving at 4 and 6 (asynchronously: in
-  the background while training goes on); every rank writes its
-  part (its stages, its tp shards, under the whole model's names). It logs A's losses and gradient norms at steps 3
-  and 4 (1e-5 relative). Step 4 depends on the step-3 update, so the momentum buffers, AdamW's moments and step
-  count, the LR schedule,
-  the data position and the MoE balancing biases all came back; step 3 alone shows the weights and the data
-  position.
-- C: one process resumes from B's step-4 checkpoint (written by the 4 ranks) and logs B's steps 5 and 6, the same
-  way.
-- Resuming with a model whose parameters differ (another model.dim) fails before training, exit status 2, naming
-  the key, both values and the override to use.
-One 4-rank launch between two single-process ones, not two around one: a launch's cost is mostly its processes'
-start-up (torchrun, the preflight and four ranks on two cores), the steps of the micro model are a few seconds. C
-and the refused resume, one process each and both only reading B's checkpoint, run side by side.
-That the layouts train alike from the start is test_layouts.py's proof (with SGD; see there why).
+- A: one process trains steps 1-4; B: tp 2 x pp 2 resumes from A's step 2 (asynchronous saves) and logs A's
+  losses and gradient norms at steps 3 and 4 (1e-5 relative); C: one process resumes from B's step 4 and logs B's
+  steps 5 and 6.
+- Resuming with a model whose parameters differ fails before training, exit status 2, naming the key.
+
+Design and reasoning: docs/testing.md#resharding-checkpoints
 """
 
 from __future__ import annotations

@@ -10,13 +10,8 @@ the plain loss, and keep no [N, V] logits for the backward.
   products, so a bf16 rounding apart (5e-3 relative).
 - No logits kept: every tensor saved for the backward (saved-tensor hooks) is at most the size of the head weight
   or of the hidden states, while the plain path saves [N, V] ones (the check is not vacuous).
-- The trainer: two optimiser steps of v41_tiny, three micro-batches with uneven masks and per-token weights, a
-  chunk of 5 tokens: the fused loss and gradient norm equal the plain run's (1e-5 relative), so does every gradient
-  (1e-5 of its norm, floored at its share of the whole gradient's as in tests/parallel/test_layouts.py);
-  `Transformer.forward(logits=False)` is the same forward without the head.
-- FSDP2 (dp_shard=2, two processes): the same, the head weight being the root's gathered parameter at loss time.
-- What is refused, at start-up (trainer.train.build and the planner's check_layout alike) naming trainer.fused_loss:
-  RL's loss, which reads the logits; tensor and pipeline parallelism.
+
+Design and reasoning: docs/testing.md#fused-loss
 """
 
 from __future__ import annotations

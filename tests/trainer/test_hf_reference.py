@@ -8,14 +8,8 @@ picks at every source, the same logits, and the same three fake quantisations (A
 
 No verdict may rest on which side of a rounding edge a value falls: the two forwards order their fp32 operations
 differently (~5e-7 relative per layer), and so does another CPU's BLAS. So, by construction:
-- the forwards compare with the fake quantisations off (streams, KV, logits); the quantisations are checked apart,
-  from the same inputs: the reference's quantiser of each site, given the tensor Cedar quantised there, returns
-  Cedar's output bit for bit, and the reference quantises the same tensors at the same places (its inputs equal
-  Cedar's to fp32 rounding). A FP4/FP8 value within noise of a rounding edge cannot flip any of these;
-- every top-k (index picks, candidate blocks, experts) the reference runs on Cedar's picks, and its own picks must
-  equal Cedar's except between entries whose scores tie within fp32 noise at the k-th place.
-Exact-zero ties are kept rare by construction: each indexer's heads come in opposite pairs (head 2k+1's wq_b rows
-are minus head 2k's), so one of each pair sees |q.k| and the ReLU leaves few exact zeros.
+
+Design and reasoning: docs/testing.md#the-hugging-face-reference-forward
 """
 
 from __future__ import annotations

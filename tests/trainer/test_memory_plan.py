@@ -8,17 +8,8 @@ micro-batches for the pipeline, cp not dividing the sequence, sizes that do not 
 never planned; a mistyped config group option is one line naming the group and its options.
 
 The training plan (per rank memory and communication):
-- for tp 2 x ep 2, pp 2 x ep 2 and dp_shard 2 x ep 2 (FSDP2) on 4 gloo ranks, with the Engram tables row-sharded over
-  dp x ep x cp, the planner's parameter elements and bytes by kind for each rank's pipeline position equal the
-  local shards of the real tiny model after the trainer's plans (trainer.parallel.apply.parallelize, apply_engram_
-  sharding, fully_shard), walked on the meta device (Engram: the largest block, which group rank 0 holds);
-- what the planner and the accounting count as split by tp, and along which dim (trainer.parallel.tensor.tp_shard_dims),
-  is exactly the Shard placements apply_tp gives the tiny model's parameters at tp 2 (fake process group);
-- the activation terms of model/accounting.py for the MoE (with its norm), the Engram and an mHC site equal, within
-  2%, the bytes autograd actually saves for them on CPU under bf16 autocast (the same code as on CUDA);
-- the flagship layout conf/parallel/flagship_256xh200.yaml (256 ranks) fits in 141 GB per H200 at 4K tokens with
-  activation checkpointing, its largest term being the routed experts' parameters + gradients + AdamW state, and
-  its figures add up; without activation checkpointing it does not fit and the activations dominate.
+
+Design and reasoning: docs/testing.md#the-memory-planner
 """
 
 import json

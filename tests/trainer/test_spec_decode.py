@@ -9,11 +9,8 @@ the scheduler in trainer/engine/speculative.py).
   sampling distribution (temperature and top-k), enumerated with teacher-forced forwards: a chi-square test at
   p = 1e-4, with drafts accepted (36.8 on 33 degrees of freedom against a threshold of 72; a rule biased toward the
   drafts, p_t(d) + 0.3 in the acceptance test, scores 3,566).
-- The drafter's windowed inference (`draft_hidden` + `heads`) is its training `forward`, and the context the engine
-  keeps for it (a ring of the last W positions, from the prefill and the kept positions of every verify) is the
-  teacher-forced forward's.
-- The scheduler's choice on synthetic confidences, acceptances and cost curves; the refusals.
-The cache's rollback is tests/model/test_cache_rollback.py's.
+
+Design and reasoning: docs/testing.md#speculative-decoding
 """
 
 from __future__ import annotations
