@@ -11,7 +11,7 @@ OLMo-core's callbacks import their Trainer. Proves, for every package (trainer, 
 - no library module imports an entry point (trainer/cli/, or the old command paths that forward to it);
 - the generation engine imports nothing of the trainer but itself and checkpoint loading;
 
-Design and reasoning: docs/testing.md#the-import-graph
+The rest of what it proves: docs/testing.md#the-import-graph
 """
 
 from __future__ import annotations

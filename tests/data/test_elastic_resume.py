@@ -10,7 +10,7 @@ every packed document is recorded with the epoch it belongs to:
   the old readers' carries are the new readers' initial carries (old reader r's to new reader r mod G');
   the leftover documents are dealt evenly (loads differ by at most one shard).
 
-Design and reasoning: docs/testing.md#elastic-resume-of-the-reader
+The rest of what it proves: docs/testing.md#elastic-resume-of-the-reader
 """
 
 import json

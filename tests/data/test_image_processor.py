@@ -11,7 +11,7 @@ Where the expected numbers come from:
   vision-official-sweep.json. The public file itself is not on PyPI (transformers 5.25 has no DeepSeek-V4 image
   processor) and could not be downloaded here, so these recorded outputs are the comparison.
 
-Design and reasoning: docs/testing.md#the-image-processor
+The rest of what it proves: docs/testing.md#the-image-processor
 """
 
 import numpy as np

@@ -11,7 +11,7 @@
 - gradients w.r.t. S, the table, wkv and q/k weights match the reference's autograd, with awkward sizes
   (N = 14 tokens, D = 40, C = 6 sub-tables, Dh = 96) and n = 4 or 3 streams;
 
-Design and reasoning: docs/testing.md#triton-engram-kernels
+The rest of what it proves: docs/testing.md#triton-engram-kernels
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ bit-identical to the PyTorch references in kernels/fp4.py and kernels/fp8.py:
 - FP4 dequantize equals the reference on every code byte and every finite scale byte; fake_quant equals
   dequant(quant(x)) of the reference in x's dtype, in one pass;
 
-Design and reasoning: docs/testing.md#triton-fp4-and-fp8-kernels
+The rest of what it proves: docs/testing.md#triton-fp4-and-fp8-kernels
 """
 
 from __future__ import annotations

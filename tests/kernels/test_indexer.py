@@ -9,7 +9,7 @@ references and the model's own indexer functions (`model.csa2`):
 - candidate pool: the block ids, as an entry mask, equal `model.csa2.candidate_pool` (block max, newest block
   forced, top blocks with a finite score), also when there are fewer blocks than requested;
 
-Design and reasoning: docs/testing.md#triton-indexer-kernels
+The rest of what it proves: docs/testing.md#triton-indexer-kernels
 """
 
 from __future__ import annotations

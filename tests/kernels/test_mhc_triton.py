@@ -11,7 +11,7 @@ and backward:
   autograd (fp32: ~1e-5 relative; bf16: a few bf16 roundings), also when only some outputs carry gradient;
 - every output and gradient element is written (allocations are NaN-poisoned), explicit out= buffers are honoured;
 
-Design and reasoning: docs/testing.md#triton-mhc-step
+The rest of what it proves: docs/testing.md#triton-mhc-step
 """
 
 from __future__ import annotations

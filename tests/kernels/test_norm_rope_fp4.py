@@ -11,7 +11,7 @@ passes (model.common.RMSNorm, model.rope.apply_rope, kernels.fp4 / kernels.fp8 f
 - the inference record (FP4 codes + e4m3/ue8m0 scales, FP8 values + scales) equals kernels.fp4.quantize /
   kernels.fp8.quantize_fp8 of the reference's rotated rows;
 
-Design and reasoning: docs/testing.md#fused-rmsnorm-rope-and-quantisation-kernels
+The rest of what it proves: docs/testing.md#fused-rmsnorm-rope-and-quantisation-kernels
 """
 
 from __future__ import annotations

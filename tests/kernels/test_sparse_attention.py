@@ -11,7 +11,7 @@
   at the selected entries;
 - every output element is written: outputs and scratch come from NaN-poisoned allocations;
 
-Design and reasoning: docs/testing.md#triton-sparse-attention
+The rest of what it proves: docs/testing.md#triton-sparse-attention
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ interpreter) select what torch.topk selects:
 - every output is written (NaN / sentinel-poisoned allocations) and empty cases (k = 0, no rows) work;
 - variant="auto" takes the resident kernel when the row fits and torch.topk otherwise;
 
-Design and reasoning: docs/testing.md#triton-top-k-kernels
+The rest of what it proves: docs/testing.md#triton-top-k-kernels
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ sets up a real single-node Slurm to try the same by hand.) It proves:
   `--cpus-per-task` on (srun no longer inherits it), and fixes `hydra.run.dir=runs/slurm-<job id>`, the same for
   every start of the job (no clock in it);
 
-Design and reasoning: docs/testing.md#the-slurm-launcher
+The rest of what it proves: docs/testing.md#the-slurm-launcher
 """
 
 import os

@@ -11,7 +11,7 @@ group of accepted drafts), and a second verify overwriting the rejected drafts' 
 that only ever got the accepted tokens (a call of them per row instead of the verify forwards) and with the
 teacher-forced forward:
 
-Design and reasoning: docs/testing.md#cache-rollback
+The rest of what it proves: docs/testing.md#cache-rollback
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ Proves:
 - the canonical vocabulary merges case/accent/whitespace variants, keys U+FFFD tokens by their raw string, numbers ids
   by first appearance, with a fake decoder and with a trained byte-level BPE from `tokenizers`;
 
-Design and reasoning: docs/testing.md#engram-addressing-and-module
+The rest of what it proves: docs/testing.md#engram-addressing-and-module
 """
 
 from __future__ import annotations

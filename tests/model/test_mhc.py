@@ -10,7 +10,7 @@
   parameters, builds on the meta device and initialises as A6 "Init" says.
 - `collapse` / `expand` match hand-computed values; `init_streams` + `first_pre` give back the embedding.
 
-Design and reasoning: docs/testing.md#mhc
+The rest of what it proves: docs/testing.md#mhc
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ through `model.kernels.norm_rope_quant` (the whole model on both paths: tests/mo
   normed rows it returns are detached, and the gradients of x and the norm's weight agree within fp32 rounding;
 - RoPE alone (no norm, no quantiser) stays `apply_rope`: nothing to fuse;
 
-Design and reasoning: docs/testing.md#norm-rope-and-quantisation-wiring
+The rest of what it proves: docs/testing.md#norm-rope-and-quantisation-wiring
 """
 
 from __future__ import annotations

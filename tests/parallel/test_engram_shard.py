@@ -7,7 +7,7 @@
   data parallelism bit for bit; a DCP checkpoint loads into the unsharded model.
 - tp 2 x dp 2: the loss within 1e-5 of the single process, table gradients bit for bit the replicated layout's.
 
-Design and reasoning: docs/testing.md#engram-row-sharding
+In full: docs/testing.md#engram-row-sharding
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@
   shared-expert weights drawn after them); applied to a materialised MoE it keeps the rows it had. The routing
   weights travel bit-exactly in fp32, bf16 and fp64 messages.
 
-Design and reasoning: docs/testing.md#expert-parallelism
+The rest of what it proves: docs/testing.md#expert-parallelism
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ runs on CPU in fp32), through MoE.forward (router, dispatch, experts, combine, s
   Also with the experts' per-expert loop (which returns only the valid rows) and in bf16 (the fp32 weight packed
   into two bf16 columns; sync-free against dropless, bitwise).
 
-Design and reasoning: docs/testing.md#sync-free-expert-dispatch
+The rest of what it proves: docs/testing.md#sync-free-expert-dispatch
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ image-text row second and rank 1 first, so the tower's parameters get a gradient
 micro-batch has no image (FSDP2's reduce-scatter of unused parameters, the replicated path's vote). The metrics
 loss_text and loss_multimodal (each a global token mean over its kind of row) equal the single process's too.
 
-Design and reasoning: docs/testing.md#multimodal-layouts
+The rest of what it proves: docs/testing.md#multimodal-layouts
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@
   later layer needs them; the flagship byte counts quoted in the module docstring. Bit-packing of the masks is
   exact at awkward widths.
 
-Design and reasoning: docs/testing.md#pipeline-parallelism
+The rest of what it proves: docs/testing.md#pipeline-parallelism
 """
 
 from __future__ import annotations

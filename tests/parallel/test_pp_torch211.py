@@ -9,7 +9,7 @@ whichever torch runs the tests.
 - The stage metadata (PipelineStage's input / output examples) declares each integer slot of a cut as a float32
   carrier that requires grad under the float wire, and as boundary_slots says without it.
 
-Design and reasoning: docs/testing.md#the-float-wire
+The rest of what it proves: docs/testing.md#the-float-wire
 """
 
 from __future__ import annotations

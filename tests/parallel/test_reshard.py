@@ -8,7 +8,7 @@ DTensor like its parameter under tp), the micro model with Engram on.
   steps 5 and 6.
 - Resuming with a model whose parameters differ fails before training, exit status 2, naming the key.
 
-Design and reasoning: docs/testing.md#resharding-checkpoints
+In full, with the reasoning: docs/testing.md#resharding-checkpoints
 """
 
 from __future__ import annotations

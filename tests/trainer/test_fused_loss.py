@@ -11,7 +11,7 @@ the plain loss, and keep no [N, V] logits for the backward.
 - No logits kept: every tensor saved for the backward (saved-tensor hooks) is at most the size of the head weight
   or of the hidden states, while the plain path saves [N, V] ones (the check is not vacuous).
 
-Design and reasoning: docs/testing.md#fused-loss
+The rest of what it proves: docs/testing.md#fused-loss
 """
 
 from __future__ import annotations

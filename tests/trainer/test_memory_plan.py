@@ -9,7 +9,7 @@ never planned; a mistyped config group option is one line naming the group and i
 
 The training plan (per rank memory and communication):
 
-Design and reasoning: docs/testing.md#the-memory-planner
+The rest of what it proves: docs/testing.md#the-memory-planner
 """
 
 import json

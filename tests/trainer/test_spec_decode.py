@@ -10,7 +10,7 @@ the scheduler in trainer/engine/speculative.py).
   p = 1e-4, with drafts accepted (36.8 on 33 degrees of freedom against a threshold of 72; a rule biased toward the
   drafts, p_t(d) + 0.3 in the acceptance test, scores 3,566).
 
-Design and reasoning: docs/testing.md#speculative-decoding
+The rest of what it proves: docs/testing.md#speculative-decoding
 """
 
 from __future__ import annotations
