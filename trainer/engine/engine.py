@@ -125,10 +125,10 @@ class Engine:
                  prefix_cache=None, tokenizer=None, prompt_format: PromptFormat | None = None,
                  cuda_graph: bool = False, compile_decode: str | None = None, drafter=None,
                  spec_tokens: int | None = None, spec_schedule: str = "fixed"):
-        """compile_decode (experimental: not yet equal to the reference on a GPU, docs/generation.md): a torch.compile
-        backend for the decode step (model.serving.compiled_decode_step; with cuda_graph, the compiled step is what the
-        graph captures), None: the reference operations one by one. drafter: a model.dspark.DSpark of this model for
-        speculative decoding (docs/generation.md#the-engine-in-detail); spec_tokens: the most drafts a step verifies
+        """compile_decode (experimental: equal to the op-by-op step in fp32 on an H100 at v41_tiny, not yet run at
+        v41_small's size: docs/generation.md): a torch.compile backend for the decode step
+        (model.serving.compiled_decode_step; with cuda_graph, the compiled step is what the graph captures), None:
+        the reference operations one by one. drafter: a model.dspark.DSpark of this model for speculative decoding (docs/generation.md#the-engine-in-detail); spec_tokens: the most drafts a step verifies
         (None: the drafter's block_size); spec_schedule: "fixed" (always spec_tokens) or "auto" (from the confidences
         and the measured cost: trainer/engine/speculative.py)."""
         model = serving_module(model)
