@@ -127,10 +127,11 @@ class Engine:
                  spec_tokens: int | None = None, spec_schedule: str = "fixed"):
         """compile_decode (experimental: equal to the op-by-op step in fp32 on an H100 at v41_tiny, not yet run at
         v41_small's size: docs/generation.md): a torch.compile backend for the decode step
-        (model.serving.compiled_decode_step; with cuda_graph, the compiled step is what the graph captures), None:
-        the reference operations one by one. drafter: a model.dspark.DSpark of this model for speculative decoding (docs/generation.md#the-engine-in-detail); spec_tokens: the most drafts a step verifies
-        (None: the drafter's block_size); spec_schedule: "fixed" (always spec_tokens) or "auto" (from the confidences
-        and the measured cost: trainer/engine/speculative.py)."""
+        (model.serving.compiled_decode_step; with cuda_graph, the compiled step is what the graph captures), None: the
+        reference operations one by one. drafter: a model.dspark.DSpark of this model for speculative decoding
+        (docs/generation.md#the-engine-in-detail); spec_tokens: the most drafts a step verifies (None: the drafter's
+        block_size); spec_schedule: "fixed" (always spec_tokens) or "auto" (from the confidences and the measured cost:
+        trainer/engine/speculative.py)."""
         model = serving_module(model)
         self.model, self.max_batch, self.max_len, self.replay = model, max_batch, max_len, replay
         self.cuda_graph = cuda_graph
