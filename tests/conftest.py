@@ -7,6 +7,7 @@ Tests that pin their own thread count (the reference curve: trainer.num_threads=
 
 import os
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
@@ -37,3 +38,14 @@ def pytest_collection_modifyitems(session, config, items):
         return rank.get(path, len(rank))
 
     items.sort(key=key)  # stable: the other files, and the tests inside each file, keep their order
+
+
+@pytest.fixture(autouse=True)
+def _thread_share_kept():
+    """An app run in-process (generate, evaluate, a training) sets torch's threads for its process (trainer/threads.py:
+    the cores it may use): the worker's share is put back after the test, so later tests in the worker do not run
+    oversubscribed."""
+    before = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != before:
+        torch.set_num_threads(before)
