@@ -279,7 +279,11 @@ def _check(name: str, ranks: list, single: dict, tol: float = 1e-5, later_grad_t
         assert first["aux"][step].pop("aux_metric/moe_dropped_share", 0.0) == 0.0, name
         assert first["aux"][step].keys() == single["aux"][step].keys()
         for key, value in single["aux"][step].items():
-            assert first["aux"][step][key] == pytest.approx(value, rel=tol), (name, step, key)
+            # a KL is a difference of cross-entropies: its rounding is absolute (fp32's epsilon times a nat), not
+            # relative to its small value (the indexer's KL ~1e-4 moved by 1.0e-5 of itself under ep2 with
+            # MKL_CBWR=AVX2 and ATEN_CPU_CAPABILITY=default)
+            floor = 1e-7 if "kl" in key else 0.0
+            assert first["aux"][step][key] == pytest.approx(value, rel=tol, abs=floor), (name, step, key)
     init = _merge(ranks, "init")
     assert init.keys() == single["init"].keys(), name
     mismatched = [n for n, t in single["init"].items() if not torch.equal(init[n], t)]
@@ -318,12 +322,13 @@ def test_tolerance_is_the_rounding_floor(single_small, monkeypatch):
     """Why a tensor's error is measured against at least its share of the whole gradient's norm: the single
     process alone, fed the same 4 micro-batches in reverse order (the same sum in another order), moves the
     gradient of some mHC `base` / `scale` parameter (a few entries each, sums that cancel to ~1% of the gradient's
-    RMS) by more than 1e-5 of its own norm at the second step, while with the floor every tensor stays far below."""
+    RMS) by more than 1e-5 of its own norm at the second step, while with the floor every tensor stays below half the
+    layouts' tolerance (3.1e-6 at most seen, under MKL_CBWR=AVX2 with ATEN_CPU_CAPABILITY=default)."""
     reversed_run = _reversed_run(monkeypatch)
     grads, twin = single_small["grads"][1], reversed_run["grads"][1]
     own_norm = {n: _rel(twin[n], g) for n, g in grads.items()}
     assert max(own_norm.values()) > 1e-5  # without a floor, the single process would fail against itself
-    assert max(_errors(twin, grads, "grad").values()) < 2e-6
+    assert max(_errors(twin, grads, "grad").values()) < 1e-5 / 2
 
 
 @pytest.mark.distributed
