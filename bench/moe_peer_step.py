@@ -48,7 +48,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from peer_step import (Attention, add_step_args, check_step_args, fail, match_config, match_flops,  # noqa: E402
+from peer_step import (Attention, add_step_args, check_step_args, fail, lm_step, match_config, match_flops,  # noqa: E402
                        report, rope_tables, time_steps)
 
 ExpertsPath = Literal["grouped", "loop"]
@@ -263,20 +263,7 @@ def main() -> None:
     if not args.no_compile:
         for block in model.blocks:
             block.compile()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
-    gen = torch.Generator().manual_seed(1)
-
-    def step() -> float:
-        ids = torch.randint(0, cfg.vocab_size, (args.batch_size, args.seq_len + 1), generator=gen).to(device)
-        with torch.autocast(device.type, dtype=torch.bfloat16):
-            logits = model(ids[:, :-1])
-        loss = F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        update_expert_bias(model, m.bias_update_rate)
-        return float(loss.detach())
-
+    step = lm_step(model, cfg.vocab_size, args, device, after=lambda: update_expert_bias(model, m.bias_update_rate))
     timing = time_steps(step, args, device.type == "cuda")
     params = sum(p.numel() for p in model.parameters())
     active = model.flops_per_token(0) / 6 + model.embed.weight.numel()

@@ -166,6 +166,27 @@ def check_step_args(args: argparse.Namespace) -> None:
         fail(f"--device {args.device}: no CUDA device here")
 
 
+def lm_step(model: nn.Module, vocab: int, args: argparse.Namespace, device: torch.device, after=None):
+    """One training step of a peer LM on random tokens (bf16 autocast, fused AdamW on CUDA), returning its loss;
+    `after()` runs after the optimiser step (the MoE peer's router-bias update)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+    gen = torch.Generator().manual_seed(1)
+
+    def step() -> float:
+        ids = torch.randint(0, vocab, (args.batch_size, args.seq_len + 1), generator=gen).to(device)
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            logits = model(ids[:, :-1])
+        loss = F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if after is not None:
+            after()
+        return float(loss.detach())
+
+    return step
+
+
 def time_steps(step, args: argparse.Namespace, cuda: bool) -> tuple[float, float, float]:
     """`args.warmup` calls of step() (compilation included), then `args.steps` timed ones -> (seconds per step,
     warm-up seconds, the last step's loss). On CUDA the peak-memory counter restarts after the warm-up."""
@@ -236,20 +257,7 @@ def main() -> None:
     if not args.no_compile:
         for block in model.blocks:
             block.compile()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
-    gen = torch.Generator().manual_seed(1)
-
-    def step() -> float:
-        ids = torch.randint(0, cfg.vocab_size, (args.batch_size, args.seq_len + 1), generator=gen).to(device)
-        with torch.autocast(device.type, dtype=torch.bfloat16):
-            logits = model(ids[:, :-1])
-        loss = F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return float(loss.detach())
-
-    timing = time_steps(step, args, device.type == "cuda")
+    timing = time_steps(lm_step(model, cfg.vocab_size, args, device), args, device.type == "cuda")
     params = sum(p.numel() for p in model.parameters())
     report(f"dense peer of {args.match}: dim {args.dim}, {layers} layers, {args.heads} heads, SwiGLU {args.ffn}, "
            f"vocab {cfg.vocab_size} ({params / 1e6:.0f}M parameters)", f"dense peer of {args.match}",
