@@ -28,6 +28,17 @@ class AdamW(torch.optim.AdamW):
     lists, so that the scheduler's lr and any other hyperparameter of the group reach the step as they are now."""
 
     _split: tuple[tuple, list[list[list[torch.Tensor]]]] | None = None
+    clip_in_step = False
+    """set by optim.builder (optim.clip_in_step): the trainer then hands the clip to `scale_next_step`"""
+    _next_scale: torch.Tensor | None = None
+
+    def scale_next_step(self, coef: torch.Tensor) -> None:
+        """The next step multiplies every gradient by `coef` (a 0-dim tensor) inside its fused kernel, through
+        torch's `grad_scale` (the kernel divides by 1 / coef; the gradients are left scaled, as a multiply before the
+        step would leave them). Only for the fused implementation: torch's foreach and for-loop steps refuse it."""
+        if not self.defaults.get("fused"):
+            raise RuntimeError("AdamW.scale_next_step needs the fused implementation (optim.impl auto or fused)")
+        self._next_scale = coef.float().reciprocal()
 
     def _kinds(self) -> list[list[list[torch.Tensor]]]:
         key = tuple((id(g["params"]), len(g["params"])) for g in self.param_groups)
@@ -43,6 +54,13 @@ class AdamW(torch.optim.AdamW):
 
     @torch.no_grad()
     def step(self, closure=None):
+        self.grad_scale, self._next_scale = self._next_scale, None  # torch's fused step reads self.grad_scale
+        try:
+            return self._step_by_kind(closure)
+        finally:
+            self.grad_scale = None
+
+    def _step_by_kind(self, closure):
         groups = self.param_groups
         parts = self._kinds()
         if all(len(ps) == 1 for ps in parts):

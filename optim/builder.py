@@ -62,7 +62,14 @@ def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: OptimConfig, *,
     if not groups:
         raise ValueError("optimizer: no trainable parameters")
     if cfg.name == "adamw":
-        return AdamW(groups, **adamw_options)
+        opt = AdamW(groups, **adamw_options)
+        devices = {p.device.type for p in params}
+        if cfg.clip_in_step == "on" and len(devices) > 1:  # torch would copy the scale to the host without waiting
+            raise ValueError(f"optim.clip_in_step=on: the parameters live on {sorted(devices)} (host-resident Engram "
+                             "tables?); the folded clip needs them on one kind of device: use clip_in_step=auto")
+        opt.clip_in_step = impl == "fused" and (cfg.clip_in_step == "on" or (cfg.clip_in_step == "auto"
+                                                                              and devices == {"cuda"}))
+        return opt
     raise ValueError(f"optim.name={cfg.name!r} has no builder")
 
 

@@ -62,6 +62,12 @@ class OptimConfig:
     impl: str = choice_field("auto", ("auto", "fused", "foreach", "for_loop"))
     """how torch's AdamW runs the update: fused (one kernel per group and device kind), foreach (multi-tensor
     kernels, one per operation), for_loop (per parameter); auto = fused (bench/optim_step.py: BENCHMARKS.md)"""
+    clip_in_step: str = choice_field("auto", ("auto", "on", "off"))
+    """the gradient clip applied inside the fused AdamW step (torch's `grad_scale`: the kernel divides each gradient
+    by 1 / coef as it reads it) instead of a multi-tensor multiply over every gradient before the step: one read and
+    write of the gradients fewer. auto = on where the parameters are on a GPU and optim.name=adamw runs fused, off on
+    CPU (dividing by 1 / coef rounds differently from multiplying by coef: the reference curve stays bit for bit);
+    on needs optim.name=adamw and impl auto or fused"""
     weight_decay: float = 0.1
     """decoupled decay on matrices only; norms, biases and every other 1-D parameter get none"""
     schedule: str = choice_field("cosine", ("constant", "cosine", "wsd"))
@@ -85,5 +91,9 @@ class OptimConfig:
         at_least("optim.warmup_steps", self.warmup_steps, 0)
         in_range("optim.min_lr_ratio", self.min_lr_ratio, 0, 1)
         in_range("optim.decay_fraction", self.decay_fraction, 0, 1)
+        if self.clip_in_step == "on" and (self.name != "adamw" or self.rules or self.impl not in ("auto", "fused")):
+            raise ValueError(f"optim.clip_in_step=on folds the clip into the fused AdamW step: it needs optim.name=adamw "
+                             f"without optim.rules and optim.impl auto or fused (got name={self.name}, "
+                             f"impl={self.impl}{', rules' if self.rules else ''}); use clip_in_step=auto or off")
         if self.name == "muon" and not self.rules:
             raise ValueError("optim.name=muon needs optim.rules (conf/optim/muon.yaml has the report's)")

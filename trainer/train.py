@@ -530,11 +530,12 @@ class StepStats:
 
 def compute_gradients(pm: ParallelModel, batches: list[dict], params: list[torch.nn.Parameter], max_norm: float,
                       autocast_dtype: torch.dtype | None = None, step: int = 0, loss: LMLoss | None = None,
-                      forward=None) -> StepStats:
+                      forward=None, optimizer=None) -> StepStats:
     """Forward, backward, gradient reduction and clipping of one optimiser step; leaves the clipped gradients in
     .grad. loss: the stage's (default `LMLoss`), normalised over the step's global valid tokens (`step_tokens`).
     forward: a stage's own `forward_backward` (same signature and result; dspark's runs the frozen backbone, then
-    the drafter), else the model's.
+    the drafter), else the model's. optimizer: the one the caller steps next; where it takes the clip into its step
+    (`clip_in_step`, optim.clip_in_step) the gradients are left unclipped for it to scale.
     A non-finite loss or norm (`StepStats.finite` false, the same on every rank: both are job-wide reductions)
     leaves gradients the caller must drop instead of applying."""
     loss = loss or LMLoss()
@@ -544,7 +545,8 @@ def compute_gradients(pm: ParallelModel, batches: list[dict], params: list[torch
     names = sorted(micro.aux)
     loss, *aux = mean_over_data(pm, [micro.loss, *(micro.aux[n] for n in names)])
     # A non-finite loss skips the norm's collectives on every rank alike (the loss is the job-wide mean).
-    grad_norm = float(clip_grad_norm_(params, max_norm, pm)) if math.isfinite(loss) else math.nan
+    fold = optimizer if getattr(optimizer, "clip_in_step", False) else None
+    grad_norm = float(clip_grad_norm_(params, max_norm, pm, fold)) if math.isfinite(loss) else math.nan
     stats = StepStats(loss, grad_norm, dict(zip(names, aux)), micro.tokens * pm.dims.data, micro.seq_len)
     if micro.kinds is not None:
         stats.extra.update(kind_losses(pm, micro.kinds))
@@ -582,7 +584,7 @@ def train_loop(job: Job) -> None:
             callbacks.on_step_start(job, step)
             batches = [next(job.batches) for _ in range(cfg.grad_accum)]
             stats = compute_gradients(job.pm, batches, params, max_norm, rt.autocast_dtype, step, job.loss,
-                                      forward=job.stage.forward_backward)
+                                      forward=job.stage.forward_backward, optimizer=job.optimizer)
             stats.lr = lr
             if stats.finite:
                 callbacks.on_before_optimizer_step(job, step, stats)

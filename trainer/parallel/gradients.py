@@ -123,9 +123,11 @@ def _shard_groups(g: torch.Tensor) -> tuple:
 
 
 @torch.no_grad()
-def clip_grad_norm_(params, max_norm: float, pm: ParallelModel) -> torch.Tensor:
+def clip_grad_norm_(params, max_norm: float, pm: ParallelModel, fold_into=None) -> torch.Tensor:
     """torch.nn.utils.clip_grad_norm_ (L2) over the whole model, whatever this rank holds of it; call after
-    reduce_gradients. Returns the total norm (fp32), the same on every rank."""
+    reduce_gradients. Returns the total norm (fp32), the same on every rank. fold_into: an optimiser whose next step
+    applies the clip's coefficient itself (optim.adamw.AdamW.scale_next_step, optim.clip_in_step) instead of a
+    multiply over the gradients here."""
     grads = [p.grad for p in params if p.grad is not None]
     # The compute device: host-resident Engram blocks (parallel.engram_host_memory) sum their squares there too.
     device = next((g.device for g in grads if g.device.type != "cpu"), grads[0].device if grads else None)
@@ -148,6 +150,9 @@ def clip_grad_norm_(params, max_norm: float, pm: ParallelModel) -> torch.Tensor:
         dist.all_reduce(total, group=pm.meshes.pp.get_group())
     norm = total.sqrt().float()
     coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)  # torch's coefficient
+    if fold_into is not None:
+        fold_into.scale_next_step(coef)
+        return norm
     for (_, dev, dtype), ts in buckets.items():
         torch._foreach_mul_(ts, coef.to(dev, dtype))
     return norm
