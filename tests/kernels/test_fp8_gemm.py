@@ -1,19 +1,15 @@
 """Proves the FP8 training GEMMs (kernels/fp8_gemm.py, kernels/fp8_gemm_triton.py, model/fp8.py):
 
-- the 128 x 128 weight quantiser's Triton kernel is bit-identical to the reference (codes and e8m0 scales), for
-  fp32 and bf16 weights over a wide dynamic range, with an all-zero block;
-- the block-scaled GEMM kernel equals the plain PyTorch reference of the same quantisation (dequantise, then matmul
-  in fp32) to fp32 rounding: plain, block-diagonal (3 groups) and row-grouped (empty groups, groups that end inside
-  a row tile), on poisoned outputs, at row counts that are not multiples of the tile;
-- the CPU interpreter runs float8 loads and tl.dot on float8_e4m3fn operands exactly (products of e4m3 values are
-  exact in fp32), so the kernel is tested as it runs on the GPU, without an emulation branch;
-- fp8_linear / fp8_grouped_linear: forward, dgrad and wgrad of the Triton path equal the reference path's to fp32
-  rounding, and all three lie within the FP8 bound (8% in L2, e4m3 keeps 3 mantissa bits) of the exact GEMM;
-- the experts and the linear modules with the switch on against the same modules off, within that bound;
-- v41_tiny at widths of 128 with model.fp8_gemm on: the loss at init within 1e-3 nat of the switch off, and 8
-  AdamW steps within 0.1 nat at every step;
-- dims that are not multiples of 128: the functions raise one ValueError naming them; the model keeps such
-  projections in the compute dtype (v41_tiny: only wo_b takes FP8).
+- the 128 x 128 weight quantiser's kernel is bit-identical to the reference (fp32, bf16, wide range, a zero block);
+- the block-scaled GEMM kernel equals the reference of the same quantisation (dequantise, matmul in fp32) to fp32
+  rounding: plain, block-diagonal (3 groups), row-grouped (empty groups, ends inside a tile), poisoned outputs;
+- the CPU interpreter runs tl.dot on float8_e4m3fn operands exactly (every finite code), so no emulation branch;
+- fp8_linear / fp8_grouped_linear: y, dgrad, wgrad of the kernel path equal the reference path's to fp32 rounding
+  and lie within FP8_BOUND (8% in L2) of the exact GEMM; the experts and the linears with the switch on against off;
+- v41_tiny at widths of 128 with model.fp8_gemm on: loss at init within 1e-3 nat of off, 8 AdamW steps within 0.1;
+- dims not multiples of 128: one ValueError naming them; the model keeps such projections in the compute dtype.
+
+Design and reasoning: docs/kernels.md#fp8-training-gemms
 """
 
 from __future__ import annotations
