@@ -16,6 +16,7 @@ from torch import nn
 
 from kernels.fp8_gemm import fp8_linear, fp8_ok
 from model.common import autocast_dtype, linear, local
+from model.kernels import plain
 
 
 class Fp8Linear(nn.Linear):
@@ -26,6 +27,8 @@ class Fp8Linear(nn.Linear):
         self.impl = impl
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not plain(x):  # a tensor-parallel plan hands the module DTensors: not supported yet, say so by name
+            raise RuntimeError("model.fp8_gemm=true does not support tensor parallelism (parallel.tp > 1) yet")
         dtype = autocast_dtype(x.device.type) or x.dtype
         return fp8_linear(x.to(dtype), local(self.weight), impl=self.impl)
 
