@@ -36,6 +36,10 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FP8_BOUND = 0.08
 """relative L2 error of an FP8 GEMM against the exact one: e4m3 rounds to 2^-4 relative, power-of-two scales leave
 up to one binade unused; measured 3.7% on Gaussian data for y, dgrad alike"""
+ACC_TOL = 2.0 ** -12 if DEVICE == "cuda" else 1e-5
+"""the kernel against the fp32 reference, relative to the sum of the products' magnitudes: fp32 rounding under the
+interpreter; on Hopper the FP8 tensor core accumulates each 128-deep step with ~14 bits (DeepSeek-V3's report, 3.3.2)
+before the fp32 promotion"""
 
 
 @pytest.fixture
@@ -90,7 +94,7 @@ def _check_gemm(a, a_s, b, b_s, group_ends=None):
     mag = fg.fp8_gemm(a.float().abs().to(torch.float8_e4m3fn), a_s, b.float().abs().to(torch.float8_e4m3fn), b_s,
                       group_ends=group_ends, out_dtype=torch.float32, impl="reference")
     assert not out.isnan().any()
-    assert ((out - ref).abs() <= 1e-5 * mag + 1e-30).all(), (out - ref).abs().max()
+    assert ((out - ref).abs() <= ACC_TOL * mag + 1e-30).all(), (out - ref).abs().max()
     bf16 = fg.fp8_gemm(a, a_s, b, b_s, group_ends=group_ends, out_dtype=torch.bfloat16, impl="triton")
     assert torch.equal(bf16, out.to(torch.bfloat16)) or _rel(bf16.float(), ref) < 4e-3  # one bf16 rounding
 
@@ -118,7 +122,7 @@ def test_interpreter_fp8_dot_is_exact():
     out = fgt.fp8_gemm(a, scales, b, b_s, out_dtype=torch.float32)
     exact = a.double() @ b[0].double().T
     mag = a.double().abs() @ b[0].double().abs().T
-    assert ((out.double() - exact).abs() <= 2.0 ** -22 * mag).all()
+    assert ((out.double() - exact).abs() <= (2.0 ** -22 if DEVICE == "cpu" else ACC_TOL) * mag).all()
 
 
 # ---- autograd and modules -------------------------------------------------------------------------------------------
@@ -145,7 +149,7 @@ def test_fp8_linear_triton_equals_reference_and_the_exact_gemm_within_the_fp8_bo
     g = torch.randn(3, 41, 384, generator=gen).to(DEVICE)
     ref, tri, exact = _fp8_linear(x, w, g, "reference"), _fp8_linear(x, w, g, "triton"), _exact_linear(x, w, g)
     for name, r, t, e in zip(("y", "dgrad", "wgrad"), ref, tri, exact):
-        assert _rel(t, r) < 1e-5, name  # the same quantisation, fp32 sums in another order
+        assert _rel(t, r) < ACC_TOL, name  # the same quantisation, fp32 sums in another order
         assert _rel(t, e) < FP8_BOUND, (name, _rel(t, e))
     assert _rel(tri[2], exact[2]) < 1e-5  # wgrad is unquantised (in x's dtype, fp32 here)
 
@@ -163,7 +167,7 @@ def test_grouped_linear_triton_equals_reference():
         y.backward(g)
         outs.append((y, x2.grad, w2.grad))
     for r, t in zip(*outs):
-        assert _rel(t, r) < 1e-5
+        assert _rel(t, r) < ACC_TOL
     assert not outs[1][2][1].any()  # the empty expert gets a zero gradient
 
 
@@ -174,23 +178,25 @@ def test_experts_and_shared_expert_with_the_switch_within_the_fp8_bound(impl, mo
     off, on = GroupedExperts(128, 256, 4, 10.0), GroupedExperts(128, 256, 4, 10.0, fp8=True)
     off.init_weights(0.05)
     on.load_state_dict(off.state_dict())
+    off, on = off.to(DEVICE), on.to(DEVICE)
     off.path = "loop"
     assert on.fp8 and not off.fp8
-    x = torch.randn(77, 128)
-    weights = torch.rand(77)
-    tpe = torch.tensor([20, 0, 40, 17])
+    x = torch.randn(77, 128, device=DEVICE)
+    weights = torch.rand(77, device=DEVICE)
+    tpe = torch.tensor([20, 0, 40, 17], device=DEVICE)
     res = []
     for mod in (off, on):
         mod.zero_grad()
         xi = x.clone().requires_grad_()
         y = mod(xi, weights, tpe)
-        (y * torch.linspace(-1, 1, y.numel()).view_as(y)).sum().backward()
+        (y * torch.linspace(-1, 1, y.numel(), device=DEVICE).view_as(y)).sum().backward()
         res.append((y, xi.grad, mod.w1.grad, mod.w2.grad, mod.w3.grad))
     for name, e, f in zip(("y", "dx", "dw1", "dw2", "dw3"), *res):
         assert _rel(f, e) < FP8_BOUND, (name, _rel(f, e))
     shared_off, shared_on = SharedExpert(128, 256, 10.0), SharedExpert(128, 256, 10.0, fp8=True)
     shared_off.init_weights(0.05)
     shared_on.load_state_dict(shared_off.state_dict())  # the same state dict: Fp8Linear is an nn.Linear
+    shared_off, shared_on = shared_off.to(DEVICE), shared_on.to(DEVICE)
     assert isinstance(shared_on.w2, Fp8Linear) and not isinstance(shared_off.w2, Fp8Linear)
     assert _rel(shared_on(x), shared_off(x)) < FP8_BOUND
 
