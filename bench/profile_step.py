@@ -2,7 +2,7 @@
 
     python bench/profile_step.py [--model v41_small] [--batch-size 4] [--seq-len 2048] [--kernels auto]
                                  [--modes eager,compiled] [--steps 3] [--warmup 3] [--top 25] [--trace trace.json]
-                                 [--gemm-shapes] [--op-sources] [--compile-mode reduce-overhead]
+                                 [--gemm-shapes] [--op-sources] [--compile-mode reduce-overhead] [--fp8]
 
 Builds the model and runs steps exactly as the trainer does (trainer.train.build_model -> compute_gradients, bf16
 autocast on CUDA, AdamW from optim/), on random token batches, once per mode: `eager`, `compiled` (trainer.compile:
@@ -42,6 +42,7 @@ FAMILIES = [
     (r"mhc|_coeff", "triton: mHC"),
     (r"engram|_gather_rows|_gate|_gather_kernel|_scatter_add_kernel", "triton: Engram"),
     (r"norm_rope|_nrq", "triton: norm+RoPE+quant"),
+    (r"_fp8_gemm_kernel", "triton: FP8 GEMM"),
     (r"fp4|fp8|_quant|_dequant", "triton: FP4/FP8"),
     (r"nccl|gloo|all_?reduce|all_?gather|reduce_?scatter|alltoall", "communication"),
     (r"gemm|sm90_xmma|cutlass|cublas|nvjet|matmul|wgmma", "GEMM (cuBLAS/CUTLASS)"),
@@ -144,7 +145,7 @@ def run_mode(args, name: str, fullgraph: bool = True) -> dict:
     y = OmegaConf.load(ROOT / "conf" / "model" / f"{args.model}.yaml")
     y.pop("defaults", None)
     cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), y))
-    cfg = dataclasses.replace(cfg, kernels=args.kernels)
+    cfg = dataclasses.replace(cfg, kernels=args.kernels, fp8_gemm=args.fp8)
     cuda = args.device == "cuda"
     parallel = ParallelConfig(activation_checkpoint=args.activation_checkpoint)
     rt = setup_runtime(TrainerConfig(device=args.device, precision="bf16" if cuda else "fp32",
@@ -236,7 +237,7 @@ def run_mode(args, name: str, fullgraph: bool = True) -> dict:
     if compiled and args.compile_mode != "default":
         name += f"[{args.compile_mode}]"
     print(f"\n=== {name}: {args.model}  {args.batch_size} x {args.seq_len} tokens  kernels={args.kernels}  "
-          f"device={args.device}  torch {torch.__version__}  threads {torch.get_num_threads()}")
+          f"fp8_gemm={args.fp8}  device={args.device}  torch {torch.__version__}  threads {torch.get_num_threads()}")
     print(f"warm-up {warmup_s:.1f} s ({args.warmup} steps, compilation included); step {wall * 1e3:.1f} ms wall "
           f"(unprofiled), {busy * 1e3:.1f} ms device-busy (profiled), {tokens / wall:,.0f} tokens/s, "
           f"MFU {flops / wall / peak:.1%} (peak {peak / 1e12:.0f} TFLOP/s); {ops / args.steps:,.0f} operators "
@@ -272,6 +273,7 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--kernels", default="auto")
+    p.add_argument("--fp8", action="store_true", help="model.fp8_gemm=true: FP8 GEMMs (kernels/fp8_gemm.py)")
     p.add_argument("--modes", default="eager,compiled", help="comma-separated: eager, compiled, each with +fused")
     p.add_argument("--backend", default="inductor", help="torch.compile backend of the compiled modes")
     p.add_argument("--compile-mode", default="default",

@@ -20,11 +20,13 @@ from typing import Callable
 import torch
 from torch import nn
 
+from kernels.fp8_gemm import fp8_blockdiag_linear
 from model import kernels as kern
-from model.common import RMSNorm, init_linear, linear, local
+from model.common import RMSNorm, autocast_dtype, init_linear, linear, local
 from model.config import ModelConfig
 from model.csa2 import Compressor, Indexer, attend, candidate_pool, index_scores, select_topk, visible_mask
 from model.forward import WHOLE, ForwardState, LayerOutputs
+from model.fp8 import maybe_fp8_linear, use_fp8
 from model.layer_plan import LayerSpec
 from model.routing import forced_selection
 from model.rope import apply_rope
@@ -79,14 +81,16 @@ class CSA2Attention(kern.KernelPath, nn.Module):
         self.kernels = cfg.kernels
         self.num_heads, self.head_dim = a.num_heads, a.head_dim
         eps = cfg.norm_eps
-        self.wq_a = linear(cfg.dim, a.q_lora_rank)
+        fp8 = cfg.fp8_gemm  # FP8 GEMMs (model.fp8) where the dims are multiples of 128
+        self.wq_a = maybe_fp8_linear(cfg.dim, a.q_lora_rank, fp8)
         self.q_norm = RMSNorm(a.q_lora_rank, eps)
-        self.wq_b = linear(a.q_lora_rank, a.num_heads * a.head_dim)
-        self.wkv = linear(cfg.dim, a.head_dim)
+        self.wq_b = maybe_fp8_linear(a.q_lora_rank, a.num_heads * a.head_dim, fp8)
+        self.wkv = maybe_fp8_linear(cfg.dim, a.head_dim, fp8)
         self.kv_norm = RMSNorm(a.head_dim, eps)
         # block-diagonal output projection: group g (heads g*H/G ..) -> o_lora_rank, stored as one matrix
         self.wo_a = linear(a.num_heads * a.head_dim // a.o_groups, a.o_groups * a.o_lora_rank)
-        self.wo_b = linear(a.o_groups * a.o_lora_rank, cfg.dim)
+        self.fp8_wo_a = use_fp8(fp8, a.num_heads * a.head_dim // a.o_groups, a.o_lora_rank)
+        self.wo_b = maybe_fp8_linear(a.o_groups * a.o_lora_rank, cfg.dim, fp8)
         self.attn_sink = nn.Parameter(torch.empty(a.num_heads, dtype=torch.float32))
         self.compressor = Compressor(cfg.dim, a.head_dim, spec.ratio, eps) if spec.owns_kv else None
         self.indexer = (
@@ -286,6 +290,9 @@ class CSA2Attention(kern.KernelPath, nn.Module):
         """[B, T, H, D] attention output -> [B, T, dim]: inverse RoPE at the query position, grouped wo_a, wo_b."""
         out = apply_rope(out, cos, sin, inverse=True)  # [B, T, H, D]
         w = local(self.wo_a.weight).unflatten(0, (-1, self.cfg.attention.o_lora_rank))  # [G, o_lora_rank, H / G * D]
+        if self.fp8_wo_a:  # one block-diagonal FP8 GEMM: the 1 x 128 blocks of a row never straddle two groups
+            dtype = autocast_dtype(out.device.type) or out.dtype
+            return self.wo_b(fp8_blockdiag_linear(out.flatten(2).to(dtype), w))
         grouped = out.flatten(2).unflatten(-1, (w.shape[0], -1))  # [B, T, G, H / G * D]: groups are head blocks
         y = torch.einsum("btgi,goi->btgo", grouped, w).flatten(2)
         return self.wo_b(y)

@@ -38,7 +38,7 @@ class Block(kern.KernelPath, nn.Module):
         self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.attn = CSA2Attention(cfg, spec)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.ffn = MoE(cfg.dim, cfg.moe, cfg.init_std)
+        self.ffn = MoE(cfg.dim, cfg.moe, cfg.init_std, cfg.fp8_gemm)
         self.init_std = cfg.init_std
         self._resolve_kernel_path()
 

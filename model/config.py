@@ -265,6 +265,9 @@ class ModelConfig:
     tie_embeddings: bool = False
     kernels: str = choice_field("auto", ("reference", "triton", "auto"))
     """auto: triton on CUDA, reference elsewhere"""
+    fp8_gemm: bool = False
+    """FP8 GEMMs as DeepSeek-V3 trains (kernels.fp8_gemm): routed and shared experts and the attention's wq_a, wq_b,
+    wkv, wo_a, wo_b, each where its in and out dims are multiples of 128 (the others stay in the compute dtype)"""
     attention: AttentionConfig = field(default_factory=AttentionConfig)
     csa2: CSA2Config = field(default_factory=CSA2Config)
     indexer: IndexerTrainConfig = field(default_factory=IndexerTrainConfig)

@@ -19,8 +19,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.fp8_gemm import fp8_grouped_linear
 from model.common import autocast_dtype, full_precision, init_normal, local
 from model.config import MoEConfig
+from model.fp8 import maybe_fp8_linear, use_fp8
 
 # Normalisation guard of the routing weights, as in the reference.
 _WEIGHT_EPS = 1e-20
@@ -238,9 +240,12 @@ class GroupedExperts(nn.Module):
     DTensors sharded on dim 0 (trainer/parallel/expert.py) and forward sees only this rank's E_local experts.
     """
 
-    def __init__(self, dim: int, hidden_dim: int, num_experts: int, swiglu_limit: float) -> None:
+    def __init__(self, dim: int, hidden_dim: int, num_experts: int, swiglu_limit: float, fp8: bool = False) -> None:
         super().__init__()
         self.swiglu_limit = swiglu_limit
+        # model.fp8_gemm, decided here: the FP8 grouped GEMMs (kernels.fp8_gemm) where both widths are multiples of
+        # 128, else the paths below in the compute dtype
+        self.fp8 = use_fp8(fp8, dim, hidden_dim)
         self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
@@ -289,6 +294,8 @@ class GroupedExperts(nn.Module):
         w1, w3, w2 = (local(w) for w in (self.w1, self.w3, self.w2))  # [E, F, D], [E, F, D], [E, D, F]
         # The GEMMs' dtype: autocast's where it is on (the loop's matmuls get it from autocast itself).
         dtype = autocast_dtype(x.device.type) or x.dtype
+        if self.fp8:
+            return self._fp8(x.to(dtype), weights, tokens_per_expert, w1, w3, w2)
         path = self._path(x, dtype)
         if path == "padded":
             return self._padded(x, weights, tokens_per_expert, w1, w3, w2)
@@ -314,6 +321,15 @@ class GroupedExperts(nn.Module):
             # parallelism the backward all-to-all behind them must run here too, because the peers run theirs.
             return (x * weights[:, None]).to(x.dtype)
         return torch.cat(outs)
+
+    def _fp8(self, x, weights, tokens_per_expert, w1, w3, w2) -> torch.Tensor:
+        """The grouped path with FP8 GEMMs (no host sync: the group ends stay on the device); the weights are quantised
+        from their own dtype, the activation in between as the bf16 path rounds it."""
+        ends = tokens_per_expert.cumsum(0).to(torch.int32)  # [E], end row of each group
+        g = fp8_grouped_linear(x, w1, ends)  # [S, F]
+        u = fp8_grouped_linear(x, w3, ends)
+        a = (clamped_swiglu(g, u, self.swiglu_limit) * weights[:, None]).to(x.dtype)
+        return fp8_grouped_linear(a, w2, ends)  # [S, D]
 
     def _padded(self, x, weights, tokens_per_expert, w1, w3, w2) -> torch.Tensor:
         """The experts without a host read and without the grouped GEMM: expert e's rows in slab e of an [E, S, D]
@@ -343,12 +359,12 @@ class SharedExpert(nn.Module):
     rowwise w2) apply by module path; names match HF's `shared_experts.w{1,2,3}.weight`.
     """
 
-    def __init__(self, dim: int, hidden_dim: int, swiglu_limit: float) -> None:
+    def __init__(self, dim: int, hidden_dim: int, swiglu_limit: float, fp8: bool = False) -> None:
         super().__init__()
         self.swiglu_limit = swiglu_limit
-        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
-        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
-        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w1 = maybe_fp8_linear(dim, hidden_dim, fp8)  # Fp8Linear under model.fp8_gemm (an nn.Linear too)
+        self.w3 = maybe_fp8_linear(dim, hidden_dim, fp8)
+        self.w2 = maybe_fp8_linear(hidden_dim, dim, fp8)
 
     def init_weights(self, init_std: float) -> None:
         with torch.no_grad():
@@ -371,7 +387,8 @@ class MoE(nn.Module):
     calls the forward again and drops its result, so nothing is counted twice.
     """
 
-    def __init__(self, dim: int, cfg: MoEConfig, init_std: float) -> None:
+    def __init__(self, dim: int, cfg: MoEConfig, init_std: float, fp8_gemm: bool = False) -> None:
+        """fp8_gemm: model.fp8_gemm, FP8 GEMMs for the routed and shared experts (model.fp8)."""
         super().__init__()
         self.cfg = cfg
         self.init_std = init_std
@@ -379,9 +396,9 @@ class MoE(nn.Module):
         self.chosen_experts: torch.Tensor | None = None  # the last forward's choices, with return_experts
         self.topk = cfg.experts_per_token
         self.gate = Router(dim, cfg.num_experts, cfg.experts_per_token, cfg.routed_scale)
-        self.experts = GroupedExperts(dim, cfg.expert_dim, cfg.num_experts, cfg.swiglu_limit)
+        self.experts = GroupedExperts(dim, cfg.expert_dim, cfg.num_experts, cfg.swiglu_limit, fp8_gemm)
         self.shared_experts = (
-            SharedExpert(dim, cfg.num_shared_experts * cfg.expert_dim, cfg.swiglu_limit)
+            SharedExpert(dim, cfg.num_shared_experts * cfg.expert_dim, cfg.swiglu_limit, fp8_gemm)
             if cfg.num_shared_experts > 0 else None
         )
         # A plain object, not a module: swapping in an all-to-all dispatcher leaves the state dict unchanged.
