@@ -125,8 +125,8 @@ class Engine:
                  prefix_cache=None, tokenizer=None, prompt_format: PromptFormat | None = None,
                  cuda_graph: bool = False, compile_decode: str | None = None, drafter=None,
                  spec_tokens: int | None = None, spec_schedule: str = "fixed"):
-        """compile_decode (experimental: equal to the op-by-op step in fp32 on an H100 at v41_tiny, not yet run at
-        v41_small's size: docs/generation.md): a torch.compile backend for the decode step
+        """compile_decode (experimental: equal to the op-by-op step in fp32 on an H100 at v41_tiny, as close under
+        bf16 at v41_small; its graph's replay there not yet timed: docs/generation.md): a torch.compile backend for the decode step
         (model.serving.compiled_decode_step; with cuda_graph, the compiled step is what the graph captures), None: the
         reference operations one by one. drafter: a model.dspark.DSpark of this model for speculative decoding
         (docs/generation.md#the-engine-in-detail); spec_tokens: the most drafts a step verifies (None: the drafter's
