@@ -271,41 +271,44 @@ def serve_forward(model, input_ids: torch.Tensor, cache, *, image_mask=None, rou
     return logits, state
 
 
-def decode_step(model, input_ids: torch.Tensor, cache) -> torch.Tensor:
+def decode_step(model, input_ids: torch.Tensor, cache, keep_routing: bool = False):
     """One decode token per cache row with static shapes and no host synchronisation: input_ids [B, 1] -> logits
     [B, 1, V] fp32, appended to the cache, as `serve_forward` computes them (to rounding). What changes for a
     CUDA graph to capture it: every KV source presents all `max_len // m` entries of its store, masked by
     visibility (the top-k and the pool depend on the scores alone, not on trailing invisible entries:
     model.csa2.select_topk), entries are written where their group closes without selecting the rows, and the
     checks that read the device (token ids in range, room in the cache, a prefilled cache) are the caller's: the
-    engine decodes only tokens it sampled, into rows it sized for the whole request (trainer/engine/engine.py)."""
+    engine decodes only tokens it sampled, into rows it sized for the whole request (trainer/engine/engine.py).
+    keep_routing: return (logits, RoutingRecords of the step's choices), static too, as `routing_records` returns
+    them after a dynamic step (an RL rollout's records, from a CUDA graph)."""
     if input_ids.dim() != 2 or input_ids.shape != (cache.batch_size, 1):
         raise ValueError(f"decode_step: input_ids must be [{cache.batch_size}, 1], got {tuple(input_ids.shape)}")
     cfg = model.cfg
     start, positions, engram_in = _append_tokens(model, cache, input_ids, None)
     # (the shard passed, not defaulted: torch.compile cannot construct the frozen dataclass)
     state = ForwardState(positions=positions, phase=cfg.indexer.phase, shard=WHOLE, cache=cache, call_start=start,
-                         static=True)
+                         static=True, keep_routing=keep_routing)
     S, pre = embed_streams(model.embed, input_ids, cfg.mhc.num_streams)
     S, pre = forward_blocks(model.layers, S, pre, state, cfg.num_encoder_layers, engram_in, None)
     logits = _whole(head_logits(model.norm, model.head, S, pre))
     cache.advance(1)
-    return logits
+    return (logits, routing_records(model, state)) if keep_routing else logits
 
 
 _COMPILED: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()
 
 
-def compiled_decode_step(model, backend: str = "inductor"):
+def compiled_decode_step(model, backend: str = "inductor", keep_routing: bool = False):
     """`decode_step` of `model` through torch.compile (fullgraph, static shapes): a callable (input_ids, cache) ->
-    logits. One compiled function per model and backend, kept while the model lives; a cache of other shapes (batch,
-    max_len) compiles again. backend "inductor" fuses the step's reference operations into generated kernels;
-    "aot_eager" traces without generating code (the CPU tests)."""
+    logits ((logits, records) with keep_routing). One compiled function per model, backend and keep_routing, kept
+    while the model lives; a cache of other shapes (batch, max_len) compiles again. backend "inductor" fuses the
+    step's reference operations into generated kernels; "aot_eager" traces without generating code (the CPU tests)."""
     per_model = _COMPILED.setdefault(model, {})
-    if backend not in per_model:
-        per_model[backend] = torch.compile(functools.partial(decode_step, model), backend=backend, fullgraph=True,
-                                           dynamic=False)
-    return per_model[backend]
+    if (backend, keep_routing) not in per_model:
+        per_model[backend, keep_routing] = torch.compile(
+            functools.partial(decode_step, model, keep_routing=keep_routing), backend=backend, fullgraph=True,
+            dynamic=False)
+    return per_model[backend, keep_routing]
 
 
 def _append_tokens(model, cache, input_ids: torch.Tensor, image_mask):

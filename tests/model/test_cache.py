@@ -296,6 +296,52 @@ def test_static_decode_step_compiles_to_one_graph(exact_model):
         torch.testing.assert_close(g, w, rtol=0, atol=ATOL)
 
 
+def test_static_decode_step_keeps_the_dynamic_steps_routing(exact_model):
+    """decode_step(keep_routing=True), what an RL rollout's CUDA graph replays: each step's records (every index
+    source's top-k ids, every MoE layer's experts) equal those of the dynamic step with keep_routing, its logits the
+    plain static step's, and it still traces whole (one graph for every step)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from model.serving import decode_step
+
+    ids = tokens(52, batch=2, seed=7)
+    static_recs, dynamic_recs = [], []
+
+    def keep_static(x, c):
+        logits, rec = decode_step(exact_model, x, c, keep_routing=True)
+        static_recs.append(rec)
+        return logits
+
+    def keep_dynamic(x, c):
+        out = exact_model(x, cache=c, outputs=True, keep_routing=True)
+        dynamic_recs.append(out.routing)
+        return out.logits
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("eager")
+    compiled = torch.compile(lambda x, c: decode_step(exact_model, x, c, keep_routing=True)[0], backend=counter,
+                             fullgraph=True, dynamic=False)
+    try:
+        with torch.no_grad():
+            got, _ = _decode_static(exact_model, ids, [29, 36], 64, step=keep_static)
+            plain, _ = _decode_static(exact_model, ids, [29, 36], 64)
+            _decode_static(exact_model, ids, [29, 36], 64, step=keep_dynamic)
+            traced, _ = _decode_static(exact_model, ids, [29, 36], 64, step=compiled)
+    finally:
+        torch._dynamo.reset()
+    assert counter.frame_count == 1
+    for g, p, t in zip(got, plain, traced):
+        torch.testing.assert_close(g, p, rtol=0, atol=ATOL)
+        torch.testing.assert_close(t, p, rtol=0, atol=ATOL)
+    assert len(static_recs) == len(dynamic_recs) == 52 - 36
+    for step, (s, d) in enumerate(zip(static_recs, dynamic_recs)):
+        assert s.topk.keys() == d.topk.keys() and s.experts.keys() == d.experts.keys() and s.topk, step
+        for layer in s.topk:
+            assert s.topk[layer].tolist() == d.topk[layer].tolist(), (step, layer)
+        for layer in s.experts:
+            assert s.experts[layer].tolist() == d.experts[layer].tolist(), (step, layer)
+
+
 def test_serving_under_a_bf16_autocast(exact_model):
     """The cache path under the bf16 autocast the GPU runs in (the engine's and bench/generation.py's): the ratio-2
     compressor's ring keeps its fp32 projections (computed in fp32, as the training forward's compressor), and the

@@ -180,6 +180,23 @@ def test_cuda_graph_decode_equals_the_plain_engine(model):
                                        atol=1e-5)
 
 
+@pytest.mark.skipif(DEVICE != "cuda", reason="a CUDA graph needs a CUDA device (the static step's records are tested "
+                    "on the CPU in tests/model/test_cache.py)")
+def test_cuda_graph_keeps_the_rollouts_routing(model):
+    """An RL rollout in a CUDA graph (return_routing with cuda_graph=True: decode_step's keep_routing, captured):
+    tokens, log-probs and every routing record equal the plain engine's dynamic keep_routing decode."""
+    reqs = [Request(_prompt(n, seed=n), SamplingParams(temperature=1.0, max_new_tokens=k, seed=n), request_id=n,
+                    return_routing=True) for n, k in ((9, 12), (40, 6))]
+    plain = Engine(model, replay="none").generate(reqs)
+    graphed = Engine(model, replay="none", cuda_graph=True).generate(reqs)
+    for a, b in zip(graphed, plain):
+        assert a.token_ids == b.token_ids
+        torch.testing.assert_close(torch.tensor(a.model_logprobs), torch.tensor(b.model_logprobs), rtol=0, atol=1e-5)
+        for key in ("topk", "experts"):
+            ga, gb = getattr(a.routing, key), getattr(b.routing, key)
+            assert ga.keys() == gb.keys() and all(ga[k].tolist() == gb[k].tolist() for k in ga), key
+
+
 def _assert_greedy_and_teacher_forced(model, completions) -> None:
     """Each completion's tokens are greedy under the teacher-forced forward of prompt + completion (each token's
     log-prob within LP_ATOL of the largest: a near-tie may go either way), and its model log-probs are that

@@ -110,6 +110,9 @@ def test_bad_starts_are_one_line(tmp_path, small_data, pretrained):
     assert r.returncode == 2 and "stage.teacher.ckpt" in r.stderr
     r = run_cli(_args(tmp_path / "d", small_data, "stage=rl", "stage.group_sise=4"))
     assert r.returncode != 0 and "stage.group_sise" in r.stderr  # Hydra's composition error, naming the key
+    r = run_cli(_args(tmp_path / "e", small_data, "stage=rl", "stage.rollout_cuda_graph=on",
+                      f"checkpoint.init_from={pretrained}"))
+    assert r.returncode == 2 and "stage.rollout_cuda_graph=on" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_a_teacher_with_another_tokenizer_is_refused(tmp_path, pretrained):

@@ -16,6 +16,7 @@ Design and reasoning: docs/generation.md#the-engine-in-detail
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
@@ -24,7 +25,7 @@ import torch
 
 from model.forward import SequenceShard
 from model.routing import RoutingRecords
-from model.serving import compiled_decode_step
+from model.serving import compiled_decode_step, decode_step
 from trainer.engine.sampling import SamplingParams, sample
 from trainer.engine.spec_decode import SpecDecoder
 
@@ -135,6 +136,7 @@ class Engine:
         model = serving_module(model)
         self.model, self.max_batch, self.max_len, self.replay = model, max_batch, max_len, replay
         self.cuda_graph = cuda_graph
+        self.compile_decode = compile_decode
         self.decode_step = None
         if compile_decode is not None:
             self.decode_step = compiled_decode_step(model, compile_decode)
@@ -183,13 +185,15 @@ class Engine:
 
     def _decode(self, ids: torch.Tensor, cache, keep_routing: bool, graph: "_DecodeGraph | None"):
         """One token per row: the static-shape decode step (model.serving.decode_step), replayed from its CUDA graph
-        when there is one; the dynamic serving forward when routing records are kept (R3)."""
+        when there is one (routing records kept or not); without a graph, the dynamic serving forward when routing
+        records are kept (R3)."""
+        if graph is not None:
+            self.lockstep.any_calls(True)
+            return graph(ids.to(self.device)), graph.last_records()
         if keep_routing:
             return self._call(ids, cache, True)
         self.lockstep.any_calls(True)
         ids = ids.to(self.device)
-        if graph is not None:
-            return graph(ids), None
         if self.decode_step is not None:
             return self.decode_step(ids, cache), None
         return self.model(ids, cache=cache, static=True), None
@@ -319,7 +323,13 @@ class Engine:
     def _decode_plain(self, cache, active, comps, params, gens, records, keep: bool, emit) -> None:
         """A token a row and step until every row has stopped (the first is emitted)."""
         B = cache.batch_size
-        graph = _DecodeGraph(self.model, cache, self.decode_step) if self.cuda_graph and not keep else None
+        graph = None
+        if self.cuda_graph:
+            step = self.decode_step
+            if keep:
+                step = (compiled_decode_step(self.model, self.compile_decode, keep_routing=True) if self.compile_decode
+                        else functools.partial(decode_step, self.model, keep_routing=True))
+            graph = _DecodeGraph(self.model, cache, step, keep)
         while any(active):
             feed = torch.tensor([[c.token_ids[-1]] for c in comps])
             step, rec = self._decode(feed, cache, keep, graph)
@@ -384,9 +394,11 @@ class _DecodeGraph:
     thousands. The step is `decode_step` (static shapes, no host synchronisation, the cache preallocated); it is
     warmed up on a scratch cache of the same shapes (kernels compiled, workspaces allocated: the warm-up runs, the
     capture only records) and captured on the batch's cache, whose buffers stay where they are for its life.
-    step: the step to capture, (ids, cache) -> logits (model.serving.compiled_decode_step); None: the model's."""
+    step: the step to capture, (ids, cache) -> logits (model.serving.compiled_decode_step); None: the model's.
+    keep: the step returns (logits, RoutingRecords) (decode_step's keep_routing), replayed with the records too.
+    A call returns a copy of the logits; `last_records()` copies of that replay's records (None without keep)."""
 
-    def __init__(self, model, cache, step=None):
+    def __init__(self, model, cache, step=None, keep: bool = False):
         step = step or (lambda ids, c: model(ids, cache=c, static=True))
         self.ids = torch.zeros(cache.batch_size, 1, dtype=torch.long, device=cache.lengths.device)
         scratch = model.new_cache(cache.batch_size, cache.max_len, replay="none")
@@ -399,12 +411,19 @@ class _DecodeGraph:
         del scratch
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph), _uncached_autocast():
-            self.logits = step(self.ids, cache)
+            out = step(self.ids, cache)
+        self.logits, self.records = out if keep else (out, None)
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         self.ids.copy_(ids)
         self.graph.replay()
         return self.logits.clone()
+
+    def last_records(self) -> RoutingRecords | None:
+        rec = self.records
+        if rec is None:
+            return None
+        return RoutingRecords({k: v.clone() for k, v in rec.topk.items()}, {k: v.clone() for k, v in rec.experts.items()})
 
 
 def _uncached_autocast():

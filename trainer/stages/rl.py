@@ -95,7 +95,16 @@ class RolloutStage(Stage):
     def bind(self, job) -> None:
         self.job = job
         self.device = next(job.pm.module.parameters()).device
-        self.engine = Engine(job.pm, max_batch=self.stage.max_batch, max_len=self.cfg.data.seq_len, replay=self.replay)
+        mode = self.stage.rollout_cuda_graph
+        graph = mode == "on" or (mode == "auto" and self.device.type == "cuda" and job.pm.meshes is None
+                                 and not dist.is_initialized())
+        try:
+            self.engine = Engine(job.pm, max_batch=self.stage.max_batch, max_len=self.cfg.data.seq_len,
+                                 replay=self.replay, cuda_graph=graph)
+        except ValueError as e:  # Engine(cuda_graph=True)'s refusals: no GPU, a parallel plan
+            if not graph:
+                raise
+            raise ValueError(f"stage.rollout_cuda_graph={mode}: {e}; use stage.rollout_cuda_graph=auto") from None
 
     def loss(self):
         s = self.stage
