@@ -1,18 +1,14 @@
-"""Indexer scoring for a decode step on the cache's stored indexer keys (issue 40): one query token per request
-scores the stored keys in place, dequantising them inside the kernel (DeepGEMM's fp8_fp4_mqa_logits idea), and
-the existing top-k picks from the scores.
+"""Indexer scoring of a decode step on the cache's stored indexer keys (issue 40), dequantised in the kernel
+(DeepGEMM's fp8_fp4_mqa_logits idea), and the top-k over the scores on kernels.topk.
 
-Shape legend: B requests, Hi indexer heads, Di indexer head dim, N key slots of the store, P pool blocks, BS entries
-per pool block, S = P * BS pool slots, K top-k.
+Shape legend: B requests, Hi / Di indexer heads / head dim, N key slots, P pool blocks, BS entries a block, K top-k.
 
-Contract: `index_scores_decode(q, w, keys, fmt, positions, ratio)` -> [B, N] fp32, score[b, e] = Di^-1/2 sum_h
-w[b, h] relu(q[b, h] . k[b, e]) (kernels.indexer's rule), -inf where entry e is not visible to the query at
-positions[b] (e >= (p + 1) // ratio). With `pool` ([B, P] int32 block ids, -1 = empty) it scores only the pool's
-slots: [B, S], slot i * BS + j scoring entry pool[b, i] * BS + j (-inf: empty, invisible or past N). The keys are
-given as the store's buffers (model.cache.Store.buffers) in a format of kernels.sparse_decode.STORE_FMT.
-`select_decode_topk` takes the scores to entry ids [B, min(k, X)] int32 (-1 = none) with kernels.topk (ties to the
-lowest position: give the pool sorted by block id and the positions are in entry order). No host synchronisation
-(a CUDA graph captures both). `index_scores_decode_reference` is the plain-PyTorch equal.
+Contract: `index_scores_decode(q, w, keys, fmt, positions, ratio)` -> [B, N] fp32, Di^-1/2 sum_h w relu(q . k) as
+kernels.indexer, -inf where entry e is not visible at positions[b] (e >= (p + 1) // ratio); with `pool` ([B, P] int32
+block ids, -1 empty) only the pool's slots, [B, P * BS] (slot i * BS + j: entry pool[b, i] * BS + j). Keys come as
+the store's buffers in a kernels.sparse_decode.STORE_FMT format. `select_decode_topk` -> entry ids [B, min(k, X)]
+int32 (-1: none), ties to the lowest position (a pool sorted by block id keeps the lowest entry id). No host read (a
+CUDA graph captures both). `index_scores_decode_reference` is the plain-PyTorch equal.
 
 Design and reasoning: docs/generation.md#decode-on-the-kernels
 """

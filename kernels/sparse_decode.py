@@ -1,19 +1,15 @@
 """Decode attention on the inference cache's stored bytes (issue 40): one query token per request attends to its
-SWA window (read from the ring) and to the top-k entries its index source selected (read from the main-KV store),
-dequantising inside the kernel, with the per-head sink in the softmax max and denominator only.
+SWA window (from the ring) and to its selected top-k entries (from the main-KV store), dequantised in the kernel.
 
-Shape legend: B requests, H heads, D head dim, R ring rows (window + speculation headroom), N main-KV slots, K
-selected entries per request, W window, NS splits of the keys.
+Shape legend: B requests, H heads, D head dim, R ring rows, N main-KV slots, K selected entries, W window.
 
-Contract: `sparse_decode(q, window_kv, window_fmt, positions, swa_start, window, main_kv, main_fmt, ids, sink)`
-returns out [B, H, D] in q's dtype, what `model.csa2.attend` gives for one query over those keys: window keys are
-the positions (p - W, p] from swa_start on (position j at ring slot j % R, so the caller has written the query's
-own row first), entries are ids[b] (-1 = empty; ids outside [0, N) count as empty, never read); a request with no
-key gives 0. Stores are given as their buffers (`model.cache.Store.buffers`) in one of `STORE_FMT`'s formats.
-The keys are split over programs (split-K) and the partial softmaxes merged with the sink by a second kernel; both
-launches have static grids and read nothing on the host, so a CUDA graph captures them. `sparse_decode_reference`
-is the same computation in plain PyTorch on the decoded rows. `load_stored_rows` (the in-kernel decoder of a
-store's rows) is shared with kernels.indexer_decode.
+Contract: `sparse_decode(q, window_kv, window_fmt, positions, swa_start, window, main_kv, main_fmt, ids, sink)` ->
+out [B, H, D] in q's dtype, `model.csa2.attend` for one query: window keys are positions (p - W, p] from swa_start
+on (position j at ring slot j % R: the caller writes the query's own row first); entries are ids[b] (-1 or outside
+[0, N): empty, never read); the sink joins the max and denominator only; no key gives 0. Stores come as their
+buffers (`model.cache.Store.buffers`) in a `STORE_FMT` format. Static grids, no host read (a CUDA graph captures
+it). `sparse_decode_reference` is the plain-PyTorch equal; `load_stored_rows` (the in-kernel row decoder) and
+`decode_rows` are shared with kernels.indexer_decode.
 
 Design and reasoning: docs/generation.md#decode-on-the-kernels
 """

@@ -7,7 +7,8 @@ Contract: `cached_attention` computes what `CSA2Attention.forward` computes for 
 tokens, appended; a trimmed prefill's skipped rows get NaN logits); `decode_step` is one token per row with static
 shapes and no host synchronisation (a CUDA graph can capture it; `compiled_decode_step` hands it to torch.compile);
 `routing_records` returns what a keep_routing forward chose. Per-row positions [B, T] let requests of different
-lengths decode together. This path runs the reference operations on every device.
+lengths decode together. This path runs the reference operations on every device; `decode_step(...,
+kernels="triton")` runs the attention and indexer of a decode step on the kernels (model/serving_decode.py).
 
 Design and reasoning: docs/generation.md#the-serving-path-of-a-layer
 """

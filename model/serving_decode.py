@@ -1,18 +1,14 @@
 """The decode step of one CSA2 layer on the serving kernels (issue 40): `model.serving.decode_step(...,
-kernels="triton")` routes each layer's attention here instead of the reference operations.
+kernels="triton")` runs each layer's attention and index-source choice here instead of the reference operations.
 
-Shape legend: B cache rows (one query token each), H heads, D latent width, Hi / Di indexer heads / head dim, N entry
-slots of a KV source's store (max_len // m), P pool blocks, BS entries per pool block, K top-k.
+Shape legend: B cache rows (one token each), H heads, D latent width, N entry slots, P pool blocks, K top-k.
 
-Contract: `decode_attention` computes what `model.serving.cached_attention` computes for a static decode step (one
-token per row; to fp32 rounding, and the same cache contents), from the cache's stored bytes: the attention reads
-the query's window from the SWA ring and only the selected entries of the main-KV store, dequantising in the kernel
-(kernels.sparse_decode); an index source scores the stored indexer keys in place (kernels.indexer_decode) and picks
-its top-k with kernels.topk, a Reindex layer only over its candidate pool; a Reuse layer reads its source's top-k and
-runs no indexer. The selection a layer publishes is [B, 1, K'] int32 entry ids (-1 = empty) and the pool [B, P] int32
-block ids sorted ascending (-1 last), so the top-k's lowest-position tie rule is the reference's lowest-entry-id rule.
-Static shapes and no host synchronisation: a CUDA graph captures it. `check_decode_kernels` says why a model cannot
-take this path (one line), or nothing.
+Contract: `decode_attention` computes what `model.serving.cached_attention` computes for a static decode step (to
+fp32 rounding, the same cache contents) from the stored bytes: attention over the window ring and the selected
+main-KV entries only (kernels.sparse_decode); an index source scores the stored keys in place and picks its top-k
+(kernels.indexer_decode), a Reindex layer over its pool only; a Reuse layer runs no indexer. Selections are
+[B, 1, K'] int32 entry ids (-1 empty), the pool [B, P] int32 block ids ascending (-1 last). Static shapes, no host
+read: a CUDA graph captures it. `check_decode_kernels` gives the one-line reason a model cannot take this path.
 
 Design and reasoning: docs/generation.md#decode-on-the-kernels
 """
@@ -54,7 +50,7 @@ def check_decode_kernels(cfg, device: torch.device | None = None) -> str | None:
 def _kernels():
     """(kernels.sparse_decode, kernels.indexer_decode), imported on the first decode on the kernels: Triton is an
     optional dependency (none off Linux), and the reference path runs without it."""
-    from kernels import indexer_decode, sparse_decode
+    from kernels import indexer_decode, sparse_decode  # Triton is optional: the reference path runs without it
 
     return sparse_decode, indexer_decode
 
