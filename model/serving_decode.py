@@ -82,7 +82,7 @@ def decode_attention(layer, x: torch.Tensor, state, made: LayerOutputs):
         main = entries.store
     out = _kernels()[0].sparse_decode(q[:, 0], lc.swa.buffers, lc.swa.fmt, pos[:, 0], state.cache.swa_start, a.window,
                         None if main is None else main.buffers, None if main is None else main.fmt, ids,
-                        local(layer.attn_sink))
+                        local(layer.attn_sink).float())
     return out[:, None], cos, sin, made
 
 
