@@ -12,9 +12,9 @@ ring rows, the counts set; a step's work depends on the counts, not the values):
 - time: the median ms per step of the reference step op by op ("static"), the kernel step op by op ("kernels"), and
   both replayed from a CUDA graph ("graph", "graph+kernels": trainer/engine/engine.py's _DecodeGraph, what
   Engine(cuda_graph=True) runs), the four alternated step by step, with the speed-up of each over "static";
-- kernels (not with --no-count): the device kernels one step launches, in all and per layer role (swa, full,
-  reindex, reuse: torch.profiler over each block's call alone, the mean over the role's layers), for the reference
-  and the kernel step; the report's figure is 11 per Reuse layer.
+- kernels (at the first batch size; not with --no-count): the device kernels one step launches, in all and per
+  layer role (swa, full, reindex, reuse: torch.profiler over each block's call alone, the mean over the role's
+  layers), for the reference and the kernel step; the report's figure is 11 per Reuse layer.
 Random weights, bf16 autocast by default (--precision fp32: the fp32 equality check on the GPU).
 """
 
@@ -144,7 +144,8 @@ def main() -> None:
     print(f"decode on the kernels, {args.model}, context {n} per row, {args.precision}, "
           f"{torch.cuda.get_device_name(dev)}, torch {torch.__version__}")
     kern_step = functools.partial(decode_step, m, kernels="triton")
-    for B in (int(b) for b in args.batch_sizes.split(",")):
+    sizes = [int(b) for b in args.batch_sizes.split(",")]
+    for B in sizes:
         t_start = time.perf_counter()
         print(f" batch {B}:")
         row = dict(model=args.model, context=n, batch=B, precision=args.precision,
@@ -163,7 +164,7 @@ def main() -> None:
                     steps[mode] = _DecodeGraph(m, cache, kern_step if mode == "graph+kernels" else None)
                 for i in range(2):
                     steps[mode](random_ids(m.cfg, B, 1, 4 + i, dev))
-                if not args.no_count and mode in ("static", "kernels"):
+                if not args.no_count and B == sizes[0] and mode in ("static", "kernels"):
                     one = kern_step if mode == "kernels" else functools.partial(decode_step, m)
                     row[f"kernels_{mode}"] = k = kernels_by_role(m, one, random_ids(m.cfg, B, 1, 9, dev), cache)
                     print(f"  kernels of one {mode} step: {k['total']} ({k['per_layer']:.1f} a layer; by role "
