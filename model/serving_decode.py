@@ -20,6 +20,7 @@ import os
 
 import torch
 
+from kernels import fp8
 from model import kernels as kern
 from model.common import local
 from model.forward import LayerOutputs
@@ -69,7 +70,12 @@ def decode_attention(layer, x: torch.Tensor, state, made: LayerOutputs):
     # the token's window row first: the kernel reads the window (own row included) from the ring alone
     fmt = "fp8" if qc.swa_kv == "fp8" else None
     swa_pre = apply_rope(layer.kv_norm(layer.wkv(x)), cos, sin)
-    parts = lc.swa.encode(kern.fake_quant(swa_pre, fmt, "reference"), swa_pre, fmt)
+    if lc.swa.fmt == "fp8":
+        # an FP8 ring stores quantize_fp8 of the pre-fake-quant row whether or not the forward fake-quantises it
+        # (Store.encode): one quantising kernel, bit-identical to the reference (kernels/fp8_triton.py)
+        parts = fp8.quantize_fp8(swa_pre.contiguous(), 32, impl="triton")
+    else:
+        parts = lc.swa.encode(kern.fake_quant(swa_pre, fmt, "reference"), swa_pre, fmt)
     R = lc.swa.buffers[0].shape[1]
     lc.swa.write(torch.arange(B, device=x.device), pos[:, 0] % R, tuple(p[:, 0] for p in parts))
 
