@@ -22,7 +22,7 @@ import torch
 
 from kernels import fp8
 from model import kernels as kern
-from model.common import local
+from model.common import autocast_dtype, local
 from model.forward import LayerOutputs
 from model.rope import apply_rope
 
@@ -86,10 +86,13 @@ def decode_attention(layer, x: torch.Tensor, state, made: LayerOutputs):
             made.selection, made.pool = _choose(layer, x, q_res, idx_keys.store, state)
         ids = (made.selection if spec.owns_indexer else state.selection[spec.index_source])[:, 0]
         main = entries.store
-    out = _kernels()[0].sparse_decode(q[:, 0], lc.swa.buffers, lc.swa.fmt, pos[:, 0], state.cache.swa_start, a.window,
-                        None if main is None else main.buffers, None if main is None else main.fmt, ids,
-                        local(layer.attn_sink).float())
-    return out[:, None], cos, sin, made
+    # the reference's einsums run in the autocast dtype inside an autocast region: the query (and so the kernel's
+    # dots, the keys cast to it exactly) takes it too; the output comes back in the query's dtype, as attend's
+    kernel = _kernels()[0].sparse_decode
+    out = kernel(q[:, 0].to(autocast_dtype(q.device.type) or q.dtype), lc.swa.buffers, lc.swa.fmt, pos[:, 0],
+                 state.cache.swa_start, a.window, None if main is None else main.buffers,
+                 None if main is None else main.fmt, ids, local(layer.attn_sink).float())
+    return out[:, None].to(q.dtype), cos, sin, made
 
 
 def _choose(layer, x, q_res, keys, state):
