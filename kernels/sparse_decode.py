@@ -35,7 +35,9 @@ _BLOCK = {1: 32, 2: 16, 3: 32}
 _LOG2E = math.log2(math.e)
 # Keys per inner step and programs per request: BLOCK_N keys a step; the keys are cut into chunks of CHUNK_BLOCKS
 # steps so that B * chunks fills the GPU about twice (batch 1 splits W + K keys over several SMs, batch 32 barely).
-DECODE_CONFIG = {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "waves": 2}
+# Heads: at most HEADS a program (v41_small's 16 in one; the flagship's 64 in two groups, so the fp32 accumulator
+# stays at [32, 512]).
+DECODE_CONFIG = {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "waves": 2, "HEADS": 32}
 
 
 @triton.jit
@@ -66,19 +68,20 @@ def load_stored_rows(v_ptr, s_ptr, rows, valid, D: tl.constexpr, BLOCK_D: tl.con
 def _decode_partial(
     q_ptr, wv_ptr, ws_ptr, mv_ptr, ms_ptr, pos_ptr, start_ptr, ids_ptr, m_out, l_out, acc_out,
     R, N, K, W, NW, qk_scale,
-    H: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     CHUNK: tl.constexpr, WIN_FMT: tl.constexpr, MAIN_FMT: tl.constexpr, PREC: tl.constexpr,
 ):
-    """Program (b, split): one chunk of the window's slots (split < NW) or of the selected entries -> the chunk's
-    running max m and sum l [H] (log2 units, no sink) and unnormalised output acc [H, D], all heads."""
+    """Program (b, split, head group): one chunk of the window's slots (split < NW) or of the selected entries -> the
+    chunk's running max m and sum l (log2 units, no sink) and unnormalised output acc [D] of the group's G heads."""
     qk_scale = tl.cast(qk_scale, tl.float32)
     b = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     NS = tl.num_programs(1)
-    offs_h = tl.arange(0, BLOCK_H)
+    offs_h = tl.program_id(2) * G + tl.arange(0, BLOCK_H)
+    h_in = (tl.arange(0, BLOCK_H) < G) & (offs_h < H)
     offs_d = tl.arange(0, BLOCK_D)
     offs_n = tl.arange(0, BLOCK_N)
-    hd_ok = (offs_h < H)[:, None] & (offs_d < D)[None, :]
+    hd_ok = h_in[:, None] & (offs_d < D)[None, :]
     q = tl.load(q_ptr + b * H * D + offs_h[:, None] * D + offs_d[None, :], mask=hd_ok, other=0.0)  # [BH, BD]
     m = tl.full([BLOCK_H], -1.0e30, tl.float32)  # finite: a chunk without a valid key keeps l = 0
     l = tl.zeros([BLOCK_H], tl.float32)
@@ -102,8 +105,8 @@ def _decode_partial(
                                  MAIN_FMT).to(q.dtype)
             m, l, acc = _step(q, k, valid, m, l, acc, qk_scale, PREC)
     row = (b * NS + split) * H + offs_h
-    tl.store(m_out + row, m, mask=offs_h < H)
-    tl.store(l_out + row, l, mask=offs_h < H)
+    tl.store(m_out + row, m, mask=h_in)
+    tl.store(l_out + row, l, mask=h_in)
     tl.store(acc_out + row[:, None] * D + offs_d[None, :], acc, mask=hd_ok)
 
 
@@ -122,12 +125,13 @@ def _step(q, k, valid, m, l, acc, qk_scale, PREC: tl.constexpr):
 
 @triton.jit
 def _decode_combine(m_in, l_in, acc_in, sink_ptr, out_ptr, NS,
-                    H: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Program b: merge the NS partial softmaxes with the sink (in the max and the denominator only)."""
+                    H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr,
+                    BLOCK_D: tl.constexpr):
+    """Program (b, head group): merge the NS partial softmaxes with the sink (in the max and denominator only)."""
     b = tl.program_id(0).to(tl.int64)
-    offs_h = tl.arange(0, BLOCK_H)
+    offs_h = tl.program_id(1) * G + tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
-    h_ok = offs_h < H
+    h_ok = (tl.arange(0, BLOCK_H) < G) & (offs_h < H)
     hd_ok = h_ok[:, None] & (offs_d < D)[None, :]
     m = tl.load(sink_ptr + offs_h, mask=h_ok, other=0.0) * 1.4426950408889634  # sink in log2 units
     for s in range(NS):
@@ -168,12 +172,13 @@ def _check_store(name: str, parts, fmt: str, B: int, D: int) -> tuple[torch.Tens
 
 def sparse_decode(q: torch.Tensor, window_kv: tuple, window_fmt: str, positions: torch.Tensor,
                   swa_start: torch.Tensor, window: int, main_kv: tuple | None, main_fmt: str | None,
-                  ids: torch.Tensor | None, sink: torch.Tensor, *, num_splits: int | None = None) -> torch.Tensor:
+                  ids: torch.Tensor | None, sink: torch.Tensor, *, num_splits: int | None = None,
+                  heads_per_program: int | None = None) -> torch.Tensor:
     """q [B, H, D] (one query per request, at position positions[b]); window_kv the SWA ring's buffers [B, R, ...];
     swa_start [B] the first window position a request keeps; main_kv the main-KV store's buffers [B, N, ...] and ids
     [B, K] int32 the selected entries (None, None: an SWA-only layer); sink [H] fp32. Returns [B, H, D] in q's dtype.
-    num_splits: programs per request (None: DECODE_CONFIG's heuristic); it changes the speed, not the result beyond
-    fp32 rounding."""
+    num_splits: programs per request and head group (None: DECODE_CONFIG's heuristic), heads_per_program (None:
+    at most DECODE_CONFIG["HEADS"]): they change the speed, not the result beyond fp32 rounding."""
     if q.dim() != 3:
         raise ValueError(f"sparse_decode: q must be [B, H, D], got {tuple(q.shape)}")
     B, H, D = q.shape
@@ -201,22 +206,25 @@ def sparse_decode(q: torch.Tensor, window_kv: tuple, window_fmt: str, positions:
                  ids, sink)
     cfg = DECODE_CONFIG
     BN = cfg["BLOCK_N"]
+    G = min(H, heads_per_program or cfg["HEADS"])
+    HG = triton.cdiv(H, G)
     steps = triton.cdiv(window, BN) + triton.cdiv(K, BN)
     if num_splits is None:
-        num_splits = triton.cdiv(cfg["waves"] * num_sms(q.device), B)
+        num_splits = triton.cdiv(cfg["waves"] * num_sms(q.device), B * HG)
     chunk = BN * triton.cdiv(steps, max(1, min(num_splits, steps)))
     NW, NK = triton.cdiv(window, chunk), triton.cdiv(K, chunk)
     NS = NW + NK
-    BH, BD = max(16, triton.next_power_of_2(H)), triton.next_power_of_2(D)
+    BH, BD = max(16, triton.next_power_of_2(G)), triton.next_power_of_2(D)
     m = torch.empty(B, NS, H, dtype=torch.float32, device=q.device)
     l = torch.empty_like(m)
     acc = torch.empty(B, NS, H, D, dtype=torch.float32, device=q.device)
-    _decode_partial[(B, NS)](
+    _decode_partial[(B, NS, HG)](
         q, wv, ws, mv, ms, positions, swa_start, ids, m, l, acc, R, N, K, window, NW, D ** -0.5 * _LOG2E,
-        H=H, D=D, BLOCK_H=BH, BLOCK_D=BD, BLOCK_N=BN, CHUNK=chunk, WIN_FMT=STORE_FMT[window_fmt],
+        H=H, G=G, D=D, BLOCK_H=BH, BLOCK_D=BD, BLOCK_N=BN, CHUNK=chunk, WIN_FMT=STORE_FMT[window_fmt],
         MAIN_FMT=main_code, PREC=dot_prec(q.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     out = torch.empty_like(q)
-    _decode_combine[(B,)](m, l, acc, sink, out, NS, H=H, D=D, BLOCK_H=BH, BLOCK_D=BD, num_warps=cfg["num_warps"])
+    _decode_combine[(B, HG)](m, l, acc, sink, out, NS, H=H, G=G, D=D, BLOCK_H=BH, BLOCK_D=BD,
+                             num_warps=cfg["num_warps"])
     return out
 
 

@@ -50,11 +50,12 @@ def case(B=3, H=5, D=64, R=23, W=20, N=37, K=13, win_fmt="fp8", main_fmt="fp4", 
 
 @pytest.mark.parametrize("win_fmt,main_fmt", [("fp8", "fp4"), ("none", "none"), ("fp8", "fp8"),
                                               ("none", "fp4_ue8m0"), ("fp8", None)])
-@pytest.mark.parametrize("num_splits", [1, 7])
-def test_sparse_decode_equals_the_reference(win_fmt, main_fmt, num_splits):
+@pytest.mark.parametrize("num_splits,heads", [(1, None), (7, 2)])
+def test_sparse_decode_equals_the_reference(win_fmt, main_fmt, num_splits, heads):
+    """One split and all heads in a program; 7 splits and heads in groups of 2 (the last group short)."""
     args = case(win_fmt=win_fmt, main_fmt=main_fmt)
     want = sparse_decode_reference(*args)
-    got = sparse_decode(*args, num_splits=num_splits)
+    got = sparse_decode(*args, num_splits=num_splits, heads_per_program=heads)
     assert got.dtype == want.dtype and got.shape == want.shape
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
@@ -64,7 +65,7 @@ def test_sparse_decode_writes_every_output(monkeypatch):
     real_empty_like = torch.empty_like
     monkeypatch.setattr(torch, "empty_like", lambda t, **kw: real_empty_like(t, **kw).fill_(float("nan")))
     args = case(B=2, H=3, D=32, R=9, W=9, N=11, K=6, seed=3)
-    got = sparse_decode(*args, num_splits=2)
+    got = sparse_decode(*args, num_splits=2, heads_per_program=2)
     assert not got.isnan().any()
     torch.testing.assert_close(got, sparse_decode_reference(*args), rtol=1e-5, atol=1e-6)
 
