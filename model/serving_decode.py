@@ -106,7 +106,7 @@ def _choose(layer, x, q_res, keys, state):
     pool = state.pool if spec.uses_pool else None
     index = _kernels()[1]
     scores = index.index_scores_decode(qi[:, 0], w[:, 0], keys.buffers, keys.fmt, pos, spec.ratio, pool=pool,
-                                 block_size=bs, fp4_values=fp4_values)
+                                       block_size=bs, fp4_values=fp4_values)
     ids = index.select_decode_topk(scores, c.index_topk, pool=pool, block_size=bs)
     new_pool = decode_pool(scores, pos, spec.ratio, bs, c.candidate_topk_blocks) if spec.builds_pool else None
     return ids[:, None], new_pool
