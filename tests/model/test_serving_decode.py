@@ -7,6 +7,7 @@ engine's is. The kernels run in the Triton interpreter on the CPU (small shapes,
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import torch
@@ -18,6 +19,7 @@ import pytest  # noqa: E402
 
 from kernels import indexer_decode, sparse_decode  # noqa: E402
 from model.serving import decode_step  # noqa: E402
+from model.serving_decode import check_decode_kernels  # noqa: E402
 from tests.model.test_cache import DEVICE, EXACT_STORE, QAT, build, tokens  # noqa: E402
 from trainer.engine import Engine, Request, SamplingParams  # noqa: E402
 
@@ -113,13 +115,20 @@ def test_reuse_layers_run_no_indexer_and_reindex_layers_score_their_pool(qat_mod
     assert all(layer.attn.indexer is None for layer, s in zip(m.layers, m.plan) if s.role == "reuse")
 
 
-def test_decode_kernels_switch_checks(qat_model):
+def test_decode_kernels_switch_checks(qat_model, monkeypatch):
     ids = tokens(4, batch=1)
     cache = qat_model.new_cache(1, 8, replay="none")
     with pytest.raises(ValueError, match="kernels must be one of"):
         decode_step(qat_model, ids[:, :1], cache, kernels="cuda")
     with pytest.raises(ValueError, match="serving_kernels must be one of"):
         Engine(qat_model, serving_kernels="fast")
+    # auto: the kernels on a CUDA device only (the CPU interpreter is for the tests, not for serving)
+    assert Engine(qat_model, serving_kernels="auto").serving_kernels == ("triton" if DEVICE == "cuda" else "reference")
+    # one-line reasons: a dense-warm-up model (its attention reads every visible entry), a CPU without the interpreter
+    warm = dataclasses.replace(qat_model.cfg, indexer=dataclasses.replace(qat_model.cfg.indexer, phase="dense_warmup"))
+    assert "indexer.phase='dense_warmup'" in check_decode_kernels(warm)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert "CUDA device" in check_decode_kernels(qat_model.cfg, torch.device("cpu"))
 
 
 def test_engine_on_the_kernels_is_greedy_under_the_teacher_forced_forward(qat_model, monkeypatch):

@@ -134,14 +134,21 @@ class Engine:
         (docs/generation.md#the-engine-in-detail); spec_tokens: the most drafts a step verifies (None: the drafter's
         block_size); spec_schedule: "fixed" (always spec_tokens) or "auto" (from the confidences and the measured cost:
         trainer/engine/speculative.py). serving_kernels: the decode step's kernels (model.serving.decode_step):
-        "reference" (the default, every device) or "triton" (attention and indexer on the cache's stored bytes,
-        model/serving_decode.py; a CUDA device, or the CPU under TRITON_INTERPRET=1)."""
+        "reference" (the default, every device), "triton" (attention and indexer on the cache's stored bytes,
+        model/serving_decode.py; a CUDA device, or the CPU under TRITON_INTERPRET=1) or "auto" (triton on a CUDA
+        device where the model can take it, else reference); `self.serving_kernels` says which it took."""
         model = serving_module(model)
         self.model, self.max_batch, self.max_len, self.replay = model, max_batch, max_len, replay
         self.cuda_graph = cuda_graph
         self.decode_step = None
-        if serving_kernels not in DECODE_KERNELS:
-            raise ValueError(f"Engine: serving_kernels must be one of {list(DECODE_KERNELS)}, got {serving_kernels!r}")
+        if serving_kernels not in DECODE_KERNELS + ("auto",):
+            raise ValueError(f"Engine: serving_kernels must be one of {list(DECODE_KERNELS) + ['auto']}, got "
+                             f"{serving_kernels!r}")
+        if serving_kernels == "auto":
+            device = model.embed.weight.device
+            usable = device.type == "cuda" and check_decode_kernels(model.cfg, device) is None
+            serving_kernels = "triton" if usable else "reference"
+        self.serving_kernels = serving_kernels
         if serving_kernels == "triton":
             why = check_decode_kernels(model.cfg, model.embed.weight.device)
             if why:
