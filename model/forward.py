@@ -109,6 +109,8 @@ class ForwardState:
     # a static-shape call (model.serving.decode_step): every KV source presents its whole capacity of entries, masked
     # by visibility, and entries are written without a data-dependent selection (a CUDA graph can capture the call)
     static: bool = False
+    # the static decode step's kernels (model.serving.decode_step): "reference" or "triton" (model/serving_decode.py)
+    decode_kernels: str = "reference"
     # bounded-replay simulation (model/replay.py): layer -> [B, T] the first key position each query's window may
     # read (-1: all), and KV source -> (main, keys, [B] entries) the cached global KV the replayed rows keep
     window_floor: dict[int, torch.Tensor] = field(default_factory=dict)

@@ -7,7 +7,8 @@ Contract: `cached_attention` computes what `CSA2Attention.forward` computes for 
 tokens, appended; a trimmed prefill's skipped rows get NaN logits); `decode_step` is one token per row with static
 shapes and no host synchronisation (a CUDA graph can capture it; `compiled_decode_step` hands it to torch.compile);
 `routing_records` returns what a keep_routing forward chose. Per-row positions [B, T] let requests of different
-lengths decode together. This path runs the reference operations on every device.
+lengths decode together. This path runs the reference operations on every device; `decode_step(...,
+kernels="triton")` runs the attention and indexer of a decode step on the kernels (model/serving_decode.py).
 
 Design and reasoning: docs/generation.md#the-serving-path-of-a-layer
 """
@@ -28,6 +29,7 @@ from model.csa2 import attend, selected_ids
 from model.forward import WHOLE, ForwardState, LayerOutputs, embed_streams, forward_blocks, head_logits
 from model.rope import apply_rope
 from model.routing import RoutingRecords
+from model.serving_decode import DECODE_KERNELS, check_decode_kernels, decode_attention
 
 __all__ = ["serve_forward", "decode_step", "cached_attention", "routing_records", "visible_rows", "StoredEntries"]
 
@@ -91,7 +93,8 @@ def _compress_new(layer, kv_src: torch.Tensor, lc, call_start: torch.Tensor):
 
 
 def _write_entries(layer, lc, state, kv_src: torch.Tensor):
-    """Full layer: write the closed groups' main KV and indexer keys; return every stored entry, decoded."""
+    """Full layer: write the closed groups' main KV and indexer keys; return both stores' entries (decoded on
+    demand)."""
     a, qc = layer.cfg.attention, layer.cfg.quant
     call_start = state.call_start
     latent, ids, closed = _compress_new(layer, kv_src, lc, call_start)
@@ -116,12 +119,13 @@ def _write_entries(layer, lc, state, kv_src: torch.Tensor):
         lc.keys.write(b, ids[b, g], tuple(p[b, g] for p in key_parts))
     lc.entries.copy_(torch.maximum(lc.entries, (call_start + kv_src.shape[1]) // m))
     E = capacity if state.static else int(lc.entries.max())
-    return StoredEntries(lc.main, E), lc.keys.read_prefix(E)
+    return StoredEntries(lc.main, E), StoredEntries(lc.keys, E)
 
 
 class StoredEntries:
-    """A KV source's main KV in the cache, decoded on demand: every entry (a prefill's dense attention) or only the
-    rows a decode step's top-k selected (what serving reads)."""
+    """A KV source's store in the cache (main KV or indexer keys), decoded on demand: every entry (a prefill's dense
+    attention, the reference scoring) or only the rows a decode step's top-k selected (what serving reads); the
+    decode kernels read `store`'s bytes themselves."""
 
     def __init__(self, store, num_entries: int):
         self.store, self.num_entries = store, num_entries
@@ -141,6 +145,14 @@ def cached_attention(layer, x: torch.Tensor, state, kv_in: torch.Tensor | None):
     """`CSA2Attention.forward` on the inference cache: x [B, T, dim] the new rows' attention input (positions
     state.positions [B, T]); kv_in the compressor input of a Full layer over the whole call. Returns (the attention
     output before the output projection [B, T, H, D], cos, sin, LayerOutputs)."""
+    if state.decode_kernels == "triton":
+        # the static decode step on the serving kernels (model/serving_decode.py): the same entry writes, then the
+        # window row, the index source's choice and the attention on the stored bytes
+        made = LayerOutputs()
+        if layer.spec.owns_kv:
+            lc = state.cache.layers[layer.spec.index]
+            made.kv = _write_entries(layer, lc, state, kv_in if kv_in is not None else x)
+        return decode_attention(layer, x, state, made)
     a, qc = layer.cfg.attention, layer.cfg.quant
     spec = layer.spec
     lc = state.cache.layers[spec.index]
@@ -177,7 +189,7 @@ def cached_attention(layer, x: torch.Tensor, state, kv_in: torch.Tensor | None):
         E = entries.num_entries
         visible = visible_rows(pos, E, spec.ratio)
         if spec.owns_indexer:
-            made.selection, made.pool = _select(layer, x, q_res, idx_keys, visible, state)
+            made.selection, made.pool = _select(layer, x, q_res, idx_keys.dense(), visible, state)
         if state.phase == "dense_warmup":
             cmp_mask = visible
         else:
@@ -271,7 +283,7 @@ def serve_forward(model, input_ids: torch.Tensor, cache, *, image_mask=None, rou
     return logits, state
 
 
-def decode_step(model, input_ids: torch.Tensor, cache, keep_routing: bool = False):
+def decode_step(model, input_ids: torch.Tensor, cache, kernels: str = "reference", keep_routing: bool = False):
     """One decode token per cache row with static shapes and no host synchronisation: input_ids [B, 1] -> logits
     [B, 1, V] fp32, appended to the cache, as `serve_forward` computes them (to rounding). What changes for a
     CUDA graph to capture it: every KV source presents all `max_len // m` entries of its store, masked by
@@ -279,15 +291,22 @@ def decode_step(model, input_ids: torch.Tensor, cache, keep_routing: bool = Fals
     model.csa2.select_topk), entries are written where their group closes without selecting the rows, and the
     checks that read the device (token ids in range, room in the cache, a prefilled cache) are the caller's: the
     engine decodes only tokens it sampled, into rows it sized for the whole request (trainer/engine/engine.py).
+    kernels: "reference" (the reference operations) or "triton" (each layer's attention and indexer on the serving
+    kernels, model/serving_decode.py: the same logits to fp32 rounding and the same cache contents).
     keep_routing: return (logits, RoutingRecords of the step's choices), static too, as `routing_records` returns
     them after a dynamic step (an RL rollout's records, from a CUDA graph)."""
     if input_ids.dim() != 2 or input_ids.shape != (cache.batch_size, 1):
         raise ValueError(f"decode_step: input_ids must be [{cache.batch_size}, 1], got {tuple(input_ids.shape)}")
     cfg = model.cfg
+    if kernels not in DECODE_KERNELS:
+        raise ValueError(f"decode_step: kernels must be one of {list(DECODE_KERNELS)}, got {kernels!r}")
+    why = check_decode_kernels(cfg) if kernels == "triton" else None  # (the device: the builder's, e.g. Engine)
+    if why:
+        raise ValueError(f"decode_step(kernels='triton'): {why}")
     start, positions, engram_in = _append_tokens(model, cache, input_ids, None)
     # (the shard passed, not defaulted: torch.compile cannot construct the frozen dataclass)
     state = ForwardState(positions=positions, phase=cfg.indexer.phase, shard=WHOLE, cache=cache, call_start=start,
-                         static=True, keep_routing=keep_routing)
+                         static=True, decode_kernels=kernels, keep_routing=keep_routing)
     S, pre = embed_streams(model.embed, input_ids, cfg.mhc.num_streams)
     S, pre = forward_blocks(model.layers, S, pre, state, cfg.num_encoder_layers, engram_in, None)
     logits = _whole(head_logits(model.norm, model.head, S, pre))
@@ -298,17 +317,18 @@ def decode_step(model, input_ids: torch.Tensor, cache, keep_routing: bool = Fals
 _COMPILED: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()
 
 
-def compiled_decode_step(model, backend: str = "inductor", keep_routing: bool = False):
+def compiled_decode_step(model, backend: str = "inductor", kernels: str = "reference", keep_routing: bool = False):
     """`decode_step` of `model` through torch.compile (fullgraph, static shapes): a callable (input_ids, cache) ->
-    logits ((logits, records) with keep_routing). One compiled function per model, backend and keep_routing, kept
-    while the model lives; a cache of other shapes (batch, max_len) compiles again. backend "inductor" fuses the
-    step's reference operations into generated kernels; "aot_eager" traces without generating code (the CPU tests)."""
+    logits ((logits, records) with keep_routing). One compiled function per model, backend, kernels and
+    keep_routing, kept while the model lives; a cache of other shapes (batch, max_len) compiles again. backend
+    "inductor" fuses the step's reference operations into generated kernels; "aot_eager" traces without generating
+    code (the CPU tests). kernels: decode_step's."""
     per_model = _COMPILED.setdefault(model, {})
-    if (backend, keep_routing) not in per_model:
-        per_model[backend, keep_routing] = torch.compile(
-            functools.partial(decode_step, model, keep_routing=keep_routing), backend=backend, fullgraph=True,
-            dynamic=False)
-    return per_model[backend, keep_routing]
+    key = (backend, kernels, keep_routing)
+    if key not in per_model:
+        per_model[key] = torch.compile(functools.partial(decode_step, model, kernels=kernels, keep_routing=keep_routing),
+                                       backend=backend, fullgraph=True, dynamic=False)
+    return per_model[key]
 
 
 def _append_tokens(model, cache, input_ids: torch.Tensor, image_mask):
@@ -350,7 +370,8 @@ def routing_records(model, state):
     k = model.cfg.csa2.index_topk
     for spec in model.plan:
         if spec.owns_indexer and spec.index in state.selection:
-            rec.topk[spec.index] = selected_ids(state.selection[spec.index], k)
+            sel = state.selection[spec.index]
+            rec.topk[spec.index] = selected_ids(sel, k) if sel.dtype == torch.bool else _sorted_ids(sel, k)
         if spec.index in state.experts:
             rec.experts[spec.index] = state.experts[spec.index]
     lengths = [v.shape[1] for d in (rec.topk, rec.experts) for v in d.values()]
@@ -360,3 +381,12 @@ def routing_records(model, state):
             if v.shape[1] < full:
                 d[layer] = torch.nn.functional.pad(v, (0, 0, full - v.shape[1], 0), value=-1)
     return rec
+
+
+def _sorted_ids(ids: torch.Tensor, k: int) -> torch.Tensor:
+    """The decode kernels' choice ([B, T, K'] int32 entry ids in pick order, -1 = none: model/serving_decode.py) as
+    `selected_ids` records one: ascending, -1 past the chosen, k wide."""
+    big = torch.iinfo(torch.int32).max
+    ids = torch.where(ids >= 0, ids.to(torch.int32), big).sort(-1).values
+    ids = torch.where(ids == big, -1, ids)
+    return torch.nn.functional.pad(ids, (0, k - ids.shape[-1]), value=-1) if ids.shape[-1] < k else ids

@@ -26,6 +26,7 @@ import torch
 from model.forward import SequenceShard
 from model.routing import RoutingRecords
 from model.serving import compiled_decode_step, decode_step
+from model.serving_decode import DECODE_KERNELS, check_decode_kernels
 from trainer.engine.sampling import SamplingParams, sample
 from trainer.engine.spec_decode import SpecDecoder
 
@@ -125,21 +126,38 @@ class Engine:
     def __init__(self, model, *, max_batch: int = 32, max_len: int = 4096, replay: str = "halo",
                  prefix_cache=None, tokenizer=None, prompt_format: PromptFormat | None = None,
                  cuda_graph: bool = False, compile_decode: str | None = None, drafter=None,
-                 spec_tokens: int | None = None, spec_schedule: str = "fixed"):
+                 spec_tokens: int | None = None, spec_schedule: str = "fixed", serving_kernels: str = "reference"):
         """compile_decode (experimental: equal to the op-by-op step in fp32 on an H100 at v41_tiny, as close under
         bf16 at v41_small; its graph's replay there not yet timed: docs/generation.md): a torch.compile backend for the decode step
         (model.serving.compiled_decode_step; with cuda_graph, the compiled step is what the graph captures), None: the
         reference operations one by one. drafter: a model.dspark.DSpark of this model for speculative decoding
         (docs/generation.md#the-engine-in-detail); spec_tokens: the most drafts a step verifies (None: the drafter's
         block_size); spec_schedule: "fixed" (always spec_tokens) or "auto" (from the confidences and the measured cost:
-        trainer/engine/speculative.py)."""
+        trainer/engine/speculative.py). serving_kernels: the decode step's kernels (model.serving.decode_step):
+        "reference" (the default, every device), "triton" (attention and indexer on the cache's stored bytes,
+        model/serving_decode.py; a CUDA device, or the CPU under TRITON_INTERPRET=1) or "auto" (triton on a CUDA
+        device where the model can take it, else reference); `self.serving_kernels` says which it took."""
         model = serving_module(model)
         self.model, self.max_batch, self.max_len, self.replay = model, max_batch, max_len, replay
         self.cuda_graph = cuda_graph
         self.compile_decode = compile_decode
         self.decode_step = None
+        if serving_kernels not in DECODE_KERNELS + ("auto",):
+            raise ValueError(f"Engine: serving_kernels must be one of {list(DECODE_KERNELS) + ['auto']}, got "
+                             f"{serving_kernels!r}")
+        if serving_kernels == "auto":
+            device = model.embed.weight.device
+            usable = device.type == "cuda" and check_decode_kernels(model.cfg, device) is None
+            serving_kernels = "triton" if usable else "reference"
+        self.serving_kernels = serving_kernels
+        if serving_kernels == "triton":
+            why = check_decode_kernels(model.cfg, model.embed.weight.device)
+            if why:
+                raise ValueError(f"Engine(serving_kernels='triton'): {why}")
         if compile_decode is not None:
-            self.decode_step = compiled_decode_step(model, compile_decode)
+            self.decode_step = compiled_decode_step(model, compile_decode, serving_kernels)
+        elif serving_kernels == "triton":
+            self.decode_step = functools.partial(decode_step, model, kernels=serving_kernels)
         if cuda_graph:
             from torch.distributed.tensor import DTensor
 
@@ -327,8 +345,10 @@ class Engine:
         if self.cuda_graph:
             step = self.decode_step
             if keep:
-                step = (compiled_decode_step(self.model, self.compile_decode, keep_routing=True) if self.compile_decode
-                        else functools.partial(decode_step, self.model, keep_routing=True))
+                k = self.serving_kernels
+                step = (compiled_decode_step(self.model, self.compile_decode, k, keep_routing=True)
+                        if self.compile_decode else functools.partial(decode_step, self.model, kernels=k,
+                                                                      keep_routing=True))
             graph = _DecodeGraph(self.model, cache, step, keep)
         while any(active):
             feed = torch.tensor([[c.token_ids[-1]] for c in comps])
