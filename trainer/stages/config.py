@@ -132,6 +132,9 @@ class RolloutConfig(PostTrainingConfig):
     """truncated importance sampling: each token's loss times min(pi_train / pi_rollout, tis_cap) (0 = off)"""
     max_batch: int = 64
     """engine rows decoding together"""
+    rollout_kernels: str = choice_field("reference", ("reference", "triton", "auto"))
+    """the decode step's attention and indexer: the reference operations, or the serving kernels that read the
+    cache's stored bytes (model/serving_decode.py; auto = triton on a GPU); Engine(serving_kernels=)"""
     rollout_cuda_graph: str = choice_field("auto", ("auto", "on", "off"))
     """the engine's decode steps replayed from a CUDA graph (Engine(cuda_graph=True), routing records included):
     auto = on for a one-process run on a GPU, off otherwise (a parallel plan's collectives are not captured)"""

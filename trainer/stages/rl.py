@@ -100,11 +100,10 @@ class RolloutStage(Stage):
                                  and not dist.is_initialized())
         try:
             self.engine = Engine(job.pm, max_batch=self.stage.max_batch, max_len=self.cfg.data.seq_len,
-                                 replay=self.replay, cuda_graph=graph)
-        except ValueError as e:  # Engine(cuda_graph=True)'s refusals: no GPU, a parallel plan
-            if not graph:
-                raise
-            raise ValueError(f"stage.rollout_cuda_graph={mode}: {e}; use stage.rollout_cuda_graph=auto") from None
+                                 replay=self.replay, cuda_graph=graph, serving_kernels=self.stage.rollout_kernels)
+        except ValueError as e:  # Engine's refusals: a CUDA graph without a GPU or under a parallel plan, kernels
+            key = "rollout_kernels" if "serving_kernels" in str(e) else "rollout_cuda_graph"
+            raise ValueError(f"stage.{key}={getattr(self.stage, key)}: {e}; use stage.{key}=auto") from None
 
     def loss(self):
         s = self.stage
