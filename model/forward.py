@@ -109,6 +109,10 @@ class ForwardState:
     # a static-shape call (model.serving.decode_step): every KV source presents its whole capacity of entries, masked
     # by visibility, and entries are written without a data-dependent selection (a CUDA graph can capture the call)
     static: bool = False
+    # a cached call on the training forward's kernels (model.serving.serve_forward decides it): every row's length
+    # when the call began (None: the reference path). Positions are then [T] from `offset`, as in a training forward
+    # (offset > kernel_start where a trimmed prefill skipped rows), and top-k and pool take the kernels' int32 form
+    kernel_start: int | None = None
     # bounded-replay simulation (model/replay.py): layer -> [B, T] the first key position each query's window may
     # read (-1: all), and KV source -> (main, keys, [B] entries) the cached global KV the replayed rows keep
     window_floor: dict[int, torch.Tensor] = field(default_factory=dict)
