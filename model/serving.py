@@ -7,7 +7,9 @@ Contract: `cached_attention` computes what `CSA2Attention.forward` computes for 
 tokens, appended; a trimmed prefill's skipped rows get NaN logits); `decode_step` is one token per row with static
 shapes and no host synchronisation (a CUDA graph can capture it; `compiled_decode_step` hands it to torch.compile);
 `routing_records` returns what a keep_routing forward chose. Per-row positions [B, T] let requests of different
-lengths decode together. This path runs the reference operations on every device.
+lengths decode together. Where the model's kernel switch resolves to Triton (`on_kernels`), serve_forward's calls run
+`prefill_attention` on the training forward's kernels (model/prefill.py), tested equal to this reference path;
+decode_step runs the reference operations on every device.
 
 Design and reasoning: docs/generation.md#the-serving-path-of-a-layer
 """
@@ -288,7 +290,7 @@ def _slice_rows(t, n: int):
 
 
 def serve_forward(model, input_ids: torch.Tensor, cache, *, image_mask=None, routing=None, keep_routing=False):
-    """`Transformer.forward(ids, cache=cache)`: the logits [B, T, V] fp32 of the new tokens, appended to the
+    """`Transformer.forward(input_ids, cache=cache)`: the logits [B, T, V] fp32 of the new tokens, appended to the
     cache. A first call on a cache whose replay is on trims the decoder to the replay's span (`KVCache`); the rows
     it skips get NaN logits. Returns (logits, state).
 

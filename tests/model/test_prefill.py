@@ -1,11 +1,11 @@
 """Proves the prefill on the training forward's kernels (model/prefill.py, model/serving.py `prefill_attention`).
 
-Contract: with the kernel switch on (model.kernels="triton", the CPU interpreter here: tests/conftest.py) a cached call equals the
-reference serving path (kernels="reference", the same weights) in its logits and in every cache buffer, for a
-one-shot prefill, a prefill in chunks (each attending to the cache's earlier entries and SWA ring rows plus its own),
-a CED prefill trimmed by the halo replay, and rows of different lengths in one call; it never runs the reference
-attention (no [B, H, T, E] scores); and generation after it equals the teacher-forced forward. The model is
-tests/helpers.py's every-role config (window 8, top-k 6, a pool of 12 entries, a pool-restricted Reindex layer).
+Contract: with the kernel switch on (model.kernels="triton", the CPU interpreter here: tests/conftest.py) a cached
+call equals the reference serving path (kernels="reference", the same weights) in its logits and in every cache
+buffer, for a one-shot prefill, a prefill in chunks (each attending to the cache's earlier entries and SWA ring rows
+plus its own), a CED prefill trimmed by the halo replay, and rows of different lengths in one call; it never runs the
+reference attention (no [B, H, T, E] scores); and generation after it equals the teacher-forced forward. The model
+is tests/helpers.py's every-role config (window 8, top-k 6, a pool of 12 entries, a pool-restricted Reindex layer).
 
 The stored bytes are compared exactly but for MAX_FLIPS: the fused norm sums its squares in another order
 (kernels/norm_rope_fp4.py), so a value on a quantiser's rounding edge may take the neighbouring code.
@@ -22,6 +22,7 @@ import model as model_pkg
 import model.serving as serving
 from model.cache import KVCache
 from tests.helpers import assert_rel, every_role_config
+from trainer.engine import Engine, Request, SamplingParams
 
 QAT = dict(main_kv="fp4", index="fp4", swa_kv="fp8")  # the cache stays in its serving formats (fp4, fp4, fp8)
 EXACT = dict(cache_main_kv="none", cache_index="none", cache_swa_kv="none")  # the cache keeps what the forward used
@@ -158,3 +159,20 @@ def test_the_switch_is_the_kernel_path():
     assert not serving.on_kernels(tri, keep_routing=True)
     tri.cfg.indexer.phase = "dense_warmup"
     assert not serving.on_kernels(tri)
+
+
+def test_the_engine_on_a_kernel_prefill_is_greedy_under_the_teacher_forced_forward():
+    """The engine's check (tests/trainer/test_engine.py): prompts of different lengths batched, prefilled on the
+    kernels; every greedy token is the argmax of the reference model's teacher-forced forward on prompt +
+    completion, and its model log-prob is that forward's."""
+    ref, tri = _pair(EXACT)
+    reqs = [Request(_ids(1, n, seed=n)[0].tolist(), SamplingParams(temperature=0, max_new_tokens=4), request_id=n)
+            for n in (9, 20, 14)]
+    for c in Engine(tri, replay="none").generate(reqs):
+        seq = torch.tensor([c.prompt_ids + c.token_ids])
+        with torch.no_grad():
+            lp = ref(seq).log_softmax(-1)[0]
+        n = len(c.prompt_ids)
+        rows = torch.arange(n - 1, seq.shape[1] - 1)
+        assert c.token_ids == lp[rows].argmax(-1).tolist(), c.request_id
+        torch.testing.assert_close(torch.tensor(c.model_logprobs), lp[rows, seq[0, n:]], rtol=0, atol=1e-5)
