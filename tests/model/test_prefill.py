@@ -176,3 +176,23 @@ def test_the_engine_on_a_kernel_prefill_is_greedy_under_the_teacher_forced_forwa
         rows = torch.arange(n - 1, seq.shape[1] - 1)
         assert c.token_ids == lp[rows].argmax(-1).tolist(), c.request_id
         torch.testing.assert_close(torch.tensor(c.model_logprobs), lp[rows, seq[0, n:]], rtol=0, atol=1e-5)
+
+
+def test_verify_forwards_and_rollbacks_on_kernels(qat_pair, monkeypatch):
+    """A speculation cache (spec_tokens=4: rings with headroom): a prefill, a verify forward of 5 tokens, a rollback
+    that leaves the rows at different lengths, another 5 tokens; every call equals the reference's."""
+    ref, tri = qat_pair
+    ids = _ids(2, 24, seed=8)
+    out = {}
+    for name, m in (("ref", ref), ("tri", tri)):
+        if name == "tri":
+            _no_reference_attention(monkeypatch)
+        cache = m.new_cache(2, 32, replay="none", spec_tokens=4)
+        with torch.no_grad():
+            got = [m(ids[:, :13], cache=cache), m(ids[:, 13:18], cache=cache)]
+            cache.rollback([15, 17])
+            got.append(m(torch.cat((ids[:1, 15:20], ids[1:, 17:22])), cache=cache))
+        out[name] = got, cache
+    for k, (a, b) in enumerate(zip(*(out[n][0] for n in ("tri", "ref")))):
+        assert_rel(a, b, f"call {k} logits")
+    _assert_same_cache(out["tri"][1], out["ref"][1])
