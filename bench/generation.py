@@ -4,6 +4,8 @@ deviation of bounded replay, each against a baseline measured in the same run.
 Usage (subcommands; `all` runs bytes, prefill, decode and batch in turn, and deviation when --checkpoint is given):
   .venv/bin/python bench/generation.py bytes [--models v41_flash,v41_small,v41_tiny]
   .venv/bin/python bench/generation.py prefill [--model v41_tiny] [--prompt-len 2048] [--repeats 5]
+  .venv/bin/python bench/generation.py prefill-kernels [--model v41_small] [--prompt-len 8192] [--repeats 3]
+      [--replays none,window]
   .venv/bin/python bench/generation.py decode [--long 32768] [--short 2048] [--chunk 1024] [--steps 24] [--profile]
   .venv/bin/python bench/generation.py batch [--context 2048,32768] [--batch-sizes 1,32] [--steps 24]
   .venv/bin/python bench/generation.py deviation --checkpoint RUN_DIR [--prompt-lens 256,512] [--prompts 6]
@@ -19,7 +21,14 @@ What each subcommand measures:
 - prefill: the wall time of one prompt's prefill (batch 1) with replay "none" (every row through every layer, the
   baseline), "halo" (exact) and "window", the three alternated in every repeat (a load that comes and goes on a
   shared machine slows all alike); medians and the ratio to "none", and the mean time inside the encoder's and the
-  decoder's blocks. Checks that "halo"'s last-row logits equal "none"'s.
+  decoder's blocks. Checks that "halo"'s last-row logits equal "none"'s. The model's kernel switch is the config's
+  ("auto": on a GPU the prefill runs the training forward's kernels; prefill-kernels compares both paths).
+- prefill-kernels: the prefill with the kernel switch on (model.kernels="triton": the training forward's kernels,
+  model/serving.py `prefill_attention`) and off (the reference path), the same weights, each --replays variant ("none":
+  full depth; "window": the CED encoder-only path, the decoder on the last W rows), alternated in every repeat; and in
+  the same process the training forward of the same tokens on the kernels (no cache, full depth), eager and compiled
+  block by block (trainer.compile's regional compilation). Medians, the speed-up over the reference, the ratio to
+  the compiled forward, and the last-row logits' distance from the reference path's.
 - decode: the time of one decoded token (batch 1) after a short and after a long context, the caches' single-token
   steps alternated. The long cache gets its context from `synthetic_fill` (random stored entries and ring rows, the
   counts set: prefilling 32K tokens through the reference path would take far longer than the bench), and so does
@@ -101,11 +110,13 @@ class Env:
         return f"torch {torch.__version__}, {name}{threads}, {self.precision}"
 
 
-def build(name: str, device, seed: int = 0):
-    """conf/model/<name>.yaml built on meta, materialised on `device`, initialised (fp32 parameters)."""
+def build(name: str, device, seed: int = 0, kernels: str | None = None):
+    """conf/model/<name>.yaml built on meta, materialised on `device`, initialised (fp32 parameters); kernels: the
+    kernel switch (model.kernels), None for the config's."""
     torch.manual_seed(seed)
+    cfg = load_config(name) if kernels is None else load_config(name, kernels=kernels)
     with torch.device("meta"):
-        m = model_pkg.build(load_config(name))
+        m = model_pkg.build(cfg)
     m.to_empty(device=device)
     m.init_weights()
     return m.eval()
@@ -258,6 +269,69 @@ def run_prefill(args, env: Env) -> None:
         env.emit("prefill", dict(model=args.model, prompt_len=T, replay=v, decoder_rows=kept, median_s=med,
                                  ratio_to_none=med / base, times_s=times[v], last_row_max_abs_diff=diff,
                                  block_ms=per))
+
+
+def run_prefill_kernels(args, env: Env) -> None:
+    """The prefill on the training forward's kernels against the reference path (the same weights, kernels
+    "triton" and "reference"), for each --replays variant, alternated in every repeat; then the training forward of
+    the same tokens (no cache, full depth) on the kernels, eager and compiled block by block as trainer.compile
+    compiles it (trainer/parallel/compile.py), in the same process. No hooks inside the timed calls."""
+    from trainer.parallel.compile import compile_blocks
+
+    T = args.prompt_len
+    ref = build(args.model, env.device, kernels="reference")
+    tri = build(args.model, env.device, kernels="triton")
+    tri.load_state_dict(ref.state_dict())
+    models = {"reference": ref, "triton": tri}
+    ids = random_ids(ref.cfg, 1, T, 1, env.device)
+    variants = [(k, r) for k in models for r in args.replays.split(",")]
+    times: dict = defaultdict(list)
+    last: dict = {}
+    print(f"prefill on the kernels, {args.model}, batch 1 x {T} tokens, {args.repeats} repeats after one warm-up "
+          f"({env.header()})", flush=True)
+
+    def timed(fn) -> tuple[float, torch.Tensor]:
+        t0 = env.now()
+        with env.autocast():
+            out = fn()
+        return env.now() - t0, out
+
+    with torch.no_grad():
+        for rep in range(args.repeats + 1):
+            for k, r in variants if rep % 2 == 0 else variants[::-1]:
+                cache = models[k].new_cache(1, T, replay=r)
+                dt, logits = timed(lambda: models[k](ids, cache=cache))
+                if rep:
+                    times[(k, r)].append(dt)
+                last[(k, r)] = logits[:, -1].float()
+                del cache, logits
+        forward = {}
+        # (torch.compile cannot trace the Triton interpreter's launches: on the CPU the eager forward alone)
+        for label in ("eager", "compiled") if env.device.type == "cuda" else ("eager",):
+            if label == "compiled":
+                compile_blocks(tri)
+                compile_s, _ = timed(lambda: tri(ids))
+                print(f"  (compiling the blocks and the first compiled forward: {compile_s:.1f} s)", flush=True)
+            forward[label] = [timed(lambda: tri(ids))[0] for _ in range(args.repeats + 1)][1:]
+    base_label = "compiled" if "compiled" in forward else "eager"
+    base = statistics.median(forward[base_label])
+    for label, ts in forward.items():
+        med = statistics.median(ts)
+        print(f"  training forward (kernels, no cache, full depth), {label:8s} {med * 1e3:9.1f} ms  "
+              f"({min(ts) * 1e3:.1f}-{max(ts) * 1e3:.1f})")
+        env.emit("prefill_kernels", dict(model=args.model, prompt_len=T, what=f"training forward, {label}",
+                                         median_s=med, times_s=ts))
+    for k, r in variants:
+        med = statistics.median(times[(k, r)])
+        ref_med = statistics.median(times[("reference", r)])
+        diff = float((last[(k, r)] - last[("reference", r)]).abs().max())
+        print(f"  prefill kernels={k:9s} replay={r:6s} {med * 1e3:9.1f} ms  ({min(times[(k, r)]) * 1e3:.1f}-"
+              f"{max(times[(k, r)]) * 1e3:.1f})  {ref_med / med:6.2f}x the reference  {med / base:6.3f} of the "
+              f"{base_label} forward  last-row max |logit diff| vs the reference {diff:.2e}")
+        env.emit("prefill_kernels", dict(model=args.model, prompt_len=T, kernels=k, replay=r, median_s=med,
+                                         speedup=ref_med / med, ratio_to=f"{base_label} forward",
+                                         ratio_to_forward=med / base,
+                                         times_s=times[(k, r)], last_row_max_abs_diff=diff))
 
 
 # -- 3. decode ------------------------------------------------------------------------------------------------------
@@ -575,7 +649,7 @@ def run_deviation(args, env: Env) -> None:
 # -- entry point ----------------------------------------------------------------------------------------------------
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("what", choices=("bytes", "prefill", "decode", "batch", "deviation", "all"))
+    ap.add_argument("what", choices=("bytes", "prefill", "prefill-kernels", "decode", "batch", "deviation", "all"))
     ap.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     ap.add_argument("--model", default="v41_tiny")
     ap.add_argument("--precision", default="auto", choices=("auto", "fp32", "bf16"))
@@ -585,6 +659,8 @@ def main() -> None:
     ap.add_argument("--bytes-len", type=int, default=4096, help="bytes: max_len of the counted cache")
     ap.add_argument("--prompt-len", type=int, default=2048, help="prefill: prompt tokens")
     ap.add_argument("--repeats", type=int, default=5, help="prefill: timed repeats of each variant")
+    ap.add_argument("--replays", default="none,window", help="prefill-kernels: cache replays (comma list; none is "
+                    "full depth, window the CED encoder-only path)")
     ap.add_argument("--short", type=int, default=2048, help="decode: the short context")
     ap.add_argument("--long", type=int, default=32768, help="decode: the long context")
     ap.add_argument("--chunk", type=int, default=1024, help="decode, batch: tokens per cache-filling call (batch: "
@@ -610,9 +686,9 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     env = Env(args)
-    todo = {"bytes": run_bytes, "prefill": run_prefill, "decode": run_decode, "batch": run_batch,
-            "deviation": run_deviation}
-    names = list(todo) if args.what == "all" else [args.what]
+    todo = {"bytes": run_bytes, "prefill": run_prefill, "prefill-kernels": run_prefill_kernels, "decode": run_decode,
+            "batch": run_batch, "deviation": run_deviation}
+    names = [n for n in todo if n != "prefill-kernels"] if args.what == "all" else [args.what]
     if args.what == "all" and not args.checkpoint:
         names.remove("deviation")
     for name in names:

@@ -115,7 +115,7 @@ class CSA2Attention(kern.KernelPath, nn.Module):
         if self.indexer is not None:
             self.indexer.init_weights(std)
 
-    # -- pieces (queries, index_queries and pick are public: serving runs them on the cache, model/serving.py) ------
+    # -- pieces (queries, index_queries, pick and pick_kernels are public: serving runs them, model/serving.py) -------
     def _compress(self, kv_in: torch.Tensor, state: ForwardState, path: str) -> tuple[torch.Tensor, torch.Tensor]:
         """Full layer: compress, rotate at each group's first token, fake-quantise; returns (main, index keys) of
         every chunk of the sequence."""
@@ -162,10 +162,10 @@ class CSA2Attention(kern.KernelPath, nn.Module):
     def _select(self, x, q_res, keys, E, state: ForwardState, path: str):
         """Index source: score visible entries (in the pool, if restricted) and pick the top-k. Returns (scores,
         domain, top-k, pool or None: what a pool builder makes). path: the kernel switch (on "triton",
-        `_select_triton` says what it returns). Top-k and pool carry no gradient."""
+        `pick_kernels` says what it returns). Top-k and pool carry no gradient."""
         qi, w = self.index_queries(x, q_res, state, path)
         if path == "triton":
-            return self._select_triton(qi, w, keys, E, state)
+            return self.pick_kernels(qi, w, keys, E, state)
         B, T = x.shape[:2]
         return self.pick(qi, w, keys, visible_mask(T, E, self.spec.ratio, x.device, state.offset).expand(B, T, E),
                           state)
@@ -186,8 +186,9 @@ class CSA2Attention(kern.KernelPath, nn.Module):
             selection = forced_selection(state, spec.index, select_topk(masked, c.index_topk))
         return scores, domain, selection, pool
 
-    def _select_triton(self, qi, w, keys, E, state: ForwardState):
-        """`_select` on the indexer kernels. Returns (scores, pos, top-k, pool): scores [B, T, E] (dense) or
+    def pick_kernels(self, qi, w, keys, E, state: ForwardState):
+        """`_select` on the indexer kernels (serving's prefill on the kernels runs it too, model/serving.py), for the
+        queries at positions state.offset + t. Returns (scores, pos, top-k, pool): scores [B, T, E] (dense) or
         [B, T, S] (the pool's slots, in a pool-restricted layer), -inf outside the search domain; pos [B, T, K]
         int32, the top-k's positions in scores' last dim (-1 = empty); the top-k as entry ids; the pool as block
         ids (a pool builder; None otherwise)."""

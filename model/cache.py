@@ -90,13 +90,16 @@ class Store:
         block, scale_fmt = _FP4_SCALE[self.fmt]
         return fp4.quantize(src, block, scale_fmt)
 
-    def decode(self, parts: tuple) -> torch.Tensor:
-        """Stored parts [..., *] -> values [..., D] in the compute dtype."""
+    def decode(self, parts: tuple, impl: str = "reference") -> torch.Tensor:
+        """Stored parts [..., *] -> values [..., D] in the compute dtype. impl "triton": the dequantisers' Triton
+        kernels (bit-exact against the reference; they take contiguous parts)."""
         if self.fmt in ("none", "bf16"):
             return parts[0].to(self.dtype)
+        if impl == "triton":
+            parts = tuple(p.contiguous() for p in parts)
         if self.fmt == "fp8":
-            return fp8.dequantize_fp8(parts[0], parts[1], 32).to(self.dtype)
-        return fp4.dequantize(parts[0], parts[1], _FP4_SCALE[self.fmt][0]).to(self.dtype)
+            return fp8.dequantize_fp8(parts[0], parts[1], 32, impl=impl).to(self.dtype)
+        return fp4.dequantize(parts[0], parts[1], _FP4_SCALE[self.fmt][0], impl=impl).to(self.dtype)
 
     def write(self, batch_idx: torch.Tensor, row_idx: torch.Tensor, parts: tuple) -> None:
         """Store parts[k][n] at (batch_idx[n], row_idx[n]) for the n selected rows (parts: [n, ...])."""
@@ -119,14 +122,14 @@ class Store:
         for buf, (_, _, fill) in zip(self.buffers, _layout(self.fmt, self.dim, self.dtype)):
             _bytes(buf)[batch_idx, row_idx] = fill
 
-    def read(self, idx: torch.Tensor) -> torch.Tensor:
-        """idx [B, K] row indices (in range) -> [B, K, D] decoded."""
+    def read(self, idx: torch.Tensor, impl: str = "reference") -> torch.Tensor:
+        """idx [B, K] row indices (in range) -> [B, K, D] decoded (impl: `decode`'s)."""
         b = torch.arange(idx.shape[0], device=idx.device)[:, None]
-        return self.decode(tuple(_bytes(buf)[b, idx.long()].view(buf.dtype) for buf in self.buffers))
+        return self.decode(tuple(_bytes(buf)[b, idx.long()].view(buf.dtype) for buf in self.buffers), impl)
 
-    def read_prefix(self, n: int) -> torch.Tensor:
-        """The first n rows of every request, decoded: [B, n, D]."""
-        return self.decode(tuple(buf[:, :n] for buf in self.buffers))
+    def read_prefix(self, n: int, impl: str = "reference") -> torch.Tensor:
+        """The first n rows of every request, decoded: [B, n, D] (impl: `decode`'s)."""
+        return self.decode(tuple(buf[:, :n] for buf in self.buffers), impl)
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:

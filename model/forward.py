@@ -111,6 +111,10 @@ class ForwardState:
     static: bool = False
     # the static decode step's kernels (model.serving.decode_step): "reference" or "triton" (model/serving_decode.py)
     decode_kernels: str = "reference"
+    # a cached call on the training forward's kernels (model.serving.serve_forward decides it): every row's length
+    # when the call began (None: the reference path). Positions are then [T] from `offset`, as in a training forward
+    # (offset > kernel_start where a trimmed prefill skipped rows), and top-k and pool take the kernels' int32 form
+    kernel_start: int | None = None
     # bounded-replay simulation (model/replay.py): layer -> [B, T] the first key position each query's window may
     # read (-1: all), and KV source -> (main, keys, [B] entries) the cached global KV the replayed rows keep
     window_floor: dict[int, torch.Tensor] = field(default_factory=dict)

@@ -1,14 +1,14 @@
-"""The serving path of one CSA2 layer and of the whole model on the inference cache (model/cache.py), filling it as
-it goes.
+"""The serving path of one CSA2 layer and of the whole model on the inference cache (model/cache.py), filling it.
 
 Contract: `cached_attention` computes what `CSA2Attention.forward` computes for the same tokens of a whole sequence
-(the teacher-forced forward) from what the cache keeps of the earlier ones, over the layer's public pieces
-(`queries`, `index_queries`, `pick`); `serve_forward` is `Transformer.forward(ids, cache=...)` (logits of the new
-tokens, appended; a trimmed prefill's skipped rows get NaN logits); `decode_step` is one token per row with static
-shapes and no host synchronisation (a CUDA graph can capture it; `compiled_decode_step` hands it to torch.compile);
-`routing_records` returns what a keep_routing forward chose. Per-row positions [B, T] let requests of different
-lengths decode together. This path runs the reference operations on every device; `decode_step(...,
-kernels="triton")` runs the attention and indexer of a decode step on the kernels (model/serving_decode.py).
+(the teacher-forced forward) from what the cache keeps of the earlier ones; `serve_forward` is
+`Transformer.forward(ids, cache=...)` (logits of the new tokens, appended; a trimmed prefill's skipped rows get NaN
+logits); `decode_step` is one token per row with static shapes and no host synchronisation (a CUDA graph can capture
+it; `compiled_decode_step` hands it to torch.compile); `routing_records` returns what a keep_routing forward chose.
+Per-row positions [B, T] let requests of different lengths decode together. Where the model's kernel switch is
+Triton (`on_kernels`) serve_forward runs `prefill_attention` on the training forward's kernels (model/prefill.py);
+`decode_step(..., kernels="triton")` runs a decode step's attention and indexer on the serving kernels
+(model/serving_decode.py); both are tested equal to the reference operations.
 
 Design and reasoning: docs/generation.md#the-serving-path-of-a-layer
 """
@@ -23,7 +23,7 @@ from torch import nn
 
 from kernels.norm_rope_ref import rms_norm
 from model import kernels as kern
-from model import mhc
+from model import mhc, prefill
 from model.common import full_precision, local
 from model.csa2 import attend, selected_ids
 from model.forward import WHOLE, ForwardState, LayerOutputs, embed_streams, forward_blocks, head_logits
@@ -31,7 +31,8 @@ from model.rope import apply_rope
 from model.routing import RoutingRecords
 from model.serving_decode import DECODE_KERNELS, check_decode_kernels, decode_attention
 
-__all__ = ["serve_forward", "decode_step", "cached_attention", "routing_records", "visible_rows", "StoredEntries"]
+__all__ = ["serve_forward", "on_kernels", "decode_step", "cached_attention", "prefill_attention", "routing_records",
+           "visible_rows", "StoredEntries"]
 
 REF = "reference"
 
@@ -99,11 +100,20 @@ def _write_entries(layer, lc, state, kv_src: torch.Tensor):
     call_start = state.call_start
     latent, ids, closed = _compress_new(layer, kv_src, lc, call_start)
     m = layer.spec.ratio
-    cos, sin = state.rope(a, "compress", ids * m, latent.dtype, key=("cache_entries", m))
-    main_pre = apply_rope(latent, cos, sin)
-    keys_pre = apply_rope(layer.indexer.keys(latent), cos, sin)
-    main_parts, _ = _stored(lc.main, main_pre, "fp4" if qc.main_kv == "fp4" else None)
-    key_parts, _ = _stored(lc.keys, keys_pre, "fp4_ue8m0" if qc.index == "fp4" else None)
+    main_fmt, key_fmt = "fp4" if qc.main_kv == "fp4" else None, "fp4_ue8m0" if qc.index == "fp4" else None
+    if state.kernel_start is not None:
+        # every row starts at state.offset: one row of positions; k_norm fused where the kernel may read its weight
+        cos, sin = state.rope(a, "compress", ids[0] * m, latent.dtype, key=("cache_entries", m))
+        k_norm = layer.indexer.k_norm if kern.fuses_norm(layer.indexer.k_norm, "triton") else None
+        main_parts = prefill.store_record(lc.main, latent, None, cos, sin, main_fmt)
+        key_parts = prefill.store_record(lc.keys, layer.indexer.keys(latent, norm=k_norm is None), k_norm, cos, sin,
+                                         key_fmt)
+    else:
+        cos, sin = state.rope(a, "compress", ids * m, latent.dtype, key=("cache_entries", m))
+        main_pre = apply_rope(latent, cos, sin)
+        keys_pre = apply_rope(layer.indexer.keys(latent), cos, sin)
+        main_parts, _ = _stored(lc.main, main_pre, main_fmt)
+        key_parts, _ = _stored(lc.keys, keys_pre, key_fmt)
     # a stored entry stays (prefix-cache replay recomputes rows whose global KV is cached)
     capacity = lc.main.buffers[0].shape[1]
     write = closed & (ids >= lc.entries[:, None]) & (ids < capacity)
@@ -119,6 +129,8 @@ def _write_entries(layer, lc, state, kv_src: torch.Tensor):
         lc.keys.write(b, ids[b, g], tuple(p[b, g] for p in key_parts))
     lc.entries.copy_(torch.maximum(lc.entries, (call_start + kv_src.shape[1]) // m))
     E = capacity if state.static else int(lc.entries.max())
+    if state.kernel_start is not None:  # every stored entry, decoded, as the training forward hands its entries on
+        return lc.main.read_prefix(E, impl="triton"), lc.keys.read_prefix(E, impl="triton")
     return StoredEntries(lc.main, E), StoredEntries(lc.keys, E)
 
 
@@ -144,7 +156,10 @@ class StoredEntries:
 def cached_attention(layer, x: torch.Tensor, state, kv_in: torch.Tensor | None):
     """`CSA2Attention.forward` on the inference cache: x [B, T, dim] the new rows' attention input (positions
     state.positions [B, T]); kv_in the compressor input of a Full layer over the whole call. Returns (the attention
-    output before the output projection [B, T, H, D], cos, sin, LayerOutputs)."""
+    output before the output projection [B, T, H, D], cos, sin, LayerOutputs). A call serve_forward runs on the
+    kernels goes to `prefill_attention`; the static decode step on the serving kernels to `decode_attention`."""
+    if state.kernel_start is not None:
+        return prefill_attention(layer, x, state, kv_in)
     if state.decode_kernels == "triton":
         # the static decode step on the serving kernels (model/serving_decode.py): the same entry writes, then the
         # window row, the index source's choice and the attention on the stored bytes
@@ -217,6 +232,55 @@ def _select(layer, x, q_res, keys, visible, state):
     return selection, pool
 
 
+def prefill_attention(layer, x: torch.Tensor, state, kv_in: torch.Tensor | None):
+    """`cached_attention` on the training forward's kernels, for a call whose rows all start at state.offset
+    (positions [T]): the fused norm + RoPE + quantisation writes the SWA rows' and the closed groups' cache records,
+    the indexer kernels score the stored entries and pick the top-k (and the pool), the sparse attention kernel
+    attends to the window (ring rows before the call included) and the top-k; nothing is [B, H, T, E]. Returns what
+    `cached_attention` returns, top-k and pool in the kernels' int32 form."""
+    a, qc = layer.cfg.attention, layer.cfg.quant
+    spec = layer.spec
+    lc = state.cache.layers[spec.index]
+    B, T, _ = x.shape
+    pos, start = state.positions, state.offset  # [T], int
+    W = a.window
+    made = LayerOutputs()
+    cos, sin = state.rope(a, spec.rope, pos, x.dtype)
+
+    q_res, q = layer.queries(x, cos, sin)  # [B, T, H, D]
+    swa_parts = prefill.store_record(lc.swa, layer.wkv(x), layer.kv_norm, cos, sin,
+                                     "fp8" if qc.swa_kv == "fp8" else None)
+    kv_new = lc.swa.decode(swa_parts, impl="triton")  # [B, T, D]: every key is what the cache stores
+    # the ring rows a window may reach (positions before the call: call0 - n .. call0 - 1), read before the call's
+    # writes; a trimmed prefill's rows start later than the call (start > call0)
+    R = lc.swa.buffers[0].shape[1]
+    call0 = state.kernel_start
+    n = min(W - 1, call0)
+    ring = ring_ok = None
+    if n:
+        ring_pos = call0 - n + torch.arange(n, device=x.device)  # [n]
+        ring = lc.swa.read((ring_pos % R).expand(B, n), impl="triton")  # [B, n, D]
+        ring_ok = ring_pos[None] >= state.cache.swa_start[:, None]  # [B, n]
+    k = min(T, R)  # the ring keeps the last R rows
+    rows = torch.arange(B, device=x.device).repeat_interleave(k)
+    lc.swa.write(rows, (pos[T - k:] % R).repeat(B), tuple(p[:, T - k:].flatten(0, 1) for p in swa_parts))
+
+    kv_cmp = topk = None
+    if spec.ratio > 0:
+        if spec.owns_kv:
+            made.kv = _write_entries(layer, lc, state, kv_in if kv_in is not None else x)
+        entries, idx_keys = made.kv if spec.owns_kv else state.kv[spec.kv_source]
+        E = entries.shape[1]
+        if spec.owns_indexer:
+            qi, w = layer.index_queries(x, q_res, state, "triton")
+            _, _, made.selection, made.pool = layer.pick_kernels(qi, w, idx_keys, E, state)
+        if E:
+            kv_cmp = entries
+            topk = made.selection if spec.owns_indexer else state.selection[spec.index_source]
+    out = prefill.ring_attention(q, kv_new, ring, ring_ok, start - call0, kv_cmp, topk, local(layer.attn_sink), W)
+    return out, cos, sin, made
+
+
 # -- the whole model on the cache -----------------------------------------------------------------------------------
 def _kept_rows(cache, model, T: int) -> int:
     """Rows the decoder (after its first layer) runs on in this prefill: T without replay, else the replay's span."""
@@ -238,7 +302,11 @@ def _slice_rows(t, n: int):
 def serve_forward(model, input_ids: torch.Tensor, cache, *, image_mask=None, routing=None, keep_routing=False):
     """`Transformer.forward(input_ids, cache=cache)`: the logits [B, T, V] fp32 of the new tokens, appended to the
     cache. A first call on a cache whose replay is on trims the decoder to the replay's span (`KVCache`); the rows
-    it skips get NaN logits. Returns (logits, state)."""
+    it skips get NaN logits. Returns (logits, state).
+
+    Where the model's kernel switch resolves to Triton (`on_kernels`), the call runs the training forward's kernels
+    (`prefill_attention`); their positions are one offset per call, so rows at different lengths then run one at a
+    time, and the state returned holds the call's positions only."""
     cfg = model.cfg
     cache.check(model, input_ids)
     bad = (input_ids < 0) | (input_ids >= cfg.vocab_size)
@@ -247,39 +315,74 @@ def serve_forward(model, input_ids: torch.Tensor, cache, *, image_mask=None, rou
         raise ValueError(f"token id {int(input_ids[b, t])} at row {b}, position {t} is outside the vocabulary "
                          f"[0, {cfg.vocab_size})")
     B, T = input_ids.shape
-    dev = input_ids.device
-    start, positions, engram_in = _append_tokens(model, cache, input_ids, image_mask)
     first_call = not bool(cache.prefilled.any())
-    keep = _kept_rows(cache, model, T) if first_call else T
-    state = ForwardState(positions=positions, phase=cfg.indexer.phase, cache=cache, call_start=start,
-                         routing=routing, keep_routing=keep_routing)
-    S, pre = embed_streams(model.embed, input_ids, cfg.mhc.num_streams)
-    n_enc = cfg.num_encoder_layers
-    if keep == T:
-        S, pre = forward_blocks(model.layers, S, pre, state, n_enc, engram_in, image_mask)
-        logits = _whole(head_logits(model.norm, model.head, S, pre))
+    kernels = on_kernels(model, routing, keep_routing)
+    if kernels and B > 1 and not bool((cache.lengths == cache.lengths[0]).all()):
+        start = cache.lengths.clone()
+        logits = torch.cat([_call(model, input_ids[b:b + 1], cache.rows(b, b + 1), first_call, kernels,
+                                  None if image_mask is None else image_mask[b:b + 1])[0] for b in range(B)])
+        state = ForwardState(positions=start[:, None] + torch.arange(T, device=start.device), phase=cfg.indexer.phase,
+                             cache=cache, call_start=start)
     else:
-        # CED prefill with decoder bounded replay (SPEC 1.5, REFERENCE B1/B3): the encoder on every row, h_{L/2}
-        # (the decoder's global KV source) on every row; the first decoder layer on the rows its kept rows' windows
-        # read (so it is exact), every later layer on the kept rows alone
-        S, pre = forward_blocks(model.layers[:n_enc], S, pre, state, n_enc, engram_in, image_mask)
-        state.h_mid = mhc.collapse(S, pre)
-        for layers, rows in ((model.layers[n_enc:n_enc + 1], min(T, keep + cfg.attention.window - 1)),
-                             (model.layers[n_enc + 1:], keep)):
-            S, pre = _slice_rows(S, rows), _slice_rows(pre, rows)
-            state.set_rows(positions[:, T - rows:])
-            # per-query choices later layers reuse (top-k, pool) follow the rows
-            state.selection = {k: _slice_rows(v, rows) for k, v in state.selection.items()}
-            state.pool = _slice_rows(state.pool, rows)
-            e_in = None if engram_in is None else {k: tuple(_slice_rows(t, rows) for t in v)
-                                                   for k, v in engram_in.items()}
-            S, pre = forward_blocks(layers, S, pre, state, n_enc, e_in, _slice_rows(image_mask, rows))
-        logits = torch.full((B, T, cfg.vocab_size), float("nan"), device=dev)
-        logits[:, T - keep:] = _whole(head_logits(model.norm, model.head, S, pre))
+        logits, state = _call(model, input_ids, cache, first_call, kernels, image_mask, routing, keep_routing)
     # a row's first call is its prefill: no rollback goes below its end (KVCache.rollback)
     cache.advance(T)
     cache.prefill_end.copy_(torch.where(cache.prefilled, cache.prefill_end, cache.lengths))
     cache.prefilled.fill_(True)
+    return logits, state
+
+
+def on_kernels(model, routing=None, keep_routing: bool = False) -> bool:
+    """Whether serve_forward runs the training forward's kernels: the attention's kernel switch (model.kernels,
+    resolved when the model was placed) is Triton, the indexer is in its sparse phase, the weights are plain tensors
+    (no tensor-parallel plan), and no routing record is replayed or kept (the reference path's masks, as in the
+    training forward)."""
+    attn = model.layers[0].attn
+    return (attn.kernel_path == "triton" and model.cfg.indexer.phase == "sparse" and routing is None
+            and not keep_routing and kern.plain(attn.wq_a.weight))
+
+
+def _call(model, input_ids, cache, first_call: bool, kernels: bool, image_mask, routing=None, keep_routing=False):
+    """The blocks and the head of serve_forward's call on the rows of `cache` (the counts not yet advanced):
+    (logits, state). kernels: every row starts at the same length, and the call runs `prefill_attention`."""
+    cfg = model.cfg
+    B, T = input_ids.shape
+    dev = input_ids.device
+    start, positions, engram_in = _append_tokens(model, cache, input_ids, image_mask)
+    keep = _kept_rows(cache, model, T) if first_call else T
+    state = ForwardState(positions=positions, phase=cfg.indexer.phase, cache=cache, call_start=start,
+                         routing=routing, keep_routing=keep_routing)
+    if kernels:  # one row of positions, from the rows' common start (as a training forward's, with an offset)
+        state.kernel_start = state.offset = int(start[0])
+        positions = positions[:1]
+        state.positions = positions[0]
+    S, pre = embed_streams(model.embed, input_ids, cfg.mhc.num_streams)
+    n_enc = cfg.num_encoder_layers
+    if keep == T:
+        S, pre = forward_blocks(model.layers, S, pre, state, n_enc, engram_in, image_mask)
+        return _whole(head_logits(model.norm, model.head, S, pre)), state
+    # CED prefill with decoder bounded replay (SPEC 1.5, REFERENCE B1/B3): the encoder on every row, h_{L/2} (the
+    # decoder's global KV source) on every row; the first decoder layer on the rows its kept rows' windows read (so
+    # it is exact), every later layer on the kept rows alone
+    S, pre = forward_blocks(model.layers[:n_enc], S, pre, state, n_enc, engram_in, image_mask)
+    state.h_mid = mhc.collapse(S, pre)
+    offset = state.offset
+    for layers, rows in ((model.layers[n_enc:n_enc + 1], min(T, keep + cfg.attention.window - 1)),
+                         (model.layers[n_enc + 1:], keep)):
+        S, pre = _slice_rows(S, rows), _slice_rows(pre, rows)
+        if kernels:
+            state.set_rows(positions[0, T - rows:])
+            state.offset = offset + T - rows
+        else:
+            state.set_rows(positions[:, T - rows:])
+        # per-query choices later layers reuse (top-k, pool) follow the rows
+        state.selection = {k: _slice_rows(v, rows) for k, v in state.selection.items()}
+        state.pool = _slice_rows(state.pool, rows)
+        e_in = None if engram_in is None else {k: tuple(_slice_rows(t, rows) for t in v)
+                                               for k, v in engram_in.items()}
+        S, pre = forward_blocks(layers, S, pre, state, n_enc, e_in, _slice_rows(image_mask, rows))
+    logits = torch.full((B, T, cfg.vocab_size), float("nan"), device=dev)
+    logits[:, T - keep:] = _whole(head_logits(model.norm, model.head, S, pre))
     return logits, state
 
 
