@@ -49,7 +49,17 @@ _QUANT_FORMATS = {
 # against 11.5 ms); the unchained key-gradient launch took the backward from 43.0 to 38.2 ms, the key-centric window
 # launch made it slower (44.3 ms). The slower variants were removed (the kernel modules' docstrings describe them).
 FWD_CONFIG = {"BLOCK_N": 64, "fwd": (8, 2)}
-BWD_CONFIG = {"BLOCK_N": 64, "probs": (8, 1), "dq": (8, 2), "dkv": (8, 2), "scratch_bytes": 1 << 30}
+BWD_CONFIG = {"BLOCK_N": 64, "probs": (8, 1), "dq": (8, 2), "dkv": (8, 2), "scratch_bytes": 1 << 30,
+              "stacked_probs": True, "vector_atomics": True}
+# The backward's two switches (issue 41; both False is the kernel measured at 179-182 TFLOP/s on the H200):
+# - stacked_probs: `bwd_probs` takes the logits and dO.V of a key block from one [2H, D] x [D, BN] dot instead of
+#   two [H, D] x [D, BN] dots. With 64 heads and 8 warps the two dots split BN = 64 between the warpgroups
+#   (m64n32 tiles, which need ~190 B/clk of shared memory per SM at the tensor cores' rate against 128 available);
+#   the stacked dot gives each warpgroup one of them whole (m64n64, ~125 B/clk). sm_90 compile on Triton 3.9: 192 KB
+#   of shared memory either way; 172 bytes of spills outside the key loop (0 before).
+# - vector_atomics: `bwd_dkv`'s scatter-add as red.global.add.v4.f32 (32 instructions a thread per key block
+#   instead of 128 scalar ones; same adds). Also removed the dkv kernel's 304 bytes of register spills.
+# Not timed yet: `python3 bench/kernels.py --only sparse_attention/bwd` times both settings side by side.
 # Few heads (a head tile of at most FEW_HEADS rows: v41_small's 16 heads of 256): a [16, D] accumulator is a quarter
 # of the register file's worth of the flagship's, and 8 warps over 16 rows mostly wait. Measured on an H100
 # (bench/sparse_attention_shapes.py --model v41_small, 2026-12-06, BENCHMARKS.md): 4 warps and two stages everywhere;
@@ -57,7 +67,8 @@ BWD_CONFIG = {"BLOCK_N": 64, "probs": (8, 1), "dq": (8, 2), "dkv": (8, 2), "scra
 # and 2.17 -> 2.02-2.04 ms.
 FEW_HEADS = 16
 FWD_CONFIG_FEW_HEADS = {"BLOCK_N": 128, "fwd": (4, 2)}
-BWD_CONFIG_FEW_HEADS = {"BLOCK_N": 64, "probs": (4, 1), "dq": (4, 2), "dkv": (4, 2), "scratch_bytes": 1 << 30}
+BWD_CONFIG_FEW_HEADS = {"BLOCK_N": 64, "probs": (4, 1), "dq": (4, 2), "dkv": (4, 2), "scratch_bytes": 1 << 30,
+                        "stacked_probs": False, "vector_atomics": True}
 
 
 def launch_config(direction: str, block_h: int) -> dict:
@@ -216,9 +227,11 @@ def _backward_triton(q, kv_win, kv_cmp, topk_idx, sink, window, out, lse, dout):
     for t0 in range(0, T, chunk):
         grid = (min(chunk, T - t0), B)
         bwd_probs[grid](q, keys, idx, sink, out, dout, lse, p_buf, ds_buf, dsink_rows,
-                         B, T, E, K, window, NW, t0, scale, scale * _LOG2E, **consts, **_launch(cfg, "probs"))
+                         B, T, E, K, window, NW, t0, scale, scale * _LOG2E, **consts, STACKED=cfg["stacked_probs"],
+                         **_launch(cfg, "probs"))
         bwd_dq[grid](keys, idx, ds_buf, dq, B, T, E, K, window, NW, t0, **consts, **_launch(cfg, "dq"))
-        bwd_dkv[grid](q, dout, idx, p_buf, ds_buf, dkv, B, T, E, K, window, NW, t0, **consts, **_launch(cfg, "dkv"))
+        bwd_dkv[grid](q, dout, idx, p_buf, ds_buf, dkv, B, T, E, K, window, NW, t0, **consts,
+                      VEC_ATOMICS=cfg["vector_atomics"], **_launch(cfg, "dkv"))
     dkv_win = dkv[: B * T].view(B, T, D).to(kv_win.dtype)
     if kv_cmp is None:
         return dq, dkv_win, None, dsink_rows.sum((0, 1))

@@ -38,13 +38,49 @@ def _slot_rows(idx_ptr, row, b, t, B, T, E, K, window, NW, n0, offs_n):
 
 
 @triton.jit
-def _probs_block(q, do, k, valid, lse, delta, scale, qk_scale, p_ptrs, ds_ptrs, store_ok, PREC: tl.constexpr):
-    s = dot(q, tl.trans(k), None, PREC) * qk_scale  # [BH, BN]
+def _probs_from_logits(s, dp, valid, lse, delta, scale, p_ptrs, ds_ptrs, store_ok):
+    """Logits s (log2 units) and dO.V dp [BH, BN] of one key block -> P and dS * scale, stored."""
     p = tl.where(valid[None, :], tl.exp2(s - lse[:, None]), 0.0)
-    dp = dot(do, tl.trans(k), None, PREC)  # dO . V with V = K
     ds = p * (dp - delta[:, None]) * scale
     tl.store(p_ptrs, p.to(p_ptrs.dtype.element_ty), mask=store_ok)
     tl.store(ds_ptrs, ds.to(ds_ptrs.dtype.element_ty), mask=store_ok)
+
+
+@triton.jit
+def _probs_block(q, do, k, valid, lse, delta, scale, qk_scale, p_ptrs, ds_ptrs, store_ok, PREC: tl.constexpr):
+    s = dot(q, tl.trans(k), None, PREC) * qk_scale  # [BH, BN]
+    dp = dot(do, tl.trans(k), None, PREC)  # dO . V with V = K
+    _probs_from_logits(s, dp, valid, lse, delta, scale, p_ptrs, ds_ptrs, store_ok)
+
+
+@triton.jit
+def _stacked_rows(q_ptr, dout_ptr, base, offs_c, H: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr,
+                  BLOCK_D: tl.constexpr):
+    """[q; dO] of one query, channels offs_c -> [2BH, C]: rows < BH are q's heads, the rest dO's (one pointer select
+    per row, so both come from one load), 0 in padded heads and channels."""
+    offs_r = tl.arange(0, 2 * BLOCK_H)
+    first = offs_r < BLOCK_H
+    h2 = tl.where(first, offs_r, offs_r - BLOCK_H)
+    rows_base = tl.where(first, q_ptr, dout_ptr) + base + h2 * D  # [2BH] row pointers
+    return tl.load(rows_base[:, None] + offs_c[None, :], mask=rows_mask(h2 < H, offs_c, D, D == BLOCK_D), other=0.0)
+
+
+@triton.jit
+def _row_dot(a_ptr, b_ptr, base, h_ok, H: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr,
+             BLOCK_D: tl.constexpr):
+    """rowsum(a * b) in fp32 over the [BH, D] rows at base, 64 channels at a time (so the two [BH, BD] tiles are
+    never live at once: the stacked kernel needs the registers for its [2BH, BD] operand)."""
+    DC: tl.constexpr = 64 if BLOCK_D > 64 else BLOCK_D
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_c = tl.arange(0, DC)
+    acc = tl.zeros([BLOCK_H], tl.float32)
+    for c0 in tl.static_range(0, BLOCK_D, DC):
+        offs = base + offs_h[:, None] * D + (c0 + offs_c)[None, :]
+        ok = rows_mask(h_ok, c0 + offs_c, D, D == BLOCK_D)
+        a = tl.load(a_ptr + offs, mask=ok, other=0.0)
+        b = tl.load(b_ptr + offs, mask=ok, other=0.0)
+        acc += tl.sum(a.to(tl.float32) * b.to(tl.float32), 1)
+    return acc
 
 
 @triton.jit
@@ -52,9 +88,12 @@ def bwd_probs(
     q_ptr, kv_ptr, idx_ptr, sink_ptr, out_ptr, dout_ptr, lse_ptr, p_ptr, ds_ptr, dsink_ptr,
     B, T, E, K, window, NW, t0, scale, qk_scale,
     H: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    PREC: tl.constexpr,
+    PREC: tl.constexpr, STACKED: tl.constexpr,
 ):
-    """Per query: P = exp(logits - lse) and dS * scale = P * (dO.V - rowsum(dO * O)) * scale for every slot."""
+    """Per query: P = exp(logits - lse) and dS * scale = P * (dO.V - rowsum(dO * O)) * scale for every slot.
+
+    STACKED: the logits and dO.V of a key block come from one dot of the stacked [q; dO] ([2BH, BD]) with the keys,
+    split into its two halves afterwards; else from two dots with BH rows each (the previous kernel)."""
     # Inductor passes a Python float as fp64 (eager Triton as fp32): compute in fp32 either way
     scale = tl.cast(scale, tl.float32)
     qk_scale = tl.cast(qk_scale, tl.float32)
@@ -67,11 +106,14 @@ def bwd_probs(
     h_ok = offs_h < H
     hd_ok = rows_mask(h_ok, offs_d, D, FULL)
     row = b * T + t
-    hd_offs = row * H * D + offs_h[:, None] * D + offs_d[None, :]
-    q = tl.load(q_ptr + hd_offs, mask=hd_ok, other=0.0)
-    do = tl.load(dout_ptr + hd_offs, mask=hd_ok, other=0.0)
-    o = tl.load(out_ptr + hd_offs, mask=hd_ok, other=0.0)
-    delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)  # [BH] rowsum(dO * O)
+    if STACKED:
+        delta = _row_dot(dout_ptr, out_ptr, row * H * D, h_ok, H, D, BLOCK_H, BLOCK_D)
+    else:
+        hd_offs = row * H * D + offs_h[:, None] * D + offs_d[None, :]
+        q = tl.load(q_ptr + hd_offs, mask=hd_ok, other=0.0)
+        do = tl.load(dout_ptr + hd_offs, mask=hd_ok, other=0.0)
+        o = tl.load(out_ptr + hd_offs, mask=hd_ok, other=0.0)
+        delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)  # [BH] rowsum(dO * O)
     # padded heads get lse = +inf so their p is exactly 0
     lse = tl.load(lse_ptr + row * H + offs_h, mask=h_ok, other=float("inf"))
     # d loss / d sink_h = -p_sink * rowsum(dO * O); summed over (b, t) on the host (no hot atomics on H addresses)
@@ -81,12 +123,22 @@ def bwd_probs(
     NS = NW + K
     srow = (t - t0 + b * tl.num_programs(0)) * H  # this query's first row in the chunk's scratch [B*chunk*H, NS]
     n_lo = (tl.maximum(window - 1 - t, 0) // BLOCK_N) * BLOCK_N  # slots before token 0 stay unwritten (and unread)
+    if STACKED:
+        qd = _stacked_rows(q_ptr, dout_ptr, row * H * D, offs_d, H, D, BLOCK_H, BLOCK_D)  # [2BH, BD]
     for n0 in range(n_lo, NS, BLOCK_N):
         rows, valid = _slot_rows(idx_ptr, row, b, t, B, T, E, K, window, NW, n0, offs_n)
         k = tl.load(kv_ptr + rows[:, None] * D + offs_d[None, :], mask=rows_mask(valid, offs_d, D, FULL), other=0.0)
         s_offs = (srow + offs_h)[:, None] * NS + (n0 + offs_n)[None, :]
-        _probs_block(q, do, k, valid, lse, delta, scale, qk_scale, p_ptr + s_offs, ds_ptr + s_offs,
-                     h_ok[:, None] & (n0 + offs_n < NS)[None, :], PREC)
+        store_ok = h_ok[:, None] & (n0 + offs_n < NS)[None, :]
+        if STACKED:
+            # [2BH, BN] -> logits (rows < BH) and dO.V (the rest): one dot with twice the rows, so each warpgroup
+            # owns one of them (m64n64 tiles at BN = 64, where two BH-row dots split BN between the warpgroups)
+            s, dp = tl.split(tl.permute(tl.reshape(dot(qd, tl.trans(k), None, PREC), (2, BLOCK_H, BLOCK_N)),
+                                        (1, 2, 0)))
+            _probs_from_logits(s * qk_scale, dp, valid, lse, delta, scale, p_ptr + s_offs, ds_ptr + s_offs, store_ok)
+        else:
+            _probs_block(q, do, k, valid, lse, delta, scale, qk_scale, p_ptr + s_offs, ds_ptr + s_offs, store_ok,
+                         PREC)
 
 
 @triton.jit
@@ -124,7 +176,7 @@ def bwd_dkv(
     q_ptr, dout_ptr, idx_ptr, p_ptr, ds_ptr, dkv_ptr,
     B, T, E, K, window, NW, t0,
     H: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    PREC: tl.constexpr,
+    PREC: tl.constexpr, VEC_ATOMICS: tl.constexpr,
 ):
     """Per query and slot block: dkv[key] += (dS * scale)^T q + P^T dO, added atomically into fp32 rows.
     K = V, so the key gradient and the value gradient land on the same row. The columns go in two halves: a
@@ -151,12 +203,22 @@ def bwd_dkv(
     qd_hi = tl.load(qd_base[:, None] + (offs_c + HALF)[None, :], mask=rows_mask(r_ok, offs_c + HALF, D, FULL),
                     other=0.0)
     pd_base = tl.where(first, ds_ptr, p_ptr) + (srow + h2) * NS  # [2BH]
+    # Vector atomics (red.global.add.v4.f32 on sm_90, 4x fewer atomic instructions than one per element) need the
+    # compiler to see 16-byte aligned runs of HALF channels and a mask constant along them. Only for a full tile:
+    # then D is a power of two >= 16, so every row (D * 4 bytes) and the second half (HALF * 4) start 16-byte aligned
+    # (dkv is a fresh allocation), which is what the hints below claim.
+    VEC: tl.constexpr = VEC_ATOMICS and FULL
     for n0 in range(n_lo, NS, BLOCK_N):
         rows, valid = _slot_rows(idx_ptr, row, b, t, B, T, E, K, window, NW, n0, offs_n)
         pd = tl.load(pd_base[:, None] + (n0 + offs_n)[None, :], mask=r_ok[:, None] & (n0 + offs_n < NS)[None, :],
                      other=0.0)  # [2BH, BN]
         lo = dkv_ptr + rows[:, None] * D + offs_c[None, :]
-        tl.atomic_add(lo, dot(tl.trans(pd), qd_lo, None, PREC), mask=rows_mask(valid, offs_c, D, FULL),
-                      sem="relaxed")
-        tl.atomic_add(lo + HALF, dot(tl.trans(pd), qd_hi, None, PREC),
-                      mask=rows_mask(valid, offs_c + HALF, D, FULL), sem="relaxed")
+        if VEC:
+            lo = tl.max_contiguous(tl.multiple_of(lo, [1, 16]), [1, HALF])
+            tl.atomic_add(lo, dot(tl.trans(pd), qd_lo, None, PREC), mask=valid[:, None], sem="relaxed")
+            tl.atomic_add(lo + HALF, dot(tl.trans(pd), qd_hi, None, PREC), mask=valid[:, None], sem="relaxed")
+        else:
+            tl.atomic_add(lo, dot(tl.trans(pd), qd_lo, None, PREC), mask=rows_mask(valid, offs_c, D, FULL),
+                          sem="relaxed")
+            tl.atomic_add(lo + HALF, dot(tl.trans(pd), qd_hi, None, PREC),
+                          mask=rows_mask(valid, offs_c + HALF, D, FULL), sem="relaxed")

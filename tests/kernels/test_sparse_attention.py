@@ -55,7 +55,8 @@ CASES = [
 def small_tiles(monkeypatch):
     """16-key blocks keep the interpreter fast and make every case span several blocks."""
     fwd = {"BLOCK_N": 16, "fwd": (4, 1)}
-    bwd = {"BLOCK_N": 16, "probs": (4, 1), "dq": (4, 1), "dkv": (4, 1), "scratch_bytes": 1 << 30}
+    bwd = {"BLOCK_N": 16, "probs": (4, 1), "dq": (4, 1), "dkv": (4, 1), "scratch_bytes": 1 << 30,
+           "stacked_probs": True, "vector_atomics": True}
     # the same dicts for every head count, so a test that patches one entry reaches every launch
     for name, cfg in (("FWD_CONFIG", fwd), ("FWD_CONFIG_FEW_HEADS", fwd), ("BWD_CONFIG", bwd),
                       ("BWD_CONFIG_FEW_HEADS", bwd)):
@@ -135,6 +136,28 @@ def test_backward_matches_reference(case, poison):
     # entries no query selected get exactly zero gradient
     unused = ~sa.topk_to_mask(idx, E).any(1)  # [B, E]
     assert (got[2][unused] == 0).all()
+
+
+# (stacked_probs, vector_atomics): the previous kernels, each switch alone, both (the default)
+SWITCHES = [(False, False), (True, False), (False, True), (True, True)]
+
+
+@pytest.mark.parametrize("switches", SWITCHES)
+@pytest.mark.parametrize("case", [CASES[0], (1, 21, 3, 32, 12, 9, 6)])
+def test_backward_switches_match_reference(case, switches, monkeypatch, poison):
+    """Every setting of the backward's switches gives autograd's gradients, at a padded D (24 in a 32-wide tile:
+    the vector atomics fall back to one per element) and a full one (D = 32: vector atomics on)."""
+    monkeypatch.setitem(sa.BWD_CONFIG, "stacked_probs", switches[0])
+    monkeypatch.setitem(sa.BWD_CONFIG, "vector_atomics", switches[1])
+    B, T, H, D, E, K, W = case
+    q, kv_win, kv_cmp, idx, sink = make_inputs(*case, seed=4)
+    inputs = [t.requires_grad_() for t in (q, kv_win, kv_cmp, sink)]
+    out = sa.sparse_attention(q, kv_win, kv_cmp, idx, sink, W, impl="triton")
+    g = torch.randn_like(out)
+    want = grads(sa.sparse_attention_reference(q, kv_win, kv_cmp, idx, sink, W), inputs, g)
+    for name, a, b in zip(("dq", "dkv_win", "dkv_cmp", "dsink"), grads(out, inputs, g), want):
+        assert not a.isnan().any(), name
+        torch.testing.assert_close(a, b, atol=5e-5, rtol=1e-4, msg=name)
 
 
 @pytest.mark.parametrize("heads", [2, 17])
