@@ -50,16 +50,21 @@ _QUANT_FORMATS = {
 # launch made it slower (44.3 ms). The slower variants were removed (the kernel modules' docstrings describe them).
 FWD_CONFIG = {"BLOCK_N": 64, "fwd": (8, 2)}
 BWD_CONFIG = {"BLOCK_N": 64, "probs": (8, 1), "dq": (8, 2), "dkv": (8, 2), "scratch_bytes": 1 << 30,
-              "stacked_probs": True, "vector_atomics": True}
-# The backward's two switches (issue 41; both False is the kernel measured at 179-182 TFLOP/s on the H200):
+              "stacked_probs": True, "split_loads": True, "probs_block_n": 64}
+# The backward's switches (issue 41; stacked_probs and split_loads both False is the kernel measured at 179-182
+# TFLOP/s on the H200). From the sm_90 compile on a CPU host (bench/sparse_attention_sm90.py, Triton 3.9, H=64,
+# D=512, launch-time pointer alignment), not yet timed:
 # - stacked_probs: `bwd_probs` takes the logits and dO.V of a key block from one [2H, D] x [D, BN] dot instead of
-#   two [H, D] x [D, BN] dots. With 64 heads and 8 warps the two dots split BN = 64 between the warpgroups
-#   (m64n32 tiles, which need ~190 B/clk of shared memory per SM at the tensor cores' rate against 128 available);
-#   the stacked dot gives each warpgroup one of them whole (m64n64, ~125 B/clk). sm_90 compile on Triton 3.9: 192 KB
-#   of shared memory either way; 172 bytes of spills outside the key loop (0 before).
-# - vector_atomics: `bwd_dkv`'s scatter-add as red.global.add.v4.f32 (32 instructions a thread per key block
-#   instead of 128 scalar ones; same adds). Also removed the dkv kernel's 304 bytes of register spills.
-# Not timed yet: `python3 bench/kernels.py --only sparse_attention/bwd` times both settings side by side.
+#   two [H, D] x [D, BN] dots. With 64 heads and 8 warps the two dots split BN = 64 between the warpgroups: m64n32
+#   tiles, which need ~190 B/clk of shared memory per SM at the tensor cores' rate against 128 available; the
+#   stacked dot gives each warpgroup one of them whole (m64n64, ~125 B/clk). 192 KB of shared memory either way.
+# - split_loads: `bwd_dkv` reads [q; dO] and [dS; P] through two masked loads each instead of one load through a
+#   per-row pointer select, which the compiler could not prove aligned: 16-bit loads (256 a thread per query for
+#   [q; dO], 32 per key block for [dS; P]) become 16-byte ones, and the [dS; P] tile of each key block becomes an
+#   asynchronous copy pipelined over two stages (224 KB of shared memory, 180 registers; was 208 KB and 218).
+# - probs_block_n: the key block of `bwd_probs` (a divisor of BLOCK_N). 64 with one stage (the keys are a plain
+#   load each block: two stages of 64 keys need 272 KB); 32 with two stages pipelines the key loads (200 KB) at
+#   m64n32 tiles. `python3 bench/kernels.py --only sparse_attention/bwd` times the settings side by side.
 # Few heads (a head tile of at most FEW_HEADS rows: v41_small's 16 heads of 256): a [16, D] accumulator is a quarter
 # of the register file's worth of the flagship's, and 8 warps over 16 rows mostly wait. Measured on an H100
 # (bench/sparse_attention_shapes.py --model v41_small, 2026-12-06, BENCHMARKS.md): 4 warps and two stages everywhere;
@@ -68,7 +73,7 @@ BWD_CONFIG = {"BLOCK_N": 64, "probs": (8, 1), "dq": (8, 2), "dkv": (8, 2), "scra
 FEW_HEADS = 16
 FWD_CONFIG_FEW_HEADS = {"BLOCK_N": 128, "fwd": (4, 2)}
 BWD_CONFIG_FEW_HEADS = {"BLOCK_N": 64, "probs": (4, 1), "dq": (4, 2), "dkv": (4, 2), "scratch_bytes": 1 << 30,
-                        "stacked_probs": False, "vector_atomics": True}
+                        "stacked_probs": False, "split_loads": True, "probs_block_n": 64}
 
 
 def launch_config(direction: str, block_h: int) -> dict:
@@ -212,6 +217,7 @@ def _backward_triton(q, kv_win, kv_cmp, topk_idx, sink, window, out, lse, dout):
     BLOCK_H, BLOCK_D = _tiles(H, D)
     cfg = launch_config("bwd", BLOCK_H)
     keys, idx, E, K, NW = _stack_keys(q, kv_win, kv_cmp, topk_idx, window, cfg["BLOCK_N"])
+    assert cfg["BLOCK_N"] % cfg["probs_block_n"] == 0, "bwd_probs must write every slot the other kernels read"
     NS = NW + K
     dout = dout.contiguous()
     dq = torch.empty_like(q)
@@ -228,10 +234,10 @@ def _backward_triton(q, kv_win, kv_cmp, topk_idx, sink, window, out, lse, dout):
         grid = (min(chunk, T - t0), B)
         bwd_probs[grid](q, keys, idx, sink, out, dout, lse, p_buf, ds_buf, dsink_rows,
                          B, T, E, K, window, NW, t0, scale, scale * _LOG2E, **consts, STACKED=cfg["stacked_probs"],
-                         **_launch(cfg, "probs"))
+                         PROBS_N=cfg["probs_block_n"], **_launch(cfg, "probs"))
         bwd_dq[grid](keys, idx, ds_buf, dq, B, T, E, K, window, NW, t0, **consts, **_launch(cfg, "dq"))
         bwd_dkv[grid](q, dout, idx, p_buf, ds_buf, dkv, B, T, E, K, window, NW, t0, **consts,
-                      VEC_ATOMICS=cfg["vector_atomics"], **_launch(cfg, "dkv"))
+                      SPLIT_LOADS=cfg["split_loads"], **_launch(cfg, "dkv"))
     dkv_win = dkv[: B * T].view(B, T, D).to(kv_win.dtype)
     if kv_cmp is None:
         return dq, dkv_win, None, dsink_rows.sum((0, 1))

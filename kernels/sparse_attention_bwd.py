@@ -56,13 +56,16 @@ def _probs_block(q, do, k, valid, lse, delta, scale, qk_scale, p_ptrs, ds_ptrs, 
 @triton.jit
 def _stacked_rows(q_ptr, dout_ptr, base, offs_c, H: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr,
                   BLOCK_D: tl.constexpr):
-    """[q; dO] of one query, channels offs_c -> [2BH, C]: rows < BH are q's heads, the rest dO's (one pointer select
-    per row, so both come from one load), 0 in padded heads and channels."""
+    """[q; dO] of one query, channels offs_c -> [2BH, C]: rows < BH are q's heads, the rest dO's; 0 in padded
+    heads and channels. Two masked loads (each row is read by one of them), not one load through a per-row pointer
+    select: the compiler then knows each base pointer's alignment and issues 16-byte loads."""
     offs_r = tl.arange(0, 2 * BLOCK_H)
     first = offs_r < BLOCK_H
     h2 = tl.where(first, offs_r, offs_r - BLOCK_H)
-    rows_base = tl.where(first, q_ptr, dout_ptr) + base + h2 * D  # [2BH] row pointers
-    return tl.load(rows_base[:, None] + offs_c[None, :], mask=rows_mask(h2 < H, offs_c, D, D == BLOCK_D), other=0.0)
+    offs = base + h2[:, None] * D + offs_c[None, :]
+    ok = rows_mask(h2 < H, offs_c, D, D == BLOCK_D)
+    return tl.where(first[:, None], tl.load(q_ptr + offs, mask=ok & first[:, None], other=0.0),
+                    tl.load(dout_ptr + offs, mask=ok & ~first[:, None], other=0.0))
 
 
 @triton.jit
@@ -88,12 +91,14 @@ def bwd_probs(
     q_ptr, kv_ptr, idx_ptr, sink_ptr, out_ptr, dout_ptr, lse_ptr, p_ptr, ds_ptr, dsink_ptr,
     B, T, E, K, window, NW, t0, scale, qk_scale,
     H: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    PREC: tl.constexpr, STACKED: tl.constexpr,
+    PREC: tl.constexpr, STACKED: tl.constexpr, PROBS_N: tl.constexpr,
 ):
     """Per query: P = exp(logits - lse) and dS * scale = P * (dO.V - rowsum(dO * O)) * scale for every slot.
 
     STACKED: the logits and dO.V of a key block come from one dot of the stacked [q; dO] ([2BH, BD]) with the keys,
-    split into its two halves afterwards; else from two dots with BH rows each (the previous kernel)."""
+    split into its two halves afterwards; else from two dots with BH rows each (the previous kernel). Key blocks
+    of PROBS_N slots (a divisor of BLOCK_N: every slot from the BLOCK_N-aligned start on is written, as the other
+    two kernels read them)."""
     # Inductor passes a Python float as fp64 (eager Triton as fp32): compute in fp32 either way
     scale = tl.cast(scale, tl.float32)
     qk_scale = tl.cast(qk_scale, tl.float32)
@@ -102,7 +107,7 @@ def bwd_probs(
     b = tl.program_id(1).to(tl.int64)
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
-    offs_n = tl.arange(0, BLOCK_N)
+    offs_n = tl.arange(0, PROBS_N)
     h_ok = offs_h < H
     hd_ok = rows_mask(h_ok, offs_d, D, FULL)
     row = b * T + t
@@ -125,7 +130,7 @@ def bwd_probs(
     n_lo = (tl.maximum(window - 1 - t, 0) // BLOCK_N) * BLOCK_N  # slots before token 0 stay unwritten (and unread)
     if STACKED:
         qd = _stacked_rows(q_ptr, dout_ptr, row * H * D, offs_d, H, D, BLOCK_H, BLOCK_D)  # [2BH, BD]
-    for n0 in range(n_lo, NS, BLOCK_N):
+    for n0 in range(n_lo, NS, PROBS_N):
         rows, valid = _slot_rows(idx_ptr, row, b, t, B, T, E, K, window, NW, n0, offs_n)
         k = tl.load(kv_ptr + rows[:, None] * D + offs_d[None, :], mask=rows_mask(valid, offs_d, D, FULL), other=0.0)
         s_offs = (srow + offs_h)[:, None] * NS + (n0 + offs_n)[None, :]
@@ -133,7 +138,7 @@ def bwd_probs(
         if STACKED:
             # [2BH, BN] -> logits (rows < BH) and dO.V (the rest): one dot with twice the rows, so each warpgroup
             # owns one of them (m64n64 tiles at BN = 64, where two BH-row dots split BN between the warpgroups)
-            s, dp = tl.split(tl.permute(tl.reshape(dot(qd, tl.trans(k), None, PREC), (2, BLOCK_H, BLOCK_N)),
+            s, dp = tl.split(tl.permute(tl.reshape(dot(qd, tl.trans(k), None, PREC), (2, BLOCK_H, PROBS_N)),
                                         (1, 2, 0)))
             _probs_from_logits(s * qk_scale, dp, valid, lse, delta, scale, p_ptr + s_offs, ds_ptr + s_offs, store_ok)
         else:
@@ -176,11 +181,15 @@ def bwd_dkv(
     q_ptr, dout_ptr, idx_ptr, p_ptr, ds_ptr, dkv_ptr,
     B, T, E, K, window, NW, t0,
     H: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    PREC: tl.constexpr, VEC_ATOMICS: tl.constexpr,
+    PREC: tl.constexpr, SPLIT_LOADS: tl.constexpr,
 ):
     """Per query and slot block: dkv[key] += (dS * scale)^T q + P^T dO, added atomically into fp32 rows.
     K = V, so the key gradient and the value gradient land on the same row. The columns go in two halves: a
-    [BN, D] fp32 tile (and the layout change before its atomics) would not fit on chip."""
+    [BN, D] fp32 tile (and the layout change before its atomics) would not fit on chip.
+
+    SPLIT_LOADS: the stacked operands [q; dO] and [dS; P] come from two masked loads each, so the compiler sees
+    each base pointer's alignment and issues 16-byte loads; else from one load through a per-row pointer select
+    (the previous kernel), which it reads as one 16-bit element per load instruction (sm_90 PTX)."""
     FULL: tl.constexpr = D == BLOCK_D
     HALF: tl.constexpr = BLOCK_D // 2
     t = t0 + tl.program_id(0)
@@ -191,34 +200,33 @@ def bwd_dkv(
     NS = NW + K
     srow = (t - t0 + b * tl.num_programs(0)) * H
     n_lo = (tl.maximum(window - 1 - t, 0) // BLOCK_N) * BLOCK_N
-    # One dot with K = 2H per half: [dS | P]^T [q; dO], the rows paired through one pointer select (rows < BH:
-    # dS with q; the rest: P with dO). Two dots into one accumulator would count as chained, and the first
-    # would get all warps on M: with BN = 64 both warpgroups would compute it (TTGIR for sm_90).
+    # One dot with K = 2H per half: [dS | P]^T [q; dO] (rows < BH: dS with q; the rest: P with dO). Two dots into
+    # one accumulator would count as chained, and the first would get all warps on M: with BN = 64 both
+    # warpgroups would compute it (TTGIR for sm_90).
     offs_r = tl.arange(0, 2 * BLOCK_H)
     first = offs_r < BLOCK_H
     h2 = tl.where(first, offs_r, offs_r - BLOCK_H)
     r_ok = h2 < H
-    qd_base = tl.where(first, q_ptr, dout_ptr) + row * H * D + h2 * D  # [2BH] row pointers
-    qd_lo = tl.load(qd_base[:, None] + offs_c[None, :], mask=rows_mask(r_ok, offs_c, D, FULL), other=0.0)
-    qd_hi = tl.load(qd_base[:, None] + (offs_c + HALF)[None, :], mask=rows_mask(r_ok, offs_c + HALF, D, FULL),
-                    other=0.0)
-    pd_base = tl.where(first, ds_ptr, p_ptr) + (srow + h2) * NS  # [2BH]
-    # Vector atomics (red.global.add.v4.f32 on sm_90, 4x fewer atomic instructions than one per element) need the
-    # compiler to see 16-byte aligned runs of HALF channels and a mask constant along them. Only for a full tile:
-    # then D is a power of two >= 16, so every row (D * 4 bytes) and the second half (HALF * 4) start 16-byte aligned
-    # (dkv is a fresh allocation), which is what the hints below claim.
-    VEC: tl.constexpr = VEC_ATOMICS and FULL
+    if SPLIT_LOADS:
+        qd_lo = _stacked_rows(q_ptr, dout_ptr, row * H * D, offs_c, H, D, BLOCK_H, BLOCK_D)
+        qd_hi = _stacked_rows(q_ptr, dout_ptr, row * H * D, offs_c + HALF, H, D, BLOCK_H, BLOCK_D)
+    else:
+        qd_base = tl.where(first, q_ptr, dout_ptr) + row * H * D + h2 * D  # [2BH] row pointers
+        qd_lo = tl.load(qd_base[:, None] + offs_c[None, :], mask=rows_mask(r_ok, offs_c, D, FULL), other=0.0)
+        qd_hi = tl.load(qd_base[:, None] + (offs_c + HALF)[None, :], mask=rows_mask(r_ok, offs_c + HALF, D, FULL),
+                        other=0.0)
+        pd_base = tl.where(first, ds_ptr, p_ptr) + (srow + h2) * NS  # [2BH]
     for n0 in range(n_lo, NS, BLOCK_N):
         rows, valid = _slot_rows(idx_ptr, row, b, t, B, T, E, K, window, NW, n0, offs_n)
-        pd = tl.load(pd_base[:, None] + (n0 + offs_n)[None, :], mask=r_ok[:, None] & (n0 + offs_n < NS)[None, :],
-                     other=0.0)  # [2BH, BN]
-        lo = dkv_ptr + rows[:, None] * D + offs_c[None, :]
-        if VEC:
-            lo = tl.max_contiguous(tl.multiple_of(lo, [1, 16]), [1, HALF])
-            tl.atomic_add(lo, dot(tl.trans(pd), qd_lo, None, PREC), mask=valid[:, None], sem="relaxed")
-            tl.atomic_add(lo + HALF, dot(tl.trans(pd), qd_hi, None, PREC), mask=valid[:, None], sem="relaxed")
+        pd_ok = r_ok[:, None] & (n0 + offs_n < NS)[None, :]
+        if SPLIT_LOADS:
+            pd_offs = ((srow + h2) * NS)[:, None] + (n0 + offs_n)[None, :]
+            pd = tl.where(first[:, None], tl.load(ds_ptr + pd_offs, mask=pd_ok & first[:, None], other=0.0),
+                          tl.load(p_ptr + pd_offs, mask=pd_ok & ~first[:, None], other=0.0))  # [2BH, BN]
         else:
-            tl.atomic_add(lo, dot(tl.trans(pd), qd_lo, None, PREC), mask=rows_mask(valid, offs_c, D, FULL),
-                          sem="relaxed")
-            tl.atomic_add(lo + HALF, dot(tl.trans(pd), qd_hi, None, PREC),
-                          mask=rows_mask(valid, offs_c + HALF, D, FULL), sem="relaxed")
+            pd = tl.load(pd_base[:, None] + (n0 + offs_n)[None, :], mask=pd_ok, other=0.0)  # [2BH, BN]
+        lo = dkv_ptr + rows[:, None] * D + offs_c[None, :]
+        tl.atomic_add(lo, dot(tl.trans(pd), qd_lo, None, PREC), mask=rows_mask(valid, offs_c, D, FULL),
+                      sem="relaxed")
+        tl.atomic_add(lo + HALF, dot(tl.trans(pd), qd_hi, None, PREC),
+                      mask=rows_mask(valid, offs_c + HALF, D, FULL), sem="relaxed")

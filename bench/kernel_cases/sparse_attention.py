@@ -153,9 +153,10 @@ _BWD_SWEEP = [
     {"dq": (8, 1)},
 ]
 _BWD_SWITCHES = {
-    "prev": {"stacked_probs": False, "vector_atomics": False},
-    "stacked_probs_only": {"stacked_probs": True, "vector_atomics": False},
-    "vector_atomics_only": {"stacked_probs": False, "vector_atomics": True},
+    "prev": {"stacked_probs": False, "split_loads": False},
+    "stacked_probs_only": {"stacked_probs": True, "split_loads": False},
+    "split_loads_only": {"stacked_probs": False, "split_loads": True},
+    "probs_n32_pipelined": {"probs_block_n": 32, "probs": (8, 2)},
 }
 
 

@@ -56,7 +56,7 @@ def small_tiles(monkeypatch):
     """16-key blocks keep the interpreter fast and make every case span several blocks."""
     fwd = {"BLOCK_N": 16, "fwd": (4, 1)}
     bwd = {"BLOCK_N": 16, "probs": (4, 1), "dq": (4, 1), "dkv": (4, 1), "scratch_bytes": 1 << 30,
-           "stacked_probs": True, "vector_atomics": True}
+           "stacked_probs": True, "split_loads": True, "probs_block_n": 16}
     # the same dicts for every head count, so a test that patches one entry reaches every launch
     for name, cfg in (("FWD_CONFIG", fwd), ("FWD_CONFIG_FEW_HEADS", fwd), ("BWD_CONFIG", bwd),
                       ("BWD_CONFIG_FEW_HEADS", bwd)):
@@ -138,17 +138,19 @@ def test_backward_matches_reference(case, poison):
     assert (got[2][unused] == 0).all()
 
 
-# (stacked_probs, vector_atomics): the previous kernels, each switch alone, both (the default)
-SWITCHES = [(False, False), (True, False), (False, True), (True, True)]
+# (stacked_probs, split_loads, probs_block_n): the previous kernels, each switch alone, both (the default), and
+# bwd_probs on half-width key blocks with either dot
+SWITCHES = [(False, False, 16), (True, False, 16), (False, True, 16), (True, True, 16), (True, True, 8),
+            (False, True, 8)]
 
 
 @pytest.mark.parametrize("switches", SWITCHES)
 @pytest.mark.parametrize("case", [CASES[0], (1, 21, 3, 32, 12, 9, 6)])
 def test_backward_switches_match_reference(case, switches, monkeypatch, poison):
-    """Every setting of the backward's switches gives autograd's gradients, at a padded D (24 in a 32-wide tile:
-    the vector atomics fall back to one per element) and a full one (D = 32: vector atomics on)."""
-    monkeypatch.setitem(sa.BWD_CONFIG, "stacked_probs", switches[0])
-    monkeypatch.setitem(sa.BWD_CONFIG, "vector_atomics", switches[1])
+    """Every setting of the backward's switches gives autograd's gradients, at a padded D (24 in a 32-wide tile)
+    and a full one."""
+    for key, value in zip(("stacked_probs", "split_loads", "probs_block_n"), switches):
+        monkeypatch.setitem(sa.BWD_CONFIG, key, value)
     B, T, H, D, E, K, W = case
     q, kv_win, kv_cmp, idx, sink = make_inputs(*case, seed=4)
     inputs = [t.requires_grad_() for t in (q, kv_win, kv_cmp, sink)]
