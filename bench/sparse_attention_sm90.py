@@ -41,7 +41,7 @@ _SIGNATURES = {
                  "E": _I32, "K": _I32, "window": _I32, "NW": _I32, "t0": _I32},
     bwd.bwd_dkv: {"q_ptr": "*bf16", "dout_ptr": "*bf16", "idx_ptr": "*i32", "p_ptr": "*bf16", "ds_ptr": "*bf16",
                   "dkv_ptr": "*fp32", "B": _I32, "T": _I32, "E": _I32, "K": _I32, "window": _I32, "NW": _I32,
-                  "t0": _I32},
+                  "t0": _I32, "n_q": _I32},
 }
 _DIV16 = {"T", "E", "K", "window", "NW"}  # 32768, 32768, 512, 128, 128 at the bench shape
 _PTX_OPS = r"wgmma\.mma_async\.sync\.aligned\.m\d+n\d+k\d+|ld\.global(?:\.v\d)?\.b\d+|red\.global\.gpu\.relaxed\.add" \
@@ -54,7 +54,7 @@ def _constexprs(kernel, cfg: dict, H: int, D: int) -> dict:
     if kernel is bwd.bwd_probs:
         out.update(STACKED=cfg["stacked_probs"], PROBS_N=cfg["probs_block_n"])
     if kernel is bwd.bwd_dkv:
-        out["SPLIT_LOADS"] = cfg["split_loads"]
+        out.update(SPLIT_LOADS=cfg["split_loads"], PERSISTENT=cfg["dkv_overlap"])
     return out
 
 

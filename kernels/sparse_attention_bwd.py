@@ -179,26 +179,47 @@ def bwd_dq(
 @triton.jit
 def bwd_dkv(
     q_ptr, dout_ptr, idx_ptr, p_ptr, ds_ptr, dkv_ptr,
-    B, T, E, K, window, NW, t0,
+    B, T, E, K, window, NW, t0, n_q,
     H: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    PREC: tl.constexpr, SPLIT_LOADS: tl.constexpr,
+    PREC: tl.constexpr, SPLIT_LOADS: tl.constexpr, PERSISTENT: tl.constexpr,
 ):
     """Per query and slot block: dkv[key] += (dS * scale)^T q + P^T dO, added atomically into fp32 rows.
     K = V, so the key gradient and the value gradient land on the same row. The columns go in two halves: a
     [BN, D] fp32 tile (and the layout change before its atomics) would not fit on chip.
 
+    The chunk's n_q queries start at t0. One program per query, or with PERSISTENT a smaller grid whose programs
+    loop over the queries (so the launch holds only part of the GPU: the host runs it beside the next chunk's
+    other launches).
+
     SPLIT_LOADS: the stacked operands [q; dO] and [dS; P] come from two masked loads each, so the compiler sees
     each base pointer's alignment and issues 16-byte loads; else from one load through a per-row pointer select
     (the previous kernel), which it reads as one 16-bit element per load instruction (sm_90 PTX)."""
+    b = tl.program_id(1).to(tl.int64)
+    if PERSISTENT:
+        for i in range(tl.program_id(0), n_q, tl.num_programs(0)):
+            _dkv_query(q_ptr, dout_ptr, idx_ptr, p_ptr, ds_ptr, dkv_ptr, B, T, E, K, window, NW, t0, n_q, i, b,
+                       H, D, BLOCK_H, BLOCK_D, BLOCK_N, PREC, SPLIT_LOADS)
+    else:
+        _dkv_query(q_ptr, dout_ptr, idx_ptr, p_ptr, ds_ptr, dkv_ptr, B, T, E, K, window, NW, t0, n_q,
+                   tl.program_id(0), b, H, D, BLOCK_H, BLOCK_D, BLOCK_N, PREC, SPLIT_LOADS)
+
+
+@triton.jit
+def _dkv_query(
+    q_ptr, dout_ptr, idx_ptr, p_ptr, ds_ptr, dkv_ptr,
+    B, T, E, K, window, NW, t0, n_q, i, b,
+    H: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    PREC: tl.constexpr, SPLIT_LOADS: tl.constexpr,
+):
+    """`bwd_dkv` for query i of the chunk (batch row b)."""
     FULL: tl.constexpr = D == BLOCK_D
     HALF: tl.constexpr = BLOCK_D // 2
-    t = t0 + tl.program_id(0)
-    b = tl.program_id(1).to(tl.int64)
+    t = t0 + i
     offs_c = tl.arange(0, HALF)
     offs_n = tl.arange(0, BLOCK_N)
     row = b * T + t
     NS = NW + K
-    srow = (t - t0 + b * tl.num_programs(0)) * H
+    srow = (i + b * n_q) * H  # this query's first row in the chunk's scratch [B*n_q*H, NS]
     n_lo = (tl.maximum(window - 1 - t, 0) // BLOCK_N) * BLOCK_N
     # One dot with K = 2H per half: [dS | P]^T [q; dO] (rows < BH: dS with q; the rest: P with dO). Two dots into
     # one accumulator would count as chained, and the first would get all warps on M: with BN = 64 both

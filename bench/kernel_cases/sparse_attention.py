@@ -159,6 +159,8 @@ _BWD_SWITCHES = {
     "stacked_probs_only": {"stacked_probs": True, "split_loads": False},
     "split_loads_only": {"stacked_probs": False, "split_loads": True},
     "probs_n32_pipelined": {"probs_block_n": 32, "probs": (8, 2)},
+    "dkv_overlap_half": {"dkv_overlap": True, "dkv_sm_share": 0.5},
+    "dkv_overlap_third": {"dkv_overlap": True, "dkv_sm_share": 0.33},
 }
 
 
