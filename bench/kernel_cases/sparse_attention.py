@@ -110,7 +110,7 @@ def _backward(impl: str):
             torch.cuda.empty_cache()
             if impl == "reference":
                 need, free = REFERENCE_BWD_FACTOR * B * T * H * D * 2, torch.cuda.mem_get_info()[0]
-                if need > free:
+                if 1.15 * need > free:  # the allocator's rounding of ~16 GiB blocks needs headroom
                     raise MemoryError(f"skipped: autograd through the reference needs ~{need / 2**30:.0f} GiB, "
                                       f"{free / 2**30:.0f} GiB free")
             q, kv_win, kv_cmp, idx, sink = _inputs()
