@@ -3,8 +3,10 @@
 Usage (one H200): python bench/kernels.py [--only SUBSTRING[,SUBSTRING...]] [--sweep] [--json OUT.jsonl]
 
 Ceilings, measured first: device-to-device copy bandwidth (a 4 GiB clone: bytes read + bytes written) and the dense
-bf16 matmul rate (8192^3). Short kernels are timed as back-to-back queued calls. Each case provides `fn_triton`, `fn_baseline` (the PyTorch path on the same inputs, or None) and
-either `bytes` (ideal traffic of the kernel) or `flops` (useful FLOPs). The table gives median times over CUDA-event
+bf16 matmul rate (8192^3). Short kernels are timed as back-to-back queued calls. Each case provides `fn_triton`,
+`fn_baseline` (the PyTorch path on the same inputs, or None; a baseline that fails, e.g. out of memory, is noted
+on the kernel's row) and either `bytes` (ideal traffic of the kernel) or `flops` (useful FLOPs). The table gives
+median times over CUDA-event
 timed repetitions, the achieved TB/s or TFLOP/s, the percentage of the matching ceiling, and the speed-up over the
 baseline, and the share of a device-to-device copy moving the case's bytes at the same size (`% copy@size`: what
 a memory-bound kernel of that size could reach). `--sweep` times the tile-configuration cases instead, Triton only.
