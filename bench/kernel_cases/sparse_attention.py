@@ -158,6 +158,7 @@ _BWD_SWITCHES = {
     "prev": {"stacked_probs": False, "split_loads": False},
     "stacked_probs_only": {"stacked_probs": True, "split_loads": False},
     "split_loads_only": {"stacked_probs": False, "split_loads": True},
+    "dkv_one_stage": {"dkv": (8, 1)},  # 192 KB of shared memory, where the default's two stages take 224 of 227
     "probs_n32_pipelined": {"probs_block_n": 32, "probs": (8, 2)},
     "dkv_overlap_half": {"dkv_overlap": True, "dkv_sm_share": 0.5},
     "dkv_overlap_third": {"dkv_overlap": True, "dkv_sm_share": 0.33},
