@@ -3,8 +3,10 @@
 Usage (one H200): python bench/kernels.py [--only SUBSTRING[,SUBSTRING...]] [--sweep] [--json OUT.jsonl]
 
 Ceilings, measured first: device-to-device copy bandwidth (a 4 GiB clone: bytes read + bytes written) and the dense
-bf16 matmul rate (8192^3). Short kernels are timed as back-to-back queued calls. Each case provides `fn_triton`, `fn_baseline` (the PyTorch path on the same inputs) and
-either `bytes` (ideal traffic of the kernel) or `flops` (useful FLOPs). The table gives median times over CUDA-event
+bf16 matmul rate (8192^3). Short kernels are timed as back-to-back queued calls. Each case provides `fn_triton`,
+`fn_baseline` (the PyTorch path on the same inputs, or None; a baseline that fails, e.g. out of memory, is noted
+on the kernel's row) and either `bytes` (ideal traffic of the kernel) or `flops` (useful FLOPs). The table gives
+median times over CUDA-event
 timed repetitions, the achieved TB/s or TFLOP/s, the percentage of the matching ceiling, and the speed-up over the
 baseline, and the share of a device-to-device copy moving the case's bytes at the same size (`% copy@size`: what
 a memory-bound kernel of that size could reach). `--sweep` times the tile-configuration cases instead, Triton only.
@@ -114,11 +116,17 @@ def main() -> None:
     for case in load_cases(args.only, args.sweep):
         try:
             t = time_ms(case["fn_triton"])
-            b = math.nan if args.sweep else time_ms(case["fn_baseline"])
         except Exception as e:  # a failing case is reported, the others still run
             print(f"{case['name']:56s} FAILED: {type(e).__name__}: {str(e)[:160]}", flush=True)
             emit({"name": case["name"], "error": str(e)[:2000]})
             continue
+        b, note = math.nan, ""
+        if not args.sweep and case["fn_baseline"] is not None:
+            try:
+                b = time_ms(case["fn_baseline"])
+            except Exception as e:  # e.g. out of memory: the kernel's row still counts, its baseline is marked
+                note = f"  (baseline: {type(e).__name__}: {str(e)[:120]})"
+                torch.cuda.empty_cache()
         size_pct = math.nan
         if "flops" in case:
             rate = case["flops"] / (t * 1e-3) / 1e12
@@ -128,7 +136,7 @@ def main() -> None:
             unit, pct = "TB/s", 100 * rate / ceil["copy_TBps"]
             size_pct = 100 * copy_ms(case["bytes"]) / t
         print(f"{case['name']:56s} {t:10.3f} {b:10.3f} {rate:8.2f} {unit:7s} {pct:6.1f}% {size_pct:10.1f}% "
-              f"{b / t:7.1f}x", flush=True)
+              f"{b / t:7.1f}x{note}", flush=True)
         emit({"name": case["name"], "triton_ms": t, "baseline_ms": b, "rate": rate, "unit": unit,
               "pct_of_ceiling": pct, "pct_of_copy_at_size": size_pct, "speedup": b / t})
         torch.cuda.empty_cache()

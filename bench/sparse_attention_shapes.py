@@ -38,7 +38,7 @@ SHAPES = {
 MODELS = {"v41_small": ["v41_small_enc", "v41_small_dec"], "flagship": ["flagship_dec"]}
 
 FWD_GRID = [{"BLOCK_N": n, "fwd": (w, s)} for n, w, s in itertools.product((32, 64, 128), (4, 8), (1, 2, 3))]
-BWD_GRID = [{"BLOCK_N": n, "probs": (w, 1), "dq": (w, s), "dkv": (w, s)}
+BWD_GRID = [{"BLOCK_N": n, "probs_block_n": n, "probs": (w, 1), "dq": (w, s), "dkv": (w, s)}
             for n, w, s in itertools.product((32, 64, 128), (4, 8), (1, 2))]
 
 

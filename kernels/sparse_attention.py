@@ -14,6 +14,7 @@ Design and reasoning: docs/kernels.md#sparse-attention
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -23,7 +24,7 @@ from kernels import fp4, fp8
 from kernels.sparse_attention_bwd import bwd_dkv, bwd_dq, bwd_probs
 from kernels.sparse_attention_fwd import sparse_attn_fwd
 from kernels.sparse_attention_ref import sparse_attention_reference, topk_to_mask  # noqa: F401 (re-exported)
-from kernels.triton_common import dot_prec, interpreting
+from kernels.triton_common import dot_prec, interpreting, num_sms
 
 __all__ = ["sparse_attention", "sparse_attention_reference", "topk_to_mask"]
 
@@ -49,7 +50,29 @@ _QUANT_FORMATS = {
 # against 11.5 ms); the unchained key-gradient launch took the backward from 43.0 to 38.2 ms, the key-centric window
 # launch made it slower (44.3 ms). The slower variants were removed (the kernel modules' docstrings describe them).
 FWD_CONFIG = {"BLOCK_N": 64, "fwd": (8, 2)}
-BWD_CONFIG = {"BLOCK_N": 64, "probs": (8, 1), "dq": (8, 2), "dkv": (8, 2), "scratch_bytes": 1 << 30}
+BWD_CONFIG = {"BLOCK_N": 64, "probs": (8, 1), "dq": (8, 2), "dkv": (8, 2), "scratch_bytes": 1 << 30,
+              "stacked_probs": True, "split_loads": True, "probs_block_n": 64,
+              "dkv_overlap": False, "dkv_sm_share": 0.5}
+# The backward's switches (issue 41; stacked_probs and split_loads both False is the kernel measured at 179-182
+# TFLOP/s on the H200). From the sm_90 compile on a CPU host (bench/sparse_attention_sm90.py, Triton 3.9, H=64,
+# D=512, launch-time pointer alignment), not yet timed:
+# - stacked_probs: `bwd_probs` takes the logits and dO.V of a key block from one [2H, D] x [D, BN] dot instead of
+#   two [H, D] x [D, BN] dots. With 64 heads and 8 warps the two dots split BN = 64 between the warpgroups: m64n32
+#   tiles, which need ~190 B/clk of shared memory per SM at the tensor cores' rate against 128 available; the
+#   stacked dot gives each warpgroup one of them whole (m64n64, ~125 B/clk). 192 KB of shared memory either way.
+# - split_loads: `bwd_dkv` reads [q; dO] and [dS; P] through two masked loads each instead of one load through a
+#   per-row pointer select, which the compiler could not prove aligned: 16-bit loads (256 a thread per query for
+#   [q; dO], 32 per key block for [dS; P]) become 16-byte ones, and the [dS; P] tile of each key block becomes an
+#   asynchronous copy pipelined over two stages (224 KB of shared memory, 180 registers; was 208 KB and 218).
+# - probs_block_n: the key block of `bwd_probs` (a divisor of BLOCK_N). 64 with one stage (the keys are a plain
+#   load each block: two stages of 64 keys need 272 KB); 32 with two stages pipelines the key loads (200 KB) at
+#   m64n32 tiles.
+# - dkv_overlap (off until timed): `bwd_dkv` of each chunk on a high-priority side stream, as a persistent grid of
+#   dkv_sm_share of the SMs, beside the next chunk's `bwd_probs` and `bwd_dq` (two scratch buffers of half the
+#   size take turns). The key gradient's fp32 atomics (T x (W + K) x D x 4 bytes, 43 GB at the benchmark's shape)
+#   are a memory-system cost and the other two launches a tensor-core one; in order, their times add up.
+#   Not for CUDA-graph capture as is (the side stream is created at the first call).
+# `python3 bench/kernels.py --only sparse_attention/bwd` times the settings side by side.
 # Few heads (a head tile of at most FEW_HEADS rows: v41_small's 16 heads of 256): a [16, D] accumulator is a quarter
 # of the register file's worth of the flagship's, and 8 warps over 16 rows mostly wait. Measured on an H100
 # (bench/sparse_attention_shapes.py --model v41_small, 2026-12-06, BENCHMARKS.md): 4 warps and two stages everywhere;
@@ -57,7 +80,9 @@ BWD_CONFIG = {"BLOCK_N": 64, "probs": (8, 1), "dq": (8, 2), "dkv": (8, 2), "scra
 # and 2.17 -> 2.02-2.04 ms.
 FEW_HEADS = 16
 FWD_CONFIG_FEW_HEADS = {"BLOCK_N": 128, "fwd": (4, 2)}
-BWD_CONFIG_FEW_HEADS = {"BLOCK_N": 64, "probs": (4, 1), "dq": (4, 2), "dkv": (4, 2), "scratch_bytes": 1 << 30}
+BWD_CONFIG_FEW_HEADS = {"BLOCK_N": 64, "probs": (4, 1), "dq": (4, 2), "dkv": (4, 2), "scratch_bytes": 1 << 30,
+                        "stacked_probs": False, "split_loads": True, "probs_block_n": 64,
+                        "dkv_overlap": False, "dkv_sm_share": 0.5}
 
 
 def launch_config(direction: str, block_h: int) -> dict:
@@ -196,29 +221,88 @@ def _forward_triton(q, kv_win, kv_cmp, topk_idx, sink, window, topk_probs: bool 
     return out, lse, (probs if topk_probs else None)
 
 
+class _KeyGradientStream:
+    """Where `bwd_dkv` runs when BWD_CONFIG["dkv_overlap"] is set on a GPU: a high-priority side stream, so the
+    key-gradient launch of one chunk (bound by its fp32 atomics) runs beside the next chunk's probability and dq
+    launches (bound by the tensor cores). Events order it: a chunk's `bwd_dkv` waits for its `bwd_probs`; the
+    `bwd_probs` that rewrites a scratch buffer waits for the `bwd_dkv` that read it; the caller's stream waits for
+    the side stream at the end (so every tensor the side stream used outlives its use). Without overlap, or on the
+    CPU interpreter, everything runs in order on the current stream."""
+
+    _streams: dict = {}
+
+    def __init__(self, device: torch.device, overlap: bool):
+        self.on = overlap and device.type == "cuda"
+        if self.on:
+            if device not in self._streams:
+                self._streams[device] = torch.cuda.Stream(device, priority=-1)
+            self.main, self.side = torch.cuda.current_stream(device), self._streams[device]
+            self.freed: dict[int, torch.cuda.Event] = {}
+
+    def before_writing(self, buf: int) -> None:
+        if self.on and buf in self.freed:
+            self.main.wait_event(self.freed.pop(buf))
+
+    @contextlib.contextmanager
+    def launch(self, buf: int):
+        if not self.on:
+            yield
+            return
+        self.side.wait_stream(self.main)
+        with torch.cuda.stream(self.side):
+            yield
+        self.freed[buf] = self.side.record_event()
+
+    def join(self) -> None:
+        if self.on:
+            self.main.wait_stream(self.side)
+
+
 def _backward_triton(q, kv_win, kv_cmp, topk_idx, sink, window, out, lse, dout):
     B, T, H, D = q.shape
     BLOCK_H, BLOCK_D = _tiles(H, D)
     cfg = launch_config("bwd", BLOCK_H)
     keys, idx, E, K, NW = _stack_keys(q, kv_win, kv_cmp, topk_idx, window, cfg["BLOCK_N"])
+    assert cfg["BLOCK_N"] % cfg["probs_block_n"] == 0, "bwd_probs must write every slot the other kernels read"
     NS = NW + K
     dout = dout.contiguous()
     dq = torch.empty_like(q)
     # key gradients in the stacked layout, fp32, accumulated by atomics
     dkv = torch.zeros(B * T + (B * E if K else 0), D, device=q.device, dtype=torch.float32)
     dsink_rows = torch.empty(B, T, H, device=q.device, dtype=torch.float32)
-    # P and dS of one chunk of queries at a time, so the scratch stays near cfg["scratch_bytes"]
-    chunk = max(1, min(T, cfg["scratch_bytes"] // (2 * B * H * NS * q.element_size())))
-    p_buf = torch.empty(B * chunk * H, NS, device=q.device, dtype=q.dtype)
-    ds_buf = torch.empty_like(p_buf)
+    # P and dS of one chunk of queries at a time, so the scratch stays near cfg["scratch_bytes"] (two buffers of
+    # half that when the key-gradient launch overlaps the next chunk)
+    overlap = cfg["dkv_overlap"]
+    num_bufs = 2 if overlap else 1
+    chunk = max(1, min(T, cfg["scratch_bytes"] // (2 * num_bufs * B * H * NS * q.element_size())))
+    bufs = [(torch.empty(B * chunk * H, NS, device=q.device, dtype=q.dtype),
+             torch.empty(B * chunk * H, NS, device=q.device, dtype=q.dtype)) for _ in range(num_bufs)]
     consts = dict(H=H, D=D, BLOCK_H=BLOCK_H, BLOCK_D=BLOCK_D, BLOCK_N=cfg["BLOCK_N"], PREC=dot_prec(q.dtype))
     scale = D ** -0.5
-    for t0 in range(0, T, chunk):
-        grid = (min(chunk, T - t0), B)
+    side = _KeyGradientStream(q.device, overlap)
+    # with overlap, a persistent key-gradient grid on a share of the SMs, so the next chunk's launches run beside it
+    dkv_rows = max(1, int(num_sms(q.device) * cfg["dkv_sm_share"]) // B) if overlap else None
+
+    def launch_dkv(n_q, t0, p_buf, ds_buf):
+        bwd_dkv[(min(n_q, dkv_rows), B) if overlap else (n_q, B)](
+            q, dout, idx, p_buf, ds_buf, dkv, B, T, E, K, window, NW, t0, n_q, **consts,
+            SPLIT_LOADS=cfg["split_loads"], PERSISTENT=overlap, **_launch(cfg, "dkv"))
+
+    for i, t0 in enumerate(range(0, T, chunk)):
+        n_q = min(chunk, T - t0)
+        grid = (n_q, B)
+        p_buf, ds_buf = bufs[i % num_bufs]
+        side.before_writing(i % num_bufs)
         bwd_probs[grid](q, keys, idx, sink, out, dout, lse, p_buf, ds_buf, dsink_rows,
-                         B, T, E, K, window, NW, t0, scale, scale * _LOG2E, **consts, **_launch(cfg, "probs"))
+                         B, T, E, K, window, NW, t0, scale, scale * _LOG2E, **consts, STACKED=cfg["stacked_probs"],
+                         PROBS_N=cfg["probs_block_n"], **_launch(cfg, "probs"))
+        if overlap:  # queued before dq, so its programs take their SMs first
+            with side.launch(i % num_bufs):
+                launch_dkv(n_q, t0, p_buf, ds_buf)
         bwd_dq[grid](keys, idx, ds_buf, dq, B, T, E, K, window, NW, t0, **consts, **_launch(cfg, "dq"))
-        bwd_dkv[grid](q, dout, idx, p_buf, ds_buf, dkv, B, T, E, K, window, NW, t0, **consts, **_launch(cfg, "dkv"))
+        if not overlap:
+            launch_dkv(n_q, t0, p_buf, ds_buf)
+    side.join()
     dkv_win = dkv[: B * T].view(B, T, D).to(kv_win.dtype)
     if kv_cmp is None:
         return dq, dkv_win, None, dsink_rows.sum((0, 1))

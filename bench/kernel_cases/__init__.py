@@ -3,7 +3,8 @@
 Each module exposes `cases(sweep: bool = False) -> list[dict]`; a case is a dict with
     name         unique, "<family>/<what>[/<config>]"
     fn_triton    callable, no arguments: the Triton path
-    fn_baseline  callable, no arguments: the PyTorch reference on the same inputs
+    fn_baseline  callable, no arguments: the PyTorch reference on the same inputs; or None for a variant of
+                 another case (its speed-up is read against that case's row)
     bytes        bytes the ideal kernel moves (each input read once, each output written once), or
     flops        for compute-bound cases
     sweep        optional, True on the extra tile-configuration cases (their baseline is a no-op)
@@ -45,7 +46,7 @@ def time_cases(families: tuple[str, ...] = FAMILIES, sweep: bool = False, baseli
     for family in families:
         for case in importlib.import_module(f"bench.kernel_cases.{family}").cases(sweep=sweep):
             row = {"name": case["name"]}
-            with_baseline = baseline and not case.get("sweep")
+            with_baseline = baseline and not case.get("sweep") and case["fn_baseline"] is not None
             fns = [("triton", case["fn_triton"])] + ([("baseline", case["fn_baseline"])] if with_baseline else [])
             for label, fn in fns:
                 try:

@@ -4,7 +4,9 @@ B=1, T=32768, H=64, D=512, window 128, K=512 top-k entries out of E=T compressed
 distinct visible entries per query. Useful FLOPs: 4*B*T*H*D*(128+512) forward (QK^T and PV over every key a query
 attends to), 2.5x that backward (QK^T recompute, dO.V, dQ, dK, dV). Targets: forward >= 350, backward >= 200
 TFLOP/s. The baseline is the naive gather-based PyTorch reference (`impl="reference"`); its backward is autograd
-through it and holds about 60 GB while its case runs. Inputs are built on the first call; one retained backward
+through it and holds ~68 GiB while its case runs, so on an 80 GB H100 it is skipped with a one-line reason (the
+Triton rows still print). The "bwd/<setting>" cases time the backward's switches (kernels/sparse_attention.py) on
+the same retained graph, Triton only. Inputs are built on the first call; one retained backward
 graph is kept at a time (building another drops the previous one), so the cases fit the GPU one after the other.
 
 Measured (bench/kernels.py, one H200, torch 2.11 / triton 3.6, bf16 matmul 776 TFLOP/s): forward 11.8 ms =
@@ -84,6 +86,21 @@ def _forward_quantised(impl: str):
     return sa.sparse_attention(q, kv_win, kv_cmp, idx, sink, WINDOW, impl=impl)
 
 
+# Autograd through the gather-based reference keeps ~34x q's bytes beyond the inputs (the gathered [T, K, D] keys,
+# the fp32 logits and probabilities, and in the backward the keys' gradients from both einsums): 68 GiB at this
+# shape, which is why this case ran out of memory on an 80 GB H100 (measured on the CPU at T = 512 and 1,024:
+# 34.1x and 32.8x). The Triton backward needs ~9.3 GiB in all here (`triton_backward_bytes`).
+REFERENCE_BWD_FACTOR = 34
+
+
+def triton_backward_bytes() -> int:
+    """Peak bytes of the Triton backward case at this shape: q, out, its gradient and dq (B*T*H*D each, bf16), the
+    P / dS scratch (BWD_CONFIG["scratch_bytes"], 1 GiB), the fp32 key gradients and the stacked keys ((B*T + B*E)
+    rows of D), the top-k ids."""
+    rows = B * T + B * T  # kv_win and kv_cmp (E = T) stacked
+    return 4 * B * T * H * D * 2 + sa.BWD_CONFIG["scratch_bytes"] + rows * D * (4 + 2 + 2) + B * T * TOPK * 4
+
+
 def _backward(impl: str):
     """A closure that runs only the backward; the forward graph is built at its first call and retained."""
 
@@ -91,6 +108,11 @@ def _backward(impl: str):
         if impl not in _GRAPH:
             _GRAPH.clear()
             torch.cuda.empty_cache()
+            if impl == "reference":
+                need, free = REFERENCE_BWD_FACTOR * B * T * H * D * 2, torch.cuda.mem_get_info()[0]
+                if 1.15 * need > free:  # the allocator's rounding of ~16 GiB blocks needs headroom
+                    raise MemoryError(f"skipped: autograd through the reference needs ~{need / 2**30:.0f} GiB, "
+                                      f"{free / 2**30:.0f} GiB free")
             q, kv_win, kv_cmp, idx, sink = _inputs()
             leaves = [t.detach().requires_grad_() for t in (q, kv_win, kv_cmp, sink)]
             out = sa.sparse_attention(leaves[0], leaves[1], leaves[2], idx, leaves[3], WINDOW, impl=impl)
@@ -132,6 +154,15 @@ _BWD_SWEEP = [
     {"dkv": (8, 1)},
     {"dq": (8, 1)},
 ]
+_BWD_SWITCHES = {
+    "prev": {"stacked_probs": False, "split_loads": False},
+    "stacked_probs_only": {"stacked_probs": True, "split_loads": False},
+    "split_loads_only": {"stacked_probs": False, "split_loads": True},
+    "dkv_one_stage": {"dkv": (8, 1)},  # 192 KB of shared memory, where the default's two stages take 224 of 227
+    "probs_n32_pipelined": {"probs_block_n": 32, "probs": (8, 2)},
+    "dkv_overlap_half": {"dkv_overlap": True, "dkv_sm_share": 0.5},
+    "dkv_overlap_third": {"dkv_overlap": True, "dkv_sm_share": 0.33},
+}
 
 
 def cases(sweep: bool = False) -> list[dict]:
@@ -144,6 +175,11 @@ def cases(sweep: bool = False) -> list[dict]:
         {"name": "sparse_attention/bwd", "fn_triton": _backward("triton"), "fn_baseline": _backward("reference"),
          "flops": int(2.5 * FWD_FLOPS)},
     ]
+    # The backward's switches side by side on the retained graph of "bwd" (Triton only): the previous kernels
+    # (both off, 179-182 TFLOP/s on the H200) and each switch alone.
+    for label, overrides in _BWD_SWITCHES.items():
+        out.append({"name": f"sparse_attention/bwd/{label}", "fn_baseline": None, "flops": int(2.5 * FWD_FLOPS),
+                    "fn_triton": _with_config(sa.BWD_CONFIG, overrides, _backward("triton"))})
     if sweep:
         noop = lambda: None  # noqa: E731
         runs = [("fwd", sa.FWD_CONFIG, _FWD_SWEEP, lambda: _forward("triton"), FWD_FLOPS),

@@ -55,7 +55,9 @@ CASES = [
 def small_tiles(monkeypatch):
     """16-key blocks keep the interpreter fast and make every case span several blocks."""
     fwd = {"BLOCK_N": 16, "fwd": (4, 1)}
-    bwd = {"BLOCK_N": 16, "probs": (4, 1), "dq": (4, 1), "dkv": (4, 1), "scratch_bytes": 1 << 30}
+    bwd = {"BLOCK_N": 16, "probs": (4, 1), "dq": (4, 1), "dkv": (4, 1), "scratch_bytes": 1 << 30,
+           "stacked_probs": True, "split_loads": True, "probs_block_n": 16,
+           "dkv_overlap": False, "dkv_sm_share": 0.5}
     # the same dicts for every head count, so a test that patches one entry reaches every launch
     for name, cfg in (("FWD_CONFIG", fwd), ("FWD_CONFIG_FEW_HEADS", fwd), ("BWD_CONFIG", bwd),
                       ("BWD_CONFIG_FEW_HEADS", bwd)):
@@ -137,6 +139,31 @@ def test_backward_matches_reference(case, poison):
     assert (got[2][unused] == 0).all()
 
 
+# (stacked_probs, split_loads, probs_block_n, dkv_overlap): the previous kernels, each switch alone, both (the
+# default), bwd_probs on half-width key blocks with either dot, the key-gradient launch as a persistent grid beside
+# the next chunk (on the CPU: in order, one program looping over the chunk's queries)
+SWITCHES = [(False, False, 16, False), (True, False, 16, False), (False, True, 16, False), (True, True, 16, False),
+            (True, True, 8, False), (False, True, 8, False), (True, True, 16, True), (False, False, 16, True)]
+
+
+@pytest.mark.parametrize("switches", SWITCHES)
+@pytest.mark.parametrize("case", [CASES[0], (1, 21, 3, 32, 12, 9, 6)])
+def test_backward_switches_match_reference(case, switches, monkeypatch, poison):
+    """Every setting of the backward's switches gives autograd's gradients, at a padded D (24 in a 32-wide tile)
+    and a full one."""
+    for key, value in zip(("stacked_probs", "split_loads", "probs_block_n", "dkv_overlap"), switches):
+        monkeypatch.setitem(sa.BWD_CONFIG, key, value)
+    B, T, H, D, E, K, W = case
+    q, kv_win, kv_cmp, idx, sink = make_inputs(*case, seed=4)
+    inputs = [t.requires_grad_() for t in (q, kv_win, kv_cmp, sink)]
+    out = sa.sparse_attention(q, kv_win, kv_cmp, idx, sink, W, impl="triton")
+    g = torch.randn_like(out)
+    want = grads(sa.sparse_attention_reference(q, kv_win, kv_cmp, idx, sink, W), inputs, g)
+    for name, a, b in zip(("dq", "dkv_win", "dkv_cmp", "dsink"), grads(out, inputs, g), want):
+        assert not a.isnan().any(), name
+        torch.testing.assert_close(a, b, atol=5e-5, rtol=1e-4, msg=name)
+
+
 @pytest.mark.parametrize("heads", [2, 17])
 def test_shipped_launch_configs_match_reference(heads, monkeypatch):
     """The launch configs as shipped, not the fixture's 16-key blocks: the few-heads config (128-key forward
@@ -156,8 +183,12 @@ def test_shipped_launch_configs_match_reference(heads, monkeypatch):
 
 
 # (case, queries per chunk): 3 chunks, the last one partial; 6 chunks, windows (W = 20) reaching back over several
+@pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("case,per_chunk", [((1, 11, 2, 16, 6, 3, 4), 4), ((1, 40, 2, 16, 6, 3, 20), 7)])
-def test_backward_in_chunks_equals_one_chunk(case, per_chunk, monkeypatch):
+def test_backward_in_chunks_equals_one_chunk(case, per_chunk, overlap, monkeypatch):
+    """Also with dkv_overlap: two scratch buffers taking turns (half the queries per chunk) and the persistent
+    key-gradient grid."""
+    monkeypatch.setitem(sa.BWD_CONFIG, "dkv_overlap", overlap)
     B, T, H, D, E, K, W = case
     q, kv_win, kv_cmp, idx, sink = make_inputs(*case, seed=2)
     inputs = [t.requires_grad_() for t in (q, kv_win, kv_cmp, sink)]
