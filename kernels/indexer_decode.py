@@ -120,7 +120,8 @@ def select_decode_topk(scores: torch.Tensor, k: int, *, pool: torch.Tensor | Non
     X = scores.shape[-1]
     variant = "resident" if max(triton.next_power_of_2(X), 16) <= RESIDENT_MAX_N else "radix"
     vals, pos = topk(scores, min(k, X), impl="triton", variant=variant)
-    if pool is not None:
+    if pool is not None:  # (a pick of -inf may come back at any position: clamped before the gather, masked after)
+        pos = pos.clamp(0, X - 1)
         ent = pool.gather(-1, (pos // block_size).long()) * block_size + pos % block_size
     else:
         ent = pos

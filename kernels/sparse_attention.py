@@ -51,11 +51,15 @@ _QUANT_FORMATS = {
 # launch made it slower (44.3 ms). The slower variants were removed (the kernel modules' docstrings describe them).
 FWD_CONFIG = {"BLOCK_N": 64, "fwd": (8, 2)}
 BWD_CONFIG = {"BLOCK_N": 64, "probs": (8, 1), "dq": (8, 2), "dkv": (8, 2), "scratch_bytes": 1 << 30,
-              "stacked_probs": True, "split_loads": True, "probs_block_n": 64,
+              "stacked_probs": False, "split_loads": False, "probs_block_n": 64,
               "dkv_overlap": False, "dkv_sm_share": 0.5}
 # The backward's switches (issue 41; stacked_probs and split_loads both False is the kernel measured at 179-182
-# TFLOP/s on the H200). From the sm_90 compile on a CPU host (bench/sparse_attention_sm90.py, Triton 3.9, H=64,
-# D=512, launch-time pointer alignment), not yet timed:
+# TFLOP/s on the H200). Timed on an H100 (2026-12-07, `bench/kernels.py --only sparse_attention/bwd`, H=64, D=512,
+# BENCHMARKS.md issue 41 session 23): none pays: the previous kernel 164.2 TFLOP/s, both switches on 161.4,
+# stacked_probs alone 162.6, split_loads alone 161.2, dkv in one stage 163.9, probs_block_n 32 152.9, dkv_overlap
+# on half / a third of the SMs 161.3 / 125.9; so the defaults stay the previous kernel's (the key gradient's fp32
+# atomics, ~43 GB at that shape, bound it, not the loads or the tiles). What the sm_90 compile on a CPU host
+# reported (bench/sparse_attention_sm90.py, Triton 3.9, H=64, D=512, launch-time pointer alignment):
 # - stacked_probs: `bwd_probs` takes the logits and dO.V of a key block from one [2H, D] x [D, BN] dot instead of
 #   two [H, D] x [D, BN] dots. With 64 heads and 8 warps the two dots split BN = 64 between the warpgroups: m64n32
 #   tiles, which need ~190 B/clk of shared memory per SM at the tensor cores' rate against 128 available; the
@@ -81,7 +85,7 @@ BWD_CONFIG = {"BLOCK_N": 64, "probs": (8, 1), "dq": (8, 2), "dkv": (8, 2), "scra
 FEW_HEADS = 16
 FWD_CONFIG_FEW_HEADS = {"BLOCK_N": 128, "fwd": (4, 2)}
 BWD_CONFIG_FEW_HEADS = {"BLOCK_N": 64, "probs": (4, 1), "dq": (4, 2), "dkv": (4, 2), "scratch_bytes": 1 << 30,
-                        "stacked_probs": False, "split_loads": True, "probs_block_n": 64,
+                        "stacked_probs": False, "split_loads": False, "probs_block_n": 64,
                         "dkv_overlap": False, "dkv_sm_share": 0.5}
 
 

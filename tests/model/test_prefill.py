@@ -27,6 +27,7 @@ from trainer.engine import Engine, Request, SamplingParams
 QAT = dict(main_kv="fp4", index="fp4", swa_kv="fp8")  # the cache stays in its serving formats (fp4, fp4, fp8)
 EXACT = dict(cache_main_kv="none", cache_index="none", cache_swa_kv="none")  # the cache keeps what the forward used
 MAX_FLIPS = 2  # stored bytes per buffer that may differ (a code on a rounding edge)
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU: the Triton interpreter (tests/conftest.py)
 
 
 def _build(cfg):
@@ -35,7 +36,7 @@ def _build(cfg):
         m = model_pkg.build(cfg)
     m.to_empty(device="cpu")
     m.init_weights()
-    return m.eval()
+    return m.to(DEVICE).eval()
 
 
 def _pair(quant: dict):
@@ -54,7 +55,7 @@ def qat_pair():
 
 
 def _ids(B: int, T: int, seed: int = 4) -> torch.Tensor:
-    return torch.randint(3, 4096, (B, T), generator=torch.Generator().manual_seed(seed))
+    return torch.randint(3, 4096, (B, T), generator=torch.Generator().manual_seed(seed)).to(DEVICE)
 
 
 def _no_reference_attention(monkeypatch):
@@ -169,13 +170,13 @@ def test_the_engine_on_a_kernel_prefill_is_greedy_under_the_teacher_forced_forwa
     reqs = [Request(_ids(1, n, seed=n)[0].tolist(), SamplingParams(temperature=0, max_new_tokens=4), request_id=n)
             for n in (9, 20, 14)]
     for c in Engine(tri, replay="none").generate(reqs):
-        seq = torch.tensor([c.prompt_ids + c.token_ids])
+        seq = torch.tensor([c.prompt_ids + c.token_ids], device=DEVICE)
         with torch.no_grad():
             lp = ref(seq).log_softmax(-1)[0]
         n = len(c.prompt_ids)
-        rows = torch.arange(n - 1, seq.shape[1] - 1)
+        rows = torch.arange(n - 1, seq.shape[1] - 1, device=DEVICE)
         assert c.token_ids == lp[rows].argmax(-1).tolist(), c.request_id
-        torch.testing.assert_close(torch.tensor(c.model_logprobs), lp[rows, seq[0, n:]], rtol=0, atol=1e-5)
+        torch.testing.assert_close(torch.tensor(c.model_logprobs), lp[rows, seq[0, n:]].cpu(), rtol=0, atol=1e-5)
 
 
 def test_verify_forwards_and_rollbacks_on_kernels(qat_pair, monkeypatch):
