@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from trainer.cli import evaluate, export_hf, generate, import_hf, main, plan, preflight, stage_chain
+from trainer.cli import evaluate, export_hf, generate, import_hf, main, plan, preflight, report, stage_chain
 from trainer.compose import hydra_overrides
 
 
@@ -87,3 +87,20 @@ def test_help_prints_the_usage_and_exits_0(name, monkeypatch, capsys):
     apps[name](["--help"])
     out = capsys.readouterr()
     assert f"python -m trainer.cli.{name}" in out.out and out.err == ""
+
+
+@pytest.mark.parametrize("app, args, line", [
+    (stage_chain.main, ["--scale", "abc"], "error: argument --scale: invalid float value: 'abc' "
+                                           "(python -m trainer.cli.stage_chain --help)"),
+    (stage_chain.main, ["--rooot"], "error: unrecognized arguments: --rooot (python -m trainer.cli.stage_chain "
+                                    "--help)"),
+    (report.main, ["run", "--outt"], "error: unrecognized arguments: --outt (python -m trainer.cli.report --help)"),
+])
+def test_a_bad_option_of_the_apps_with_options_is_one_line(app, args, line, capsys):
+    """stage_chain (`make pipeline PIPELINE_ARGS=...`) and report take options, not overrides: argparse's usage block
+    and error (two lines or more) become one line, exit 2, as elsewhere."""
+    with pytest.raises(SystemExit) as e:
+        app(args)
+    assert e.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines() == [line]
+
