@@ -348,8 +348,8 @@ class HeldOutEval(Callback):
         figures = self.stage.evaluate()
         stage_log = logging.getLogger(type(self.stage).__module__)  # trainer.stages.distill for distillation
         if figures is None:
-            stage_log.info("step %d: held-out evaluation left out: %s came, the run stops after this step", step,
-                           job.stop.name)
+            stage_log.info("step %d: held-out evaluation left out: %s came; the run stops with a checkpoint after "
+                           "step %d", step, job.stop.name, max(step, 1))
             return
         job.metrics.log(step, figures)
         stage_log.info("step %d: %s", step, ", ".join(f"{k} {v:.4g}" for k, v in figures.items()))

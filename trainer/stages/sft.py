@@ -82,7 +82,8 @@ class HeldOutLoss(Callback):
                 log.warning("stage=sft: the held-out loss is not computed under pipeline parallelism (parallel.pp > 1)")
             return
         if job.stop is not None and job.stop.agreed(job.rt.distributed):  # its checkpoint first
-            log.info("step %d: held-out loss left out: %s came, the run stops after this step", step, job.stop.name)
+            log.info("step %d: held-out loss left out: %s came; the run stops with a checkpoint after step %d", step,
+                     job.stop.name, max(step, 1))
             return
         loss = eval_lm_loss(job, self.stage.held_out_batches)
         job.metrics.log(step, {"eval/loss": loss})
