@@ -13,6 +13,7 @@ typed dataclasses (every `__post_init__` check runs), then the job is built and 
 
 from __future__ import annotations
 
+import hashlib
 import sys
 from pathlib import Path
 
@@ -48,8 +49,25 @@ def _leave_together() -> None:
         time.sleep(0.01)
 
 
+def _first_to_say(message: str) -> bool:
+    """Whether this rank prints `message`: under torchrun every rank that fails the same way (a missing data.path)
+    would print the same line, so only the first one to claim it on the launcher's store does; a rank with a message
+    of its own prints it. True outside a process group, or when the store cannot say."""
+    if not dist.is_initialized():
+        return True
+    try:
+        from torch.distributed import distributed_c10d
+
+        mine = str(dist.get_rank())
+        key = "cedar_error/" + hashlib.sha1(message.encode()).hexdigest()
+        return distributed_c10d._get_default_store().compare_set(key, "", mine).decode() == mine
+    except (RuntimeError, ValueError):
+        return True
+
+
 def _fail(message: str, code: int) -> None:
-    print(f"error: {message}", file=sys.stderr, flush=True)
+    if _first_to_say(message):
+        print(f"error: {message}", file=sys.stderr, flush=True)
     if dist.is_initialized():
         dist.destroy_process_group()
     sys.exit(code)  # SystemExit passes through Hydra untouched: no traceback
