@@ -25,7 +25,7 @@ from omegaconf import DictConfig
 from trainer import train
 from trainer.checkpoint import CheckpointSaveError
 from trainer.cli.app import io_message
-from trainer.compose import CONF_DIR, check_config_groups, compose, hydra_overrides
+from trainer.compose import CONF_DIR, check_config_groups, compose, hydra_overrides, sweep_variants
 from trainer.config import register_configs, to_config
 from trainer.preemption import StopRequest
 from trainer.run_lock import RunLock
@@ -119,12 +119,13 @@ def _run(dcfg: DictConfig) -> None:
 
 def main() -> None:
     # Hydra's runner reports a mistyped group option (model=v41_tinny), a misspelled key or a wrong type before _run,
-    # in a dozen lines: compose first, for one line naming the key (and the closest valid one) and exit status 2.
+    # in a dozen lines: compose first, for one line naming the key (and the closest valid one) and exit status 2; a -m
+    # sweep, each value it sweeps (compose.sweep_variants).
     try:
         check_config_groups(sys.argv[1:])
         overrides = hydra_overrides(sys.argv[1:])
-        if overrides is not None:
-            compose(overrides)
+        for variant in [overrides] if overrides is not None else sweep_variants(sys.argv[1:]) or []:
+            compose(variant)
     except ValueError as e:
         _fail(str(e), 2)
     _run()

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from trainer.cli import evaluate, export_hf, generate, import_hf, main, plan, preflight, report, stage_chain
-from trainer.compose import hydra_overrides
+from trainer.compose import hydra_overrides, sweep_variants
 
 
 def _training_main(args):
@@ -67,6 +67,34 @@ def test_a_bad_override_is_one_line_and_exit_2(app, mistakes, monkeypatch, capsy
 def test_a_key_with_no_close_match_lists_its_section(monkeypatch, capsys):
     line = _error("plan", ["logger.zzzzzz=1"], monkeypatch, capsys)
     assert line.startswith("error: unknown key logger.zzzzzz; the keys of logger: ") and "log_every" in line
+
+
+@pytest.mark.parametrize("args, line", [
+    (["-m", "optim.lrr=1e-3,3e-3"], "error: unknown key optim.lrr (did you mean optim.lr?)"),
+    (["-m", "optim.lr=1e-3,3e-3", "trainer.max_steps=1,abc"],
+     "error: trainer.max_steps: Value 'abc' of type 'str' could not be converted to Integer"),
+    (["--multirun", "model=v41_tiny,v41_tinny"], "error: model=v41_tinny: config group 'model' has no option "
+                                                 "'v41_tinny' (did you mean v41_tiny?); options: v41_flash, v41_proxy, "
+                                                 "v41_small, v41_tiny, v41_tiny_mm"),
+])
+def test_a_sweep_with_a_bad_value_is_one_line_before_its_first_job(args, line, monkeypatch, capsys):
+    """Issue 44 re-run: `-m optim.lrr=1e-3,3e-3` was Hydra's eight lines and exit 1; every swept value is composed
+    first (compose.sweep_variants)."""
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    with pytest.raises(SystemExit) as e:
+        _training_main(args)
+    assert e.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines() == [line]
+
+
+def test_sweep_variants_take_every_swept_value_once():
+    assert sweep_variants(["-m", "a=1,2", "b=3", "c=range(4,6)"]) == [["a=1", "b=3", "c=4"], ["a=2", "b=3", "c=4"],
+                                                                       ["a=1", "b=3", "c=5"]]
+    assert sweep_variants(["-m", "+a.b=x,y"]) == [["+a.b=x"], ["+a.b=y"]]
+    # long sweeps: their first and last value; not a sweep, a glob, another primary config: none (Hydra's)
+    assert sweep_variants(["-m", "a=range(0,100)"]) == [["a=0"], ["a=99"]]
+    assert sweep_variants(["a=1,2"]) is None and sweep_variants(["-m", "model=glob(*)"]) is None
+    assert sweep_variants(["-m", "--config-name=other", "a=1,2"]) is None
 
 
 @pytest.mark.parametrize("argv, overrides", [
