@@ -221,7 +221,8 @@ def test_an_output_that_cannot_be_written_is_one_line_before_any_file(tmp_path, 
     with pytest.raises(SystemExit) as e:
         export_hf.main([f"ckpt={ckpt}", f"out={tmp_path / 'x'}", f"tokenizer={tmp_path / 'none.json'}"])
     assert e.value.code == 2
-    assert capsys.readouterr().err.strip().splitlines() == [f"error: tokenizer='{tmp_path / 'none.json'}' does not exist"]
+    missing = tmp_path / "none.json"
+    assert capsys.readouterr().err.strip().splitlines() == [f"error: tokenizer='{missing}' does not exist"]
     assert not (tmp_path / "x").exists()
 
 
