@@ -21,6 +21,7 @@ import hydra
 import torch.distributed as dist
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
+from torch.distributed import distributed_c10d
 
 from trainer import train
 from trainer.checkpoint import CheckpointSaveError
@@ -56,8 +57,6 @@ def _first_to_say(message: str) -> bool:
     if not dist.is_initialized():
         return True
     try:
-        from torch.distributed import distributed_c10d
-
         mine = str(dist.get_rank())
         key = "cedar_error/" + hashlib.sha1(message.encode()).hexdigest()
         return distributed_c10d._get_default_store().compare_set(key, "", mine).decode() == mine
