@@ -5,7 +5,7 @@
 #   launch/slurm_local.sh stop                       stop slurmctld, slurmd and munged
 #   launch/slurm_local.sh status                     sinfo and squeue
 # Then, from the repository root (the node has 2 CPUs and no GPU):
-#   sbatch --nodes=1 --gpus-per-node=0 --cpus-per-task=2 --no-exclusive --time=5 launch/slurm.sbatch \
+#   sbatch --nodes=1 --gpus-per-node=0 --cpus-per-task=2 --time=5 launch/slurm.sbatch \
 #     model=v41_tiny trainer.num_threads=1 trainer.max_steps=50
 # `start` again with the other ProctrackType restarts the daemons with it (no job may be running).
 set -euo pipefail

@@ -120,7 +120,9 @@ class MetricsLog(Callback):
         self.window_tokens += stats.tokens
         tokens_per_s = self.window_tokens / max(time.perf_counter() - self.window_start, 1e-9)
         mfu = self._mfu(job, stats.seq_len, tokens_per_s)
-        self.progress.update(step, stats.loss, stats.lr, tokens_per_s, mfu)
+        figures = {k: float(v) for k in job.stage.progress_keys
+                   if (v := stats.extra.get(k, stats.aux.get(k))) is not None}
+        self.progress.update(step, stats.loss, stats.lr, tokens_per_s, mfu, figures)
         if step % job.log_every == 0 or step == job.trainer.max_steps or not stats.finite:
             (skipped,) = sum_over_data(job.pm, [getattr(job.loader, "skipped_shards", 0)])
             extra = dict(stats.extra)

@@ -8,6 +8,8 @@
   as a traceback, checked on the command line before Hydra composes anything: ValueError naming the group and its
   options; for `@hydra.main` entry points, where Hydra reports the exception itself before our code runs.
 - `missing_config_message(e)`, `one_line(e)`: Hydra's and OmegaConf's composition errors as one line.
+- `hydra_overrides(argv)`, `sweep_variants(argv)`: the overrides of a `@hydra.main` command line, and of a `-m` sweep
+  one plain list per value to try, composed before Hydra's runner.
 
 The options are the group's configs in conf/ (and the ConfigStore), without the `schema` node every group
 registers (trainer/config.py `register_configs`): selecting it is legal but is nothing a user means.
@@ -16,6 +18,7 @@ registers (trainer/config.py `register_configs`): selecting it is legal but is n
 from __future__ import annotations
 
 import difflib
+import re
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -114,6 +117,46 @@ def hydra_overrides(argv: Sequence[str]) -> list[str] | None:
             continue
         out.append(a)
     return out
+
+
+_PLAIN_VALUE = re.compile(r"^[\w.+\-/:@]*$")
+_MULTIRUN = ("-m", "--multirun")
+
+
+def sweep_variants(argv: Sequence[str]) -> list[list[str]] | None:
+    """For a `-m` sweep (`optim.lr=1e-3,3e-3`, `range(...)`): lists of plain overrides that together take every value
+    of every sweep override once (the other sweep overrides at their first value; the first and the last value of a
+    long one), so that a misspelled key or a bad value is found in one line before Hydra's runner, which reports it
+    in its own words and exit status 1. None when `argv` is no sweep, another primary config, or one whose values
+    are left to Hydra (a glob, a value that would need quoting)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    if not any(a in _MULTIRUN for a in argv):
+        return None
+    overrides = hydra_overrides([a for a in argv if a not in _MULTIRUN])
+    if overrides is None:
+        return None
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except HydraException:
+        return None
+    firsts, sweeps = [], []  # the overrides in order, each sweep at its first value; (position, key, values)
+    for o in parsed:
+        if not o.is_sweep_override():
+            firsts.append(o.input_line)
+            continue
+        if o.value_type.name == "GLOB_CHOICE_SWEEP":
+            return None
+        values = list(o.sweep_string_iterator())
+        if not values or not all(_PLAIN_VALUE.match(v) for v in values):
+            return None
+        sweeps.append((len(firsts), o.get_key_element(), values if len(values) <= 8 else [values[0], values[-1]]))
+        firsts.append(f"{o.get_key_element()}={values[0]}")
+    variants = [firsts]
+    for i, key, values in sweeps:
+        variants += [firsts[:i] + [f"{key}={v}"] + firsts[i + 1:] for v in values[1:]]
+    return variants
 
 
 def one_line(e: Exception) -> str:

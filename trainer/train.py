@@ -43,7 +43,7 @@ from trainer.config import Config, ParallelConfig, ParallelDims, StageConfig, Tr
 from trainer.loss import KindSums, LMLoss, StepTokens, valid_tokens
 from trainer.metrics import MetricsLogger, device_peak_flops
 from trainer.parallel.apply import ParallelModel, describe, materialize, parallelize, validate_layout
-from trainer.parallel.compile import CUDAGRAPH_MODES, compile_blocks, mark_step
+from trainer.parallel.compile import CUDAGRAPH_MODES, compile_blocks, is_compiled, mark_step
 from trainer.parallel.expert import dropped_share
 from trainer.parallel.gradients import clip_grad_norm_, mean_over_data, reduce_gradients, sum_over_data
 from trainer.parallel.mesh import build_mesh
@@ -139,7 +139,6 @@ def build_model(cfg: ModelConfig, rt: Runtime, parallel: ParallelConfig, seed: i
                          f"{parallel.pp}, trainer.grad_accum={grad_accum}): set trainer.compile_mode=default, or "
                          "grad_accum=1 and dp_replicate / tp / ep / cp only")
     if compile_backend is not None:
-
         compile_blocks(pm.module, compile_backend, mode=compile_mode)
     materialize(pm, rt.device, seed, microbatch_size=batch_size, seq_len=seq_len, grad_accum=grad_accum,
                 schedule=parallel.pp_schedule, autocast_dtype=rt.autocast_dtype)
@@ -341,6 +340,11 @@ def build(cfg: Config, run_dir: Path) -> Job:
                      compile_backend=cfg.trainer.compile_backend if cfg.trainer.compile else None,
                      compile_mode=cfg.trainer.compile_mode, module_fn=stage.build_module)
     log.info("parallel layout: %s%s", describe(pm), f"; CPU {rt.threads.describe()}" if rt.threads else "")
+    if cfg.trainer.compile:  # torch.compile works silently in the first step: say so before it starts
+        log.info("trainer.compile: %d blocks are compiled by torch.compile (%s) during the first step, and again for "
+                 "a new input shape (an evaluation's): minutes on a CPU, where compiling rarely pays (README, 'Step "
+                 "efficiency'); the ETA leaves the first step out", sum(map(is_compiled, pm.module.modules())),
+                 cfg.trainer.compile_backend)
     if rt.threads and (hint := contention_hint(rt.threads, "trainer.num_threads")):
         log.warning(hint)
     install_canonical_vocab(pm.module, model_cfg, tokenizer.path)

@@ -326,6 +326,9 @@ def test_a_held_back_signal_leaves_nothing_running_when_the_step_ends_first(fake
         left = subprocess.run(["ps", "-o", "stat=,pid=,args=", "--sid", str(proc.pid)], capture_output=True,
                               text=True).stdout.splitlines()
         assert [line for line in left if not line.startswith("Z")] == [], left
+        # and quietly: the slurm log of a job that finished before its held-back signal ended in bash's "line 130:
+        # 25158 Killed  sleep ..." (a real Slurm, issue 44 re-run)
+        assert "Killed" not in err_path.read_text() + out_path.read_text()
     finally:
         try:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -390,3 +393,21 @@ def test_saved_since_counts_complete_checkpoints_newer_than_the_start(tmp_path):
     (ckpts / "step_8" / "COMPLETE").touch()
     assert _call("saved_since", str(tmp_path), str(start)).returncode == 0
     assert _call("saved_since", str(tmp_path / "missing"), str(start)).returncode != 0
+
+
+# sbatch 22.05's options (`sbatch --help` of Debian's slurm-wlm 22.05.8) that the documented commands use or may use
+SBATCH_OPTIONS = {"--nodes", "--ntasks-per-node", "--gpus-per-node", "--cpus-per-task", "--time", "--signal",
+                  "--requeue", "--no-requeue", "--exclusive", "--oversubscribe", "--output", "--open-mode",
+                  "--job-name", "--partition", "--gres", "--mem", "--account", "--qos", "--dependency"}
+
+
+def test_the_documented_sbatch_commands_use_options_sbatch_has():
+    """From a fresh clone (issue 44): slurm_local.sh's header told a user to submit with `--no-exclusive`, which
+    sbatch 22.05 refuses ("unrecognized option"). Every `sbatch ...` line of the READMEs and of that header uses only
+    options sbatch has (the list above is checked by hand against `sbatch --help`)."""
+    texts = [(ROOT / p).read_text() for p in ("README.md", "launch/README.md", "launch/slurm_local.sh")]
+    lines = [ln for t in texts for ln in t.splitlines() if re.search(r"(^|[\s`#])sbatch --", ln)]
+    assert len(lines) >= 4
+    options = [c.group(1) for ln in lines for c in re.finditer(r"sbatch((?: --[\w-]+(?:=\S+)?| \d+)+)", ln)]
+    used = {o for text in options for o in re.findall(r"--[\w-]+", text)}
+    assert used and used <= SBATCH_OPTIONS, sorted(used - SBATCH_OPTIONS)

@@ -26,7 +26,7 @@ from trainer.checkpoint import Checkpointer, model_config_differences
 from trainer.config import CheckpointConfig
 from trainer.checkpoint.hf_io import INDEX, export, import_
 from trainer.checkpoint.hf_io import hf_model_config
-from trainer.cli import import_hf
+from trainer.cli import export_hf, import_hf
 
 
 def test_flagship_names_and_shapes_are_the_reference_ones():
@@ -202,6 +202,28 @@ def test_a_truncated_or_corrupt_file_is_one_line_naming_it(tmp_path, capsys):
     assert "not valid JSON" in import_error(INDEX, 50)
     assert "not valid JSON" in import_error("config.json", 20)
     assert not (tmp_path / "out").exists()
+
+
+def test_an_output_that_cannot_be_written_is_one_line_before_any_file(tmp_path, capsys):
+    """From a fresh clone (issue 44): import_hf into a directory it cannot create ended in a traceback (the
+    checkpointer's CheckpointSaveError); export_hf with a missing tokenizer= wrote every weight file first, then said
+    "No such file or directory". Both: one line, exit status 2; the export writes nothing."""
+    ckpt, cfg, _ = _random_checkpoint(tmp_path)
+    hf = tmp_path / "hf"
+    export(ckpt, hf, cfg, dtype=torch.float32)
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    with pytest.raises(SystemExit) as e:
+        import_hf.main([f"src={hf}", f"out={blocker / 'out'}"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and str(blocker) in err[0], err
+    with pytest.raises(SystemExit) as e:
+        export_hf.main([f"ckpt={ckpt}", f"out={tmp_path / 'x'}", f"tokenizer={tmp_path / 'none.json'}"])
+    assert e.value.code == 2
+    missing = tmp_path / "none.json"
+    assert capsys.readouterr().err.strip().splitlines() == [f"error: tokenizer='{missing}' does not exist"]
+    assert not (tmp_path / "x").exists()
 
 
 def _cli(module: str, *args: str) -> subprocess.CompletedProcess:

@@ -65,6 +65,8 @@ def test_the_default_output_is_a_table(capsys):
     assert abs(sum(float(v) for k, v in terms.items() if k != "peak") - float(terms["peak"])) < 0.05
     assert lines[13].split()[:2] == ["dominant", "term"]
     assert any(ln.startswith("does NOT fit: peak") and "of 0.93 GiB per device" in ln for ln in lines)
+    # the option it names works when pasted (the key is the planner's own: with a +)
+    assert any("(another: +parallel.device_memory_gb=<GB>)" in ln for ln in lines)
 
 
 def test_counts_follow_the_modules():

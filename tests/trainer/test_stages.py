@@ -1,17 +1,23 @@
 """The post-training stages end to end on the micro model (trainer/stages/): SFT, RL and distillation start from a
 pretrained run's weights (checkpoint.init_from), log their headline figures, and resume after kill -9 with the
-uninterrupted run's losses; bad starts and bad teachers are refused in one line."""
+uninterrupted run's losses; bad starts and bad teachers are refused in one line; each stage's progress line shows its
+headline figure; a stop signal during a held-out evaluation stops the run after the step, with a checkpoint."""
 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from tests.trainer.harness import kill_9_when, micro_overrides, read_metrics, run_cli
+from tests.trainer.harness import REPO, env, kill_9_when, micro_overrides, read_metrics, run_cli
+from trainer.checkpoint import is_complete
 
 # the micro model with head dims the FP8 / FP4 fake-quant blocks divide (the post-training hooks are on)
 HOOKED = ["model.attention.head_dim=32", "model.csa2.index_head_dim=32"]
@@ -87,6 +93,42 @@ def test_distillation_logs_the_held_out_kl_to_its_teacher(reference):
     kl = _evals(reference["distill"], "eval/kl")
     assert sorted(kl) == [0, 2, 4] and all(v >= 0 for v in kl.values())
     assert all("distill/reverse_kl" in r for r in read_metrics(reference["distill"]) if "loss" in r)
+
+
+def test_each_stage_progress_line_shows_its_headline_and_its_evaluation_logs_under_its_name(reference):
+    """Issue 44: RL's progress lines showed loss, lr and tokens/s but not the reward or success; distillation's
+    held-out figures were logged under trainer.stages.rl."""
+    rl, distill = ((reference[s] / "main.log").read_text() for s in ("rl", "distill"))
+    assert re.search(r"step 4/4 \| loss \S+ \| rl/reward \S+ \| rl/success \S+ \| lr", rl)
+    assert re.search(r"step 4/4 \| loss \S+ \| distill/reverse_kl \S+ \| lr", distill)
+    assert "[trainer.stages.rl][INFO] - step 4: eval/success_e20" in rl
+    assert "[trainer.stages.distill][INFO] - step 4: eval/kl" in distill
+
+
+def test_a_stop_during_the_held_out_evaluation_is_honoured_at_once(tmp_path, small_data, pretrained):
+    """Issue 44: a SIGTERM during RL's first evaluation (140 s of a random model's answers) was not acted on until
+    trainer.stop_deadline_s killed the run without a checkpoint. The evaluation goes one engine batch at a time and
+    is left out once a stop came; the run stops after its first step, with a checkpoint. The evaluation here is long
+    (800 greedy answers in batches of 4) and the signal comes as soon as the start-up logs its initial weights."""
+    args = _args(tmp_path, small_data, "trainer.max_steps=4", f"checkpoint.init_from={pretrained}", "stage=rl",
+                 "stage.dynamic_sampling=false", "stage.prompts_per_step=2", "stage.group_size=2",
+                 "stage.max_new_tokens=6", "stage.num_eval=400", "stage.max_batch=4", "trainer.stop_deadline_s=600")
+    log = tmp_path / "main.log"
+    proc = subprocess.Popen([sys.executable, "-m", "trainer.cli.main", *args], cwd=REPO, env=env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and proc.poll() is None:
+        if log.is_file() and "initialised from" in log.read_text():
+            break
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    assert "stopped by SIGTERM at step 1/4: checkpoint saved" in out
+    assert "step 0: held-out evaluation left out: SIGTERM came; the run stops with a checkpoint after step 1" in \
+        log.read_text()
+    assert not [r for r in read_metrics(tmp_path) if "eval/success" in r]
+    assert is_complete(tmp_path / "checkpoints" / "step_00000001")
 
 
 @pytest.mark.slow

@@ -177,6 +177,26 @@ def test_the_progress_bar_shows_mfu_on_a_terminal(monkeypatch, capsys):
     assert "mfu=12.3%" in capsys.readouterr().err
 
 
+def test_the_plain_progress_line_shows_the_stage_figures_and_an_eta_without_the_first_step(monkeypatch, caplog):
+    """Issue 44: RL's line showed loss, lr and tokens/s but not its reward; a compiled run's first step (minutes of
+    compiling) made the ETA hours."""
+    from trainer import progress as progress_module
+
+    clock = iter([0.0, 300.0, 301.0, 302.0])  # start; step 1 ends after 300 s (compiling); then 1 s a step
+    monkeypatch.setattr(progress_module.time, "perf_counter", lambda: next(clock))
+    progress = progress_module.Progress(True, 0, 10, bar=False, log_every=1)
+    with caplog.at_level("INFO", logger="trainer.progress"):
+        progress.update(1, 2.5, 1e-3, 10.0, None, {"rl/reward": 0.25, "rl/success": 0.125})
+        progress.update(2, 2.4, 1e-3, 1000.0, None, {"rl/reward": 0.5, "rl/success": 0.25})
+        progress.update(3, 2.3, 1e-3, 1000.0, None)
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines[0] == ("step 1/10 | loss 2.5000 | rl/reward 0.25 | rl/success 0.125 | lr 1.000e-03 | 10 tok/s | "
+                        "MFU ? | ETA 45m00s")
+    assert lines[1].startswith("step 2/10 | loss 2.4000 | rl/reward 0.5 | rl/success 0.25 | lr")
+    assert lines[1].endswith("ETA 0m08s")
+    assert lines[2].endswith("ETA 0m07s")
+
+
 def test_only_optimised_parameters_get_gradients():
     model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 1))
     freeze_all_but(model, list(model[1].parameters()))  # like the indexer-only dense warm-up

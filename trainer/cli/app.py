@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from trainer.checkpoint import rank_and_world
+from trainer.checkpoint import CheckpointSaveError, rank_and_world
 from trainer.compose import CONF_DIR, compose_app
 
 __all__ = ["run_app", "io_message", "join_world", "device_named"]
@@ -46,15 +46,15 @@ def join_world() -> tuple[int, int]:
 
 def run_app(config_name: str, schema, run, argv: Sequence[str] | None, doc: str) -> None:
     """A small app's main: `-h` / `--help` prints `doc` and conf/<config_name>.yaml; otherwise `run` gets the composed
-    config (trainer/compose.py `compose_app`). A bad key, a bad value or a file it cannot read or write ends it with
-    one line on stderr and exit status 2."""
+    config (trainer/compose.py `compose_app`). A bad key, a bad value or a file it cannot read or write (a checkpoint
+    it cannot save included) ends it with one line on stderr and exit status 2."""
     argv = sys.argv[1:] if argv is None else list(argv)
     if any(a in ("-h", "--help") for a in argv):
         print(doc.strip() + f"\n\nKeys (conf/{config_name}.yaml):\n" + (CONF_DIR / f"{config_name}.yaml").read_text())
         return
     try:
         run(compose_app(config_name, schema, argv))
-    except (ValueError, OSError) as e:
+    except (ValueError, OSError, CheckpointSaveError) as e:  # the last: an output it could not write (import_hf)
         if isinstance(e, OSError):
             e = io_message(e)
         print(f"error: {e}", file=sys.stderr, flush=True)

@@ -29,6 +29,7 @@ from typing import List
 import numpy as np
 import torch
 from omegaconf import OmegaConf
+from tqdm import tqdm
 
 from config_checks import at_least, check_choices, choice_field
 from data.chat import ChatTemplate
@@ -241,7 +242,9 @@ def evaluate(cfg: EvaluateConfig) -> list[Row]:
     model = load_model(path, model_cfg, device, tokenizer_path)
     rows = []
     for name, batches in sets:
-        total, count = score(model, batches, device)
+        # a terminal sees the scoring advance (minutes for a large corpus on a CPU); a log or a pipe gets the table only
+        shown = tqdm(batches, desc=f"scoring {name}", unit="batch", leave=False, disable=not sys.stderr.isatty())
+        total, count = score(model, shown, device)
         rows.append(Row(name, count, total / max(count, 1)))
     print(report(path, marker, rows, threads, time.perf_counter() - start), flush=True)
     return rows

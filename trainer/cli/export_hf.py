@@ -49,6 +49,8 @@ class ExportConfig:
 
 
 def export(cfg: ExportConfig) -> dict:
+    if cfg.tokenizer and not Path(cfg.tokenizer).is_file():  # before any file is written
+        raise ValueError(f"tokenizer={cfg.tokenizer!r} does not exist")
     path = find_checkpoint(cfg.ckpt)
     marker = read_marker(path)
     if "model" not in marker:

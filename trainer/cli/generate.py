@@ -339,8 +339,6 @@ def generate(cfg: GenerateConfig, model_overrides: Sequence[str] = ()) -> int:
     model_overrides: `model.<key>=<value>` for the checkpoint's config (given without `model=<option>`)."""
     threads = torch.get_num_threads()
     choice = set_cpu_threads(cfg.num_threads) if device_named(cfg.device).type == "cpu" else None
-    if choice and (hint := contention_hint(choice, "num_threads")):
-        print(f"warning: {hint}", file=sys.stderr, flush=True)
     try:
         return _generate(cfg, list(model_overrides), choice)
     finally:
@@ -366,6 +364,8 @@ def _generate(cfg: GenerateConfig, model_overrides: list[str], threads: ThreadCh
         tokenizer = template.tokenizer
     if cfg.output and not Path(cfg.output).resolve().parent.is_dir():
         raise ValueError(f"output={cfg.output!r}: directory {Path(cfg.output).resolve().parent} does not exist")
+    if threads and (hint := contention_hint(threads, "num_threads")):  # after the checks: a bad input is one line
+        print(f"warning: {hint}", file=sys.stderr, flush=True)
     model = load_model(path, model_cfg, device_named(cfg.device), tokenizer_path)
     spec = {}
     if cfg.drafter:

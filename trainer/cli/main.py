@@ -13,6 +13,7 @@ typed dataclasses (every `__post_init__` check runs), then the job is built and 
 
 from __future__ import annotations
 
+import hashlib
 import sys
 from pathlib import Path
 
@@ -20,11 +21,12 @@ import hydra
 import torch.distributed as dist
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
+from torch.distributed import distributed_c10d
 
 from trainer import train
 from trainer.checkpoint import CheckpointSaveError
 from trainer.cli.app import io_message
-from trainer.compose import CONF_DIR, check_config_groups, compose, hydra_overrides
+from trainer.compose import CONF_DIR, check_config_groups, compose, hydra_overrides, sweep_variants
 from trainer.config import register_configs, to_config
 from trainer.preemption import StopRequest
 from trainer.run_lock import RunLock
@@ -48,8 +50,23 @@ def _leave_together() -> None:
         time.sleep(0.01)
 
 
+def _first_to_say(message: str) -> bool:
+    """Whether this rank prints `message`: under torchrun every rank that fails the same way (a missing data.path)
+    would print the same line, so only the first one to claim it on the launcher's store does; a rank with a message
+    of its own prints it. True outside a process group, or when the store cannot say."""
+    if not dist.is_initialized():
+        return True
+    try:
+        mine = str(dist.get_rank())
+        key = "cedar_error/" + hashlib.sha1(message.encode()).hexdigest()
+        return distributed_c10d._get_default_store().compare_set(key, "", mine).decode() == mine
+    except (RuntimeError, ValueError):
+        return True
+
+
 def _fail(message: str, code: int) -> None:
-    print(f"error: {message}", file=sys.stderr, flush=True)
+    if _first_to_say(message):
+        print(f"error: {message}", file=sys.stderr, flush=True)
     if dist.is_initialized():
         dist.destroy_process_group()
     sys.exit(code)  # SystemExit passes through Hydra untouched: no traceback
@@ -101,12 +118,13 @@ def _run(dcfg: DictConfig) -> None:
 
 def main() -> None:
     # Hydra's runner reports a mistyped group option (model=v41_tinny), a misspelled key or a wrong type before _run,
-    # in a dozen lines: compose first, for one line naming the key (and the closest valid one) and exit status 2.
+    # in a dozen lines: compose first, for one line naming the key (and the closest valid one) and exit status 2; a -m
+    # sweep, each value it sweeps (compose.sweep_variants).
     try:
         check_config_groups(sys.argv[1:])
         overrides = hydra_overrides(sys.argv[1:])
-        if overrides is not None:
-            compose(overrides)
+        for variant in [overrides] if overrides is not None else sweep_variants(sys.argv[1:]) or []:
+            compose(variant)
     except ValueError as e:
         _fail(str(e), 2)
     _run()

@@ -81,8 +81,8 @@ def table(result: dict) -> str:
               for r in rows]
     device = lay["device_memory_bytes"]
     lines += ["", f"{'fits' if t['fits'] else 'does NOT fit'}: peak {_gib(t['peak_bytes'])} GiB (pp rank "
-                  f"{t['peak_pp_rank']}) of {_gib(device)} GiB per device (parallel.device_memory_gb); dominant term "
-                  f"{t['dominant']['term']}",
+                  f"{t['peak_pp_rank']}) of {_gib(device)} GiB per device (another: +parallel.device_memory_gb=<GB>); "
+                  f"dominant term {t['dominant']['term']}",
               f"communication per rank and step: {_gib(t['communication_bytes_per_step_max']['total'])} GiB; every "
               "figure and the assumptions: --json"]
     return "\n".join(lines)

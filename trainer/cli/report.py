@@ -14,7 +14,6 @@ the pauses between them included), or what `make pipeline` measured (`stage_chai
 
 from __future__ import annotations
 
-import argparse
 import html
 import json
 import math
@@ -23,6 +22,8 @@ import sys
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
+
+from trainer.cli.options import OneLineParser
 
 __all__ = ["Run", "read_run", "summary", "page", "main"]
 
@@ -298,14 +299,8 @@ def page(runs: list[Run]) -> str:
             f"</head><body>\n" + "\n".join(body) + "\n</body></html>\n")
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line and exit 2, as every entry point (argparse adds its usage)
-        print(f"error: {message} (python -m trainer.cli.report --help)", file=sys.stderr, flush=True)
-        sys.exit(2)
-
-
 def main(argv: list[str] | None = None) -> int:
-    ap = _Parser(prog="python -m trainer.cli.report", description=__doc__.split("\n\n")[0])
+    ap = OneLineParser(prog="python -m trainer.cli.report", description=__doc__.split("\n\n")[0])
     ap.add_argument("runs", nargs="+", help="run directories (or their metrics.jsonl), overlaid in the plots")
     ap.add_argument("--out", default="report.html", help="the HTML page to write (default: report.html)")
     args = ap.parse_args(argv)

@@ -12,7 +12,6 @@ Design and reasoning: docs/stages.md#the-stage-chain-make-pipeline
 
 from __future__ import annotations
 
-import argparse
 import json
 import subprocess
 import sys
@@ -22,6 +21,7 @@ from pathlib import Path
 import torch
 
 from trainer.checkpoint import is_complete, step_dir_name
+from trainer.cli.options import OneLineParser
 from trainer.compose import compose
 from trainer.threads import cpu_threads
 
@@ -148,7 +148,7 @@ def _chain(name: str, runs: dict[str, Path]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = OneLineParser(prog="python -m trainer.cli.stage_chain", description=__doc__.split("\n\n")[0])
     ap.add_argument("--root", default="runs/pipeline", help="a run directory per stage under here")
     ap.add_argument("--scale", type=float, default=1.0, help="multiply every stage's trainer.max_steps")
     ap.add_argument("overrides", nargs="*", help="Hydra overrides for every stage (after --)")

@@ -10,6 +10,9 @@
   rendezvous) exits 128 + N with one line.
 - The workers start with SIGTERM and SIGUSR1 blocked: a stop that comes while a worker imports and sets up stays
   pending until the trainer's handler is installed (trainer/preemption.py unblocks them), instead of killing it.
+
+OMP_NUM_THREADS defaults to 1 as under torchrun, without torchrun's warning to tune it: the trainer sets each rank's
+threads itself (`trainer.num_threads`).
 """
 
 from __future__ import annotations
@@ -29,11 +32,12 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
 class _RanksOwnReport(logging.Filter):
-    """Drops torchrun's "failed (exitcode: N) local_rank: ..." line: the rank has reported its error itself, and this
-    module says what a rank killed by a signal cannot."""
+    """Drops torchrun's "failed (exitcode: N) local_rank: ..." line and its "Sending process N closing signal
+    SIGTERM" to the other ranks after one failed: the rank has reported its error itself, and this module says what a
+    rank killed by a signal cannot."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith("failed (exitcode")
+        return not str(record.msg).startswith(("failed (exitcode", "Sending process"))
 
 
 def children(pid: int) -> list[int]:
@@ -91,6 +95,9 @@ def main(argv: list[str] | None = None) -> None:
     from torch.distributed.run import parse_args, run
 
     args = parse_args(argv)
+    # What torchrun does for several workers anyway, without its four-line warning to tune OMP_NUM_THREADS: each
+    # rank then sets its own thread count (trainer.num_threads, trainer/threads.py: the cores over the local ranks).
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
     # torchrun would install its own handler for SIGTERM (raising in its main loop); the thread above handles it
     args.signals_to_handle = ",".join(s for s in args.signals_to_handle.split(",")
                                       if s.strip() not in ("SIGTERM", "SIGUSR1"))

@@ -97,6 +97,8 @@ class Stage:
     name: str = ""
     reads_init_from: bool = False
     """True: checkpoint.init_from is the stage's own frozen model (dspark's backbone), not the starting weights"""
+    progress_keys: tuple[str, ...] = ()
+    """the step's figures (keys of its metrics record) that the progress line shows after the loss: the headline"""
     forward_backward = None
     """None: the loop's forward and backward (trainer/train.py `forward_backward`); else the stage's own, with its
     signature and result (dspark's runs the frozen backbone, then the drafter)"""

@@ -31,6 +31,7 @@ __all__ = ["Distill"]
 class Distill(RolloutStage):
     name = "distill"
     prefix = "distill"
+    progress_keys = ("distill/reverse_kl",)
 
     def bind(self, job) -> None:
         super().bind(job)
@@ -96,7 +97,7 @@ class Distill(RolloutStage):
     def step_extra(self, tot: dict) -> dict:
         return {"distill/reverse_kl": -tot["reward_sum"] / max(tot["samples"], 1.0)}
 
-    def evaluate(self) -> dict[str, float]:
+    def evaluate(self) -> dict[str, float] | None:
         s, cfg = self.stage, self.cfg
         problems = sample_problems(list(s.envs), s.num_eval, cfg.trainer.seed + EVAL_SEED_OFFSET,
                                    list(s.difficulty) or None)[self.data_rank::self.data_ranks]
@@ -105,7 +106,9 @@ class Distill(RolloutStage):
         lo, hi = s.effort
         n_all = s.num_eval
         efforts = [lo + round(i * (hi - lo) / max(n_all - 1, 1)) for i in range(n_all)][self.data_rank::self.data_ranks]
-        groups = self.generate(list(zip(problems, efforts)), 12_345, group_size=1, routing=False)
+        groups = self.generate_held_out(list(zip(problems, efforts)), 12_345, routing=False)
+        if groups is None:  # a stop signal came
+            return None
         rollouts = [g[0] for g in groups]
         total, count = 0.0, 0.0
         by_family: dict[str, list] = {}

@@ -169,6 +169,7 @@ class DSparkStage(Stage):
     """`stage=dspark` (see docs/stages.md#dspark-drafter-training)."""
 
     name = "dspark"
+    progress_keys = ("acceptance_len",)
     reads_init_from = True  # checkpoint.init_from is the frozen backbone, not the trained module's starting weights
 
     def __init__(self, stage) -> None:

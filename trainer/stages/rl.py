@@ -59,6 +59,7 @@ class RolloutStage(Stage):
 
     name = "rollout"
     prefix = "rl"
+    progress_keys = ("rl/reward", "rl/success")
 
     def __init__(self, stage):
         self.stage = stage
@@ -121,6 +122,19 @@ class RolloutStage(Stage):
                                max_new_tokens=s.max_new_tokens,
                                temperature=s.temperature if temperature is None else temperature, seed=seed,
                                return_routing=s.replay_routing if routing is None else routing)
+
+    def generate_held_out(self, prompts, seed: int, **kw) -> list[list[Rollout]] | None:
+        """`generate` for an evaluation (one completion a prompt), one engine batch (stage.max_batch prompts) at a
+        time, the ranks agreeing before each whether a stop signal came: None once one did, so that a stop during a
+        long evaluation is honoured within trainer.stop_deadline_s. The batches and seeds, and so the completions,
+        are those of one `generate` call."""
+        job, n, groups, start = self.job, self.stage.max_batch, [], 0
+        while self.engine.lockstep.any_calls(start < len(prompts)):  # a rank with none left matches the others' calls
+            if job.stop is not None and job.stop.agreed(job.rt.distributed):
+                return None
+            groups += self.generate(prompts[start:start + n], seed + start * 1009, group_size=1, **kw)
+            start += n
+        return groups
 
     def new_stats(self) -> dict[str, float]:
         stats = {"reward_sum": 0.0, "raw_reward_sum": 0.0, "samples": 0.0, "correct": 0.0, "len_sum": 0.0,
@@ -265,13 +279,16 @@ class RL(RolloutStage):
             r.extra["ref_logprobs"] = lp
 
     # -- held-out evaluation -----------------------------------------------------------------------------------------
-    def evaluate(self) -> dict[str, float]:
-        """Greedy completions of this rank's share of the held-out prompts at each of EVAL_EFFORTS."""
+    def evaluate(self) -> dict[str, float] | None:
+        """Greedy completions of this rank's share of the held-out prompts at each of EVAL_EFFORTS; None when a stop
+        signal came meanwhile."""
         s, cfg = self.stage, self.cfg
         problems = sample_problems(list(s.envs), s.num_eval, cfg.trainer.seed + EVAL_SEED_OFFSET,
                                    list(s.difficulty) or None)[self.data_rank::self.data_ranks]
         prompts = [(p, e) for e in EVAL_EFFORTS for p in problems]
-        groups = self.generate(prompts, 0, temperature=0.0, group_size=1, routing=False)
+        groups = self.generate_held_out(prompts, 0, temperature=0.0, routing=False)
+        if groups is None:
+            return None
         sums = []
         verdicts = self.verdicts([g[0] for g in groups])
         for k, e in enumerate(EVAL_EFFORTS):
@@ -337,8 +354,13 @@ class HeldOutEval(Callback):
 
     def _run(self, job, step):
         figures = self.stage.evaluate()
+        stage_log = logging.getLogger(type(self.stage).__module__)  # trainer.stages.distill for distillation
+        if figures is None:
+            stage_log.info("step %d: held-out evaluation left out: %s came; the run stops with a checkpoint after "
+                           "step %d", step, job.stop.name, max(step, 1))
+            return
         job.metrics.log(step, figures)
-        log.info("step %d: %s", step, ", ".join(f"{k} {v:.4g}" for k, v in figures.items()))
+        stage_log.info("step %d: %s", step, ", ".join(f"{k} {v:.4g}" for k, v in figures.items()))
 
     def on_train_start(self, job):
         if job.state.step == 0:

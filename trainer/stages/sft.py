@@ -81,6 +81,10 @@ class HeldOutLoss(Callback):
             if step == job.state.step:
                 log.warning("stage=sft: the held-out loss is not computed under pipeline parallelism (parallel.pp > 1)")
             return
+        if job.stop is not None and job.stop.agreed(job.rt.distributed):  # its checkpoint first
+            log.info("step %d: held-out loss left out: %s came; the run stops with a checkpoint after step %d", step,
+                     job.stop.name, max(step, 1))
+            return
         loss = eval_lm_loss(job, self.stage.held_out_batches)
         job.metrics.log(step, {"eval/loss": loss})
         log.info("step %d: held-out assistant-token loss %.4f", step, loss)

@@ -114,3 +114,14 @@ def test_bad_inputs_are_one_line_exit_2(runs, tmp_path):
         r = _cli(*args)
         assert r.returncode == 2 and r.stdout == "", (args, r.stderr)
         assert r.stderr.count("\n") == 1 and r.stderr.startswith("error: ") and message in r.stderr, r.stderr
+
+
+
+@pytest.mark.parametrize("tty", [True, False])
+def test_scoring_shows_a_bar_on_a_terminal_only(tty, runs, one_thread, monkeypatch, capsys):
+    """Issue 44's 'long silent phases say what they do': scoring a corpus took 115 s without a word on a loaded
+    machine. A terminal sees a bar per set; output to a file or a pipe stays the table alone."""
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: tty)
+    evaluate(EvaluateConfig(ckpt=str(runs["sft"]), sft_eval=True, num_threads=1))
+    err = capsys.readouterr().err
+    assert ("scoring sft held-out" in err) is tty and (err == "") is (not tty)

@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from trainer.cli import evaluate, export_hf, generate, import_hf, main, plan, preflight, stage_chain
-from trainer.compose import hydra_overrides
+from trainer.cli import evaluate, export_hf, generate, import_hf, main, plan, preflight, report, stage_chain
+from trainer.compose import hydra_overrides, sweep_variants
 
 
 def _training_main(args):
@@ -69,6 +69,34 @@ def test_a_key_with_no_close_match_lists_its_section(monkeypatch, capsys):
     assert line.startswith("error: unknown key logger.zzzzzz; the keys of logger: ") and "log_every" in line
 
 
+@pytest.mark.parametrize("args, line", [
+    (["-m", "optim.lrr=1e-3,3e-3"], "error: unknown key optim.lrr (did you mean optim.lr?)"),
+    (["-m", "optim.lr=1e-3,3e-3", "trainer.max_steps=1,abc"],
+     "error: trainer.max_steps: Value 'abc' of type 'str' could not be converted to Integer"),
+    (["--multirun", "model=v41_tiny,v41_tinny"], "error: model=v41_tinny: config group 'model' has no option "
+                                                 "'v41_tinny' (did you mean v41_tiny?); options: v41_flash, v41_proxy, "
+                                                 "v41_small, v41_tiny, v41_tiny_mm"),
+])
+def test_a_sweep_with_a_bad_value_is_one_line_before_its_first_job(args, line, monkeypatch, capsys):
+    """Issue 44 re-run: `-m optim.lrr=1e-3,3e-3` was Hydra's eight lines and exit 1; every swept value is composed
+    first (compose.sweep_variants)."""
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    with pytest.raises(SystemExit) as e:
+        _training_main(args)
+    assert e.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines() == [line]
+
+
+def test_sweep_variants_take_every_swept_value_once():
+    assert sweep_variants(["-m", "a=1,2", "b=3", "c=range(4,6)"]) == [["a=1", "b=3", "c=4"], ["a=2", "b=3", "c=4"],
+                                                                       ["a=1", "b=3", "c=5"]]
+    assert sweep_variants(["-m", "+a.b=x,y"]) == [["+a.b=x"], ["+a.b=y"]]
+    # long sweeps: their first and last value; not a sweep, a glob, another primary config: none (Hydra's)
+    assert sweep_variants(["-m", "a=range(0,100)"]) == [["a=0"], ["a=99"]]
+    assert sweep_variants(["a=1,2"]) is None and sweep_variants(["-m", "model=glob(*)"]) is None
+    assert sweep_variants(["-m", "--config-name=other", "a=1,2"]) is None
+
+
 @pytest.mark.parametrize("argv, overrides", [
     (["--cfg", "job", "trainer.max_steps=3"], ["trainer.max_steps=3"]),
     (["a=1", "--resolve", "-c", "all", "b=2"], ["a=1", "b=2"]),
@@ -87,3 +115,36 @@ def test_help_prints_the_usage_and_exits_0(name, monkeypatch, capsys):
     apps[name](["--help"])
     out = capsys.readouterr()
     assert f"python -m trainer.cli.{name}" in out.out and out.err == ""
+
+
+@pytest.mark.parametrize("app, args, line", [
+    (stage_chain.main, ["--scale", "abc"], "error: argument --scale: invalid float value: 'abc' "
+                                           "(python -m trainer.cli.stage_chain --help)"),
+    (stage_chain.main, ["--rooot"], "error: unrecognized arguments: --rooot (python -m trainer.cli.stage_chain "
+                                    "--help)"),
+    (report.main, ["run", "--outt"], "error: unrecognized arguments: --outt (python -m trainer.cli.report --help)"),
+])
+def test_a_bad_option_of_the_apps_with_options_is_one_line(app, args, line, capsys):
+    """stage_chain (`make pipeline PIPELINE_ARGS=...`) and report take options, not overrides: argparse's usage block
+    and error (two lines or more) become one line, exit 2, as elsewhere."""
+    with pytest.raises(SystemExit) as e:
+        app(args)
+    assert e.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines() == [line]
+
+
+
+@pytest.mark.parametrize("name", ["generate", "evaluate"])
+def test_a_missing_checkpoint_is_one_line_on_a_loaded_machine(name, monkeypatch, capsys):
+    """The shared-machine warning (several threads, a load average above the cores) comes only once the inputs are
+    checked: before, generate's missing checkpoint was that warning and then the error (issue 44, from a fresh
+    clone). The torch thread count is the test's again afterwards (the app restores it)."""
+    import os
+
+    monkeypatch.setattr(os, "getloadavg", lambda: (4.0 * (os.cpu_count() or 1), 0.0, 0.0))
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    app, extra = {"generate": (generate.main, ["prompt=hi"]), "evaluate": (evaluate.main, [])}[name]
+    with pytest.raises(SystemExit) as e:
+        app(["ckpt=/nonexistent/run", "num_threads=2", "device=cpu", *extra])
+    assert e.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines() == ["error: ckpt='/nonexistent/run' does not exist"]

@@ -79,6 +79,21 @@ def test_an_error_the_preflight_misses_is_the_ranks_line_and_status(tmp_path, sm
 
 
 @pytest.mark.slow
+def test_an_error_of_every_rank_is_one_line(tmp_path, small_data):
+    """Two ranks that fail alike (issue 44, from a fresh clone: torchrun's four-line OMP_NUM_THREADS warning, the
+    error once per rank, torchrun's 'Sending process N closing signal SIGTERM'): one line, the ranks' status."""
+    proc = subprocess.Popen([str(TORCHRUN_SH), "2", *micro_overrides(tmp_path, small_data, "data.num_workers=0",
+                                                                     "data.path=/nonexistent/cedar-data",
+                                                                     "data.auto_prepare=false")],
+                            cwd=REPO, env={k: v for k, v in env().items() if k != "OMP_NUM_THREADS"},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: data.path='/nonexistent/cedar-data' does not exist"), err
+
+
+@pytest.mark.slow
 def test_sigterm_to_torchrun_and_its_worker_at_once_still_saves(tmp_path, small_data):
     proc = _launch(tmp_path, small_data, "trainer.max_steps=100000", "optim.schedule=constant",
                    "optim.warmup_steps=0", "checkpoint.interval=100000")
