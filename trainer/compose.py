@@ -12,8 +12,7 @@
   one plain list per value to try, composed before Hydra's runner.
 
 The options are the group's configs in conf/ (and the ConfigStore), without the `schema` node every group
-registers (trainer/config.py `register_configs`): selecting it is legal but is nothing a user means.
-"""
+registers (trainer/config.py `register_configs`)."""
 
 from __future__ import annotations
 

@@ -11,9 +11,7 @@
 - The workers start with SIGTERM and SIGUSR1 blocked: a stop that comes while a worker imports and sets up stays
   pending until the trainer's handler is installed (trainer/preemption.py unblocks them), instead of killing it.
 
-OMP_NUM_THREADS defaults to 1 as under torchrun, without torchrun's warning to tune it: the trainer sets each rank's
-threads itself (`trainer.num_threads`).
-"""
+OMP_NUM_THREADS defaults to 1 as under torchrun, without its warning: each rank sets its threads itself."""
 
 from __future__ import annotations
 
