@@ -35,10 +35,11 @@ STAGES = (
     # lr-0 run on the same prompts) and router biases frozen (their balancing update follows loads that are mostly
     # padding and moves the policy without regard to the reward): BENCHMARKS.md, issue 42, session 21. A training set
     # of 80 prompts visited in 4 epochs of 5 steps: each epoch's training reward is over the same prompts (fresh
-    # draws made the reward's trend the draws' difficulty): session 22
+    # draws made the reward's trend the draws' difficulty): session 22. Held-out success over 256 prompts per effort
+    # (64 left it to one or two prompts' flips of a weak model's greedy answers): session 23
     ("rl", ["stage=rl", "trainer.max_steps=20", "stage.prompts_per_step=16", "stage.train_prompts=80", "optim.lr=1e-4",
             "optim.schedule=constant", "optim.warmup_steps=0", "model.moe.bias_update_rate=0", "data.seq_len=64",
-            "checkpoint.interval=10"]),
+            "stage.num_eval=256", "checkpoint.interval=10"]),
     ("distill", ["stage=distill", "trainer.max_steps=30", "optim.lr=1e-3", "optim.warmup_steps=0", "data.seq_len=64",
                  "checkpoint.interval=10", "stage.envs=[arithmetic]", "stage.difficulty=[1]", "stage.num_eval=64"]),
     ("dspark", ["stage=dspark", "trainer.max_steps=200", "optim.lr=3e-3", "optim.warmup_steps=20",
