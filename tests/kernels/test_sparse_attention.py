@@ -139,8 +139,8 @@ def test_backward_matches_reference(case, poison):
     assert (got[2][unused] == 0).all()
 
 
-# (stacked_probs, split_loads, probs_block_n, dkv_overlap): the previous kernels, each switch alone, both (the
-# default), bwd_probs on half-width key blocks with either dot, the key-gradient launch as a persistent grid beside
+# (stacked_probs, split_loads, probs_block_n, dkv_overlap): the previous kernels (the default: none of the switches
+# was faster on an H100), each switch alone, both, bwd_probs on half-width key blocks with either dot, the key-gradient launch as a persistent grid beside
 # the next chunk (on the CPU: in order, one program looping over the chunk's queries)
 SWITCHES = [(False, False, 16, False), (True, False, 16, False), (False, True, 16, False), (True, True, 16, False),
             (True, True, 8, False), (False, True, 8, False), (True, True, 16, True), (False, False, 16, True)]

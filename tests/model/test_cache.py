@@ -298,10 +298,7 @@ def test_static_decode_step_compiles_to_one_graph(exact_model):
 
 def test_static_decode_step_keeps_the_dynamic_steps_routing(exact_model):
     """decode_step(keep_routing=True), what an RL rollout's CUDA graph replays: each step's records (every index
-    source's top-k ids, every MoE layer's experts) and logits equal those of the dynamic step with keep_routing, and
-    it still traces whole (one graph for every step)."""
-    from torch._dynamo.testing import CompileCounterWithBackend
-
+    source's top-k ids, every MoE layer's experts) and logits equal those of the dynamic step with keep_routing."""
     from model.serving import decode_step
 
     ids = tokens(44, batch=2, seed=7)
@@ -317,21 +314,11 @@ def test_static_decode_step_keeps_the_dynamic_steps_routing(exact_model):
         dynamic_recs.append(out.routing)
         return out.logits
 
-    torch._dynamo.reset()
-    counter = CompileCounterWithBackend("eager")
-    compiled = torch.compile(lambda x, c: decode_step(exact_model, x, c, keep_routing=True)[0], backend=counter,
-                             fullgraph=True, dynamic=False)
-    try:
-        with torch.no_grad():
-            got, _ = _decode_static(exact_model, ids, [29, 36], 48, step=keep_static)
-            want, _ = _decode_static(exact_model, ids, [29, 36], 48, step=keep_dynamic)
-            traced, _ = _decode_static(exact_model, ids, [29, 36], 48, step=compiled)
-    finally:
-        torch._dynamo.reset()
-    assert counter.frame_count == 1
-    for g, w, t in zip(got, want, traced):
+    with torch.no_grad():
+        got, _ = _decode_static(exact_model, ids, [29, 36], 48, step=keep_static)
+        want, _ = _decode_static(exact_model, ids, [29, 36], 48, step=keep_dynamic)
+    for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=0, atol=ATOL)
-        torch.testing.assert_close(t, g, rtol=0, atol=ATOL)
     assert len(static_recs) == len(dynamic_recs) == 44 - 36
     for step, (s, d) in enumerate(zip(static_recs, dynamic_recs)):
         assert s.topk.keys() == d.topk.keys() and s.experts.keys() == d.experts.keys() and s.topk, step
