@@ -6,15 +6,17 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d
 
 from trainer.checkpoint import CheckpointSaveError, rank_and_world
 from trainer.compose import CONF_DIR, compose_app
 
-__all__ = ["run_app", "io_message", "join_world", "device_named"]
+__all__ = ["run_app", "io_message", "join_world", "leave_together", "device_named"]
 
 
 def old_path(old: str, new: str) -> None:
@@ -44,6 +46,18 @@ def join_world() -> tuple[int, int]:
     return rank_and_world()
 
 
+def leave_together() -> None:
+    """Before a process group is torn down after a finished run: a barrier, then every rank says it is through it on
+    the launcher's store (not gloo) and waits for all. A rank that closed its gloo connections while a peer still
+    read the barrier's last message would abort that peer ("terminate called without an active exception": seen in
+    test_train's torchrun run and in import_hf's two-rank test); tests/distributed.py ends its workers the same way."""
+    dist.barrier()
+    store, world = distributed_c10d._get_default_store(), dist.get_world_size()
+    store.add("cedar_shutdown", 1)
+    while store.add("cedar_shutdown", 0) < world:
+        time.sleep(0.01)
+
+
 def run_app(config_name: str, schema, run, argv: Sequence[str] | None, doc: str) -> None:
     """A small app's main: `-h` / `--help` prints `doc` and conf/<config_name>.yaml; otherwise `run` gets the composed
     config (trainer/compose.py `compose_app`). A bad key, a bad value or a file it cannot read or write (a checkpoint
@@ -54,6 +68,9 @@ def run_app(config_name: str, schema, run, argv: Sequence[str] | None, doc: str)
         return
     try:
         run(compose_app(config_name, schema, argv))
+        if dist.is_initialized():  # torchrun's ranks (join_world) leave together, then tear the group down
+            leave_together()
+            dist.destroy_process_group()
     except (ValueError, OSError, CheckpointSaveError) as e:  # the last: an output it could not write (import_hf)
         if isinstance(e, OSError):
             e = io_message(e)

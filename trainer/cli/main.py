@@ -25,29 +25,13 @@ from torch.distributed import distributed_c10d
 
 from trainer import train
 from trainer.checkpoint import CheckpointSaveError
-from trainer.cli.app import io_message
+from trainer.cli.app import io_message, leave_together
 from trainer.compose import CONF_DIR, check_config_groups, compose, hydra_overrides, sweep_variants
 from trainer.config import register_configs, to_config
 from trainer.preemption import StopRequest
 from trainer.run_lock import RunLock
 
 register_configs()
-
-
-def _leave_together() -> None:
-    """Before the group is torn down after a finished run: a barrier, then every rank says it is through it on the
-    launcher's store (not gloo) and waits for all. A rank that closed its gloo connections while a peer still read
-    the barrier's last message would abort that peer ("terminate called without an active exception", seen once in
-    test_train's torchrun run); tests/distributed.py ends its workers the same way."""
-    import time
-
-    from torch.distributed import distributed_c10d
-
-    dist.barrier()
-    store, world = distributed_c10d._get_default_store(), dist.get_world_size()
-    store.add("cedar_shutdown", 1)
-    while store.add("cedar_shutdown", 0) < world:
-        time.sleep(0.01)
 
 
 def _first_to_say(message: str) -> bool:
@@ -111,7 +95,7 @@ def _run(dcfg: DictConfig) -> None:
             flush=True,
         )
     if dist.is_initialized():
-        _leave_together()
+        leave_together()
         dist.destroy_process_group()
     RunLock.release_dir(run_dir)  # a multirun's next job may run in this process
 
