@@ -21,6 +21,7 @@ from kernels import indexer_decode, sparse_decode  # noqa: E402
 from model.serving import decode_step  # noqa: E402
 from model.serving_decode import check_decode_kernels  # noqa: E402
 from tests.model.test_cache import DEVICE, EXACT_STORE, QAT, build, tokens  # noqa: E402
+from tests.trainer.test_engine import _assert_greedy_and_teacher_forced  # noqa: E402
 from trainer.engine import Engine, Request, SamplingParams  # noqa: E402
 
 ATOL = 2e-5 if DEVICE == "cpu" else 2e-4  # fp32: the kernels sum in another order than the reference's einsums
@@ -153,11 +154,4 @@ def test_engine_on_the_kernels_is_greedy_under_the_teacher_forced_forward(qat_mo
         assert c.token_ids == r.token_ids
         torch.testing.assert_close(torch.tensor(c.model_logprobs), torch.tensor(r.model_logprobs), rtol=0,
                                    atol=ATOL)
-        seq = torch.tensor([c.prompt_ids + c.token_ids], device=DEVICE)
-        with torch.no_grad():
-            lp = m(seq).log_softmax(-1)[0].cpu()
-        n = len(c.prompt_ids)
-        rows = torch.arange(n - 1, seq.shape[1] - 1)
-        picked = lp[rows, torch.tensor(c.token_ids)]
-        assert bool((picked >= lp[rows].amax(-1) - ATOL).all()), c.request_id
-        torch.testing.assert_close(torch.tensor(c.model_logprobs), picked, rtol=0, atol=ATOL)
+    _assert_greedy_and_teacher_forced(m, out, atol=ATOL)

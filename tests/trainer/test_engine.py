@@ -197,7 +197,7 @@ def test_cuda_graph_keeps_the_rollouts_routing(model):
             assert ga.keys() == gb.keys() and all(ga[k].tolist() == gb[k].tolist() for k in ga), key
 
 
-def _assert_greedy_and_teacher_forced(model, completions) -> None:
+def _assert_greedy_and_teacher_forced(model, completions, atol: float = LP_ATOL) -> None:
     """Each completion's tokens are greedy under the teacher-forced forward of prompt + completion (each token's
     log-prob within LP_ATOL of the largest: a near-tie may go either way), and its model log-probs are that
     forward's."""
@@ -208,8 +208,8 @@ def _assert_greedy_and_teacher_forced(model, completions) -> None:
         n = len(c.prompt_ids)
         rows = torch.arange(n - 1, seq.shape[1] - 1)
         picked = lp[rows, torch.tensor(c.token_ids)]
-        assert bool((picked >= lp[rows].amax(-1) - LP_ATOL).all()), c.request_id
-        torch.testing.assert_close(torch.tensor(c.model_logprobs), picked, rtol=0, atol=LP_ATOL)
+        assert bool((picked >= lp[rows].amax(-1) - atol).all()), c.request_id
+        torch.testing.assert_close(torch.tensor(c.model_logprobs), picked, rtol=0, atol=atol)
 
 
 @pytest.mark.parametrize("cuda_graph", [False, True], ids=["eager", "graph"])
