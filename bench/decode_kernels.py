@@ -11,7 +11,8 @@ ring rows, the counts set; a step's work depends on the counts, not the values):
   and whether the caches' stored bytes still agree afterwards (the fraction of bytes that differ);
 - time: the median ms per step of the reference step op by op ("static"), the kernel step op by op ("kernels"), and
   both replayed from a CUDA graph ("graph", "graph+kernels": trainer/engine/engine.py's _DecodeGraph, what
-  Engine(cuda_graph=True) runs), the four alternated step by step, with the speed-up of each over "static";
+  Engine(cuda_graph=True) runs), each timed in turn on its own cache (one graph alive at a time, as in the
+  engine), with the speed-up of each over "static";
 - kernels (at the first batch size; not with --no-count): the device kernels one step launches, in all and per
   layer role (swa, full, reindex, reuse: torch.profiler over each block's call alone, the mean over the role's
   layers), for the reference and the kernel step; the report's figure is 11 per Reuse layer.
@@ -152,34 +153,32 @@ def main() -> None:
                    device=torch.cuda.get_device_name(dev))
         row["check"] = check(m, B, n, args.check_steps, autocast)
         max_len = n + 3 * args.steps + 16
-        steps = {}
+        times = defaultdict(list)
         with torch.no_grad(), autocast():
-            for mode in MODES:
+            for mode in MODES:  # in turn, one graph alive at a time (two at once: decode_graph_check.py two-graphs)
                 cache = filled(m, B, n, max_len)
                 if mode == "static":
-                    steps[mode] = (lambda c: lambda x: decode_step(m, x, c))(cache)
+                    step = (lambda c: lambda x: decode_step(m, x, c))(cache)
                 elif mode == "kernels":
-                    steps[mode] = (lambda c: lambda x: kern_step(x, c))(cache)
+                    step = (lambda c: lambda x: kern_step(x, c))(cache)
                 else:
-                    steps[mode] = _DecodeGraph(m, cache, kern_step if mode == "graph+kernels" else None)
+                    step = _DecodeGraph(m, cache, kern_step if mode == "graph+kernels" else None)
                 for i in range(2):
-                    steps[mode](random_ids(m.cfg, B, 1, 4 + i, dev))
+                    step(random_ids(m.cfg, B, 1, 4 + i, dev))
                 if not args.no_count and B == sizes[0] and mode in ("static", "kernels"):
                     one = kern_step if mode == "kernels" else functools.partial(decode_step, m)
                     row[f"kernels_{mode}"] = k = kernels_by_role(m, one, random_ids(m.cfg, B, 1, 9, dev), cache)
                     print(f"  kernels of one {mode} step: {k['total']} ({k['per_layer']:.1f} a layer; by role "
                           f"{', '.join(f'{r} {v:.1f}' for r, v in k['roles'].items())}; {k['outside_layers']} "
                           f"outside the layers)")
-            times = defaultdict(list)
-            for i in range(args.steps):
-                for mode in MODES if i % 2 == 0 else MODES[::-1]:
+                for i in range(args.steps):
                     tok = random_ids(m.cfg, B, 1, 20 + i, dev)
                     torch.cuda.synchronize()
                     t0 = time.perf_counter()
-                    steps[mode](tok)
+                    step(tok)
                     torch.cuda.synchronize()
                     times[mode].append(time.perf_counter() - t0)
-        del steps
+                del step, cache
         med = {mode: statistics.median(v) for mode, v in times.items()}
         for mode in MODES:
             print(f"  {mode:14s} {med[mode] * 1e3:8.2f} ms/step ({min(times[mode]) * 1e3:.2f}-"

@@ -316,8 +316,10 @@ def serve_forward(model, input_ids: torch.Tensor, cache, *, image_mask=None, rou
                          f"[0, {cfg.vocab_size})")
     B, T = input_ids.shape
     first_call = not bool(cache.prefilled.any())
-    kernels = on_kernels(model, routing, keep_routing)
-    if kernels and B > 1 and not bool((cache.lengths == cache.lengths[0]).all()):
+    kernels = on_kernels(model, routing)
+    ragged = B > 1 and not bool((cache.lengths == cache.lengths[0]).all())
+    kernels = kernels and not (ragged and keep_routing)  # records of one call: its rows at one length
+    if kernels and ragged:
         start = cache.lengths.clone()
         logits = torch.cat([_call(model, input_ids[b:b + 1], cache.rows(b, b + 1), first_call, kernels,
                                   None if image_mask is None else image_mask[b:b + 1])[0] for b in range(B)])
@@ -332,14 +334,16 @@ def serve_forward(model, input_ids: torch.Tensor, cache, *, image_mask=None, rou
     return logits, state
 
 
-def on_kernels(model, routing=None, keep_routing: bool = False) -> bool:
+def on_kernels(model, routing=None) -> bool:
     """Whether serve_forward runs the training forward's kernels: the attention's kernel switch (model.kernels,
     resolved when the model was placed) is Triton, the indexer is in its sparse phase, the weights are plain tensors
-    (no tensor-parallel plan), and no routing record is replayed or kept (the reference path's masks, as in the
-    training forward)."""
+    (no tensor-parallel plan), and no routing record is replayed (the reference path's masks, as in the training
+    forward). Records are kept on the kernels too (an RL rollout's prefill): the indexer kernels' top-k ids, as the
+    decode kernels keep theirs (`_sorted_ids`), and the MoE's experts; rows at different lengths with records kept
+    take the reference path (the kernels run such rows one at a time)."""
     attn = model.layers[0].attn
     return (attn.kernel_path == "triton" and model.cfg.indexer.phase == "sparse" and routing is None
-            and not keep_routing and kern.plain(attn.wq_a.weight))
+            and kern.plain(attn.wq_a.weight))
 
 
 def _call(model, input_ids, cache, first_call: bool, kernels: bool, image_mask, routing=None, keep_routing=False):

@@ -153,13 +153,33 @@ def test_generation_after_a_kernel_prefill_equals_the_teacher_forced_forward():
 
 
 def test_the_switch_is_the_kernel_path():
-    """kernels="triton" prefills on the kernels; the reference, routing records (kept or replayed) and the dense
-    warm-up take the reference path."""
+    """kernels="triton" prefills on the kernels; the reference, replayed routing records and the dense warm-up take
+    the reference path."""
     ref, tri = _pair(EXACT)
     assert serving.on_kernels(tri) and not serving.on_kernels(ref)
-    assert not serving.on_kernels(tri, keep_routing=True)
+    assert not serving.on_kernels(tri, routing=object())
     tri.cfg.indexer.phase = "dense_warmup"
     assert not serving.on_kernels(tri)
+
+
+def test_routing_records_kept_on_the_kernels_equal_the_reference(qat_pair, monkeypatch):
+    """An RL rollout's prefill (keep_routing) on the kernels: a one-shot call of two rows, then a chunk; every index
+    source's top-k and every MoE layer's experts are the reference prefill's."""
+    ref, tri = qat_pair
+    ids = _ids(2, 30, seed=9)
+    recs = {}
+    for name, m in (("ref", ref), ("tri", tri)):
+        if name == "tri":
+            _no_reference_attention(monkeypatch)
+        cache = m.new_cache(2, 32, replay="none")
+        with torch.no_grad():
+            recs[name] = [m(c, cache=cache, outputs=True, keep_routing=True).routing for c in ids.split([22, 8], 1)]
+    for k, (got, want) in enumerate(zip(recs["tri"], recs["ref"])):
+        assert got.topk.keys() == want.topk.keys() and got.experts.keys() == want.experts.keys()
+        for layer in want.topk:
+            assert torch.equal(got.topk[layer], want.topk[layer]), f"call {k} layer {layer} top-k"
+        for layer in want.experts:
+            assert torch.equal(got.experts[layer], want.experts[layer]), f"call {k} layer {layer} experts"
 
 
 def test_the_engine_on_a_kernel_prefill_is_greedy_under_the_teacher_forced_forward():

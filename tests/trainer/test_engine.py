@@ -78,23 +78,31 @@ def test_stop_tokens_and_streaming(model):
     assert streamed == [("r", t) for t in c.token_ids]
 
 
-def test_routing_replay_gives_the_engines_logprobs(model):
+def test_routing_replay_gives_the_engines_logprobs(model, monkeypatch):
     """With the rollout's records (index top-k per source, experts per MoE layer) the training forward's log-probs of
-    the completion are the engine's; the records cover every token the model read."""
+    the completion are the engine's; the records cover every token the model read. Two samples of one prompt (an RL
+    group) are prefilled in one call and each keeps its own row of the records."""
     eng = Engine(model, replay="none")
-    c = eng.generate([Request(_prompt(45, 9), SamplingParams(temperature=1.0, max_new_tokens=10, seed=1),
-                              return_routing=True)])[0]
-    seq = _t([c.prompt_ids + c.token_ids[:-1]])
-    rec = c.routing
-    assert all(t.shape[1] == seq.shape[1] for t in list(rec.topk.values()) + list(rec.experts.values()))
-    assert sorted(rec.experts) == list(range(model.cfg.num_layers))
-    assert sorted(rec.topk) == sorted(model.cfg.csa2.index_source_layers)
-    with torch.no_grad():
-        out = model(seq, routing=rec, outputs=True)
-    n = len(c.prompt_ids)
-    lp = out.logits.log_softmax(-1)[0, n - 1:]
-    got = lp.gather(-1, _t(c.token_ids)[:, None]).squeeze(-1).cpu()
-    torch.testing.assert_close(got, torch.tensor(c.model_logprobs), rtol=0, atol=LP_ATOL)
+    calls = []
+    call = eng._call
+    monkeypatch.setattr(eng, "_call", lambda ids, cache, keep: calls.append(ids.shape) or call(ids, cache, keep))
+    reqs = [Request(_prompt(45, 9), SamplingParams(temperature=1.0, max_new_tokens=10, seed=s), return_routing=True)
+            for s in (1, 2)]
+    done = eng.generate(reqs)
+    assert calls[0] == (2, 45)  # the group's prompt: one prefill call of two rows
+    assert done[0].token_ids != done[1].token_ids
+    for c in done:
+        seq = _t([c.prompt_ids + c.token_ids[:-1]])
+        rec = c.routing
+        assert all(t.shape[:2] == seq.shape for t in list(rec.topk.values()) + list(rec.experts.values()))
+        assert sorted(rec.experts) == list(range(model.cfg.num_layers))
+        assert sorted(rec.topk) == sorted(model.cfg.csa2.index_source_layers)
+        with torch.no_grad():
+            out = model(seq, routing=rec, outputs=True)
+        n = len(c.prompt_ids)
+        lp = out.logits.log_softmax(-1)[0, n - 1:]
+        got = lp.gather(-1, _t(c.token_ids)[:, None]).squeeze(-1).cpu()
+        torch.testing.assert_close(got, torch.tensor(c.model_logprobs), rtol=0, atol=LP_ATOL)
     # the records are used: forcing other experts changes the forward
     flipped = type(rec)(dict(rec.topk), {k: (v + 1) % model.cfg.moe.num_experts for k, v in rec.experts.items()})
     with torch.no_grad():

@@ -307,15 +307,15 @@ class Engine:
             ring = spec.new_ring(B) if spec else None
             last = []
             t0 = time.perf_counter()
-            for b0, b1 in self._prefill_groups(chunk, keep):
+            for b0, b1 in self._prefill_groups(chunk):
                 def after_call(rows_cache, b0=b0):
                     spec.record_prefill(ring, b0, rows_cache, means)
 
                 logits, rec = self._prefill(cache.rows(b0, b1), [ids for _, _, ids in chunk[b0:b1]], keep,
                                             after_call if spec else None)
                 last.append(logits[:, -1])
-                if keep:
-                    records[b0].extend(rec)
+                for b in range(b0, b1) if keep else ():
+                    records[b].extend(r.rows(b - b0, b - b0 + 1) for r in rec)
                 self.stats["prefill_tokens"] += sum(len(ids) for _, _, ids in chunk[b0:b1])
             self.stats["prefill_s"] += time.perf_counter() - t0
             t0 = time.perf_counter()
@@ -365,13 +365,13 @@ class Engine:
                 if active[b]:
                     active[b] = emit(b, int(tok[b]), float(lp[b]), float(mlp[b]))
 
-    def _prefill_groups(self, chunk, keep: bool) -> list[tuple[int, int]]:
-        """Rows [b0, b1) prefilled in one call: neighbours of one prompt length, without a prefix cache (a row at a
-        time) or routing records (kept per row)."""
+    def _prefill_groups(self, chunk) -> list[tuple[int, int]]:
+        """Rows [b0, b1) prefilled in one call: neighbours of one prompt length (an RL group's samples of a prompt),
+        without a prefix cache (a row at a time); routing records are split by row after the call."""
         groups, b0 = [], 0
         while b0 < len(chunk):
             b1 = b0 + 1
-            if self.prefix_cache is None and not keep:
+            if self.prefix_cache is None:
                 while b1 < len(chunk) and len(chunk[b1][2]) == len(chunk[b0][2]):
                     b1 += 1
             groups.append((b0, b1))
