@@ -70,6 +70,13 @@ def _fill(m, cache: KVCache, ids: torch.Tensor, chunks) -> torch.Tensor:
         return torch.cat([m(c, cache=cache) for c in ids.split(list(chunks), dim=1)], dim=1)
 
 
+def _fill_keeping_routing(m, cache: KVCache, ids: torch.Tensor, chunks):
+    """_fill with keep_routing: (logits, each call's RoutingRecords)."""
+    with torch.no_grad():
+        outs = [m(c, cache=cache, outputs=True, keep_routing=True) for c in ids.split(list(chunks), dim=1)]
+    return torch.cat([o.logits for o in outs], dim=1), [o.routing for o in outs]
+
+
 def _assert_same_cache(got: KVCache, want: KVCache) -> None:
     """Every buffer: stored bytes (at most MAX_FLIPS differ), open groups' fp32 rows, counts."""
     for name in ("lengths", "swa_start", "tokens", "prefilled", "prefill_end", "reached"):
@@ -95,14 +102,22 @@ def _assert_same_cache(got: KVCache, want: KVCache) -> None:
 # then past it, crossing ratio-2 groups and the pool's blocks
 @pytest.mark.parametrize("chunks", [(30,), (5, 3, 13, 9)], ids=["one-shot", "chunked"])
 def test_prefill_on_kernels_equals_the_reference(qat_pair, chunks, monkeypatch):
+    """Logits and cache; with routing records kept (an RL rollout's prefill), every call's records: each index
+    source's top-k and each MoE layer's experts are the reference prefill's."""
     ref, tri = qat_pair
     ids = _ids(2, 30)
     want_cache, got_cache = ref.new_cache(2, 32, replay="none"), tri.new_cache(2, 32, replay="none")
-    want = _fill(ref, want_cache, ids, chunks)
+    want, want_rec = _fill_keeping_routing(ref, want_cache, ids, chunks)
     _no_reference_attention(monkeypatch)
-    got = _fill(tri, got_cache, ids, chunks)
+    got, got_rec = _fill_keeping_routing(tri, got_cache, ids, chunks)
     assert_rel(got, want, "logits")
     _assert_same_cache(got_cache, want_cache)
+    for k, (g, w) in enumerate(zip(got_rec, want_rec)):
+        assert g.topk.keys() == w.topk.keys() and g.experts.keys() == w.experts.keys()
+        assert any(bool((t >= 0).any()) for t in w.topk.values()), "no entry picked: the records compare nothing"
+        for part in ("topk", "experts"):
+            for layer, t in getattr(w, part).items():
+                assert torch.equal(getattr(g, part)[layer], t), f"call {k} layer {layer} {part}"
 
 
 def test_halo_prefill_on_kernels_equals_the_reference(qat_pair, monkeypatch):
@@ -160,26 +175,6 @@ def test_the_switch_is_the_kernel_path():
     assert not serving.on_kernels(tri, routing=object())
     tri.cfg.indexer.phase = "dense_warmup"
     assert not serving.on_kernels(tri)
-
-
-def test_routing_records_kept_on_the_kernels_equal_the_reference(qat_pair, monkeypatch):
-    """An RL rollout's prefill (keep_routing) on the kernels: a one-shot call of two rows, then a chunk; every index
-    source's top-k and every MoE layer's experts are the reference prefill's."""
-    ref, tri = qat_pair
-    ids = _ids(2, 30, seed=9)
-    recs = {}
-    for name, m in (("ref", ref), ("tri", tri)):
-        if name == "tri":
-            _no_reference_attention(monkeypatch)
-        cache = m.new_cache(2, 32, replay="none")
-        with torch.no_grad():
-            recs[name] = [m(c, cache=cache, outputs=True, keep_routing=True).routing for c in ids.split([22, 8], 1)]
-    for k, (got, want) in enumerate(zip(recs["tri"], recs["ref"])):
-        assert got.topk.keys() == want.topk.keys() and got.experts.keys() == want.experts.keys()
-        for layer in want.topk:
-            assert torch.equal(got.topk[layer], want.topk[layer]), f"call {k} layer {layer} top-k"
-        for layer in want.experts:
-            assert torch.equal(got.experts[layer], want.experts[layer]), f"call {k} layer {layer} experts"
 
 
 def test_the_engine_on_a_kernel_prefill_is_greedy_under_the_teacher_forced_forward():
