@@ -8,8 +8,9 @@ before whenever records were kept: every RL rollout, stage.replay_routing being 
 Random weights; requests as the RL stage makes them (--prompts prompts of --prompt-len tokens, --group samples each,
 temperature 1, return_routing=True), one engine batch. Per repeat, both ways alternated; reported: the medians of
 the engine's prefill seconds (its `prefill_s`), the speed-up, and whether the two gave the same tokens, log-probs
-and routing records (on the CPU in fp32 they must: the same requests and seeds; log-probs within 1e-5). On a GPU the grouped prefill also runs on the
-training kernels (model/serving.py `on_kernels`), which records kept forbade before.
+and routing records (on the CPU in fp32 they must: the same requests and seeds; log-probs within 1e-5). On a GPU
+the grouped prefill also runs on the training kernels (model/serving.py `on_kernels`), which records kept forbade
+before.
 """
 
 from __future__ import annotations
