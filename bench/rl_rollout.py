@@ -64,7 +64,10 @@ def main() -> None:
         try:
             r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=args.timeout)
         except subprocess.TimeoutExpired:
-            print(f"{mode:>13}: did not finish within {args.timeout:.0f} s")
+            log = REPO / run_dir / "main.log"
+            lines = [x for x in (log.read_text().splitlines() if log.is_file() else []) if " - step " in x]
+            print(f"{mode:>13}: did not finish within {args.timeout:.0f} s; its last progress line: "
+                  f"{lines[-1].split(' - ', 1)[-1] if lines else '(none)'}")
             continue
         wall = time.perf_counter() - t0
         if r.returncode != 0:
