@@ -8,14 +8,7 @@
 #
 # Writes OUT_DIR/tests.txt, decode.txt, sa_bwd.txt, fp8.txt, prefill.txt (and a .jsonl beside each benchmark).
 set -uo pipefail
-out=${1:?usage: bench/gpu_fast_paths.sh OUT_DIR}
-mkdir -p "$out"
-cd "$(dirname "$0")/.."
-run() {  # run NAME SECONDS CMD...: CMD's output into OUT_DIR/NAME.txt, its exit status (124: cut) on the last line
-  local name=$1 limit=$2; shift 2
-  timeout "$limit" "$@" > "$out/$name.txt" 2>&1
-  echo "exit $? (124: cut at ${limit} s)" >> "$out/$name.txt"
-}
+source "$(dirname "$0")/gpu_run.sh"
 run tests 150 python3 -m pytest -q -rf -p no:cacheprovider --tb=line tests/kernels/test_sparse_decode.py \
   tests/kernels/test_indexer_decode.py tests/model/test_serving_decode.py tests/model/test_prefill.py \
   tests/trainer/test_engine.py tests/optim/test_clip_in_step.py tests/kernels/test_fp8_gemm.py \

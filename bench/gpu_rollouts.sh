@@ -8,14 +8,7 @@
 #
 # Writes OUT_DIR/prefill.txt, rl.txt, fp8_libraries.txt (and a .jsonl beside each).
 set -uo pipefail
-out=${1:?usage: bench/gpu_rollouts.sh OUT_DIR}
-mkdir -p "$out"
-cd "$(dirname "$0")/.."
-run() {  # run NAME SECONDS CMD...: CMD's output into OUT_DIR/NAME.txt, its exit status (124: cut) on the last line
-  local name=$1 limit=$2; shift 2
-  timeout "$limit" "$@" > "$out/$name.txt" 2>&1
-  echo "exit $? (124: cut at ${limit} s)" >> "$out/$name.txt"
-}
+source "$(dirname "$0")/gpu_run.sh"
 run prefill 90 python3 bench/rollout_prefill.py --model v41_small --device cuda --prompts 8 --group 8 \
   --prompt-len 40 --json "$out/prefill.jsonl"
 run rl 330 python3 bench/rl_rollout.py --prompts 64 --group 8 --new-tokens 256 --steps 2 \
