@@ -23,16 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-# What every rank imports anyway; the fork server imports it once. Only modules here, never the test modules: a rank
-# imports its test module itself when `fn` is unpickled.
-_PRELOAD = [
-    "numpy", "pytest", "torch", "torch.distributed", "torch.distributed.tensor", "torch.distributed.fsdp",
-    "torch.distributed.checkpoint", "torch.distributed.pipelining", "model", "data", "optim", "trainer.train",
-    "trainer.checkpoint", "trainer.parallel.pipeline", "trainer.parallel.context", "trainer.parallel.expert",
-]
-# Read when the kernels are imported (tests/conftest.py sets it before anything imports them): the fork server's
-# value must be the test process's.
-_IMPORT_TIME_ENV = ("TRITON_INTERPRET",)
+from tests.fork_server import PRELOAD, check_import_time_env
 
 
 class _Prefixed:
@@ -79,9 +70,7 @@ def _worker(rank: int, world_size: int, backend: str, store_file: str, out_dir: 
             environ: dict, stdio: _Stdio):
     stdio.install()
     fn, args = pickle.loads(call)
-    for key in _IMPORT_TIME_ENV:
-        assert os.environ.get(key) == environ.get(key), \
-            f"{key}={environ.get(key)!r} here but {os.environ.get(key)!r} when the fork server imported the kernels"
+    check_import_time_env(environ)
     os.environ.clear()
     os.environ.update(environ)
     # A fresh process's generators: forked ranks would all start from the fork server's states
@@ -122,7 +111,7 @@ def run_distributed(fn, world_size: int, *args, backend: str = "gloo", meanwhile
     a core the ranks leave idle instead of running before or after them); then the return value is
     (per-rank results, meanwhile()). If it raises, the ranks are stopped and its exception propagates."""
     threads = max(1, (os.cpu_count() or 1) // world_size)
-    mp.set_forkserver_preload(_PRELOAD)  # used when the fork server starts: the first call of the session
+    mp.set_forkserver_preload(PRELOAD)  # the suite's fork server (tests/fork_server.py), started by its first use
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "store")
         # fn and its arguments as plain pickle bytes: tensors by value, not as shared-memory file descriptors, of

@@ -16,7 +16,6 @@ The rest of what it proves: docs/testing.md#elastic-resume-of-the-reader
 import json
 import logging
 import pickle
-import sys
 from collections import Counter
 from itertools import islice
 
@@ -348,7 +347,7 @@ def test_trainer_resumes_with_another_number_of_data_ranks(tmp_path):
     from torch.distributed.checkpoint import FileSystemReader
 
     from data.config import DataConfig, ensure_prepared
-    from tests.trainer.harness import REPO, env, micro_overrides, read_metrics
+    from tests.trainer.harness import REPO, env, micro_overrides, read_metrics, run_cli
 
     data = tmp_path / "data"
     ensure_prepared(DataConfig(path=str(data), max_bytes=400_000, shard_size=16_384), progress=False)
@@ -356,9 +355,11 @@ def test_trainer_resumes_with_another_number_of_data_ranks(tmp_path):
     def run(ranks, name, steps, resume=None):
         args = micro_overrides(tmp_path / name, data, "checkpoint.interval=2", f"trainer.max_steps={steps}",
                                "data.num_workers=0", *([f"checkpoint.resume={resume}"] if resume else []))
-        cmd = ([sys.executable, "-m", "trainer.cli.main"] if ranks == 1
-               else ["bash", str(REPO / "launch" / "torchrun.sh"), str(ranks)])
-        r = subprocess.run([*cmd, *args], cwd=REPO, env=env(), capture_output=True, text=True, timeout=300)
+        if ranks == 1:
+            r = run_cli(args)
+        else:
+            r = subprocess.run(["bash", str(REPO / "launch" / "torchrun.sh"), str(ranks), *args], cwd=REPO, env=env(),
+                               capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, r.stderr[-3000:]
         return r.stdout + r.stderr
 

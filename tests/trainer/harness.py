@@ -11,6 +11,8 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from tests.fork_server import run_module
+
 REPO = Path(__file__).resolve().parents[2]
 
 # v41_tiny shrunk until a step takes tens of milliseconds on one core, keeping every structural feature: an SWA
@@ -51,11 +53,9 @@ def env(**extra: str) -> dict:
 
 
 def run_cli(args: list[str], timeout: float = 300, **env_extra: str) -> subprocess.CompletedProcess:
-    """`python -m trainer.cli.main ARGS` from the repository root."""
-    return subprocess.run(
-        [sys.executable, "-m", "trainer.cli.main", *args], cwd=REPO, env=env(**env_extra), capture_output=True,
-        text=True, timeout=timeout,
-    )
+    """`python -m trainer.cli.main ARGS` from the repository root, forked from the suite's fork server
+    (tests/fork_server.py: the same CompletedProcess, without a fresh interpreter's imports)."""
+    return run_module("trainer.cli.main", args, cwd=REPO, env=env(**env_extra), timeout=timeout)
 
 
 def kill_9_when(args: list[str], ready, timeout: float = 300) -> int:
@@ -80,10 +80,7 @@ def kill_9_when(args: list[str], ready, timeout: float = 300) -> int:
 
 def run_faulty(faults: str, args: list[str], timeout: float = 300, **env_extra: str) -> subprocess.CompletedProcess:
     """`python -m trainer.cli.main ARGS` with faults patched in (tests/trainer/faults.py)."""
-    return subprocess.run(
-        [sys.executable, "-m", "tests.trainer.faults", faults, "--", *args], cwd=REPO, env=env(**env_extra),
-        capture_output=True, text=True, timeout=timeout,
-    )
+    return run_module("tests.trainer.faults", [faults, "--", *args], cwd=REPO, env=env(**env_extra), timeout=timeout)
 
 
 def side_by_side(*runs):

@@ -19,6 +19,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 import model as model_pkg
+from tests.fork_server import run_module
 from trainer.checkpoint import hf
 from tests.helpers import ROOT, build_tiny, load_config
 from tests.trainer.harness import env, losses, micro_overrides, run_cli
@@ -227,8 +228,7 @@ def test_an_output_that_cannot_be_written_is_one_line_before_any_file(tmp_path, 
 
 
 def _cli(module: str, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, env=env(), capture_output=True, text=True,
-                          timeout=300)
+    return run_module(module, list(args), cwd=ROOT, env=env(), timeout=300)
 
 
 @pytest.mark.slow

@@ -14,19 +14,18 @@ The rest of what it proves: docs/testing.md#the-memory-planner
 
 import json
 import math
-import subprocess
-import sys
+import os
 
 import pytest
 import torch
 
+from tests.fork_server import run_module
 from tests.helpers import ROOT, load_config
 from trainer.memory_plan import Layout, param_kind, plan_model, stage_parameters
 
 
 def _run(*args):
-    return subprocess.run([sys.executable, "-m", "trainer.cli.plan", "--json", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120)
+    return run_module("trainer.cli.plan", ["--json", *args], cwd=ROOT, env=dict(os.environ), timeout=120)
 
 
 def test_flagship_figures_from_cli():

@@ -9,7 +9,6 @@ import colorsys
 import json.decoder
 import math
 import shutil
-import subprocess
 import sys
 import textwrap
 
@@ -18,6 +17,7 @@ import pytest
 import torch
 
 from data.config import DataConfig, ensure_prepared
+from tests.fork_server import run_module
 from tests.trainer.harness import REPO, env, micro_overrides, read_metrics, run_cli
 from trainer.checkpoint.loading import find_checkpoint, run_tokenizer
 from trainer.cli.evaluate import EvaluateConfig, evaluate, windows
@@ -46,8 +46,7 @@ def one_thread():
 
 
 def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "trainer.cli.evaluate", *map(str, args)], cwd=REPO, env=env(),
-                          capture_output=True, text=True, timeout=300)
+    return run_module("trainer.cli.evaluate", list(map(str, args)), cwd=REPO, env=env(), timeout=300)
 
 
 def test_sft_eval_is_the_stage_s_held_out_loss(runs, one_thread):

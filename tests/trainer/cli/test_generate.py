@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
-import subprocess
 import sys
 import zlib
 from pathlib import Path
@@ -26,6 +25,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from tests.fork_server import run_module
 from tests.distributed import run_distributed
 from tests.helpers import every_role_config
 from tests.trainer.harness import QUIET, REPO, SMALL_DATA, env, run_cli
@@ -105,9 +105,9 @@ def _assert_same_state(a: torch.nn.Module, b: torch.nn.Module) -> None:
 def test_greedy_tokens_from_a_run_dir_are_the_trained_models_argmax(run_dir, small_data, tokenizer, tmp_path):
     prompts, out = tmp_path / "prompts.jsonl", tmp_path / "out.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p, "id": i}) + "\n" for i, p in enumerate(PROMPTS)))
-    r = subprocess.run([sys.executable, "-m", "trainer.cli.generate", f"ckpt={run_dir}", f"prompts_file={prompts}",
-                        f"output={out}", "max_new_tokens=8", "num_threads=1", *EXACT_CACHE],
-                       cwd=REPO, env=env(), capture_output=True, text=True, timeout=300)
+    r = run_module("trainer.cli.generate", [f"ckpt={run_dir}", f"prompts_file={prompts}", f"output={out}",
+                                            "max_new_tokens=8", "num_threads=1", *EXACT_CACHE],
+                   cwd=REPO, env=env(), timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "tokens/s" in r.stdout and r.stderr == ""
     assert r.stdout.rstrip().endswith("; CPU threads 1 (set)")  # the throughput line says the threads

@@ -4,12 +4,12 @@ HTML page with one plot per metric and one line per run in each, headline plots 
 headings, a skipped step's null left out; a missing run, an empty or corrupt metrics.jsonl is one line, exit 2."""
 
 import json
+import os
 import re
-import subprocess
-import sys
 
 import pytest
 
+from tests.fork_server import run_module
 from tests.trainer.harness import REPO
 from trainer.cli import report
 
@@ -43,8 +43,7 @@ def runs(tmp_path):
 
 
 def _cli(*args, cwd=REPO):
-    return subprocess.run([sys.executable, "-m", "trainer.cli.report", *map(str, args)], cwd=cwd,
-                          capture_output=True, text=True, timeout=120)
+    return run_module("trainer.cli.report", list(map(str, args)), cwd=cwd, env=dict(os.environ), timeout=120)
 
 
 def test_read_run_skips_nulls_and_times_the_run(runs):

@@ -1,0 +1,123 @@
+"""The suite's fork server: the clean process that the distributed harness's ranks (tests/distributed.py) and the
+command-line runs of `run_module` are forked from, so that none of them pays the imports of a fresh interpreter.
+
+Contract: `run_module(module, args)` is `subprocess.run([sys.executable, "-m", module, *args], capture_output=True,
+text=True)` with the given working directory, environment and timeout, and returns the same CompletedProcess (exit
+status, or -signal when killed; stdout and stderr as text; TimeoutExpired after killing it). The program runs as
+`python -m` runs it (`__main__`, sys.argv[0] its file, the environment replaced by `env`) in a process forked from
+the fork server, and ends as an interpreter ends: non-daemon threads joined, atexit functions run, stdio flushed.
+What differs from a fresh interpreter: the modules of PRELOAD are already imported (with the environment the fork
+server started with: IMPORT_TIME_ENV, read when they are imported, is checked equal), and hash randomisation is the
+fork server's. Programs whose behaviour depends on how the interpreter starts (import errors, a console script,
+another interpreter's flags) keep a real subprocess.
+
+Design and reasoning: docs/testing.md#the-fork-server
+"""
+
+from __future__ import annotations
+
+import atexit
+import multiprocessing as mp
+import os
+import random
+import runpy
+import subprocess
+import sys
+import tempfile
+import threading
+import traceback
+
+# What every rank and command-line run imports anyway; the fork server imports it once. Only library modules here:
+# never a test module (a rank imports its own when its function is unpickled) nor a program run as __main__
+# (trainer.cli.main: a program that runs it with runpy, as tests/trainer/faults.py does, would find it imported).
+PRELOAD = [
+    "numpy", "pytest", "torch", "torch.distributed", "torch.distributed.tensor", "torch.distributed.fsdp",
+    "torch.distributed.checkpoint", "torch.distributed.pipelining", "model", "data", "optim", "trainer.train",
+    "trainer.checkpoint", "trainer.parallel.pipeline", "trainer.parallel.context", "trainer.parallel.expert", "hydra",
+    "omegaconf", "trainer.compose", "trainer.cli.app",
+]
+# Read when the kernels are imported (tests/conftest.py sets it before anything imports them): the fork server's
+# value must be the test process's.
+IMPORT_TIME_ENV = ("TRITON_INTERPRET",)
+
+
+def context():
+    """multiprocessing's forkserver context, with PRELOAD for when the fork server starts (the session's first use)."""
+    mp.set_forkserver_preload(PRELOAD)
+    return mp.get_context("forkserver")
+
+
+def check_import_time_env(environ: dict) -> None:
+    for key in IMPORT_TIME_ENV:
+        assert os.environ.get(key) == environ.get(key), \
+            f"{key}={environ.get(key)!r} here but {os.environ.get(key)!r} when the fork server imported the kernels"
+
+
+def _exit_code(e: SystemExit) -> int:
+    """The status the interpreter exits with for `e` (sys.exit(None) 0, an int itself, anything else printed, 1)."""
+    if e.code is None:
+        return 0
+    if isinstance(e.code, int):
+        return e.code
+    print(e.code, file=sys.stderr)
+    return 1
+
+
+def _run_child(module: str, args: list[str], cwd: str, environ: dict, out_path: str, err_path: str) -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    for path, fd in ((out_path, 1), (err_path, 2)):
+        f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(f, fd)
+        os.close(f)
+    check_import_time_env(environ)
+    os.environ.clear()
+    os.environ.update(environ)
+    os.chdir(cwd)
+    import numpy as np
+    import torch
+
+    torch.seed()  # a fresh process's generators: forked runs would all start from the fork server's states
+    np.random.seed()
+    random.seed()
+    sys.argv = [module, *args]  # run_module puts the module's file first, as `python -m` does
+    sys.modules.pop(module, None)  # should a preloaded module import it: `python -m` runs it only as __main__
+    code = 0
+    try:
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    except SystemExit as e:
+        code = _exit_code(e)
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    # an interpreter's end: wait for non-daemon threads, then the atexit functions, then flush stdio
+    try:
+        threading._shutdown()
+        atexit._run_exitfuncs()
+    except BaseException:
+        traceback.print_exc()
+        code = code or 1
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    finally:
+        os._exit(code)
+
+
+def run_module(module: str, args: list[str], *, cwd, env: dict, timeout: float) -> subprocess.CompletedProcess:
+    """`python -m MODULE ARGS` forked from the fork server: the module docstring's contract."""
+    cmd = [sys.executable, "-m", module, *args]
+    with tempfile.TemporaryDirectory() as tmp:
+        out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
+        proc = context().Process(target=_run_child, args=(module, list(args), str(cwd), dict(env), out, err))
+        proc.start()
+        proc.join(timeout)
+        timed_out = proc.exitcode is None
+        if timed_out:
+            proc.kill()
+            proc.join()
+        with open(out, errors="replace") as f_out, open(err, errors="replace") as f_err:
+            stdout, stderr = f_out.read(), f_err.read()
+    if timed_out:
+        raise subprocess.TimeoutExpired(cmd, timeout, output=stdout, stderr=stderr)
+    return subprocess.CompletedProcess(cmd, proc.exitcode, stdout, stderr)
