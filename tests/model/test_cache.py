@@ -297,15 +297,22 @@ def test_static_decode_step_compiles_to_one_graph(exact_model):
 
 
 def test_static_decode_step_keeps_the_dynamic_steps_routing(exact_model):
-    """decode_step(keep_routing=True), what an RL rollout's CUDA graph replays: each step's records (every index
+    """decode_step(keep_routing=True), what an RL rollout's CUDA graph replays: it traces whole, once for every step
+    (as test_static_decode_step_compiles_to_one_graph's step without records), and each step's records (every index
     source's top-k ids, every MoE layer's experts) and logits equal those of the dynamic step with keep_routing."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
     from model.serving import decode_step
 
     ids = tokens(44, batch=2, seed=7)
     static_recs, dynamic_recs = [], []
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("eager")
+    compiled = torch.compile(lambda x, c: decode_step(exact_model, x, c, keep_routing=True), backend=counter,
+                             fullgraph=True, dynamic=False)
 
     def keep_static(x, c):
-        logits, rec = decode_step(exact_model, x, c, keep_routing=True)
+        logits, rec = compiled(x, c)
         static_recs.append(rec)
         return logits
 
@@ -314,9 +321,13 @@ def test_static_decode_step_keeps_the_dynamic_steps_routing(exact_model):
         dynamic_recs.append(out.routing)
         return out.logits
 
-    with torch.no_grad():
-        got, _ = _decode_static(exact_model, ids, [29, 36], 48, step=keep_static)
-        want, _ = _decode_static(exact_model, ids, [29, 36], 48, step=keep_dynamic)
+    try:
+        with torch.no_grad():
+            got, _ = _decode_static(exact_model, ids, [29, 36], 48, step=keep_static)
+            want, _ = _decode_static(exact_model, ids, [29, 36], 48, step=keep_dynamic)
+    finally:
+        torch._dynamo.reset()
+    assert counter.frame_count == 1
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=0, atol=ATOL)
     assert len(static_recs) == len(dynamic_recs) == 44 - 36
