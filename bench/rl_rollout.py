@@ -3,7 +3,7 @@ run for a few steps with the engine's reference decode and again with its fast p
 tokens/s and generation's share of the step (the stage's own `rl/rollout_tokens_per_s`, `rl/generate_share`).
 
     python3 bench/rl_rollout.py [--model v41_small] [--prompts 64] [--group 8] [--new-tokens 256] [--steps 2]
-                                [--modes reference,graph,graph+triton] [--root DIR] [--json OUT.jsonl]
+                                [--grad-accum 8] [--modes reference,graph,graph+triton] [--root DIR] [--json OUT.jsonl]
 
 Modes: `reference` (op by op, no CUDA graph), `graph` (stage.rollout_cuda_graph=on), `triton`
 (stage.rollout_kernels=triton), `graph+triton` (both). Each run: stage=rl with stage.allow_random_init=true,
@@ -31,6 +31,7 @@ def overrides(args, graph: str, kernels: str, run_dir: Path) -> list[str]:
             f"trainer.max_steps={args.steps}", f"stage.prompts_per_step={args.prompts}",
             f"stage.group_size={args.group}", f"stage.max_new_tokens={args.new_tokens}",
             f"stage.max_batch={args.max_batch}", f"data.seq_len={args.new_tokens + 64}", "stage.num_eval=1",
+            f"trainer.grad_accum={args.grad_accum}",
             "stage.eval_every=0", "logger.wandb.mode=disabled", "checkpoint.interval=0",
             "checkpoint.save_final=false", f"stage.rollout_cuda_graph={graph}", f"stage.rollout_kernels={kernels}",
             f"hydra.run.dir={run_dir}"]
@@ -44,6 +45,9 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--max-batch", type=int, default=64)
     p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--grad-accum", type=int, default=8,
+                   help="micro-batches per step: the step's rollouts are split into this many (at 64 x 8 x 256 one "
+                        "micro-batch of 512 rows x 320 tokens ran an H100 out of memory)")
     p.add_argument("--modes", default="reference,graph,graph+triton")
     p.add_argument("--root", default="runs/bench_rl_rollout")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds a run may take")
