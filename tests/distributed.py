@@ -18,12 +18,11 @@ import traceback
 from multiprocessing import reduction
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from tests.fork_server import PRELOAD, check_import_time_env
+from tests import fork_server
 
 
 class _Prefixed:
@@ -70,12 +69,7 @@ def _worker(rank: int, world_size: int, backend: str, store_file: str, out_dir: 
             environ: dict, stdio: _Stdio):
     stdio.install()
     fn, args = pickle.loads(call)
-    check_import_time_env(environ)
-    os.environ.clear()
-    os.environ.update(environ)
-    # A fresh process's generators: forked ranks would all start from the fork server's states
-    torch.seed()
-    np.random.seed()
+    fork_server.become_fresh(environ)
     sys.stdout = _Prefixed(sys.stdout, f"[rank {rank}] ")
     sys.stderr = _Prefixed(sys.stderr, f"[rank {rank}] ")
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
@@ -111,7 +105,7 @@ def run_distributed(fn, world_size: int, *args, backend: str = "gloo", meanwhile
     a core the ranks leave idle instead of running before or after them); then the return value is
     (per-rank results, meanwhile()). If it raises, the ranks are stopped and its exception propagates."""
     threads = max(1, (os.cpu_count() or 1) // world_size)
-    mp.set_forkserver_preload(PRELOAD)  # the suite's fork server (tests/fork_server.py), started by its first use
+    fork_server.context()  # sets the suite's fork server's preload, which start_method="forkserver" uses
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "store")
         # fn and its arguments as plain pickle bytes: tensors by value, not as shared-memory file descriptors, of

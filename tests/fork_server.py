@@ -47,10 +47,21 @@ def context():
     return mp.get_context("forkserver")
 
 
-def check_import_time_env(environ: dict) -> None:
+def become_fresh(environ: dict) -> None:
+    """In a process just forked from the fork server: take `environ` (the launching process's; IMPORT_TIME_ENV checked
+    equal to the fork server's) and seed the random generators from the OS, as a new process's are (forked ones would
+    all start from the fork server's states)."""
+    import numpy as np
+    import torch
+
     for key in IMPORT_TIME_ENV:
         assert os.environ.get(key) == environ.get(key), \
             f"{key}={environ.get(key)!r} here but {os.environ.get(key)!r} when the fork server imported the kernels"
+    os.environ.clear()
+    os.environ.update(environ)
+    torch.seed()
+    np.random.seed()
+    random.seed()
 
 
 def _exit_code(e: SystemExit) -> int:
@@ -70,16 +81,8 @@ def _run_child(module: str, args: list[str], cwd: str, environ: dict, out_path: 
         f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
         os.dup2(f, fd)
         os.close(f)
-    check_import_time_env(environ)
-    os.environ.clear()
-    os.environ.update(environ)
+    become_fresh(environ)
     os.chdir(cwd)
-    import numpy as np
-    import torch
-
-    torch.seed()  # a fresh process's generators: forked runs would all start from the fork server's states
-    np.random.seed()
-    random.seed()
     sys.argv = [module, *args]  # run_module puts the module's file first, as `python -m` does
     sys.modules.pop(module, None)  # should a preloaded module import it: `python -m` runs it only as __main__
     code = 0
