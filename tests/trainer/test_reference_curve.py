@@ -3,8 +3,8 @@
 `STEPS` (30) steps stored in tests/assets/default_job_curve.json (the test compares the first `CHECKED`).
 
 Contract: the asset holds one curve per machine it was recorded on and the prepared data's fingerprint; the run must
-equal one of the curves bit for bit, or on a machine none was recorded on stay within `LOSS_RTOL` of the loss (and
-say so); another corpus fingerprint fails naming both. Threads are pinned (2), W&B and checkpoints are off.
+equal one of the curves bit for bit, or on a machine none was recorded on stay within bounds of their drift (and
+say so: `DRIFT_BOUNDS`); another corpus fingerprint fails naming both. Threads are pinned (2), W&B and checkpoints are off.
 Regenerate only for a change meant to alter numerics, and say so in the commit (--write drops the other machines'
 curves, --add keeps them): `.venv/bin/python -m tests.trainer.test_reference_curve --write`. The curve's history
 (which issue re-recorded it, and why) is in docs/testing.md.
@@ -35,10 +35,14 @@ STEPS = 30
 CHECKED = 15
 """steps the test runs and compares, the first of the asset's: a change of numerics shows within a few steps (the
 fused AdamW's at step 3), and each step is a full default-job step"""
-LOSS_RTOL = 1e-3
-"""relative loss drift allowed on a machine without a recorded curve: two CPUs drifted 1.7e-4 apart in 15 steps"""
-GRAD_NORM_RTOL = 0.25
-"""the same for the gradient norm, which follows gradient spikes (6e-2 apart between the two CPUs)"""
+DRIFT_BOUNDS = (("loss", 1, 1e-5), ("grad_norm", 1, 1e-5), ("loss", 5, 1e-4), ("grad_norm", 5, 1e-2),
+                ("loss", CHECKED, 5e-3))
+"""(key, first steps, relative drift allowed) on a machine without a recorded curve. Measured on an Intel Xeon (AVX-512)
+under MKL_CBWR=AVX2 / COMPATIBLE and ATEN_CPU_CAPABILITY=default, against the three recorded curves (2026-12-07): step 1
+(the initial weights' forward and backward) within 4e-7 for both; the first 5 steps' loss within 2.2e-5 and gradient
+norm within 1.3e-3; the loss over 15 steps within 1.4e-3 (it drifts fastest where a gradient spike hits, steps 13 and
+15). The gradient norm after step 5 is not bounded: a spike at step 14 is there on one machine and not on another (0.7
+apart). A bitwise check where a curve is recorded is what catches a small change of numerics."""
 ARGS = ["trainer.num_threads=2", "logger.wandb.mode=disabled", "logger.progress_bar=false", "checkpoint.interval=0",
         "checkpoint.save_final=false"]
 
@@ -113,10 +117,11 @@ def test_the_default_job_reproduces_its_stored_curve(tmp_path, default_data):
                           f"{differences[here][1] + 1}, in {differences[here][0]}: the numerics changed")
     # a machine with no recorded curve: its rounding drifts apart from the others; bound the drift
     report = []
-    for key, rtol in (("loss", LOSS_RTOL), ("grad_norm", GRAD_NORM_RTOL)):
-        drift = min(max(abs(a - b) / abs(b) for a, b in zip(got[key], c[key][:CHECKED])) for c in stored["curves"])
-        report.append(f"{key} within {drift:.1e} (allowed {rtol:g})")
-        assert drift <= rtol, f"{key} drifts {drift:.1e} from every recorded curve (allowed {rtol:g}): {report}"
+    for key, steps, rtol in DRIFT_BOUNDS:
+        drift = min(max(abs(a - b) / abs(b) for a, b in zip(got[key][:steps], c[key][:steps])) for c in stored["curves"])
+        report.append(f"{key} over {steps} steps within {drift:.1e} (allowed {rtol:g})")
+        assert drift <= rtol, (f"{key} over the first {steps} steps drifts {drift:.1e} from every recorded curve "
+                               f"(allowed {rtol:g}): {report}")
     print(f"no curve recorded on {here} ({len(stored['curves'])} on other machines): {'; '.join(report)}; "
           f"record one with --add for a bitwise check")
 
