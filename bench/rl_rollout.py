@@ -6,7 +6,8 @@ tokens/s and generation's share of the step (the stage's own `rl/rollout_tokens_
                                 [--grad-accum 8] [--modes reference,graph,graph+triton] [--root DIR] [--json OUT.jsonl]
 
 Modes: `reference` (op by op, no CUDA graph), `graph` (stage.rollout_cuda_graph=on), `triton`
-(stage.rollout_kernels=triton), `graph+triton` (both). Each run: stage=rl with stage.allow_random_init=true,
+(stage.rollout_kernels=triton), `graph+triton` (both), `compiled+graph+triton` (the three, with the step through
+torch.compile: stage.rollout_compile=inductor). Each run: stage=rl with stage.allow_random_init=true,
 dynamic sampling off (a random model's groups all score 0: with it on, every step would draw its refills and train
 on nothing), one held-out prompt, no checkpoints, no W&B; the first step includes the CUDA graph's capture and the
 kernels' compilation, so the figures are the last step's.
@@ -22,11 +23,12 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-MODES = {"reference": ("off", "reference"), "graph": ("on", "reference"), "triton": ("off", "triton"),
-         "graph+triton": ("on", "triton")}
+MODES = {"reference": ("off", "reference", "off"), "graph": ("on", "reference", "off"),
+         "triton": ("off", "triton", "off"), "graph+triton": ("on", "triton", "off"),
+         "compiled+graph+triton": ("on", "triton", "inductor")}
 
 
-def overrides(args, graph: str, kernels: str, run_dir: Path) -> list[str]:
+def overrides(args, graph: str, kernels: str, compile_: str, run_dir: Path) -> list[str]:
     return [f"model={args.model}", "stage=rl", "stage.allow_random_init=true", "stage.dynamic_sampling=false",
             f"trainer.max_steps={args.steps}", f"stage.prompts_per_step={args.prompts}",
             f"stage.group_size={args.group}", f"stage.max_new_tokens={args.new_tokens}",
@@ -34,6 +36,7 @@ def overrides(args, graph: str, kernels: str, run_dir: Path) -> list[str]:
             f"trainer.grad_accum={args.grad_accum}",
             "stage.eval_every=0", "logger.wandb.mode=disabled", "checkpoint.interval=0",
             "checkpoint.save_final=false", f"stage.rollout_cuda_graph={graph}", f"stage.rollout_kernels={kernels}",
+            f"stage.rollout_compile={compile_}",
             f"hydra.run.dir={run_dir}"]
 
 
@@ -61,9 +64,9 @@ def main() -> None:
           f"engine batch {args.max_batch}, {args.steps} steps a run (figures: the last step's)")
     rows = []
     for mode in modes:
-        graph, kernels = MODES[mode]
+        graph, kernels, compile_ = MODES[mode]
         run_dir = Path(args.root) / mode.replace("+", "_")
-        cmd = [sys.executable, "-m", "trainer.cli.main", *overrides(args, graph, kernels, run_dir)]
+        cmd = [sys.executable, "-m", "trainer.cli.main", *overrides(args, graph, kernels, compile_, run_dir)]
         t0 = time.perf_counter()
         try:
             r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=args.timeout)

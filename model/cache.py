@@ -237,6 +237,20 @@ class KVCache:
             if lc.entries is not None:
                 lc.entries.zero_()
 
+    def clear(self) -> None:
+        """Forget every request and restore every buffer to what `new_cache` put there, in place: the cache is then
+        a new one (the same shapes and buffer addresses: a CUDA graph captured on it stays valid; the engine's graph
+        pool reuses caches this way, trainer/engine/engine.py)."""
+        self.reset()
+        for lc in self.layers.values():
+            for store in (lc.swa, lc.main, lc.keys):
+                if store is not None:
+                    for b, (_, _, fill) in zip(store.buffers, _layout(store.fmt, store.dim, store.dtype)):
+                        _bytes(b).fill_(fill)
+            if lc.pending is not None:
+                lc.pending.zero_()
+        self.tokens.zero_()
+
     def advance(self, n: int) -> None:
         """Count n tokens appended to every row (the forward has written them): static, a captured step runs it."""
         self.lengths += n

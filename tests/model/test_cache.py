@@ -272,6 +272,35 @@ def test_static_decode_step_with_the_quantised_cache(qat_model):
     torch.testing.assert_close(got, want, rtol=0, atol=ATOL)
 
 
+def test_a_cleared_cache_is_a_new_one(qat_model):
+    """KVCache.clear (the engine's graph pool reuses a cache this way): after a prefill and decode steps in the
+    serving formats, every buffer and count equals a new cache's, the buffers stay where they were (a captured graph
+    reads them there), and serving on it again gives what a new cache gives."""
+    ids = tokens(40, batch=2, seed=9)
+
+    def state(c):
+        out = [c.lengths, c.swa_start, c.tokens, c.prefilled, c.reached, c.prefill_end]
+        for lc in c.layers.values():
+            out += [b.view(torch.uint8) if b.element_size() == 1 else b
+                    for st in (lc.swa, lc.main, lc.keys) if st is not None for b in st.buffers]
+            out += [t for t in (lc.pending, lc.entries) if t is not None]
+        return out
+
+    with torch.no_grad():
+        want, _ = serve(qat_model, ids, 29, max_len=48)
+        _, used = serve(qat_model, ids, 29, max_len=48)
+        addresses = [t.data_ptr() for t in state(used)]
+        used.clear()
+        fresh = qat_model.new_cache(2, 48, replay="none")
+        assert [t.data_ptr() for t in state(used)] == addresses
+        for a, b in zip(state(used), state(fresh), strict=True):
+            assert torch.equal(a, b)
+        out = [qat_model(ids[:, :29], cache=used)]
+        for t in range(29, 40):
+            out.append(qat_model(ids[:, t:t + 1], cache=used))
+    torch.testing.assert_close(torch.cat(out, dim=1), want, rtol=0, atol=0)
+
+
 def test_static_decode_step_compiles_to_one_graph(exact_model):
     """What a CUDA graph needs, checked on the CPU: the step traces whole (fullgraph: a host read of a device value
     or a data-dependent shape would break it) and its shapes do not change as the rows grow (one graph for every

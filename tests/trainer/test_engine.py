@@ -176,7 +176,7 @@ def test_static_decode_is_refused_where_it_does_not_apply(model):
 def test_cuda_graph_decode_equals_the_plain_engine(model):
     """Engine(cuda_graph=True) replays the captured decode step: greedy tokens and model log-probs equal the plain
     engine's (the same static step, launched op by op) for a batch of rows at different positions; a second batch
-    (a new cache, a new capture) too."""
+    of the same size too, replayed from the kept graph on its cleared cache (one capture for both)."""
     reqs = [Request(_prompt(n, seed=n), SamplingParams(temperature=0, max_new_tokens=k), request_id=n)
             for n, k in ((9, 14), (40, 6), (23, 10))]
     plain = Engine(model, replay="none").generate(reqs)
@@ -186,6 +186,69 @@ def test_cuda_graph_decode_equals_the_plain_engine(model):
             assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
             torch.testing.assert_close(torch.tensor(a.model_logprobs), torch.tensor(b.model_logprobs), rtol=0,
                                        atol=1e-5)
+    assert (graphed.stats["graphs_captured"], graphed.stats["graphs_reused"]) == (1, 1)
+
+
+class _EagerGraph:
+    """A stand-in for the engine's _DecodeGraph on the CPU: bound, as a captured graph is, to the cache it was made
+    with, and running the same step on it at every call."""
+
+    made = 0
+
+    def __init__(self, model, cache, step=None, keep: bool = False):
+        self.step = step or (lambda ids, c: model(ids, cache=c, static=True))
+        self.cache, self.keep, self.records = cache, keep, None
+        _EagerGraph.made += 1
+
+    def __call__(self, ids):
+        out = self.step(ids, self.cache)
+        logits, self.records = out if self.keep else (out, None)
+        return logits.clone()
+
+    def last_records(self):
+        return self.records
+
+
+def test_the_graph_pool_keeps_one_graph_and_cache_a_batch_size(model, monkeypatch):
+    """Under cuda_graph the engine keeps each batch size's captured graph with its cache (keep_graphs of them, most
+    recent first) and replays it on the cleared cache for the next batch of that size. On the CPU, with a stand-in
+    graph bound to the cache it was made with (a graph replayed on a cache other than its own would decode the old
+    one): every call's tokens and log-probs equal a plain engine's, one capture a batch size and keep flag, and a
+    size evicted from the pool is captured again."""
+    import trainer.engine.engine as engine_mod
+
+    monkeypatch.setattr(engine_mod, "_DecodeGraph", _EagerGraph)
+    three = [Request(_prompt(n, seed=n), SamplingParams(temperature=0, max_new_tokens=k), request_id=n)
+             for n, k in ((9, 7), (20, 4), (14, 6))]
+    two = three[:2]
+    sampled = [Request(_prompt(11, seed=5), SamplingParams(temperature=1.0, max_new_tokens=5, seed=s), request_id=s,
+                       return_routing=True) for s in (1, 2, 3)]
+    plain = Engine(model, replay="none", max_len=64)
+    want = {id(reqs): plain.generate(reqs) for reqs in (three, two, sampled)}
+    eng = Engine(model, replay="none", max_len=64, keep_graphs=2)
+    eng.cuda_graph = True  # (the constructor refuses a CPU model; the stand-in needs no device)
+    _EagerGraph.made = 0
+    for reqs, made in ((three, 1), (three, 1), (two, 2), (three, 2), (sampled, 3), (two, 4), (three, 5)):
+        got = eng.generate(reqs)
+        assert _EagerGraph.made == made
+        for a, b in zip(got, want[id(reqs)]):
+            assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
+            torch.testing.assert_close(torch.tensor(a.model_logprobs), torch.tensor(b.model_logprobs), rtol=0,
+                                       atol=1e-5)
+            if reqs is sampled:
+                for key in ("topk", "experts"):
+                    ga, gb = getattr(a.routing, key), getattr(b.routing, key)
+                    assert all(ga[k].tolist() == gb[k].tolist() for k in gb), key
+    assert (eng.stats["graphs_captured"], eng.stats["graphs_reused"]) == (5, 2)
+    assert [k[0] for k in eng._graphs] == [3, 2] and all(c.max_len == 64 for c, _ in eng._graphs.values())
+    eng.release_graphs()
+    none_kept = Engine(model, replay="none", max_len=64, keep_graphs=0)
+    none_kept.cuda_graph = True
+    for _ in range(2):
+        none_kept.generate(two)
+    assert none_kept.stats["graphs_captured"] == 2 and not none_kept._graphs
+    with pytest.raises(ValueError, match="keep_graphs"):
+        Engine(model, keep_graphs=-1)
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="a CUDA graph needs a CUDA device (the static step's records are tested "

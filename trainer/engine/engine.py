@@ -15,6 +15,7 @@ Design and reasoning: docs/generation.md#the-engine-in-detail
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import time
@@ -126,9 +127,11 @@ class Engine:
     def __init__(self, model, *, max_batch: int = 32, max_len: int = 4096, replay: str = "halo",
                  prefix_cache=None, tokenizer=None, prompt_format: PromptFormat | None = None,
                  cuda_graph: bool = False, compile_decode: str | None = None, drafter=None,
-                 spec_tokens: int | None = None, spec_schedule: str = "fixed", serving_kernels: str = "reference"):
-        """compile_decode (experimental: equal to the op-by-op step in fp32 on an H100 at v41_tiny, as close under
-        bf16 at v41_small; its graph's replay there not yet timed: docs/generation.md): a torch.compile backend for the decode step
+                 spec_tokens: int | None = None, spec_schedule: str = "fixed", serving_kernels: str = "reference",
+                 keep_graphs: int = 2):
+        """compile_decode (equal to the op-by-op step in fp32 on an H100 at v41_tiny, as close under bf16 at
+        v41_small; its graph's replay there 2x the op-by-op step's graph on the serving kernels: docs/generation.md):
+        a torch.compile backend for the decode step
         (model.serving.compiled_decode_step; with cuda_graph, the compiled step is what the graph captures), None: the
         reference operations one by one. drafter: a model.dspark.DSpark of this model for speculative decoding
         (docs/generation.md#the-engine-in-detail); spec_tokens: the most drafts a step verifies (None: the drafter's
@@ -136,7 +139,12 @@ class Engine:
         trainer/engine/speculative.py). serving_kernels: the decode step's kernels (model.serving.decode_step):
         "reference" (the default, every device), "triton" (attention and indexer on the cache's stored bytes,
         model/serving_decode.py; a CUDA device, or the CPU under TRITON_INTERPRET=1) or "auto" (triton on a CUDA
-        device where the model can take it, else reference); `self.serving_kernels` says which it took."""
+        device where the model can take it, else reference); `self.serving_kernels` says which it took.
+        keep_graphs (with cuda_graph): how many captured decode graphs, each with its cache, the engine keeps between
+        `generate` calls, most recently used first (0: one a call, dropped after it). Under cuda_graph every batch's
+        cache is max_len tokens a row, so the calls of one batch size (an RL step's engine batches, one step after
+        another) share one graph and one cache, cleared before each batch (`KVCache.clear`): one capture (and with
+        compile_decode one compilation) for them all. Their memory stays allocated between calls: `release_graphs()`."""
         model = serving_module(model)
         self.model, self.max_batch, self.max_len, self.replay = model, max_batch, max_len, replay
         self.cuda_graph = cuda_graph
@@ -166,6 +174,10 @@ class Engine:
             if torch.distributed.is_initialized() or any(isinstance(p, DTensor) for p in model.parameters()):
                 raise ValueError("Engine(cuda_graph=True) runs one process with a plain (unsharded) model: a "
                                  "parallel plan's collectives are not captured")
+        if not isinstance(keep_graphs, int) or keep_graphs < 0:
+            raise ValueError(f"Engine: keep_graphs must be an int >= 0, got {keep_graphs!r}")
+        self.keep_graphs = keep_graphs
+        self._graphs: collections.OrderedDict = collections.OrderedDict()  # (B, max_len, keep) -> (cache, graph)
         self.prefix_cache = prefix_cache
         self.tokenizer = tokenizer
         self.prompt_format = prompt_format or PromptFormat()
@@ -190,7 +202,36 @@ class Engine:
         # decode_tokens / decode_row_forwards (1 without a drafter)
         self.stats = {"prefill_tokens": 0, "decode_tokens": 0, "prefill_s": 0.0, "decode_s": 0.0,
                       "decode_forwards": 0, "decode_row_forwards": 0, "drafted_tokens": 0, "accepted_tokens": 0,
-                      "draft_s": 0.0, "tokens_per_forward": 0.0}
+                      "draft_s": 0.0, "tokens_per_forward": 0.0, "graphs_captured": 0, "graphs_reused": 0}
+
+    def release_graphs(self) -> None:
+        """Drop the kept decode graphs and their caches (their device memory goes back to the allocator)."""
+        self._graphs.clear()
+
+    def _batch_cache(self, B: int, max_len: int, keep: bool):
+        """(cache, its captured graph or None) for a batch: under cuda_graph a kept pair of this shape, cleared, or a
+        new max_len cache (graph None: `_decode_plain` captures one and keeps it); otherwise a new cache of the
+        batch's own length."""
+        spec = self.spec
+        if not self.cuda_graph:
+            return self.model.new_cache(B, max_len + (spec.spec_tokens if spec else 0), replay=self.replay,
+                                        spec_tokens=spec.cache_tokens if spec else 0), None
+        key = (B, self.max_len, keep)
+        if key in self._graphs:
+            self._graphs.move_to_end(key, last=False)
+            cache, graph = self._graphs[key]
+            cache.clear()
+            self.stats["graphs_reused"] += 1
+            return cache, graph
+        return self.model.new_cache(B, self.max_len, replay=self.replay), None
+
+    def _keep_graph(self, cache, graph, keep: bool) -> None:
+        if self.keep_graphs == 0:
+            return
+        self._graphs[(cache.batch_size, cache.max_len, keep)] = (cache, graph)
+        self._graphs.move_to_end((cache.batch_size, cache.max_len, keep), last=False)
+        while len(self._graphs) > self.keep_graphs:
+            self._graphs.popitem(last=True)
 
     def sync_weights(self, module: torch.nn.Module) -> None:
         """The engine computes with the training module's own parameters: nothing to copy."""
@@ -280,8 +321,7 @@ class Engine:
         keep = any(req.return_routing for _, req, _ in chunk)
         spec = self.spec
         max_len = max(len(ids) for _, _, ids in chunk) + max(req.sampling.max_new_tokens for _, req, _ in chunk)
-        cache = self.model.new_cache(B, max_len + (spec.spec_tokens if spec else 0), replay=self.replay,
-                                     spec_tokens=spec.cache_tokens if spec else 0)
+        cache, graph = self._batch_cache(B, max_len, keep)
         comps = [Completion(req.request_id, ids, effort=req.effort) for _, req, ids in chunk]
         records: list[list] = [[] for _ in range(B)]
         params = [req.sampling for _, req, _ in chunk]
@@ -325,7 +365,7 @@ class Engine:
                 spec.decode(cache, ring, means, tok.tolist(), params, gens, comps, active, emit,
                             lambda ids: self._call(ids, cache, False)[0], self.stats)
             else:
-                self._decode_plain(cache, active, comps, params, gens, records, keep, emit)
+                self._decode_plain(cache, graph, active, comps, params, gens, records, keep, emit)
         self.stats["decode_s"] += time.perf_counter() - t0
         if self.stats["decode_row_forwards"]:
             self.stats["tokens_per_forward"] = self.stats["decode_tokens"] / self.stats["decode_row_forwards"]
@@ -338,11 +378,11 @@ class Engine:
                 c.text = self.tokenizer.decode(c.token_ids)
         return comps
 
-    def _decode_plain(self, cache, active, comps, params, gens, records, keep: bool, emit) -> None:
-        """A token a row and step until every row has stopped (the first is emitted)."""
+    def _decode_plain(self, cache, graph, active, comps, params, gens, records, keep: bool, emit) -> None:
+        """A token a row and step until every row has stopped (the first is emitted). graph: the cache's kept decode
+        graph; None under cuda_graph: captured here (and kept)."""
         B = cache.batch_size
-        graph = None
-        if self.cuda_graph:
+        if self.cuda_graph and graph is None:
             step = self.decode_step
             if keep:
                 k = self.serving_kernels
@@ -350,6 +390,8 @@ class Engine:
                         if self.compile_decode else functools.partial(decode_step, self.model, kernels=k,
                                                                       keep_routing=True))
             graph = _DecodeGraph(self.model, cache, step, keep)
+            self.stats["graphs_captured"] += 1
+            self._keep_graph(cache, graph, keep)
         while any(active):
             feed = torch.tensor([[c.token_ids[-1]] for c in comps])
             step, rec = self._decode(feed, cache, keep, graph)

@@ -138,6 +138,10 @@ class RolloutConfig(PostTrainingConfig):
     rollout_cuda_graph: str = choice_field("auto", ("auto", "on", "off"))
     """the engine's decode steps replayed from a CUDA graph (Engine(cuda_graph=True), routing records included):
     auto = on for a one-process run on a GPU, off otherwise (a parallel plan's collectives are not captured)"""
+    rollout_compile: str = choice_field("off", ("off", "inductor"))
+    """the engine's decode step through torch.compile (Engine(compile_decode=)): with the CUDA graph, the compiled
+    step is what it captures (on an H100 at v41_small with the triton kernels 9.6 ms a step against 19.5, BENCHMARKS.md);
+    it compiles once for each engine batch size and keep flag (minutes a shape at v41_small)"""
 
     def _check_rollout(self) -> None:
         for key in ("prompts_per_step", "group_size", "max_new_tokens", "max_batch"):

@@ -101,7 +101,8 @@ class RolloutStage(Stage):
                                  and not dist.is_initialized())
         try:
             self.engine = Engine(job.pm, max_batch=self.stage.max_batch, max_len=self.cfg.data.seq_len,
-                                 replay=self.replay, cuda_graph=graph, serving_kernels=self.stage.rollout_kernels)
+                                 replay=self.replay, cuda_graph=graph, serving_kernels=self.stage.rollout_kernels,
+                                 compile_decode=None if self.stage.rollout_compile == "off" else self.stage.rollout_compile)
         except ValueError as e:  # Engine's refusals: a CUDA graph without a GPU or under a parallel plan, kernels
             key = "rollout_kernels" if "serving_kernels" in str(e) else "rollout_cuda_graph"
             raise ValueError(f"stage.{key}={getattr(self.stage, key)}: {e}; use stage.{key}=auto") from None
