@@ -25,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 import traceback
 
 # What every rank and command-line run imports anyway; the fork server imports it once. Only library modules here:
@@ -124,3 +125,37 @@ def run_module(module: str, args: list[str], *, cwd, env: dict, timeout: float) 
     if timed_out:
         raise subprocess.TimeoutExpired(cmd, timeout, output=stdout, stderr=stderr)
     return subprocess.CompletedProcess(cmd, proc.exitcode, stdout, stderr)
+
+
+def run_modules(runs: list[tuple[str, list[str], dict]], *, cwd, timeout: float) -> list[subprocess.CompletedProcess]:
+    """Several `python -m MODULE ARGS` at once (module, args, environment each), each as `run_module` runs one; when
+    one fails the others are killed (as torchrun stops a job whose rank failed: its peers would wait in a collective),
+    and their CompletedProcesses say -SIGKILL. TimeoutExpired (of the first) after killing them all."""
+    with tempfile.TemporaryDirectory() as tmp:
+        procs, files = [], []
+        for i, (module, args, environ) in enumerate(runs):
+            out, err = os.path.join(tmp, f"stdout{i}"), os.path.join(tmp, f"stderr{i}")
+            proc = context().Process(target=_run_child, args=(module, list(args), str(cwd), dict(environ), out, err))
+            proc.start()
+            procs.append(proc)
+            files.append((out, err))
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            codes = [p.exitcode for p in procs]
+            if all(c is not None for c in codes) or any(c not in (None, 0) for c in codes):
+                break
+            time.sleep(0.05)
+        timed_out = any(p.exitcode is None for p in procs) and not any(p.exitcode not in (None, 0) for p in procs)
+        for p in procs:
+            if p.exitcode is None:
+                p.kill()
+            p.join()
+        results = []
+        for (module, args, _), p, (out, err) in zip(runs, procs, files):
+            with open(out, errors="replace") as f_out, open(err, errors="replace") as f_err:
+                results.append(subprocess.CompletedProcess([sys.executable, "-m", module, *args], p.exitcode,
+                                                           f_out.read(), f_err.read()))
+    if timed_out:
+        first = results[0]
+        raise subprocess.TimeoutExpired(first.args, timeout, output=first.stdout, stderr=first.stderr)
+    return results

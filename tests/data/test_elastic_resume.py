@@ -342,12 +342,10 @@ def test_checkpoint_resumes_the_data_position_with_another_data_rank_count(root,
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_trainer_resumes_with_another_number_of_data_ranks(tmp_path):
-    import subprocess
-
     from torch.distributed.checkpoint import FileSystemReader
 
     from data.config import DataConfig, ensure_prepared
-    from tests.trainer.harness import REPO, env, micro_overrides, read_metrics, run_cli
+    from tests.trainer.harness import micro_overrides, read_metrics, run_cli, run_ranks
 
     data = tmp_path / "data"
     ensure_prepared(DataConfig(path=str(data), max_bytes=400_000, shard_size=16_384), progress=False)
@@ -358,8 +356,7 @@ def test_trainer_resumes_with_another_number_of_data_ranks(tmp_path):
         if ranks == 1:
             r = run_cli(args)
         else:
-            r = subprocess.run(["bash", str(REPO / "launch" / "torchrun.sh"), str(ranks), *args], cwd=REPO, env=env(),
-                               capture_output=True, text=True, timeout=300)
+            r = run_ranks(ranks, args)  # torchrun's ranks, forked (tests/trainer/harness.py)
         assert r.returncode == 0, r.stderr[-3000:]
         return r.stdout + r.stderr
 

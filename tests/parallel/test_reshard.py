@@ -18,7 +18,7 @@ import subprocess
 import pytest
 
 from data.config import DataConfig, ensure_prepared
-from tests.trainer.harness import REPO, env, micro_overrides, read_metrics, run_cli, side_by_side
+from tests.trainer.harness import micro_overrides, read_metrics, run_cli, run_ranks, side_by_side
 
 # The runs stop at different steps (trainer.max_steps); the LR warms up over 100 steps, so it does not depend on that.
 # checkpoint.piece_mb=0.01: every tensor above 10 KB (and every tp shard of one) stored as row pieces
@@ -45,8 +45,7 @@ def _args(run_dir, data, *extra):
 def _run(ranks: int, args: list[str]) -> subprocess.CompletedProcess:
     if ranks == 1:
         return run_cli(args)
-    return subprocess.run(["bash", str(REPO / "launch" / "torchrun.sh"), str(ranks), *args], cwd=REPO, env=env(),
-                          capture_output=True, text=True, timeout=300)
+    return run_ranks(ranks, args)  # torchrun's ranks, forked (launch/torchrun.sh: tests/trainer/cli/test_torchrun.py)
 
 
 def _steps(run_dir) -> dict[int, tuple[float, float]]:

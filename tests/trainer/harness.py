@@ -11,7 +11,7 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from tests.fork_server import run_module
+from tests.fork_server import run_module, run_modules
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -56,6 +56,42 @@ def run_cli(args: list[str], timeout: float = 300, **env_extra: str) -> subproce
     """`python -m trainer.cli.main ARGS` from the repository root, forked from the suite's fork server
     (tests/fork_server.py: the same CompletedProcess, without a fresh interpreter's imports)."""
     return run_module("trainer.cli.main", args, cwd=REPO, env=env(**env_extra), timeout=timeout)
+
+
+def run_ranks(nproc: int, args: list[str], timeout: float = 300, module: str = "trainer.cli.main",
+              **env_extra: str) -> subprocess.CompletedProcess:
+    """What `launch/torchrun.sh NPROC ARGS` computes, without torchrun's processes: NPROC ranks of
+    `python -m MODULE ARGS` forked from the fork server, each with the environment torchrun gives a worker
+    (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, the env:// rendezvous on a store this process hosts as
+    torchrun's agent does, one TORCHELASTIC_RUN_ID, OMP_NUM_THREADS=1). For the tests of what a layout computes;
+    the launcher itself (its preflight, exit statuses, signals, a dead or hung rank) is tested through
+    launch/torchrun.sh. One CompletedProcess: the exit status 0 when every rank succeeded, else that of the first rank that failed by itself
+    (its peers are killed, as torchrun kills them); stdout and stderr the ranks' in rank order."""
+    import uuid
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    # The rendezvous store is hosted here, as torchrun's agent hosts it (TORCHELASTIC_USE_AGENT_STORE: every rank a
+    # client): its port is the OS's pick for a socket that stays open, so no other process can take it meanwhile.
+    store = TCPStore("127.0.0.1", 0, world_size=nproc, is_master=True, timeout=timedelta(seconds=timeout),
+                     wait_for_workers=False)
+    run_id = uuid.uuid4().hex
+    base = env(**env_extra)
+    runs = [(module, args, {**base, "RANK": str(r), "LOCAL_RANK": str(r), "GROUP_RANK": "0",
+                            "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1",
+                            "MASTER_PORT": str(store.port), "TORCHELASTIC_USE_AGENT_STORE": "True",
+                            "TORCHELASTIC_RUN_ID": run_id, "OMP_NUM_THREADS": "1"})
+            for r in range(nproc)]
+    try:
+        results = run_modules(runs, cwd=REPO, timeout=timeout)
+    finally:
+        del store
+    failed = [r.returncode for r in results if r.returncode != 0]
+    positive = [c for c in failed if c > 0]
+    code = positive[0] if positive else failed[0] if failed else 0
+    return subprocess.CompletedProcess(["torchrun", f"--nproc_per_node={nproc}", "-m", module, *args], code,
+                                       "".join(r.stdout for r in results), "".join(r.stderr for r in results))
 
 
 def kill_9_when(args: list[str], ready, timeout: float = 300) -> int:

@@ -9,7 +9,6 @@ import dataclasses
 import json
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,7 +21,7 @@ import model as model_pkg
 from tests.fork_server import run_module
 from trainer.checkpoint import hf
 from tests.helpers import ROOT, build_tiny, load_config
-from tests.trainer.harness import env, losses, micro_overrides, run_cli
+from tests.trainer.harness import env, losses, micro_overrides, run_cli, run_ranks
 from trainer.checkpoint import Checkpointer, model_config_differences
 from trainer.config import CheckpointConfig
 from trainer.checkpoint.hf_io import INDEX, export, import_
@@ -297,9 +296,7 @@ def test_two_ranks_export_and_import_the_same_files(tmp_path):
     tensor): the same files as one process, byte for byte, and a checkpoint that loads the same weights."""
     ckpt, cfg, state = _random_checkpoint(tmp_path)
     one = export(ckpt, tmp_path / "one", cfg, max_shard_bytes=2 * 2**20)
-    run = lambda module, *args: subprocess.run(  # noqa: E731
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", module, *args],
-        cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
+    run = lambda module, *args: run_ranks(2, list(args), module=module)  # noqa: E731 (torchrun's two ranks, forked)
     r = run("trainer.cli.export_hf", f"ckpt={ckpt}", f"out={tmp_path / 'two'}", "max_shard_gb=0.002097152")
     assert r.returncode == 0, r.stderr[-3000:]
     files = set(one["weight_map"].values())

@@ -3,15 +3,14 @@ rollouts colocated (each data rank generates for its slice of the step's prompts
 lockstep), the same rollouts in every layout, the same loss and gradient norm. SFT and distillation under FSDP (two
 data ranks: each its share of the samples or prompts); distillation shares RL's rollouts, loss and data-rank split,
 adding a teacher that is whole on every rank, so RL's FSDP case is distillation's. SFT trains through the
-pretraining path (tests/parallel/test_layouts.py has its every layout)."""
+pretraining path (tests/parallel/test_layouts.py has its every layout). The ranks are launched as torchrun would
+(tests/trainer/harness.py `run_ranks`); launch/torchrun.sh itself is tested in tests/trainer/cli/test_torchrun.py."""
 
 from __future__ import annotations
 
-import subprocess
-
 import pytest
 
-from tests.trainer.harness import REPO, env, read_metrics, run_cli
+from tests.trainer.harness import read_metrics, run_cli, run_ranks
 from tests.trainer.test_stages import _args
 
 RL = ["stage=rl", "stage.dynamic_sampling=false", "stage.prompts_per_step=2", "stage.group_size=4",
@@ -43,8 +42,7 @@ def test_rl_under_tp_and_ep_equals_the_single_process(tmp_path, small_data, pret
     for layout in ("parallel.tp=2", "parallel.ep=2"):
         run = tmp_path / layout.split(".")[1].split("=")[0]
         args = _args(run, small_data, *TP_MODEL, *RL, f"checkpoint.init_from={pretrained}", layout)
-        p = subprocess.run(["bash", str(REPO / "launch" / "torchrun.sh"), "2", *args], cwd=REPO, env=env(),
-                           capture_output=True, text=True, timeout=300)
+        p = run_ranks(2, args)
         assert p.returncode == 0, f"{layout}: {p.stderr[-3000:]}"
         got = _records(run)
         for w, g in zip(want, got):
@@ -74,9 +72,7 @@ def test_sft_and_distillation_under_fsdp_equal_the_single_process(tmp_path, smal
         single, fsdp = tmp_path / f"{stage}1", tmp_path / f"{stage}2"
         r = run_cli(_args(single, small_data, *base, *one))
         assert r.returncode == 0, f"{stage}: {r.stderr[-3000:]}"
-        p = subprocess.run(["bash", str(REPO / "launch" / "torchrun.sh"), "2",
-                            *_args(fsdp, small_data, *base, *two, "parallel.dp_shard=2")], cwd=REPO, env=env(),
-                           capture_output=True, text=True, timeout=300)
+        p = run_ranks(2, _args(fsdp, small_data, *base, *two, "parallel.dp_shard=2"))
         assert p.returncode == 0, f"{stage}: {p.stderr[-3000:]}"
         want, got = _records(single), _records(fsdp)
         assert len(want) == len(got) == 2, stage
