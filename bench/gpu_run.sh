@@ -1,5 +1,5 @@
-# Sourced by the one-call device scripts (bench/gpu_fast_paths.sh, bench/gpu_rollouts.sh): OUT_DIR from $1, the
-# repository as the working directory, and `run`.
+# Sourced by the one-call device scripts (bench/gpu_fast_paths.sh, bench/gpu_rollouts.sh, bench/gpu_kept_graphs.sh):
+# OUT_DIR from $1, the repository as the working directory, and `run`.
 out=${1:?usage: bash $0 OUT_DIR}
 mkdir -p "$out"
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
