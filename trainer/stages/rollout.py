@@ -210,7 +210,9 @@ class PromptSet:
     visited in epochs: each epoch a fresh shuffle, a step taking the next `per_step` prompts of the epochs laid end
     to end. RL on a training set, as RL setups on a dataset do: the training reward of an epoch is measured over the
     same prompts as the one before, so its trend is the policy's and not the draw's; held-out prompts (a seed these
-    never use) measure what carries over."""
+    never use) measure what carries over, where the environment has many more problems than the two draws: at
+    arithmetic's level 1 (~100 problems) half the held-out draws are training problems (BENCHMARKS.md, issue 42,
+    session 26)."""
 
     def __init__(self, stage, size: int, seed: int, per_step: int):
         self.prompts, self.seed, self.per_step = draw_prompts(stage, size, seed), seed, per_step
