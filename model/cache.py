@@ -117,10 +117,11 @@ class Store:
             keep = mask.view(*mask.shape, *([1] * (new.dim() - mask.dim())))
             raw[b, idx] = torch.where(keep, new, raw[b, idx])
 
-    def clear(self, batch_idx: torch.Tensor, row_idx: torch.Tensor) -> None:
-        """The rows (batch_idx[n], row_idx[n]) back to a new store's bytes."""
+    def clear(self, batch_idx: torch.Tensor | None = None, row_idx: torch.Tensor | None = None) -> None:
+        """The rows (batch_idx[n], row_idx[n]) back to a new store's bytes; every row when none are given."""
+        where = (...,) if batch_idx is None else (batch_idx, row_idx)
         for buf, (_, _, fill) in zip(self.buffers, _layout(self.fmt, self.dim, self.dtype)):
-            _bytes(buf)[batch_idx, row_idx] = fill
+            _bytes(buf)[where] = fill
 
     def read(self, idx: torch.Tensor, impl: str = "reference") -> torch.Tensor:
         """idx [B, K] row indices (in range) -> [B, K, D] decoded (impl: `decode`'s)."""
@@ -245,8 +246,7 @@ class KVCache:
         for lc in self.layers.values():
             for store in (lc.swa, lc.main, lc.keys):
                 if store is not None:
-                    for b, (_, _, fill) in zip(store.buffers, _layout(store.fmt, store.dim, store.dtype)):
-                        _bytes(b).fill_(fill)
+                    store.clear()
             if lc.pending is not None:
                 lc.pending.zero_()
         self.tokens.zero_()

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import atexit
 import multiprocessing as mp
+import multiprocessing.connection
 import os
 import random
 import runpy
@@ -110,21 +111,7 @@ def _run_child(module: str, args: list[str], cwd: str, environ: dict, out_path: 
 
 def run_module(module: str, args: list[str], *, cwd, env: dict, timeout: float) -> subprocess.CompletedProcess:
     """`python -m MODULE ARGS` forked from the fork server: the module docstring's contract."""
-    cmd = [sys.executable, "-m", module, *args]
-    with tempfile.TemporaryDirectory() as tmp:
-        out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
-        proc = context().Process(target=_run_child, args=(module, list(args), str(cwd), dict(env), out, err))
-        proc.start()
-        proc.join(timeout)
-        timed_out = proc.exitcode is None
-        if timed_out:
-            proc.kill()
-            proc.join()
-        with open(out, errors="replace") as f_out, open(err, errors="replace") as f_err:
-            stdout, stderr = f_out.read(), f_err.read()
-    if timed_out:
-        raise subprocess.TimeoutExpired(cmd, timeout, output=stdout, stderr=stderr)
-    return subprocess.CompletedProcess(cmd, proc.exitcode, stdout, stderr)
+    return run_modules([(module, args, env)], cwd=cwd, timeout=timeout)[0]
 
 
 def run_modules(runs: list[tuple[str, list[str], dict]], *, cwd, timeout: float) -> list[subprocess.CompletedProcess]:
@@ -140,11 +127,12 @@ def run_modules(runs: list[tuple[str, list[str], dict]], *, cwd, timeout: float)
             procs.append(proc)
             files.append((out, err))
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            codes = [p.exitcode for p in procs]
-            if all(c is not None for c in codes) or any(c not in (None, 0) for c in codes):
+        running = list(procs)
+        while running and time.monotonic() < deadline:  # until all have ended, one failed, or the time is up
+            mp.connection.wait([p.sentinel for p in running], max(0.0, deadline - time.monotonic()))
+            running = [p for p in running if p.exitcode is None]
+            if any(p.exitcode not in (None, 0) for p in procs):
                 break
-            time.sleep(0.05)
         timed_out = any(p.exitcode is None for p in procs) and not any(p.exitcode not in (None, 0) for p in procs)
         for p in procs:
             if p.exitcode is None:

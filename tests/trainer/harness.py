@@ -65,8 +65,9 @@ def run_ranks(nproc: int, args: list[str], timeout: float = 300, module: str = "
     (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, the env:// rendezvous on a store this process hosts as
     torchrun's agent does, one TORCHELASTIC_RUN_ID, OMP_NUM_THREADS=1). For the tests of what a layout computes;
     the launcher itself (its preflight, exit statuses, signals, a dead or hung rank) is tested through
-    launch/torchrun.sh. One CompletedProcess: the exit status 0 when every rank succeeded, else that of the first rank that failed by itself
-    (its peers are killed, as torchrun kills them); stdout and stderr the ranks' in rank order."""
+    launch/torchrun.sh. One CompletedProcess: the exit status 0 when every rank succeeded, else that of the first
+    rank that failed by itself (its peers are killed, as torchrun kills them); stdout and stderr the ranks' in rank
+    order."""
     import uuid
     from datetime import timedelta
 

@@ -144,7 +144,8 @@ class Engine:
         `generate` calls, most recently used first (0: one a call, dropped after it). Under cuda_graph every batch's
         cache is max_len tokens a row, so the calls of one batch size (an RL step's engine batches, one step after
         another) share one graph and one cache, cleared before each batch (`KVCache.clear`): one capture (and with
-        compile_decode one compilation) for them all. Their memory stays allocated between calls: `release_graphs()`."""
+        compile_decode one compilation) for them all. Their memory stays allocated between calls:
+        `release_graphs()`."""
         model = serving_module(model)
         self.model, self.max_batch, self.max_len, self.replay = model, max_batch, max_len, replay
         self.cuda_graph = cuda_graph
@@ -228,8 +229,9 @@ class Engine:
     def _keep_graph(self, cache, graph, keep: bool) -> None:
         if self.keep_graphs == 0:
             return
-        self._graphs[(cache.batch_size, cache.max_len, keep)] = (cache, graph)
-        self._graphs.move_to_end((cache.batch_size, cache.max_len, keep), last=False)
+        key = (cache.batch_size, cache.max_len, keep)  # _batch_cache's: a graph's cache is max_len rows long
+        self._graphs[key] = (cache, graph)
+        self._graphs.move_to_end(key, last=False)
         while len(self._graphs) > self.keep_graphs:
             self._graphs.popitem(last=True)
 
